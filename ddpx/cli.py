@@ -1,0 +1,42 @@
+"""The ``ddpx`` command line: ``ddpx train``, ``ddpx bench``, ``ddpx doctor``, ..."""
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from . import commands
+from .errors import DdpxError
+from .version import __version__
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="ddpx", description="Plugin-based PyTorch DDP training (runs through torchrun)."
+    )
+    parser.add_argument("--version", action="version", version=f"ddpx {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except DdpxError as exc:
+        print(f"ddpx: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("ddpx: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Build ddpx and its C++/CUDA extension ``ddpx._C``.
+
+The extension is CPU-only when the installed torch has no CUDA, and CPU+CUDA
+when it does. Set ``DDPX_CUDA=0`` to force a CPU build, ``DDPX_CUDA=1`` to
+require a CUDA build (fails if torch or the toolkit cannot provide one).
+
+Layout of ``csrc/`` (one small file per concern):
+    csrc/module.cpp          the Python module (pybind11): native comm hooks
+    csrc/ops/*.cpp           operator schemas (TORCH_LIBRARY) + C++ entry points
+    csrc/cpu/*.cpp           CPU kernels (TORCH_LIBRARY_IMPL(ddpx, CPU))
+    csrc/cuda/*.cu           plain-CUDA kernels (no torch headers: nvcc-checkable)
+    csrc/cuda/*_glue.cpp     CUDA registration (TORCH_LIBRARY_IMPL(ddpx, CUDA))
+    csrc/hooks/*.cpp         native DDP comm hooks (c10d::CppCommHookInterface)
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version():
+    with open(os.path.join(ROOT, "ddpx", "version.py")) as f:
+        scope = {}
+        exec(f.read(), scope)
+        return scope["__version__"]
+
+
+def _sources(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def _want_cuda(torch, cuda_home):
+    flag = os.environ.get("DDPX_CUDA", "auto").lower()
+    has_cuda = torch.version.cuda is not None and cuda_home is not None
+    if flag in ("0", "false", "no", "off"):
+        return False
+    if flag in ("1", "true", "yes", "on"):
+        if not has_cuda:
+            raise SystemExit(
+                "DDPX_CUDA=1 but the installed torch has no CUDA or no CUDA toolkit was found "
+                "(set CUDA_HOME); unset DDPX_CUDA for a CPU build"
+            )
+        return True
+    return has_cuda
+
+
+def _extensions():
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
+
+    common = (
+        _sources("csrc/*.cpp")
+        + _sources("csrc/ops/*.cpp")
+        + _sources("csrc/cpu/*.cpp")
+        + _sources("csrc/hooks/*.cpp")
+    )
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+    link_flags = ["-fopenmp"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if _want_cuda(torch, CUDA_HOME):
+        sources = common + _sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp")
+        nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math"]
+        return [
+            CUDAExtension(
+                "ddpx._C",
+                sources,
+                include_dirs=include_dirs,
+                define_macros=[("DDPX_WITH_CUDA", "1")],
+                extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+                extra_link_args=link_flags,
+            )
+        ]
+    return [
+        CppExtension(
+            "ddpx._C",
+            common,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags,
+        )
+    ]
+
+
+def _cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+BUILTIN_PLUGINS = [
+    "sampler = ddpx_plugins.sampler",
+    "amp = ddpx_plugins.amp",
+    "accumulation = ddpx_plugins.accumulation",
+    "comm_hook = ddpx_plugins.comm_hook",
+    "logging = ddpx_plugins.logging",
+    "checkpoint = ddpx_plugins.checkpoint",
+]
+
+setup(
+    name="ddpx",
+    version=_version(),
+    description="Plugin-based PyTorch DDP training with fused gradient-compression kernels",
+    long_description=open(os.path.join(ROOT, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["ddpx", "ddpx.*"]) + ["ddpx_plugins"],
+    package_dir={"ddpx_plugins": "plugins"},
+    package_data={"ddpx": ["data/*.csv.gz", "configs/*.yaml"]},
+    ext_modules=_extensions(),
+    cmdclass=_cmdclass(),
+    install_requires=["torch>=2.4", "pybind11", "ninja", "pluggy>=1.2", "pyyaml", "tqdm"],
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "numpy"]},
+    entry_points={
+        "console_scripts": ["ddpx = ddpx.cli:main"],
+        "ddpx": BUILTIN_PLUGINS,
+    },
+    zip_safe=False,
+)
