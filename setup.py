@@ -97,6 +97,7 @@ BUILTIN_PLUGINS = [
     "comm_hook = ddpx_plugins.comm_hook",
     "logging = ddpx_plugins.logging",
     "checkpoint = ddpx_plugins.checkpoint",
+    "comm_monitor = ddpx_plugins.comm_monitor",
 ]
 
 setup(
