@@ -1,0 +1,79 @@
+"""SLURM environment -> torchrun arguments (faked SLURM environments)."""
+
+import pytest
+
+from ddpx.errors import DdpxError
+from ddpx.slurm import expand_nodelist, in_slurm_step, launch_from_slurm
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-04,07],gpu-a", ["node01", "node02", "node03", "node04", "node07", "gpu-a"]),
+        ("gpu-a,node[9-11]", ["gpu-a", "node9", "node10", "node11"]),
+        ("rack[1-2]-n[08-09]", ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09"]),
+        ("a[3],b[001-002]", ["a3", "b001", "b002"]),
+    ],
+)
+def test_expand_nodelist_like_scontrol(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["node[01-04", "node]1[", "node[04-01]", "node[a-b]"])
+def test_bad_nodelist_is_a_user_error(bad):
+    with pytest.raises(DdpxError, match="node list"):
+        expand_nodelist(bad)
+
+
+def _job(**extra):
+    env = {
+        "SLURM_JOB_ID": "123456",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_PROCID": "2",
+        "SLURM_NTASKS": "4",
+        "SLURM_JOB_NODELIST": "gpu[07-09],gpu12",
+        "SLURM_GPUS_ON_NODE": "8",
+    }
+    env.update(extra)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def test_faked_job_maps_to_torchrun_args():
+    launch = launch_from_slurm(_job())
+    assert launch.torchrun_args() == [
+        "--nnodes=4",
+        "--node-rank=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=gpu07:23456",
+        "--rdzv-id=123456",
+        "--nproc-per-node=8",
+    ]
+
+
+def test_explicit_master_port_and_job_num_nodes_and_procid_fallback():
+    env = _job(SLURM_NNODES=None, SLURM_JOB_NUM_NODES="4", SLURM_NODEID=None,
+               SLURM_PROCID="3", MASTER_PORT="29999", SLURM_GPUS_ON_NODE=None)
+    launch = launch_from_slurm(env)
+    assert (launch.nnodes, launch.node_rank, launch.rdzv_endpoint) == (4, 3, "gpu07:29999")
+    assert launch.nproc_per_node is None  # CPU job: the launcher's "auto" decides
+    assert "--nproc-per-node" not in " ".join(launch.torchrun_args())
+
+
+def test_cpu_job_takes_nproc_from_ntasks_per_node_of_the_allocation():
+    env = _job(SLURM_GPUS_ON_NODE=None, SLURM_NTASKS_PER_NODE="4", SLURM_NTASKS=None)
+    assert launch_from_slurm(env).nproc_per_node == 4
+
+
+def test_one_task_per_node_is_enforced():
+    with pytest.raises(DdpxError, match="--ntasks-per-node=1"):
+        launch_from_slurm(_job(SLURM_NTASKS="32"))
+
+
+def test_detection_of_an_srun_step():
+    assert in_slurm_step(_job())
+    assert not in_slurm_step({})
+    assert not in_slurm_step(_job(DDPX_SLURM="0"))
+    # inside torchrun's workers the launcher already ran
+    assert not in_slurm_step(_job(TORCHELASTIC_RUN_ID="123456"))
