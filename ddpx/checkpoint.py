@@ -1,0 +1,253 @@
+"""Checkpoint files that survive a kill at any moment.
+
+* :func:`atomic_write` writes to a temporary file in the target directory,
+  flushes and fsyncs it, ``os.replace``\\ s it over the target and fsyncs the
+  directory: a reader sees either the old file or the complete new one.
+* :class:`CheckpointDirectory` keeps ``step-NNNNNNNNN.pt`` files plus a
+  ``latest`` pointer (written last, also atomically), prunes to the newest K,
+  and finds the newest checkpoint that loads, skipping a corrupt one with a
+  warning.
+* :class:`AsyncCheckpointWriter` splits a save in two: :func:`snapshot` copies
+  every tensor to CPU memory on the calling (training) thread, then a
+  background thread serializes and fsyncs. At most one write is in flight; the
+  next save and :meth:`~AsyncCheckpointWriter.wait` wait for it.
+
+Checkpoints are pickles (``torch.load(weights_only=False)``): they hold
+optimizer, RNG and plugin state, not only tensors. Load only your own.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+import re
+import sys
+import threading
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT_KEY = "ddpx_checkpoint_format"
+FORMAT_VERSION = 1
+LATEST = "latest"
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable (POSIX; a no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` through ``write(file)`` so that it is either absent/old or complete.
+
+    The temporary file lives in the same directory (same file system, so
+    ``os.replace`` is atomic) and is removed if ``write`` raises.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of ``obj`` that later training steps cannot change: every tensor is
+    copied to CPU memory, containers are rebuilt, other leaves deep-copied."""
+    if isinstance(obj, torch.Tensor):
+        out = torch.empty_like(obj, device="cpu")
+        out.copy_(obj.detach())
+        return out
+    if isinstance(obj, dict):
+        items = [(k, snapshot(v)) for k, v in obj.items()]
+        try:
+            out = type(obj)(items)  # keeps OrderedDict (module state_dicts)
+        except TypeError:  # e.g. defaultdict
+            out = dict(items)
+        if hasattr(obj, "_metadata"):  # module state_dict versions, used by load_state_dict
+            out._metadata = copy.deepcopy(obj._metadata)
+        return out
+    if isinstance(obj, list):
+        return [snapshot(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+# --- RNG state of one process ------------------------------------------------------------
+
+
+def rng_state(device: Optional[torch.device] = None) -> dict:
+    """This process's RNG states: torch CPU, the CUDA device (if used), Python
+    ``random`` and numpy's global generator (if numpy is imported)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device is not None and torch.device(device).type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    return state
+
+
+def set_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
+    """Restore what :func:`rng_state` captured (parts absent here are skipped)."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and device is not None and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+# --- a directory of checkpoints ----------------------------------------------------------
+
+
+class CheckpointDirectory:
+    """``step-NNNNNNNNN.pt`` files, a ``latest`` pointer, the newest ``keep`` kept."""
+
+    def __init__(self, directory: Path, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step-{step:09d}.pt"
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Every finished checkpoint file as ``(step, path)``, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for p in self.directory.iterdir():
+            m = _NAME.match(p.name)
+            if m:
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def save(self, state: dict, step: int) -> Path:
+        """Write ``state`` as the checkpoint of ``step``, then the pointer, then prune."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path_for(step)
+        state = {FORMAT_KEY: FORMAT_VERSION, **state}
+        atomic_write(path, lambda f: torch.save(state, f))
+        atomic_write(self.directory / LATEST, lambda f: f.write(path.name.encode() + b"\n"))
+        self.prune()
+        return path
+
+    def prune(self) -> None:
+        """Delete all but the newest ``keep`` checkpoints (never the one ``latest``
+        names) and temporary files left by a writer that was killed."""
+        pointed = self._pointer()
+        for _, path in self.checkpoints()[: -self.keep]:
+            if path != pointed:
+                path.unlink(missing_ok=True)
+        mine = f".tmp-{os.getpid()}-"
+        for p in self.directory.glob(".*.tmp-*"):
+            if mine not in p.name:
+                p.unlink(missing_ok=True)
+
+    def _pointer(self) -> Optional[Path]:
+        try:
+            name = (self.directory / LATEST).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return self.directory / name if _NAME.match(name) else None
+
+    def load_latest(self, map_location: Any = "cpu") -> Optional[tuple[Path, dict]]:
+        """The newest complete checkpoint as ``(path, state)``, or None if none loads.
+
+        Tries the file ``latest`` names first, then every other checkpoint,
+        newest first; an unreadable one is skipped with a warning.
+        """
+        pointed = self._pointer()
+        order = [p for _, p in reversed(self.checkpoints())]
+        if pointed is not None and pointed in order:
+            order.remove(pointed)
+            order.insert(0, pointed)
+        for path in order:
+            try:
+                state = torch.load(path, map_location=map_location, weights_only=False)
+            except Exception as exc:  # truncated zip, bad pickle, I/O error: try the next
+                log.warning("skipping unreadable checkpoint %s: %s", path, exc)
+                continue
+            if not isinstance(state, dict) or state.get(FORMAT_KEY) != FORMAT_VERSION:
+                log.warning("skipping %s: not a ddpx checkpoint (format %r)", path,
+                            state.get(FORMAT_KEY) if isinstance(state, dict) else type(state))
+                continue
+            return path, state
+        return None
+
+
+class AsyncCheckpointWriter:
+    """Runs :meth:`CheckpointDirectory.save` on a background thread, one at a time.
+
+    ``save`` blocks only for :func:`snapshot` (one local copy of the state)
+    plus waiting for the previous write. An error in the background write is
+    raised by the next ``save`` or ``wait``.
+    """
+
+    def __init__(self, directory: CheckpointDirectory, async_write: bool = True):
+        self.directory = directory
+        self.async_write = async_write
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.last_path: Optional[Path] = None
+
+    def save(self, state: dict, step: int, on_done: Optional[Callable[[Path], None]] = None) -> None:
+        self.wait()
+        if not self.async_write:
+            self._write(state, step, on_done)
+            self._raise()
+            return
+        copied = snapshot(state)
+        self._thread = threading.Thread(
+            target=self._write, args=(copied, step, on_done), name="ddpx-checkpoint-writer"
+        )
+        self._thread.start()
+
+    def _write(self, state: dict, step: int, on_done) -> None:
+        try:
+            self.last_path = self.directory.save(state, step)
+            if on_done is not None:
+                on_done(self.last_path)
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise RuntimeError(f"checkpoint write failed: {exc}") from exc

@@ -1,0 +1,173 @@
+"""Checkpoint files: atomic writes, kills mid-write, keep-K, corrupt files, async snapshots."""
+
+import logging
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from ddpx.checkpoint import (
+    LATEST,
+    AsyncCheckpointWriter,
+    CheckpointDirectory,
+    atomic_write,
+    rng_state,
+    set_rng_state,
+    snapshot,
+)
+
+
+def _state(step):
+    return {"step": step, "weight": torch.full((64, 64), float(step))}
+
+
+def _leftover_temp_files(directory):
+    return sorted(p.name for p in directory.iterdir() if ".tmp-" in p.name)
+
+
+def test_atomic_write_replaces_and_leaves_no_temp_file(tmp_path):
+    target = tmp_path / "f.bin"
+    atomic_write(target, lambda f: f.write(b"old"))
+    atomic_write(target, lambda f: f.write(b"new"))
+    assert target.read_bytes() == b"new"
+    assert _leftover_temp_files(tmp_path) == []
+
+
+def test_serializer_raising_keeps_previous_checkpoint(tmp_path):
+    ckpts = CheckpointDirectory(tmp_path, keep=3)
+    ckpts.save(_state(1), step=1)
+    with pytest.raises(Exception):
+        ckpts.save({"step": 2, "bad": lambda: None}, step=2)  # lambdas do not pickle
+    path, state = ckpts.load_latest()
+    assert state["step"] == 1 and path == ckpts.path_for(1)
+    assert (tmp_path / LATEST).read_text().strip() == path.name
+    assert _leftover_temp_files(tmp_path) == []
+    assert not ckpts.path_for(2).exists()
+
+
+def test_sigkill_during_write_keeps_previous_checkpoint(tmp_path):
+    ckpts = CheckpointDirectory(tmp_path, keep=3)
+    ckpts.save(_state(1), step=1)
+    started = tmp_path / "started"
+    # A writer that is SIGKILLed after writing part of step 2 (no cleanup can run).
+    script = textwrap.dedent(
+        f"""
+        import pathlib, time, torch
+        from ddpx.checkpoint import CheckpointDirectory
+        def slow_save(obj, f):
+            f.write(b"PK" + b"x" * 100000)
+            f.flush()
+            pathlib.Path({str(started)!r}).touch()
+            time.sleep(60)
+        torch.save = slow_save
+        CheckpointDirectory(pathlib.Path({str(tmp_path)!r})).save({{"step": 2}}, step=2)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert proc.poll() is None, "writer exited before the kill"
+            assert time.monotonic() < deadline, "writer never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        proc.kill()
+    assert _leftover_temp_files(tmp_path)  # the half-written temp file is really there
+    assert not ckpts.path_for(2).exists()  # ... and never under the final name
+    assert (tmp_path / LATEST).read_text().strip() == ckpts.path_for(1).name
+    path, state = ckpts.load_latest()
+    assert state["step"] == 1 and torch.equal(state["weight"], _state(1)["weight"])
+    ckpts.save(_state(3), step=3)  # the next save cleans the dead writer's temp file
+    assert _leftover_temp_files(tmp_path) == []
+    assert ckpts.load_latest()[1]["step"] == 3
+
+
+def test_keeps_only_last_k(tmp_path):
+    ckpts = CheckpointDirectory(tmp_path, keep=2)
+    for step in (5, 10, 15, 20):
+        ckpts.save(_state(step), step=step)
+    assert [s for s, _ in ckpts.checkpoints()] == [15, 20]
+    assert (tmp_path / LATEST).read_text().strip() == ckpts.path_for(20).name
+
+
+def test_corrupt_latest_is_skipped_with_warning(tmp_path, caplog):
+    ckpts = CheckpointDirectory(tmp_path, keep=3)
+    ckpts.save(_state(1), step=1)
+    ckpts.save(_state(2), step=2)
+    newest = ckpts.path_for(2)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    with caplog.at_level(logging.WARNING, logger="ddpx.checkpoint"):
+        path, state = ckpts.load_latest()
+    assert state["step"] == 1 and path == ckpts.path_for(1)
+    assert "skipping unreadable checkpoint" in caplog.text and newest.name in caplog.text
+
+
+def test_missing_or_garbage_pointer_falls_back_to_newest_file(tmp_path):
+    ckpts = CheckpointDirectory(tmp_path, keep=3)
+    assert ckpts.load_latest() is None
+    ckpts.save(_state(1), step=1)
+    ckpts.save(_state(2), step=2)
+    (tmp_path / LATEST).write_text("../../etc/passwd\n")
+    assert ckpts.load_latest()[1]["step"] == 2
+    (tmp_path / LATEST).unlink()
+    assert ckpts.load_latest()[1]["step"] == 2
+
+
+def test_not_a_checkpoint_is_skipped(tmp_path):
+    ckpts = CheckpointDirectory(tmp_path, keep=3)
+    ckpts.save(_state(1), step=1)
+    torch.save({"step": 9}, ckpts.path_for(9))  # loads, but was not written by ddpx
+    assert ckpts.load_latest()[1]["step"] == 1
+
+
+def test_async_save_snapshots_before_returning(tmp_path):
+    writer = AsyncCheckpointWriter(CheckpointDirectory(tmp_path, keep=3), async_write=True)
+    model = torch.nn.Linear(256, 256)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    writer.save({"model": model.state_dict()}, step=1)
+    with torch.no_grad():  # training goes on while the write is in flight
+        for p in model.parameters():
+            p.add_(1.0)
+    writer.wait()
+    state = CheckpointDirectory(tmp_path).load_latest()[1]
+    for k, v in expected.items():
+        assert torch.equal(state["model"][k], v)
+    model.load_state_dict(state["model"])  # state_dict metadata survived the snapshot
+
+
+def test_async_write_error_is_raised_on_wait(tmp_path):
+    writer = AsyncCheckpointWriter(CheckpointDirectory(tmp_path, keep=3), async_write=True)
+    writer.save({"step": 1}, step=1)
+    writer.wait()
+    (tmp_path / "step-000000002.pt").mkdir()  # os.replace onto a directory fails
+    writer.save({"step": 2}, step=2)
+    with pytest.raises(RuntimeError, match="checkpoint write failed"):
+        writer.wait()
+    writer.wait()  # reported once
+    assert CheckpointDirectory(tmp_path).load_latest()[1]["step"] == 1
+
+
+def test_snapshot_copies_nested_tensors_and_leaves():
+    inner = torch.arange(4.0)
+    original = {"a": [inner, (1, "x")], "b": {"n": 3}}
+    copied = snapshot(original)
+    inner.add_(10)
+    original["b"]["n"] = 4
+    assert torch.equal(copied["a"][0], torch.arange(4.0))
+    assert copied["a"][1] == (1, "x") and copied["b"]["n"] == 3
+
+
+def test_rng_state_round_trip():
+    np = pytest.importorskip("numpy")
+    state = rng_state()
+    first = (torch.rand(3), random.random(), np.random.rand())
+    set_rng_state(state)
+    second = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(first[0], second[0]) and first[1:] == second[1:]
