@@ -1,0 +1,150 @@
+// CPU kernels: blockwise int8 quantize (+ error feedback) and the fused
+// dequantize-and-sum over ranks. One pass over memory: each block is read once
+// from RAM for its max and again from L1 for the quantization.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "cpu/simd.h"
+#include "ops/common.h"
+
+namespace ddpx::cpu {
+namespace {
+
+// Elements per parallel task: big enough to amortize the thread hand-off.
+constexpr int64_t kGrainElems = 1 << 16;
+// Rows are summed in fp32 tiles this long (fits L1 next to the inputs).
+constexpr int64_t kTile = 1024;
+
+template <bool kError>
+DDPX_INLINE void quantize_blocks(const float* x, float* err, int8_t* q, float* scales, int64_t n, int64_t block,
+                                 int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * block;
+    const int64_t len = std::min(block, n - lo);
+    const float* xb = x + lo;
+    float* eb = kError ? err + lo : nullptr;
+    int8_t* qb = q + lo;
+
+    int32_t amax = 0;
+    for (int64_t i = 0; i < len; ++i) {
+      const float v = kError ? xb[i] + eb[i] : xb[i];
+      const int32_t a = abs_bits(v);
+      amax = a > amax ? a : amax;
+    }
+    if (amax >= kNonFiniteAbsBits) {  // NaN/Inf: NaN scale, error untouched
+      scales[b] = bits_float(0x7fc00000u);
+      std::fill(qb, qb + len, int8_t{0});
+      continue;
+    }
+    const float scale = bits_float(static_cast<uint32_t>(amax)) / 127.0f;
+    scales[b] = scale;
+    if (scale == 0.0f) {  // all zero (or too tiny to scale): q = 0, error keeps v
+      std::fill(qb, qb + len, int8_t{0});
+      if (kError) {
+        for (int64_t i = 0; i < len; ++i) eb[i] = xb[i] + eb[i];
+      }
+      continue;
+    }
+    for (int64_t i = 0; i < len; ++i) {
+      const float v = kError ? xb[i] + eb[i] : xb[i];
+      float r = round_half_even(v / scale);
+      r = r < -127.0f ? -127.0f : r;
+      r = r > 127.0f ? 127.0f : r;
+      qb[i] = static_cast<int8_t>(static_cast<int32_t>(r));
+      if (kError) eb[i] = v - r * scale;
+    }
+  }
+}
+
+DDPX_CPU_CLONES void quantize_blocks_error(const float* x, float* err, int8_t* q, float* scales, int64_t n,
+                                           int64_t block, int64_t b0, int64_t b1) {
+  quantize_blocks<true>(x, err, q, scales, n, block, b0, b1);
+}
+
+DDPX_CPU_CLONES void quantize_blocks_plain(const float* x, int8_t* q, float* scales, int64_t n, int64_t block,
+                                           int64_t b0, int64_t b1) {
+  quantize_blocks<false>(x, nullptr, q, scales, n, block, b0, b1);
+}
+
+void int8_quantize_out(const at::Tensor& x_in, int64_t block, const std::optional<at::Tensor>& error, at::Tensor& q,
+                       at::Tensor& scales) {
+  ops::detail::check_int8_quantize(x_in, block, error, q, scales);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const float* xp = x.const_data_ptr<float>();
+  float* ep = error ? error->mutable_data_ptr<float>() : nullptr;
+  int8_t* qp = q.mutable_data_ptr<int8_t>();
+  float* sp = scales.mutable_data_ptr<float>();
+  const int64_t nblocks = ops::detail::ceil_div(n, block);
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / block);
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    if (ep) {
+      quantize_blocks_error(xp, ep, qp, sp, n, block, b0, b1);
+    } else {
+      quantize_blocks_plain(xp, qp, sp, n, block, b0, b1);
+    }
+  });
+}
+
+// One [lo, lo + len) slice inside block b: sum the rows in a tile, then apply
+// alpha and (optionally) the old value of out.
+DDPX_CPU_CLONES void dequant_blocks(float* out, const int8_t* q, int64_t q_row_stride, const float* scales,
+                                    int64_t s_row_stride, int64_t rows, int64_t n, int64_t block, float alpha,
+                                    bool accumulate, int64_t b0, int64_t b1) {
+  float tmp[kTile];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t block_end = std::min(n, (b + 1) * block);
+    for (int64_t lo = b * block; lo < block_end; lo += kTile) {
+      const int64_t len = std::min(kTile, block_end - lo);
+      {
+        const int8_t* qr = q + lo;
+        const float s = scales[b];
+        for (int64_t i = 0; i < len; ++i) tmp[i] = static_cast<float>(qr[i]) * s;
+      }
+      for (int64_t r = 1; r < rows; ++r) {
+        const int8_t* qr = q + r * q_row_stride + lo;
+        const float s = scales[r * s_row_stride + b];
+        for (int64_t i = 0; i < len; ++i) tmp[i] = tmp[i] + static_cast<float>(qr[i]) * s;
+      }
+      float* o = out + lo;
+      if (accumulate) {
+        for (int64_t i = 0; i < len; ++i) o[i] = o[i] + alpha * tmp[i];
+      } else {
+        for (int64_t i = 0; i < len; ++i) o[i] = alpha * tmp[i];
+      }
+    }
+  }
+}
+
+void int8_dequant_accumulate_(at::Tensor& out, const at::Tensor& q_in, const at::Tensor& scales_in, int64_t block,
+                              double alpha, bool accumulate) {
+  auto [q, scales] = ops::detail::check_int8_dequant(out, q_in, scales_in, block);
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const int64_t rows = q.size(0);
+  if (rows == 0) {  // nothing received: a sum over zero ranks
+    if (!accumulate) out.zero_();
+    return;
+  }
+  float* op = out.mutable_data_ptr<float>();
+  const int8_t* qp = q.const_data_ptr<int8_t>();
+  const float* sp = scales.const_data_ptr<float>();
+  const int64_t qs = q.stride(0), ss = scales.stride(0);
+  const int64_t nblocks = ops::detail::ceil_div(n, block);
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / (block * rows));
+  const float a = static_cast<float>(alpha);
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    dequant_blocks(op, qp, qs, sp, ss, rows, n, block, a, accumulate, b0, b1);
+  });
+}
+
+}  // namespace
+}  // namespace ddpx::cpu
+
+TORCH_LIBRARY_IMPL(ddpx, CPU, m) {
+  m.impl("int8_quantize_out", &ddpx::cpu::int8_quantize_out);
+  m.impl("int8_dequant_accumulate_", &ddpx::cpu::int8_dequant_accumulate_);
+}
