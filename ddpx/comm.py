@@ -1,0 +1,190 @@
+"""Collectives for tensors outside DDP.
+
+``fused_allreduce`` is Horovod-style tensor fusion: many tensors (metrics,
+buffers, parameters for periodic model averaging) are packed into a few flat
+buckets with the multi-tensor kernel (``ddpx.ops.flatten``), each bucket is
+reduced with one asynchronous collective, and the results are copied back in
+place (``ddpx.ops.unflatten_``). 1,000 tensors of 1 KB become one collective
+instead of 1,000.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+
+__all__ = ["fused_allreduce", "FusedAllreduceHandle"]
+
+_OPS = ("sum", "avg")
+
+
+class FusedAllreduceHandle:
+    """Result of an asynchronous :func:`fused_allreduce`.
+
+    ``wait()`` blocks until every bucket's collective has finished, copies the
+    results back into the tensors (in place) and returns the list of tensors.
+    The tensors are written only by ``wait()``: a handle that is never waited
+    for leaves them unchanged. Calling ``wait()`` again is a no-op.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], pending: list[tuple[Any, Callable[[], None]]]):
+        self._tensors = tensors
+        self._pending = pending  # (work or future, finish) per bucket, in issue order
+
+    def is_completed(self) -> bool:
+        return all(_done(w) for w, _ in self._pending)
+
+    def wait(self) -> list[torch.Tensor]:
+        pending, self._pending = self._pending, []
+        with torch.no_grad():
+            for work, finish in pending:
+                work.wait()
+                finish()
+        return self._tensors
+
+
+def _done(work) -> bool:
+    return work.done() if isinstance(work, torch.futures.Future) else work.is_completed()
+
+
+def _group_and_bucket(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `tensors` in buckets: same dtype and device per bucket, at most
+    `bucket_bytes` each (a larger tensor gets a bucket of its own). Groups keep the
+    order of their first tensor and tensors keep their order inside a group, so
+    the buckets depend only on the list's shapes and dtypes: identical on every
+    rank that passes the same structure."""
+    groups: dict[tuple[torch.dtype, torch.device], list[list[int]]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for i, t in enumerate(tensors):
+        key = (t.dtype, t.device)
+        nbytes = t.numel() * t.element_size()
+        buckets = groups.setdefault(key, [[]])
+        if buckets[-1] and sizes[key] + nbytes > bucket_bytes:
+            buckets.append([])
+            sizes[key] = 0
+        buckets[-1].append(i)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    return [b for buckets in groups.values() for b in buckets]
+
+
+def _check_args(tensors, op, bucket_mb) -> None:
+    if op not in _OPS:
+        raise ValueError(f"ddpx.comm.fused_allreduce: op must be one of {_OPS}, got {op!r}")
+    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+        raise ValueError(f"ddpx.comm.fused_allreduce: bucket_mb must be a positive number, got {bucket_mb!r}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"ddpx.comm.fused_allreduce: tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.is_sparse:
+            raise TypeError(f"ddpx.comm.fused_allreduce: tensors[{i}] is sparse; only dense tensors can be fused")
+        if op == "avg" and not t.is_floating_point():
+            raise TypeError(
+                f"ddpx.comm.fused_allreduce: op='avg' needs floating tensors, tensors[{i}] is {t.dtype}; "
+                "use op='sum' for integer tensors"
+            )
+
+
+def fused_allreduce(
+    tensors: Sequence[torch.Tensor],
+    op: str = "avg",
+    bucket_mb: float = 25,
+    compression=None,
+    process_group=None,
+    async_op: bool = True,
+):
+    """All-reduce many tensors in place with a few fused collectives.
+
+    Args:
+        tensors: dense tensors, any shapes, dtypes and devices (mixed is fine:
+            they are grouped by dtype and device; order is preserved). Every rank
+            must pass tensors of the same shapes, dtypes and order.
+        op: ``"sum"`` or ``"avg"``. ``"avg"`` is defined as the sum over ranks of
+            ``x * (1 / world_size)``: the scale is fused into the packing copy,
+            before the sum (fp32 rounding of that product included), which also
+            keeps fp16 sums from overflowing.
+        bucket_mb: bucket size in MiB; a larger tensor gets a bucket of its own.
+        compression: ``None`` / ``"allreduce"`` (exact), ``"fp16"``, ``"bf16"``
+            (the wire formats of the comm hooks of the same names), or a lossy
+            hook name / hook state; see the README. Lossy compression needs
+            float32 tensors.
+        process_group: defaults to the world group.
+        async_op: when True (default) returns a :class:`FusedAllreduceHandle`
+            whose ``wait()`` finishes the copy-back; when False blocks and returns
+            None, like ``torch.distributed.all_reduce``.
+
+    Every collective is issued in bucket order, identical on every rank; an
+    empty list issues nothing.
+    """
+    tensors = list(tensors)
+    _check_args(tensors, op, bucket_mb)
+    codec = _codec(compression, tensors, op)
+    group = process_group if process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    scale = 1.0 / world if op == "avg" else 1.0
+    pending = []
+    with torch.no_grad():
+        for index, idx in enumerate(_group_and_bucket(tensors, int(bucket_mb * 2**20))):
+            pending.append(codec(index, [tensors[i] for i in idx], scale, group))
+    handle = FusedAllreduceHandle(tensors, pending)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _writeback(members: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """Contiguous destinations for unflatten_ and a function copying them back into
+    any non-contiguous originals."""
+    dests = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format) for t in members]
+    strided = [(t, d) for t, d in zip(members, dests) if d is not t]
+
+    def copy_back():
+        for t, d in strided:
+            t.copy_(d)
+
+    return dests, copy_back
+
+
+def _plain(index, members, scale, group):
+    flat = ops.flatten(members, scale)
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    dests, copy_back = _writeback(members)
+
+    def finish():
+        ops.unflatten_(flat, dests)
+        copy_back()
+
+    return work, finish
+
+
+def _half(dtype):
+    def codec(index, members, scale, group):
+        flat = ops.flatten(members)
+        wire = ops.scale_cast(flat, scale, dtype)  # divide before sending: no fp16 overflow in the sum
+        work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        dests, copy_back = _writeback(members)
+
+        def finish():
+            ops.cast_scale_copy_(flat, wire, 1.0)
+            ops.unflatten_(flat, dests)
+            copy_back()
+
+        return work, finish
+
+    return codec
+
+
+def _codec(compression, tensors, op):
+    if compression is None or compression == "allreduce":
+        return _plain
+    if compression in ("fp16", "bf16"):
+        for i, t in enumerate(tensors):
+            if t.dtype != torch.float32:
+                raise TypeError(f"ddpx.comm.fused_allreduce: compression={compression!r} needs float32 tensors, "
+                                f"tensors[{i}] is {t.dtype}; pass it in a separate call without compression")
+        return _half(torch.float16 if compression == "fp16" else torch.bfloat16)
+    raise ValueError(f"ddpx.comm.fused_allreduce: unknown compression {compression!r}")
