@@ -1,0 +1,94 @@
+"""Install a ddpx gradient-communication hook on the DDP model, chosen by name.
+
+``name: allreduce`` (the default) keeps DDP's own fp32 all-reduce and installs
+nothing. Any other name is looked up in ``ddpx.hooks.available()`` (e.g.
+``fp16``, ``int8``, ``powersgd``) and registered with
+``ddpx.hooks.register(model, name, native=..., **options)``; ``native: true``
+selects the C++ hook that runs without Python per bucket, where the algorithm
+has one. The hook's state (error feedback, warm starts) is saved in checkpoints
+(key ``"comm_hook"``). If ``ddpx.hooks`` cannot be imported, training falls
+back to DDP's all-reduce and says so once.
+
+Config section ``comm_hook``: ``name`` (``allreduce``), ``native`` (true),
+``options`` (``{}``: keyword arguments of the hook, e.g. ``{rank: 4}``).
+
+Per-run state lives in ``trainer.comm_hook`` (the registered hook's state, or None).
+"""
+
+import importlib
+
+from ddpx import hookimpl
+from ddpx.errors import DdpxError
+
+BUILTIN = "allreduce"  # DDP's own all-reduce: no hook
+
+
+def _hooks_module():
+    """``ddpx.hooks``, or None where it (or the extension it needs) is missing."""
+    try:
+        hooks = importlib.import_module("ddpx.hooks")
+    except ImportError:
+        return None
+    return hooks if hasattr(hooks, "register") and hasattr(hooks, "available") else None
+
+
+@hookimpl
+def ddpx_config_defaults():
+    return {"comm_hook": {"name": BUILTIN, "native": True, "options": {}}}
+
+
+@hookimpl
+def ddpx_configure(config):
+    name = config.section("comm_hook")["name"]
+    hooks = _hooks_module()
+    if name == BUILTIN or hooks is None:
+        return
+    available = list(hooks.available())
+    if name not in available:
+        raise DdpxError(
+            f"unknown comm_hook.name {name!r}; choose one of: {', '.join([BUILTIN, *available])}"
+        )
+
+
+@hookimpl
+def ddpx_model_wrapped(trainer, model):
+    from torch.nn.parallel import DistributedDataParallel
+
+    trainer.comm_hook = None
+    cfg = trainer.config.section("comm_hook")
+    if cfg["name"] == BUILTIN:
+        return
+    if not isinstance(model, DistributedDataParallel):
+        trainer.log.warning("comm_hook.name=%s ignored: the model is not wrapped in DDP", cfg["name"])
+        return
+    hooks = _hooks_module()
+    if hooks is None:
+        trainer.log.warning(
+            "ddpx.hooks is not available; comm_hook.name=%s falls back to DDP's all-reduce", cfg["name"]
+        )
+        return
+    trainer.comm_hook = hooks.register(model, cfg["name"], native=cfg["native"], **cfg["options"])
+    trainer.log.info("comm hook %s installed (native=%s)", cfg["name"], cfg["native"])
+
+
+@hookimpl
+def ddpx_state_dict(trainer):
+    state = getattr(trainer, "comm_hook", None)
+    if state is None or not hasattr(state, "state_dict"):
+        return None
+    return {"comm_hook": {"name": trainer.config.section("comm_hook")["name"], "state": state.state_dict()}}
+
+
+@hookimpl
+def ddpx_load_state_dict(trainer, state):
+    hook_state = getattr(trainer, "comm_hook", None)
+    saved = state.get("comm_hook")
+    if hook_state is None or saved is None or not hasattr(hook_state, "load_state_dict"):
+        return
+    name = trainer.config.section("comm_hook")["name"]
+    if saved["name"] != name:
+        trainer.log.warning(
+            "checkpoint has state of comm hook %s, this run uses %s: starting the hook fresh", saved["name"], name
+        )
+        return
+    hook_state.load_state_dict(saved["state"])
