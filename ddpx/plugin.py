@@ -1,7 +1,206 @@
-"""Plugin markers. ``from ddpx import hookimpl`` is what plugin authors use."""
+"""The plugin system: markers, discovery, blocking, validation, tracing.
+
+``from ddpx import hookimpl`` is what plugin authors use. Plugins come from
+(in this order): every installed distribution's entry points in the group
+``ddpx`` (the built-in plugins are registered the same way), then the dotted
+module paths in ``plugins.enable``, then the core trainer plugin (``trylast``,
+so any plugin can override its default bodies). Names in ``plugins.block``
+are never loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import os
+import sys
+from typing import Any, Mapping
 
 import pluggy
 
+from .errors import DdpxError
+
 PROJECT = "ddpx"
+ENTRY_POINT_GROUP = "ddpx"
+CORE_PLUGIN = "core"
+TRACE_ENV = "DDPX_TRACE_HOOKS"
+
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+def _plugins_section(config) -> Mapping[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping) and "enable" not in config and "plugins" in config:
+        return config["plugins"] or {}
+    return config
+
+
+def make_plugin_manager(config=None, *, entry_points: bool = True) -> pluggy.PluginManager:
+    """A plugin manager with every hook spec and every plugin registered and checked.
+
+    ``config`` is a :class:`~ddpx.config.Config`, its ``plugins`` section, or
+    None (entry points only). ``entry_points=False`` skips installed plugins
+    (tests that want only the core and ``plugins.enable``).
+    """
+    from . import hookspecs
+    from .trainer import CorePlugin
+
+    section = _plugins_section(config)
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    blocked = list(section.get("block") or [])
+    if CORE_PLUGIN in blocked:
+        raise DdpxError("plugins.block: the 'core' plugin cannot be blocked; override its hooks from a plugin instead")
+    for name in blocked:
+        pm.set_blocked(name)
+    if entry_points:
+        load_entry_points(pm)
+    for path in section.get("enable") or []:
+        register_path(pm, path)
+    _register(pm, CorePlugin(), CORE_PLUGIN)
+    check_pending(pm)
+    if section.get("trace") or os.environ.get(TRACE_ENV, "") not in ("", "0"):
+        enable_tracing(pm)
+    return pm
+
+
+def _register(pm: pluggy.PluginManager, plugin, name: str, origin: str = "") -> None:
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
+        raise DdpxError(f"plugin '{name}'{origin} is invalid: {exc}") from None
+    except ValueError as exc:  # already registered under another name, or name taken
+        raise DdpxError(f"plugin '{name}'{origin} cannot be registered: {exc}") from None
+
+
+def load_entry_points(pm: pluggy.PluginManager) -> None:
+    """Register every installed entry point of the group ``ddpx`` (skipping blocked names)."""
+    seen = set()
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in seen or pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
+            continue
+        seen.add(ep.name)
+        dist = ep.dist
+        origin = f" (entry point {ep.value} of {dist.name} {dist.version})" if dist else f" (entry point {ep.value})"
+        try:
+            plugin = ep.load()
+        except ModuleNotFoundError as exc:
+            if exc.name and ep.module.startswith(exc.name):
+                # Stale metadata (the module was removed but the install record
+                # remains): warn and go on rather than make ddpx unusable.
+                print(
+                    f"ddpx: warning: plugin '{ep.name}'{origin} is installed but its module is missing; "
+                    f"skipped (reinstall {dist.name if dist else 'it'} or block it with plugins.block=[{ep.name}])",
+                    file=sys.stderr,
+                )
+                continue
+            raise DdpxError(f"plugin '{ep.name}'{origin} failed to import: {exc}; block it with plugins.block=[{ep.name}]") from None
+        except Exception as exc:
+            raise DdpxError(
+                f"plugin '{ep.name}'{origin} failed to import: {type(exc).__name__}: {exc}; "
+                f"block it with plugins.block=[{ep.name}]"
+            ) from None
+        _register(pm, plugin, ep.name, origin)
+        if dist is not None:
+            distributions(pm)[ep.name] = (dist.name, dist.version)
+
+
+def distributions(pm: pluggy.PluginManager) -> dict:
+    """``{plugin name: (distribution, version)}`` for plugins loaded from entry points."""
+    if not hasattr(pm, "ddpx_distributions"):
+        pm.ddpx_distributions = {}
+    return pm.ddpx_distributions
+
+
+def register_path(pm: pluggy.PluginManager, path: str) -> None:
+    """Register the module (or object) at a dotted path, under that path as its name."""
+    from .config import resolve
+
+    if pm.is_blocked(path) or pm.get_plugin(path) is not None:
+        return
+    plugin = resolve(path, "plugins.enable entry")
+    if isinstance(plugin, type):
+        plugin = plugin()
+    _register(pm, plugin, path, " (from plugins.enable)")
+
+
+def check_pending(pm: pluggy.PluginManager) -> None:
+    """Fail on hook implementations that match no spec (typos such as ``ddpx_epoch_ends``)."""
+    from . import hookspecs
+
+    known = list(hookspecs.all_hook_names())
+    for name, caller in vars(pm.hook).items():
+        if caller.spec is not None:
+            continue
+        for impl in caller.get_hookimpls():
+            if impl.optionalhook:
+                continue
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else "; see ddpx/hookspecs.py for the hook names"
+            raise DdpxError(f"plugin '{impl.plugin_name}' implements unknown hook '{name}'{hint}")
+
+
+def rank_prefix() -> str:
+    rank = os.environ.get("RANK")
+    return f"[rank{rank}] " if rank is not None else "[launcher] "
+
+
+def enable_tracing(pm: pluggy.PluginManager, write=None) -> None:
+    """Print every hook call (name, arguments, implementing plugins, result) with the rank prefix."""
+    write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+    prefix = rank_prefix()
+
+    def brief(value):
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    def before(hook_name, impls, kwargs):
+        args = ", ".join(f"{k}={brief(v)}" for k, v in kwargs.items() if k != "trainer")
+        names = ", ".join(impl.plugin_name for impl in reversed(impls))
+        write(f"{prefix}hook {hook_name}({args}) -> [{names}]")
+
+    def after(outcome, hook_name, impls, kwargs):
+        if outcome.exception is not None:
+            write(f"{prefix}hook {hook_name} raised {type(outcome.exception).__name__}: {outcome.exception}")
+        elif hook_name not in ("ddpx_batch_end",) and outcome.get_result() not in (None, []):
+            write(f"{prefix}hook {hook_name} returned {brief(outcome.get_result())}")
+
+    pm.add_hookcall_monitoring(before, after)
+
+
+def plugin_table(pm: pluggy.PluginManager) -> list[dict]:
+    """One row per registered plugin in registration order: name, distribution, version, hooks."""
+    dists = distributions(pm)
+    rows = []
+    for name, plugin in pm.list_name_plugin():
+        if name in dists:
+            dist_name, version = dists[name]
+        elif name == CORE_PLUGIN:
+            from .version import __version__
+
+            dist_name, version = "ddpx", __version__
+        else:
+            dist_name, version = _distribution_of(plugin)
+        hooks = sorted(caller.name for caller in (pm.get_hookcallers(plugin) or []))
+        rows.append({"name": name, "distribution": dist_name, "version": version, "hooks": hooks})
+    return rows
+
+
+def _distribution_of(plugin) -> tuple[str, str]:
+    """Best-effort distribution of a plugin registered by dotted path."""
+    module = getattr(plugin, "__module__", None) if not hasattr(plugin, "__file__") else plugin.__name__
+    top = (module or "").split(".")[0]
+    try:
+        for dist_name in importlib.metadata.packages_distributions().get(top, []):
+            return dist_name, importlib.metadata.version(dist_name)
+    except Exception:
+        pass
+    return "-", "-"
+
+
+def plugin_signature(pm: pluggy.PluginManager) -> list[str]:
+    """What every rank must agree on: plugin names with versions, in registration order."""
+    return [f"{row['name']}=={row['version']}" for row in plugin_table(pm)]
+

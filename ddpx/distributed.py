@@ -1,0 +1,126 @@
+"""Process-group set-up from torchrun's environment, and its teardown.
+
+Workers join through an explicit client ``TCPStore`` on
+``MASTER_ADDR:MASTER_PORT`` (the store torchrun's agent serves) wrapped in a
+``PrefixStore`` keyed on ``TORCHELASTIC_RESTART_COUNT``: without the prefix,
+workers restarted by torchrun read the previous attempt's gloo addresses and
+hang or fail (see DESIGN.md, "Elastic restarts"). The first collective may wait
+for slow ranks (``trainer.first_timeout_s``); afterwards a hang is cut short by
+``trainer.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import DdpxError
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def choose_backend(requested: str, local_world_size: int) -> str:
+    """``auto``: nccl when every local rank has its own GPU, gloo otherwise."""
+    if requested != "auto":
+        if requested == "nccl" and not torch.cuda.is_available():
+            raise DdpxError("trainer.backend=nccl needs CUDA GPUs, and none are visible; use trainer.backend=gloo or auto")
+        return requested
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def choose_device(requested: str, backend: str, local_rank: int) -> torch.device:
+    """``auto``: ``cuda:LOCAL_RANK`` with nccl (or when GPUs suffice), else cpu."""
+    if requested == "auto":
+        requested = "cuda" if backend == "nccl" else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise DdpxError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    else:
+        device = torch.device(requested)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def init_process_group(backend: str = "auto", device: str = "auto", first_timeout_s: float = 900.0) -> DistInfo:
+    """Join the group described by torchrun's environment (a group of one without it)."""
+    rank = env_int("RANK", 0)
+    world_size = env_int("WORLD_SIZE", 1)
+    local_rank = env_int("LOCAL_RANK", 0)
+    local_world_size = env_int("LOCAL_WORLD_SIZE", 1)
+    backend = choose_backend(backend, local_world_size)
+    bound = choose_device(device, backend, local_rank)
+    timeout = datetime.timedelta(seconds=first_timeout_s)
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        client = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"ddpx/attempt{attempt}/", client)
+    elif world_size == 1:
+        store = dist.HashStore()
+    else:
+        raise DdpxError(f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; start workers with `ddpx train` or torchrun")
+    kwargs: dict = {}
+    if bound.type == "cuda" and backend == "nccl":
+        kwargs["device_id"] = bound  # binds NCCL communicators eagerly to this rank's GPU
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    return DistInfo(rank, world_size, local_rank, local_world_size, backend, bound)
+
+
+def set_timeout(seconds: float) -> None:
+    """Switch the default group to the steady-state timeout (after the first collective)."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
+def agree(signature: Sequence[str], proposal: Any) -> Any:
+    """First collective of a run: check every rank loaded the same plugins, take rank 0's ``proposal``.
+
+    One ``all_gather_object`` carries both, so start-up costs one round trip.
+    Raises the same :class:`DdpxError` on every rank when a rank differs.
+    """
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (list(signature), proposal))
+    reference = gathered[0][0]
+    for rank, (names, _) in enumerate(gathered):
+        if names != reference:
+            first = next((i for i, (a, b) in enumerate(zip(reference, names)) if a != b), min(len(reference), len(names)))
+            mine = names[first] if first < len(names) else "<nothing>"
+            theirs = reference[first] if first < len(reference) else "<nothing>"
+            raise DdpxError(
+                f"rank {rank} loaded different plugins than rank 0 (position {first}: {mine} vs {theirs}; "
+                f"rank {rank}: {', '.join(names)}; rank 0: {', '.join(reference)}); "
+                f"install the same plugins and config on every node"
+            )
+    return gathered[0][1]
+
+
+def teardown() -> None:
+    """Destroy the default process group if there is one (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

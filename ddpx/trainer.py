@@ -1,0 +1,365 @@
+"""The core trainer: set-up, the epoch/step loop, evaluation, teardown.
+
+The core only calls hooks (see :mod:`ddpx.hookspecs` for the order); samplers,
+AMP, accumulation, comm hooks, logging and checkpoints are plugins. The default
+bodies of the provider and wrapper hooks live in :class:`CorePlugin`, which is
+registered ``trylast`` so any plugin can take over.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pathlib
+import signal
+import sys
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from . import distributed
+from .config import Config, instantiate
+from .errors import DdpxError
+from .plugin import hookimpl, plugin_signature
+
+
+class TrainingStopped(Exception):
+    """Raised at a batch boundary after SIGTERM/SIGINT asked the run to stop."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors in a (nested) tuple/list/dict batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def rank_logger(rank: int, all_ranks: bool = False) -> logging.Logger:
+    """A logger whose lines start with ``[rankN]``; only rank 0 logs INFO unless ``all_ranks``."""
+    log = logging.getLogger(f"ddpx.rank{rank}")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO if (rank == 0 or all_ranks) else logging.WARNING)
+    return log
+
+
+class Trainer:
+    """One rank's training run. Public attributes (plugins may read them):
+
+    ``config``, ``plugin_manager``, ``rank``, ``world_size``, ``local_rank``,
+    ``device``, ``backend``, ``model`` (wrapped, e.g. DDP), ``module``
+    (unwrapped), ``optimizer``, ``scheduler``, ``loss_fn``, ``train_set``,
+    ``eval_set``, ``train_loader``, ``eval_loader``, ``epoch`` (0-based, the
+    epoch running or about to run), ``global_step`` (optimizer-step
+    boundaries so far), ``batch_index`` (micro-batch in the epoch),
+    ``run_dir`` (pathlib.Path, exists on every rank), ``last_loss`` (detached
+    tensor of the last micro-batch), ``is_main`` (rank 0), ``log`` (rank-aware
+    logger), ``stop_requested`` (set by SIGTERM/SIGINT; the loop stops at the
+    next batch boundary).
+    """
+
+    def __init__(self, config: Config, plugin_manager=None):
+        self.config = config
+        self.plugin_manager = plugin_manager if plugin_manager is not None else config.plugin_manager
+        self.hook = self.plugin_manager.hook
+        self.rank, self.world_size, self.local_rank = 0, 1, 0
+        self.device = torch.device("cpu")
+        self.backend: Optional[str] = None
+        self.model = self.module = self.optimizer = self.scheduler = self.loss_fn = None
+        self.train_set = self.eval_set = self.train_loader = self.eval_loader = None
+        self.epoch = 0
+        self.global_step = 0
+        self.batch_index = 0
+        self.run_dir: Optional[pathlib.Path] = None
+        self.last_loss: Optional[torch.Tensor] = None
+        self.stop_requested = False
+        self.metrics: list[dict] = []  # one dict per finished epoch
+        self.log = rank_logger(0)
+        self._epoch_finished = False
+        self._stop_signal = signal.SIGTERM
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def run(self) -> list[dict]:
+        """Set up, train, tear down (``destroy_process_group`` on every exit path).
+
+        Returns the per-epoch metrics. On an exception every plugin's
+        ``ddpx_exception`` runs, then the exception propagates.
+        """
+        try:
+            self.setup()
+            self.fit()
+            return self.metrics
+        except BaseException as exc:
+            self._notify_exception(exc)
+            raise
+        finally:
+            distributed.teardown()
+
+    def setup(self) -> None:
+        cfg = self.config.trainer
+        info = distributed.init_process_group(cfg.backend, cfg.device, cfg.first_timeout_s)
+        self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
+        self.backend, self.device = info.backend, info.device
+        self.log = rank_logger(self.rank)
+        run_dir = distributed.agree(plugin_signature(self.plugin_manager), self._propose_run_dir())
+        distributed.set_timeout(cfg.timeout_s)
+        self.run_dir = pathlib.Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(self.config.seed)  # identical initial weights and default shuffles on every rank
+        self.hook.ddpx_setup(trainer=self)
+
+        self.module = self.hook.ddpx_build_model(trainer=self).to(self.device)
+        self.loss_fn = instantiate(self.config.loss, "loss")
+        self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
+        self.hook.ddpx_model_wrapped(trainer=self, model=self.model)
+        self.optimizer = instantiate(self.config.optimizer, "optimizer", self.module.parameters())
+        if self.config.scheduler.target:
+            self.scheduler = instantiate(self.config.scheduler, "scheduler", self.optimizer)
+        self.train_set, self.eval_set = self._datasets()
+        self.train_loader, self.eval_loader = self.hook.ddpx_build_dataloaders(
+            trainer=self, train_set=self.train_set, eval_set=self.eval_set
+        )
+
+    def _propose_run_dir(self) -> str:
+        if self.config.run_dir:
+            return os.path.abspath(self.config.run_dir)
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        return os.path.abspath(os.path.join("runs", stamp))
+
+    def _datasets(self):
+        data = instantiate(self.config.data, "data")
+        if isinstance(data, (tuple, list)):
+            if len(data) != 2:
+                raise DdpxError(f"data.target {self.config.data.target} returned {len(data)} items; return (train_set, eval_set) or a train set")
+            return data[0], data[1]
+        return data, None
+
+    def _notify_exception(self, exc: BaseException) -> None:
+        try:
+            self.hook.ddpx_exception(trainer=self, exc=exc)
+        except Exception as hook_exc:  # never hide the original error
+            self.log.error(f"a ddpx_exception hook failed too: {type(hook_exc).__name__}: {hook_exc}")
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def fit(self) -> None:
+        self.hook.ddpx_train_start(trainer=self)  # checkpoint restore may move epoch/global_step
+        epochs = self.config.trainer.epochs
+        while self.epoch < epochs and not self._max_steps_reached():
+            self.train_epoch(self.epoch)
+            self.epoch += 1
+        self.hook.ddpx_train_end(trainer=self)
+
+    def _max_steps_reached(self) -> bool:
+        max_steps = self.config.trainer.max_steps
+        return max_steps is not None and self.global_step >= max_steps
+
+    def train_epoch(self, epoch: int) -> dict:
+        hook = self.hook
+        should_step, micro_step = hook.ddpx_should_step, hook.ddpx_micro_step
+        optimizer_step, batch_end = hook.ddpx_optimizer_step, hook.ddpx_batch_end
+        self._epoch_finished = False
+        hook.ddpx_epoch_start(trainer=self, epoch=epoch)
+        self.module.train()
+        loader = self.train_loader
+        num_batches = len(loader)
+        move = self.device.type != "cpu"
+        max_steps = self.config.trainer.max_steps
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # no per-step host sync
+        batches = 0
+        for batch_index, batch in enumerate(loader):
+            self.batch_index = batch_index
+            if move:
+                batch = to_device(batch, self.device)
+            sync = should_step(trainer=self, batch_index=batch_index, num_batches=num_batches)
+            loss = micro_step(trainer=self, batch=batch, sync=sync)
+            stepped = False
+            if sync:
+                stepped = bool(optimizer_step(trainer=self))
+                self.optimizer.zero_grad(set_to_none=True)
+                if stepped and self.scheduler is not None:
+                    self.scheduler.step()
+                self.global_step += 1
+            self.last_loss = loss
+            loss_sum += loss
+            batches += 1
+            batch_end(trainer=self, batch_index=batch_index, loss=loss, stepped=stepped)
+            if self.stop_requested:
+                raise TrainingStopped(self._stop_signal)
+            if max_steps is not None and sync and self.global_step >= max_steps:
+                break
+        self._epoch_finished = True
+
+        totals = torch.stack([loss_sum, torch.tensor(float(batches), dtype=torch.float64, device=self.device)])
+        dist.all_reduce(totals)
+        metrics: dict = {"epoch": epoch, "step": self.global_step}
+        if totals[1] > 0:
+            metrics["loss"] = (totals[0] / totals[1]).item()
+        every = self.config.trainer.eval_every_epochs
+        last = epoch + 1 >= self.config.trainer.epochs or self._max_steps_reached()
+        if self.eval_loader is not None and every and ((epoch + 1) % every == 0 or last):
+            for key, value in self.evaluate().items():
+                metrics[key if key not in metrics else f"eval_{key}"] = value
+        self.metrics.append(metrics)
+        hook.ddpx_epoch_end(trainer=self, epoch=epoch, metrics=metrics)
+        return metrics
+
+    def evaluate(self, loader: Optional[DataLoader] = None) -> dict:
+        """Metrics on ``loader`` (default: the eval loader), reduced over all ranks."""
+        return self.hook.ddpx_evaluate(trainer=self, loader=loader or self.eval_loader) or {}
+
+    def clip_gradients(self) -> Optional[torch.Tensor]:
+        """Clip the gradient norm to ``trainer.grad_clip`` (no-op when null); returns the norm."""
+        max_norm = self.config.trainer.grad_clip
+        if not max_norm:
+            return None
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    # --- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything a checkpoint holds: every plugin's ``ddpx_state_dict`` entries, merged."""
+        state: dict = {}
+        for part in reversed(self.hook.ddpx_state_dict(trainer=self)):  # registration order
+            if part:
+                state.update(part)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.hook.ddpx_load_state_dict(trainer=self, state=state)
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop at the next batch boundary (what the worker's SIGTERM/SIGINT handler calls)."""
+        self.stop_requested = True
+        self._stop_signal = signum
+
+
+class CorePlugin:
+    """Default bodies of the provider and wrapper hooks (registered ``trylast`` as "core")."""
+
+    @hookimpl(trylast=True)
+    def ddpx_build_model(self, trainer: Trainer):
+        return instantiate(trainer.config.model, "model")
+
+    @hookimpl(trylast=True)
+    def ddpx_wrap_model(self, trainer: Trainer, model: torch.nn.Module):
+        cfg = trainer.config.trainer
+        device_ids = [trainer.device] if trainer.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            find_unused_parameters=cfg.find_unused_parameters,
+            static_graph=cfg.static_graph,
+        )
+
+    @hookimpl(trylast=True)
+    def ddpx_build_dataloaders(self, trainer: Trainer, train_set, eval_set):
+        # Unsharded: every rank sees all data, in the same seeded order (the
+        # sampler plugin shards it).
+        cfg = trainer.config.trainer
+        common = {"num_workers": cfg.num_workers, "pin_memory": trainer.device.type == "cuda"}
+        generator = torch.Generator().manual_seed(trainer.config.seed)
+        train = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, generator=generator, **common)
+        evaluation = None
+        if eval_set is not None:
+            evaluation = DataLoader(eval_set, batch_size=cfg.eval_batch_size, shuffle=False, **common)
+        return train, evaluation
+
+    @hookimpl(trylast=True)
+    def ddpx_should_step(self, trainer: Trainer, batch_index: int, num_batches: int):
+        return True
+
+    @hookimpl(trylast=True)
+    def ddpx_micro_step(self, trainer: Trainer, batch, sync: bool):
+        hook = trainer.hook
+        loss = hook.ddpx_forward(trainer=trainer, batch=batch)
+        hook.ddpx_backward(trainer=trainer, loss=loss)
+        return loss.detach()
+
+    @hookimpl(trylast=True)
+    def ddpx_forward(self, trainer: Trainer, batch):
+        inputs, targets = batch[0], batch[1]
+        return trainer.loss_fn(trainer.model(inputs), targets)
+
+    @hookimpl(trylast=True)
+    def ddpx_backward(self, trainer: Trainer, loss: torch.Tensor):
+        loss.backward()
+        return True
+
+    @hookimpl(trylast=True)
+    def ddpx_optimizer_step(self, trainer: Trainer):
+        trainer.clip_gradients()
+        trainer.optimizer.step()
+        return True
+
+    @hookimpl(trylast=True)
+    def ddpx_evaluate(self, trainer: Trainer, loader: DataLoader):
+        # Sums (loss * n, correct, n) are all-reduced, so sharded evaluation
+        # without padding gives exact metrics. Assumes a mean-reducing loss.
+        model = trainer.module
+        was_training = model.training
+        model.eval()
+        # (loss * n, correct, n, batches with class labels)
+        sums = torch.zeros(4, dtype=torch.float64, device=trainer.device)
+        with torch.no_grad():
+            for batch in loader:
+                inputs, targets = to_device(batch[0], trainer.device), to_device(batch[1], trainer.device)
+                outputs = model(inputs)
+                n = targets.shape[0]
+                sums[0] += trainer.loss_fn(outputs, targets).double() * n
+                if outputs.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point():
+                    sums[3] += 1
+                    sums[1] += (outputs.argmax(dim=1) == targets).sum()
+                sums[2] += n
+        model.train(was_training)
+        dist.all_reduce(sums)
+        loss_sum, correct, count, classified = sums.tolist()
+        if count == 0:
+            return {}
+        metrics = {"loss": loss_sum / count}
+        if classified:
+            metrics["accuracy"] = correct / count
+        return metrics
+
+    @hookimpl(trylast=True)
+    def ddpx_state_dict(self, trainer: Trainer):
+        progress = {
+            # The epoch to resume in: the next one once this epoch's batches are done.
+            "epoch": trainer.epoch + (1 if trainer._epoch_finished else 0),
+            "global_step": trainer.global_step,
+        }
+        state = {"model": trainer.module.state_dict(), "optimizer": trainer.optimizer.state_dict(), "progress": progress}
+        if trainer.scheduler is not None:
+            state["scheduler"] = trainer.scheduler.state_dict()
+        return state
+
+    @hookimpl(trylast=True)
+    def ddpx_load_state_dict(self, trainer: Trainer, state):
+        if "model" in state:
+            trainer.module.load_state_dict(state["model"])
+        if "optimizer" in state:
+            trainer.optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state and trainer.scheduler is not None:
+            trainer.scheduler.load_state_dict(state["scheduler"])
+        if "progress" in state:
+            trainer.epoch = int(state["progress"]["epoch"])
+            trainer.global_step = int(state["progress"]["global_step"])

@@ -1,0 +1,60 @@
+"""The per-rank entry point torchrun starts: ``python -m ddpx.worker [--config PATH] [KEY=VALUE ...]``.
+
+``ddpx train`` launches it; you can also run it under your own torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .config import load_config
+from .errors import DdpxError
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m ddpx.worker")
+    parser.add_argument("--config", default=None, help="YAML config (default: the built-in digits run)")
+    parser.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides")
+    return parser.parse_args(argv)
+
+
+def install_stop_handlers(trainer) -> None:
+    """First SIGTERM/SIGINT: stop at the next batch boundary; a second one interrupts at once."""
+
+    def handler(signum, frame):
+        if trainer.stop_requested:
+            signal.signal(signum, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        trainer.request_stop(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
+
+
+@record
+def main(argv=None) -> int:
+    from .trainer import Trainer, TrainingStopped
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    rank = os.environ.get("RANK", "0")
+    try:
+        config = load_config(args.config, args.overrides)
+        trainer = Trainer(config)
+        install_stop_handlers(trainer)
+        trainer.run()
+    except DdpxError as exc:
+        print(f"ddpx: error: [rank{rank}] {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except TrainingStopped as exc:
+        print(f"ddpx: [rank{rank}] {exc}", file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
