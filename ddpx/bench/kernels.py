@@ -1,0 +1,223 @@
+"""``ddpx bench kernels``: each fused kernel vs a memcpy and vs plain torch.
+
+Bandwidth is (bytes read + bytes written) / time, the best of ``repeats``
+timed runs after one warm-up run. The memcpy baseline is ``dst.copy_(src)`` of
+two fp32 buffers of the input size (on a GPU: a device-to-device copy), counted
+the same way (read + write). The plain-torch baseline is the same operation
+written with torch ops (:mod:`ddpx.bench.reference`), timed in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Callable, Dict, List
+
+from ..errors import DdpxError
+
+DEFAULT_SIZE_MB = 64.0
+DEFAULT_BLOCK = 1024
+
+
+def register(subparsers):
+    parser = subparsers.add_parser(
+        "kernels",
+        help="time the fused kernels against memcpy and plain torch",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--size-mb", type=float, default=DEFAULT_SIZE_MB, help="fp32 input size in MiB (default 64)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads; default 1)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per kernel, best is kept (default 5)")
+    parser.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK, help="int8 block and 1-bit chunk size (default 1024)"
+    )
+    parser.add_argument("--ranks", type=int, default=2, help="rows summed by the *_accumulate kernels (default 2)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    result = measure(
+        size_mb=args.size_mb,
+        threads=args.threads,
+        device=args.device,
+        repeats=args.repeats,
+        block_size=args.block_size,
+        ranks=args.ranks,
+    )
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+def _check_args(size_mb, threads, device, repeats, block_size, ranks):
+    import torch
+
+    if not size_mb > 0:
+        raise DdpxError(f"--size-mb must be positive, got {size_mb}")
+    if threads < 1:
+        raise DdpxError(f"--threads must be at least 1, got {threads}")
+    if repeats < 1:
+        raise DdpxError(f"--repeats must be at least 1, got {repeats}")
+    if block_size < 8 or block_size % 8:
+        raise DdpxError(f"--block-size must be a positive multiple of 8 (1-bit chunks), got {block_size}")
+    if ranks < 1:
+        raise DdpxError(f"--ranks must be at least 1, got {ranks}")
+    if device not in ("cpu", "cuda"):
+        raise DdpxError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda":
+        from .. import _C
+
+        if not torch.cuda.is_available():
+            raise DdpxError("--device cuda but torch sees no CUDA device; run with --device cpu")
+        if not _C.with_cuda:
+            raise DdpxError("--device cuda but ddpx._C was built without CUDA; rebuild with DDPX_CUDA=1")
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up: page faults, caches, lazy initialisation
+    sync()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _split_sizes(n: int) -> List[int]:
+    """Deterministic mix of tiny to large tensor sizes summing to n (a model's parameters)."""
+    sizes, total, i = [], 0, 0
+    while total < n:
+        size = min(n - total, (1 << (i % 18)) + 3 * i)
+        sizes.append(size)
+        total += size
+        i += 1
+    return sizes
+
+
+def _cases(n: int, device: str, block: int, ranks: int) -> List[Dict]:
+    """Each case: name, bytes moved (read + written), fused and plain-torch callables."""
+    import torch
+
+    from .. import ops
+    from . import reference as ref
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(n, generator=gen).to(device)
+    err_fused, err_ref = torch.zeros_like(x), torch.zeros_like(x)
+    nblocks = -(-n // block)
+    out = torch.empty_like(x)
+    half = ops.scale_cast(x, 0.5, torch.float16)
+    bf16 = ops.scale_cast(x, 0.5, torch.bfloat16)
+    half_out = torch.empty_like(half)
+    bf16_out = torch.empty_like(bf16)
+    q_rows = torch.randint(-127, 128, (ranks, n), generator=gen, dtype=torch.int8).to(device)
+    q_scales = torch.rand(ranks, nblocks, generator=gen).to(device)
+    bit_rows = torch.randint(0, 256, (ranks, (n + 7) // 8), generator=gen, dtype=torch.uint8).to(device)
+    q_out, s_out = torch.empty(n, dtype=torch.int8, device=device), torch.empty(nblocks, device=device)
+    b_out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=device)
+    tensors = [t.clone() for t in torch.split(x, _split_sizes(n))]
+    flat = torch.empty_like(x)
+
+    f4, b1, s4 = 4 * n, n, 4 * nblocks
+    return [
+        dict(name="scale_cast_fp16", bytes=f4 + 2 * n,
+             fused=lambda: ops.scale_cast(x, 0.5, torch.float16, out=half_out),
+             torch=lambda: ref.scale_cast(x, 0.5, torch.float16)),
+        dict(name="scale_cast_bf16", bytes=f4 + 2 * n,
+             fused=lambda: ops.scale_cast(x, 0.5, torch.bfloat16, out=bf16_out),
+             torch=lambda: ref.scale_cast(x, 0.5, torch.bfloat16)),
+        dict(name="cast_scale_copy_fp16", bytes=2 * n + f4,
+             fused=lambda: ops.cast_scale_copy_(out, half, 2.0),
+             torch=lambda: ref.cast_scale_copy_(out, half, 2.0)),
+        dict(name="cast_scale_copy_bf16", bytes=2 * n + f4,
+             fused=lambda: ops.cast_scale_copy_(out, bf16, 2.0),
+             torch=lambda: ref.cast_scale_copy_(out, bf16, 2.0)),
+        dict(name="int8_quantize", bytes=f4 + b1 + s4,
+             fused=lambda: ops.int8_quantize(x, block, out_q=q_out, out_scales=s_out),
+             torch=lambda: ref.int8_quantize(x, block)),
+        dict(name="int8_quantize_error_feedback", bytes=3 * f4 + b1 + s4,
+             fused=lambda: ops.int8_quantize(x, block, err_fused, out_q=q_out, out_scales=s_out),
+             torch=lambda: ref.int8_quantize(x, block, err_ref)),
+        dict(name=f"int8_dequant_accumulate_{ranks}ranks", bytes=ranks * (b1 + s4) + f4,
+             fused=lambda: ops.int8_dequant_accumulate_(out, q_rows, q_scales, block),
+             torch=lambda: ref.int8_dequant_accumulate_(out, q_rows, q_scales, block)),
+        dict(name="onebit_pack_error_feedback", bytes=3 * f4 + n // 8 + s4,
+             fused=lambda: ops.onebit_pack(x, block, err_fused, out_bits=b_out, out_scales=s_out),
+             torch=lambda: ref.onebit_pack(x, block, err_ref)),
+        dict(name=f"onebit_unpack_accumulate_{ranks}ranks", bytes=ranks * (n // 8 + s4) + f4,
+             fused=lambda: ops.onebit_unpack_accumulate_(out, bit_rows, q_scales, block),
+             torch=lambda: ref.onebit_unpack_accumulate_(out, bit_rows, q_scales, block)),
+        dict(name=f"flatten_{len(tensors)}tensors", bytes=2 * f4,
+             fused=lambda: ops.flatten(tensors, out=flat),
+             torch=lambda: torch.cat(tensors, out=flat)),
+        dict(name=f"unflatten_{len(tensors)}tensors", bytes=2 * f4,
+             fused=lambda: ops.unflatten_(flat, tensors),
+             torch=lambda: ref.unflatten_(flat, tensors)),
+    ]
+
+
+def measure(
+    size_mb: float = DEFAULT_SIZE_MB,
+    threads: int = 1,
+    device: str = "cpu",
+    repeats: int = 5,
+    block_size: int = DEFAULT_BLOCK,
+    ranks: int = 2,
+) -> Dict:
+    """Run the benchmark; returns the ``--json`` object."""
+    import torch
+
+    _check_args(size_mb, threads, device, repeats, block_size, ranks)
+    torch.set_num_threads(threads)
+    n = max(1, int(size_mb * 2**20) // 4)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    memcpy_gbps = 8 * n / _best_seconds(lambda: dst.copy_(src), repeats, sync) / 1e9
+    del src, dst
+
+    with torch.no_grad():
+        rows = []
+        for case in _cases(n, device, block_size, ranks):
+            gbps = case["bytes"] / _best_seconds(case["fused"], repeats, sync) / 1e9
+            ref_gbps = case["bytes"] / _best_seconds(case["torch"], repeats, sync) / 1e9
+            rows.append(
+                {
+                    "name": case["name"],
+                    "gbps": round(gbps, 3),
+                    "torch_reference_gbps": round(ref_gbps, 3),
+                    "ratio_to_memcpy": round(gbps / memcpy_gbps, 3),
+                    "speedup_vs_torch": round(gbps / ref_gbps, 2),
+                    "bytes": case["bytes"],
+                }
+            )
+    return {
+        "memcpy_gbps": round(memcpy_gbps, 3),
+        "ops": rows,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "threads": threads,
+        "size_mb": size_mb,
+        "block_size": block_size,
+        "ranks": ranks,
+        "torch": torch.__version__,
+        "memcpy": "torch dst.copy_(src), fp32, input size; GB/s = (read + written bytes) / best time",
+    }
+
+
+def format_table(result: Dict) -> str:
+    lines = [
+        f"device {result['device']}, threads {result['threads']}, input {result['size_mb']:g} MiB fp32, "
+        f"block {result['block_size']}, memcpy {result['memcpy_gbps']:.2f} GB/s (read + write)",
+        f"{'kernel':<36} {'GB/s':>8} {'% memcpy':>9} {'torch GB/s':>11} {'speedup':>8}",
+    ]
+    for op in result["ops"]:
+        lines.append(
+            f"{op['name']:<36} {op['gbps']:>8.2f} {100 * op['ratio_to_memcpy']:>8.0f}% "
+            f"{op['torch_reference_gbps']:>11.2f} {op['speedup_vs_torch']:>7.1f}x"
+        )
+    return "\n".join(lines)
