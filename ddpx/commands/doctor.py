@@ -1,0 +1,45 @@
+"""``ddpx doctor``: check the machine and network for distributed training."""
+
+import json
+import os
+
+from ..errors import DdpxError
+
+
+def register(subparsers):
+    p = subparsers.add_parser(
+        "doctor",
+        help="check backend, ports, addresses and interfaces before a distributed run",
+        description="One line per check (OK / WARN / FAIL) with the fix. Exit code 1 when a check fails.",
+    )
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="the rendezvous host (default: $MASTER_ADDR or 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="the rendezvous port (default: $MASTER_PORT or 29500)")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="processes per node you plan to start")
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    p.add_argument("--collectives", action="store_true",
+                   help="also start N local processes and run allreduce, barrier and every ddpx comm hook")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for --collectives")
+    p.set_defaults(func=run)
+
+
+def run(args):
+    from .. import doctor
+
+    port = args.master_port
+    if port is None:
+        raw = os.environ.get("MASTER_PORT", str(doctor.DEFAULT_MASTER_PORT))
+        try:
+            port = int(raw)
+        except ValueError:
+            raise DdpxError(f"MASTER_PORT={raw!r} is not a number; set it to a port such as 29500") from None
+    facts = doctor.gather_facts(args.master_addr, port, args.nproc_per_node)
+    checks = doctor.run_checks(facts)
+    if args.collectives:
+        checks += doctor.run_collectives(args.nproc_per_node or 2, timeout_s=args.timeout)
+    if args.json:
+        print(json.dumps(doctor.summarize(checks), indent=2))
+    else:
+        print(doctor.format_text(checks))
+    return doctor.exit_code(checks)

@@ -1,0 +1,236 @@
+"""``ddpx doctor``: each check fed situations directly, the CLI on the real machine,
+and (root only) a network namespace for an unreachable master and a loopback hostname."""
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from ddpx import doctor
+from ddpx.doctor import FAIL, OK, WARN
+from tests.utils import run_cli
+
+PROC_NET_ROUTE = """Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT
+eth0\t00000000\t010200C0\t0003\t0\t0\t0\t00000000\t0\t0\t0
+eth0\t000200C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0
+ib0\t0000000A\t00000000\t0001\t0\t0\t0\t0000FFFF\t0\t0\t0
+"""
+
+
+def _by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def _port_in_safe_range():
+    """A free port above 20000 and below the ephemeral range (what doctor calls healthy)."""
+    for _ in range(200):
+        port = random.randint(20001, 32000)
+        if doctor.port_is_bindable(port)[0]:
+            return port
+    pytest.skip("no free port in 20001-32000")
+
+
+# --- checks fed their inputs --------------------------------------------------------------
+
+
+def test_route_parsing_picks_longest_prefix_and_default():
+    assert doctor.route_iface_from_proc(PROC_NET_ROUTE) == "eth0"
+    assert doctor.route_iface_from_proc(PROC_NET_ROUTE, "10.0.3.4") == "ib0"
+    assert doctor.route_iface_from_proc(PROC_NET_ROUTE, "192.0.2.77") == "eth0"
+    assert doctor.route_iface_from_proc(PROC_NET_ROUTE, "8.8.8.8") == "eth0"  # via the default route
+    assert doctor.parse_ip_route_get("10.1.2.3 via 10.0.0.1 dev ib0 src 10.0.0.5 uid 0\n    cache") == "ib0"
+
+
+def test_sockets_on_port_reads_proc_net_tcp():
+    text = (
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+        "   0: 00000000:7345 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1\n"
+        "   1: 0100007F:B55E 0100007F:7345 01 00000000:00000000 00:00000000 00000000     0        0 999 1\n"
+    )
+    assert doctor.sockets_on_port(0x7345, [text]) == [(4242, "LISTEN")]
+    assert doctor.sockets_on_port(0x7346, [text]) == []
+
+
+def test_hostname_resolving_to_loopback_without_interface_variable():
+    # multi-host gloo run: the exact variable to set, with the default route's interface
+    checks = doctor.check_hostname("node1", ["127.0.1.1"], {}, "gloo", multi_host=True, suggested_iface="eth0")
+    gloo = _by_name(checks)["gloo iface"]
+    assert gloo.status == FAIL
+    assert gloo.fix == "export GLOO_SOCKET_IFNAME=eth0"
+    assert "Connection refused" in gloo.message
+    # one host: only a warning, same fix
+    gloo = _by_name(doctor.check_hostname("node1", ["127.0.1.1"], {}, "gloo", False, "eth0"))["gloo iface"]
+    assert (gloo.status, gloo.fix) == (WARN, "export GLOO_SOCKET_IFNAME=eth0")
+    # the variable set, or a routable hostname: fine
+    env = {"GLOO_SOCKET_IFNAME": "ib0"}
+    assert _by_name(doctor.check_hostname("node1", ["127.0.1.1"], env, "gloo", True, "eth0"))["gloo iface"].status == OK
+    assert _by_name(doctor.check_hostname("node1", ["10.0.0.5"], {}, "gloo", True, "eth0"))["gloo iface"].status == OK
+
+
+def test_unreachable_master_fails_and_refused_warns():
+    args = dict(addr="10.9.9.9", port=29500, addresses=["10.9.9.9"], resolve_error="",
+                master_is_local=False, route_iface="eth0")
+    assert doctor.check_master_address(**args, probe="timeout").status == FAIL
+    assert doctor.check_master_address(**args, probe="unreachable: No route to host").status == FAIL
+    assert doctor.check_master_address(**args, probe="refused").status == WARN
+    assert doctor.check_master_address(**args, probe="open").status == OK
+    unresolved = dict(args, addresses=[], resolve_error="Name or service not known")
+    check = doctor.check_master_address(**unresolved, probe=None)
+    assert check.status == FAIL and "does not resolve" in check.message
+
+
+def test_port_checks():
+    assert doctor.check_port_range(29500, (32768, 60999)).status == OK
+    assert doctor.check_port_range(8080, (32768, 60999)).status == WARN
+    assert doctor.check_port_range(40000, (32768, 60999)).status == WARN
+    busy = doctor.check_master_port(29500, True, False, "Address in use", [(77, "python serve.py")], ["LISTEN"])
+    assert busy.status == FAIL and "pid 77 (python serve.py)" in busy.message and "stop pid 77" in busy.fix
+    assert doctor.check_master_port(29500, False, False, "", [], []).status == OK  # another host's port
+
+
+def test_backend_choice_and_gpu_count():
+    assert "gloo" in doctor.check_backend(False, 0, False, True, None)[0].message
+    checks = doctor.check_backend(True, 4, True, True, 8)
+    assert "nccl" in checks[0].message and checks[1].status == FAIL and "--nproc-per-node 4" in checks[1].fix
+    assert doctor.check_backend(True, 2, False, True, None)[0].status == FAIL
+
+
+def test_nccl_hints_only_on_gpus():
+    assert doctor.check_nccl_hints("gloo", {}, [], True, "eth0") == []
+    hints = _by_name(doctor.check_nccl_hints("nccl", {}, [], True, "eth0"))
+    assert "NCCL_DEBUG=INFO" in hints["nccl debug"].fix
+    assert hints["rdma"].status == WARN and "NCCL_SOCKET_IFNAME=eth0" in hints["rdma"].fix
+    ib = _by_name(doctor.check_nccl_hints("nccl", {"NCCL_IB_DISABLE": "1"}, ["mlx5_0"], True, "ib0"))
+    assert ib["rdma"].status == WARN and "mlx5_0" in ib["rdma"].message
+
+
+def test_run_checks_on_faked_facts_names_the_variable():
+    facts = doctor.Facts(master_addr="node01", master_port=29500, nproc_per_node=None, env={},
+                         torch_version="2.x", gloo_available=True, ephemeral_range=(32768, 60999),
+                         master_addresses=["10.0.0.1"], master_is_local=True, route_iface="ib0",
+                         default_iface="eth0", hostname="node01", host_addresses=["127.0.1.1"])
+    checks = doctor.run_checks(facts)
+    assert _by_name(checks)["gloo iface"].fix == "export GLOO_SOCKET_IFNAME=eth0"
+    assert doctor.exit_code(checks) == 1
+    facts.env = {"GLOO_SOCKET_IFNAME": "eth0"}
+    assert doctor.exit_code(doctor.run_checks(facts)) == 0
+
+
+# --- the CLI on this machine -------------------------------------------------------------
+
+
+def test_healthy_local_setup_passes_with_json_shape():
+    port = _port_in_safe_range()
+    rc, out, err = run_cli(["doctor", "--master-addr", "127.0.0.1", "--master-port", port, "--json"], timeout=60)
+    report = json.loads(out)
+    assert rc == 0, out + err
+    assert set(report) == {"ok", "counts", "checks"} and report["ok"] is True
+    assert set(report["counts"]) == {"OK", "WARN", "FAIL"} and report["counts"]["FAIL"] == 0
+    assert sum(report["counts"].values()) == len(report["checks"])
+    for check in report["checks"]:
+        assert set(check) == {"name", "status", "message", "fix"}
+        assert check["status"] in ("OK", "WARN", "FAIL")
+    names = {c["name"]: c for c in report["checks"]}
+    assert "gloo" in names["backend"]["message"] and names["master port"]["status"] == "OK"
+
+
+def test_busy_port_is_detected_with_its_process():
+    with socket.socket() as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        rc, out, err = run_cli(["doctor", "--master-port", port], timeout=60)
+    assert rc == 1, out + err
+    line = next(line for line in out.splitlines() if "master port" in line)
+    assert line.startswith("FAIL") and f"{port} is busy" in line
+    assert f"pid {os.getpid()}" in line  # found through /proc/net/tcp + /proc/*/fd
+
+
+def test_collectives_run_allreduce_barrier_and_report_bandwidth():
+    rc, out, err = run_cli(["doctor", "--collectives", "--nproc-per-node", "2", "--json", "--timeout", "90",
+                            "--master-port", _port_in_safe_range()], timeout=150)
+    checks = {c["name"]: c for c in json.loads(out)["checks"]}
+    for name in ("init", "allreduce", "barrier", "bandwidth"):
+        assert checks[name]["status"] == "OK", (name, checks)
+    assert "GB/s" in checks["bandwidth"]["message"]
+    hook_checks = [c for n, c in checks.items() if n.startswith("hook ")]
+    assert hook_checks, "every ddpx comm hook must be exercised"
+    assert all(c["status"] == "OK" for c in hook_checks), hook_checks
+    assert rc == 0, out + err
+
+
+# --- network namespaces (root only) -----------------------------------------------------
+
+
+def _netns_available():
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    name = f"ddpxprobe{uuid.uuid4().hex[:6]}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+netns = pytest.mark.skipif(not _netns_available(), reason="needs root and ip netns")
+
+
+@pytest.fixture
+def namespace():
+    """A namespace ``ns`` with lo up and a veth end ``vd<id>`` at 10.213.<n>.2/24 (peer 10.213.<n>.1)."""
+    tag = uuid.uuid4().hex[:6]
+    ns, host_if, ns_if = f"ddpxdoc{tag}", f"vh{tag}", f"vd{tag}"
+    subnet = random.randint(1, 250)
+
+    def sh(*cmd):
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    sh("ip", "netns", "add", ns)
+    try:
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        sh("ip", "link", "set", ns_if, "netns", ns)
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"10.213.{subnet}.2/24", "dev", ns_if)
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up")
+        yield ns, ns_if, f"10.213.{subnet}"
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _doctor_in(ns, *args):
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "doctor", "--json", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    return proc.returncode, {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+
+
+@netns
+@pytest.mark.netns
+def test_unreachable_master_in_a_namespace(namespace):
+    ns, _, _ = namespace
+    # 10.214.0.9 has no route inside the namespace: nothing leaves it
+    rc, checks = _doctor_in(ns, "--master-addr", "10.214.0.9", "--master-port", 29500)
+    assert rc == 1
+    assert checks["master addr"]["status"] == "FAIL" and "unreachable" in checks["master addr"]["message"]
+
+
+@netns
+@pytest.mark.netns
+def test_loopback_hostname_in_a_namespace_names_the_route_interface(namespace):
+    ns, ns_if, prefix = namespace
+    host_addresses, _ = doctor.resolve(socket.gethostname())
+    rc, checks = _doctor_in(ns, "--master-addr", f"{prefix}.2", "--master-port", 29500)
+    gloo = checks["gloo iface"]
+    if host_addresses and all(doctor.is_loopback(a) for a in host_addresses):
+        # a multi-host master address and gloo would bind 127.0.0.1: a failure naming the interface
+        assert rc == 1 and gloo["status"] == "FAIL"
+        assert gloo["fix"] == f"export GLOO_SOCKET_IFNAME={ns_if}"
+    else:
+        assert gloo["status"] == "OK"
+    assert checks["master addr"]["status"] == "OK" and ns_if in checks["master addr"]["message"]
