@@ -1,0 +1,345 @@
+"""Checkpoints, exact resume after a restart, and a clean stop on SIGTERM/SIGINT.
+
+Saving. Every ``every_steps`` optimizer steps (0: never mid-epoch), at every
+epoch end, when a stop is requested and when training ends, all ranks take part
+in one save, always at an optimizer-step boundary (never inside an
+accumulation window). The content is every plugin's ``ddpx_state_dict``
+(``trainer.state_dict()``: the core's model, optimizer, scheduler and
+progress -- step and epoch --, the sampler position, the GradScaler, the
+comm-hook state, ...) plus each rank's RNG states. The core's entries
+(``model``, ``optimizer``, ``scheduler``, ``progress``) are identical on every
+rank under DDP and are taken from rank 0; every other entry and the RNG
+states are per rank and reach rank 0 through one ``gather_object`` (same order
+on every rank). Rank 0 writes ``<run_dir>/<dir>/step-N.pt`` atomically (see
+:mod:`ddpx.checkpoint`), keeping the newest ``keep``. With
+``async_write`` the training loop waits only for a copy of the state to CPU
+memory; serialization and fsync run on a background thread, one write at a
+time, and the run waits for the last one before it exits.
+
+Resuming. With ``resume`` (the default), the run starts from the newest
+checkpoint in that directory that loads completely (rank 0 chooses it, every
+rank reads the same file, so the directory must be on a file system all nodes
+see). Restored through ``trainer.load_state_dict``: model, optimizer,
+scheduler, step, epoch, every plugin's state (the sampler skips the samples
+the checkpoint already trained on, without loading them) and, when the world
+size is unchanged, each rank's own per-rank entries and RNG states.
+
+A different world size on resume (``--nnodes MIN:MAX``, fewer GPUs):
+
+* the sampler re-divides the rest of the interrupted epoch among the new ranks
+  (every sample of the epoch is still used exactly once);
+* ``trainer.batch_size`` stays the per-rank batch, so the global batch becomes
+  ``new_world_size * batch_size * accumulation.steps``;
+* the learning rate is unchanged (``lr_scaling: none``) or multiplied by
+  ``new_world_size / old_world_size`` (``lr_scaling: linear``: the optimizer's
+  ``lr`` and ``initial_lr`` and the scheduler's ``base_lrs``);
+* RNG states are not restored (they are per rank): every rank keeps the
+  seeding of the fresh start, with a warning;
+* per-rank plugin state (comm-hook error feedback) receives rank 0's entries,
+  which the plugin resets with a warning (its state records its rank and world size).
+
+Stopping. From ``ddpx_setup`` on, the first SIGTERM or SIGINT only sets a
+flag (and restores Python's default handlers, so a second one acts at once).
+At every optimizer-step boundary the ranks combine their flags with one
+``all_reduce`` (MAX), so all of them stop after the same step: they write a
+final checkpoint and call ``trainer.request_stop``; the loop ends at that
+boundary and the worker exits with 128 + the signal number once the write is
+on disk. ``torchrun`` forwards a SIGTERM/SIGINT it receives to every worker
+and kills them 30 s later.
+
+Config section ``checkpoint``: ``enabled`` (true), ``every_steps`` (0),
+``keep`` (3), ``dir`` (``checkpoints``, relative to ``run_dir``), ``resume``
+(true), ``async_write`` (true), ``lr_scaling`` (``none`` | ``linear``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from ddpx import hookimpl
+from ddpx.errors import DdpxError
+
+log = logging.getLogger("ddpx.checkpoint")
+
+LR_SCALING = ("none", "linear")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class CheckpointSession:
+    """Per-run state: the writer, the last saved step, the signal flag."""
+
+    def __init__(self, trainer, cfg):
+        from ddpx.checkpoint import AsyncCheckpointWriter, CheckpointDirectory
+
+        self.cfg = cfg
+        self.enabled = cfg["enabled"]
+        directory = Path(cfg["dir"])
+        if not directory.is_absolute():
+            directory = Path(trainer.run_dir) / directory
+        self.directory = CheckpointDirectory(directory, keep=cfg["keep"])
+        self.writer = AsyncCheckpointWriter(self.directory, async_write=cfg["async_write"])
+        self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
+        self.boundary_step = 0  # global_step at the last optimizer-step boundary seen
+        self.signal_received = 0
+        self.previous_handlers = {}
+
+    # --- signals ------------------------------------------------------------------------
+
+    def install_signal_handlers(self, rank):
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only
+
+        def on_signal(signum, frame):
+            self.signal_received = signum
+            # A second signal acts immediately (KeyboardInterrupt / termination).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            # os.write, not print/logging: a signal may interrupt a write to stderr
+            os.write(2, (
+                f"[rank{rank}] ddpx: received {signal.Signals(signum).name}: stopping after the "
+                "current optimizer step with a final checkpoint (send it again to exit now)\n"
+            ).encode())
+
+        for sig in STOP_SIGNALS:
+            self.previous_handlers[sig] = signal.signal(sig, on_signal)
+
+    def restore_signal_handlers(self):
+        handlers, self.previous_handlers = self.previous_handlers, {}
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+_session: CheckpointSession | None = None
+
+
+def _world(trainer):
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+
+
+@hookimpl
+def ddpx_config_defaults():
+    return {
+        "checkpoint": {
+            "enabled": True,
+            "every_steps": 0,
+            "keep": 3,
+            "dir": "checkpoints",
+            "resume": True,
+            "async_write": True,
+            "lr_scaling": "none",
+        }
+    }
+
+
+@hookimpl
+def ddpx_configure(config):
+    cfg = config.section("checkpoint")
+    if cfg["every_steps"] < 0:
+        raise DdpxError(f"checkpoint.every_steps must be >= 0 (0: only at epoch ends), got {cfg['every_steps']}")
+    if cfg["keep"] < 1:
+        raise DdpxError(f"checkpoint.keep must be >= 1, got {cfg['keep']}")
+    if cfg["lr_scaling"] not in LR_SCALING:
+        raise DdpxError(f"checkpoint.lr_scaling must be one of {', '.join(LR_SCALING)}, got {cfg['lr_scaling']!r}")
+
+
+@hookimpl
+def ddpx_setup(trainer):
+    global _session
+    _session = CheckpointSession(trainer, trainer.config.section("checkpoint"))
+    _session.install_signal_handlers(trainer.rank)
+
+
+@hookimpl(tryfirst=True)  # restore before other plugins see the start of training
+def ddpx_train_start(trainer):
+    if _session is None:
+        return
+    if _session.enabled and _session.cfg["resume"]:
+        _resume(trainer, _session)
+    _session.boundary_step = trainer.global_step
+
+
+@hookimpl(trylast=True)  # after the sampler plugin has advanced its position
+def ddpx_batch_end(trainer, batch_index, loss, stepped):
+    session = _session
+    # A step boundary is the end of an accumulation window, also one whose step
+    # AMP skipped (``stepped`` is False then): the core counts both in global_step.
+    if session is None or trainer.global_step == session.boundary_step:
+        return
+    session.boundary_step = trainer.global_step
+    stop = _agree_to_stop(trainer, session)
+    every = session.cfg["every_steps"]
+    # The epoch's last step is saved by the epoch end (which also runs the evaluation).
+    periodic = every and trainer.global_step % every == 0 and not _epoch_exhausted(trainer)
+    if session.enabled and (periodic or stop):
+        _save(trainer, session, at_epoch_end=False)
+    if stop:
+        trainer.request_stop(session.signal_received or signal.SIGTERM)
+
+
+@hookimpl(trylast=True)
+def ddpx_epoch_end(trainer, epoch, metrics):
+    if _session is not None and _session.enabled:
+        _save(trainer, _session, at_epoch_end=True)
+
+
+@hookimpl(trylast=True)
+def ddpx_train_end(trainer):
+    session = _session
+    if session is None:
+        return
+    try:
+        if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
+            _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
+        session.writer.wait()
+    finally:
+        session.restore_signal_handlers()
+
+
+@hookimpl
+def ddpx_exception(trainer, exc):
+    # No collective here: the other ranks may be gone. Finish the write in flight
+    # (it is a complete, consistent checkpoint) and leave.
+    session = _session
+    if session is None:
+        return
+    session.restore_signal_handlers()
+    try:
+        session.writer.wait()
+    except Exception as error:
+        log.warning("rank %d: the last checkpoint write failed too: %s", trainer.rank, error)
+
+
+# --- collective parts (every rank, same order) -------------------------------------------
+
+# Entries of the core plugin's state: replicated by DDP, so taken from rank 0 only.
+REPLICATED = ("model", "optimizer", "scheduler", "progress")
+
+
+def _agree_to_stop(trainer, session) -> bool:
+    """True on every rank if any rank received a stop signal (one all_reduce)."""
+    flag = 1 if session.signal_received else 0
+    if _world(trainer):
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([flag], dtype=torch.int32, device=trainer.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        flag = int(tensor.item())
+    return bool(flag)
+
+
+def _epoch_exhausted(trainer) -> bool:
+    """The step just taken was the epoch's last (the sampler has nothing left)."""
+    sampler = getattr(trainer.train_loader, "batch_sampler", None)
+    try:
+        return len(sampler) == 0
+    except TypeError:
+        return False
+
+
+def _save(trainer, session, at_epoch_end):
+    from ddpx.checkpoint import rng_state
+
+    step = trainer.global_step
+    if session.saved == (step, at_epoch_end):  # same on every rank: all skip the collective
+        return
+    session.saved = (step, at_epoch_end)
+    state = trainer.state_dict()
+    mine = {
+        "rng": rng_state(trainer.device),
+        "plugins": {k: v for k, v in state.items() if k not in REPLICATED},
+    }
+    if _world(trainer):
+        import torch.distributed as dist
+
+        gathered = [None] * trainer.world_size if trainer.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    else:
+        gathered = [mine]
+    if trainer.rank != 0:
+        return
+    checkpoint = {
+        "step": step,
+        "world_size": trainer.world_size,
+        "replicated": {k: v for k, v in state.items() if k in REPLICATED},
+        "ranks": gathered,
+    }
+    progress = state.get("progress", {})
+
+    def done(path):
+        trainer.log.info(f"saved checkpoint {path} (epoch {progress.get('epoch')}, step {step})")
+
+    session.writer.save(checkpoint, step, on_done=done)
+
+
+def _resume(trainer, session):
+    import torch
+    import torch.distributed as dist
+
+    from ddpx.checkpoint import set_rng_state
+
+    name = found = None
+    if trainer.rank == 0:
+        found = session.directory.load_latest()
+        name = found[0].name if found else None
+    if _world(trainer):
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        name = box[0]
+    if name is None:
+        return
+    path = session.directory.directory / name
+    error = None
+    if found is not None:
+        checkpoint = found[1]
+    else:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            checkpoint, error = None, exc
+    if _world(trainer):  # every rank must have the file before anyone changes course
+        ok = torch.tensor([0 if checkpoint is None else 1], dtype=torch.int32, device=trainer.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if not int(ok.item()):
+            who = f"rank {trainer.rank} cannot read ({error})" if error else "another rank cannot read"
+            raise DdpxError(
+                f"{who} checkpoint {path} chosen by rank 0; put run_dir on a file system "
+                "every node sees (or set checkpoint.resume=false)"
+            )
+
+    old_world, ranks = checkpoint["world_size"], checkpoint["ranks"]
+    same_world = old_world == trainer.world_size
+    mine = ranks[trainer.rank] if same_world else ranks[0]
+    trainer.load_state_dict({**checkpoint["replicated"], **mine["plugins"]})
+    session.saved = (trainer.global_step, None)
+    if same_world:
+        set_rng_state(mine["rng"], trainer.device)
+    else:
+        if trainer.rank == 0:
+            trainer.log.warning(
+                f"resuming with {trainer.world_size} ranks from a checkpoint of {old_world}: the rest "
+                f"of epoch {trainer.epoch} is re-divided, the global batch is now {trainer.world_size} "
+                "x the per-rank batch, RNG states are freshly seeded, the learning rate is "
+                + ("scaled linearly" if session.cfg["lr_scaling"] == "linear" else "unchanged")
+            )
+        if session.cfg["lr_scaling"] == "linear":
+            _scale_lr(trainer, trainer.world_size / old_world)
+    trainer.log.info(f"resumed from {path} (epoch {trainer.epoch}, step {trainer.global_step})")
+
+
+def _scale_lr(trainer, factor):
+    for group in trainer.optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor
+    scheduler = getattr(trainer, "scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+        if hasattr(scheduler, "_last_lr"):
+            scheduler._last_lr = [group["lr"] for group in trainer.optimizer.param_groups]
