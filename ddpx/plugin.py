@@ -143,7 +143,11 @@ def check_pending(pm: pluggy.PluginManager) -> None:
 
 
 def rank_prefix() -> str:
+    """``[rankN] `` in a worker, ``[launcher] `` in ``ddpx train`` before workers exist."""
     rank = os.environ.get("RANK")
+    dist = sys.modules.get("torch.distributed")
+    if rank is None and dist is not None and dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()  # a worker started without torchrun
     return f"[rank{rank}] " if rank is not None else "[launcher] "
 
 

@@ -45,16 +45,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def rank_logger(rank: int, all_ranks: bool = False) -> logging.Logger:
-    """A logger whose lines start with ``[rankN]``; only rank 0 logs INFO unless ``all_ranks``."""
-    log = logging.getLogger(f"ddpx.rank{rank}")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
-    log.setLevel(logging.INFO if (rank == 0 or all_ranks) else logging.WARNING)
-    return log
+def default_log_handler(log: logging.Logger, rank: int) -> None:
+    """A ``[rankN]`` stderr handler, rank 0 INFO only, for when no plugin configured the logger."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 class Trainer:
@@ -68,8 +65,9 @@ class Trainer:
     boundaries so far), ``batch_index`` (micro-batch in the epoch),
     ``run_dir`` (pathlib.Path, exists on every rank), ``last_loss`` (detached
     tensor of the last micro-batch), ``is_main`` (rank 0), ``log`` (rank-aware
-    logger), ``stop_requested`` (set by SIGTERM/SIGINT; the loop stops at the
-    next batch boundary).
+    logger ``ddpx``), ``stop_requested`` (set through :meth:`request_stop`, e.g.
+    by the checkpoint plugin's signal handling; the loop stops at the next
+    batch boundary and raises :class:`TrainingStopped`).
     """
 
     def __init__(self, config: Config, plugin_manager=None):
@@ -88,7 +86,7 @@ class Trainer:
         self.last_loss: Optional[torch.Tensor] = None
         self.stop_requested = False
         self.metrics: list[dict] = []  # one dict per finished epoch
-        self.log = rank_logger(0)
+        self.log = logging.getLogger("ddpx")  # the logging plugin formats it (rank prefix, ranks shown)
         self._epoch_finished = False
         self._stop_signal = signal.SIGTERM
 
@@ -119,13 +117,14 @@ class Trainer:
         info = distributed.init_process_group(cfg.backend, cfg.device, cfg.first_timeout_s)
         self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
         self.backend, self.device = info.backend, info.device
-        self.log = rank_logger(self.rank)
         run_dir = distributed.agree(plugin_signature(self.plugin_manager), self._propose_run_dir())
         distributed.set_timeout(cfg.timeout_s)
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(self.config.seed)  # identical initial weights and default shuffles on every rank
         self.hook.ddpx_setup(trainer=self)
+        if not self.log.handlers:
+            default_log_handler(self.log, self.rank)
 
         self.module = self.hook.ddpx_build_model(trainer=self).to(self.device)
         self.loss_fn = instantiate(self.config.loss, "loss")
@@ -248,7 +247,8 @@ class Trainer:
         self.hook.ddpx_load_state_dict(trainer=self, state=state)
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
-        """Stop at the next batch boundary (what the worker's SIGTERM/SIGINT handler calls)."""
+        """Stop at the next batch boundary. Every rank must call it at the same step
+        (the checkpoint plugin agrees on that with one all_reduce)."""
         self.stop_requested = True
         self._stop_signal = signum
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -23,19 +22,6 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def install_stop_handlers(trainer) -> None:
-    """First SIGTERM/SIGINT: stop at the next batch boundary; a second one interrupts at once."""
-
-    def handler(signum, frame):
-        if trainer.stop_requested:
-            signal.signal(signum, signal.SIG_DFL)
-            raise KeyboardInterrupt
-        trainer.request_stop(signum)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, handler)
-
-
 @record
 def main(argv=None) -> int:
     from .trainer import Trainer, TrainingStopped
@@ -45,7 +31,6 @@ def main(argv=None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         trainer = Trainer(config)
-        install_stop_handlers(trainer)
         trainer.run()
     except DdpxError as exc:
         print(f"ddpx: error: [rank{rank}] {exc}", file=sys.stderr, flush=True)
