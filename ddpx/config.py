@@ -221,9 +221,9 @@ def _type_ok(value, types) -> bool:
     return False
 
 
-def _did_you_mean(name: str, options: Iterable[str]) -> str:
+def _did_you_mean(name: str, options: Iterable[str], prefix: str = "") -> str:
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
 
 
 def _validate(values: dict, defaults: Mapping, types: Mapping, prefix: str = "") -> None:
@@ -232,7 +232,7 @@ def _validate(values: dict, defaults: Mapping, types: Mapping, prefix: str = "")
         path = f"{prefix}{key}"
         if key not in defaults:
             where = f"section '{prefix[:-1]}'" if prefix else "the config"
-            hint = _did_you_mean(key, defaults)
+            hint = _did_you_mean(key, defaults, prefix)
             if not hint:
                 hint = f"; valid keys: {', '.join(sorted(map(str, defaults)))}"
             raise DdpxError(f"unknown key '{path}' in {where}{hint}")
