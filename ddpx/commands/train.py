@@ -26,6 +26,9 @@ def register(subparsers):
     p.add_argument("--max-restarts", type=int, default=None, help="worker-group restarts after a failure (default: launch.max_restarts)")
     p.add_argument("--master-addr", default=None, help="address of the single-node store (default: 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=None, help="port of the single-node store (default: a free port)")
+    p.add_argument("--smoke", action="store_true",
+                   help="smoke run: a few steps, one evaluation, a checkpoint save and resume on a small data "
+                        "slice with every configured plugin; prints a PASS/FAIL table (ddpx/smoke.py)")
     p.set_defaults(func=run)
 
 
@@ -54,4 +57,8 @@ def run(args):
         master_addr=args.master_addr,
         master_port=args.master_port,
     )
+    if args.smoke:
+        from ..smoke import launch_smoke
+
+        return launch_smoke(config, overrides, opts)
     return launch(config, overrides, opts)

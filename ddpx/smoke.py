@@ -1,0 +1,414 @@
+"""``ddpx train CONFIG --smoke``: the whole pipeline on a small slice of the data.
+
+Runs across the configured processes (through the same launcher as a real
+run), with every configured plugin: a few optimizer steps, one evaluation,
+one checkpoint save, a resume from that checkpoint in a fresh trainer (weights
+and step must come back identical) and a few more steps. Each rank records
+every stage in ``<run_dir>/smoke/rank<N>.json``; the launcher prints one
+PASS/FAIL/SKIP table for all ranks. An exception raised inside a plugin's hook
+is reported with the plugin's name and the hook (every hook implementation is
+wrapped to tag what it raises), so a broken plugin is found before the real run.
+
+Entry points: :func:`launch_smoke` (launcher side, called by ``ddpx train
+--smoke``) and ``python -m ddpx.smoke`` (each rank, started by torchrun).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .errors import DdpxError
+
+SMOKE_MODULE = "ddpx.smoke"
+TRAIN_STEPS = 3  # optimizer steps before the checkpoint
+RESUMED_STEPS = 2  # optimizer steps after the resume
+EVAL_SAMPLES = 64
+STAGES = ("config", "setup", "train", "evaluate", "checkpoint save", "resume", "train after resume", "teardown")
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+SMOKE_TIMEOUT_S = 60  # steady-state collective timeout: a hung rank ends the smoke run quickly
+
+
+# --- naming the plugin that raised -----------------------------------------------------
+
+
+def _tag(exc: BaseException, plugin: str, hook: str) -> None:
+    """Remember the innermost hook implementation an exception came out of."""
+    if getattr(exc, "_ddpx_origin", None) is None:
+        try:
+            exc._ddpx_origin = (plugin, hook)
+        except AttributeError:  # exception types with __slots__
+            pass
+
+
+def origin(exc: BaseException) -> Optional[tuple[str, str]]:
+    """``(plugin name, hook name)`` that raised ``exc``, when a wrapped hook did."""
+    return getattr(exc, "_ddpx_origin", None)
+
+
+def _guard_generator(gen, plugin, hook):
+    try:
+        return (yield from gen)  # forwards pluggy's send()/throw() to the wrapper hook
+    except BaseException as exc:
+        _tag(exc, plugin, hook)
+        raise
+
+
+def _guard(function, plugin, hook):
+    def guarded(*args):
+        try:
+            result = function(*args)
+        except BaseException as exc:
+            _tag(exc, plugin, hook)
+            raise
+        return _guard_generator(result, plugin, hook) if inspect.isgenerator(result) else result
+
+    guarded._ddpx_guarded = True
+    return guarded
+
+
+def attribute_hook_failures(pm) -> None:
+    """Wrap every hook implementation registered in ``pm`` so what it raises
+    carries its plugin and hook name (see :func:`origin`). Behaviour is unchanged."""
+    for hook_name, caller in vars(pm.hook).items():
+        if not hasattr(caller, "get_hookimpls"):
+            continue
+        for impl in caller.get_hookimpls():
+            if not getattr(impl.function, "_ddpx_guarded", False):
+                impl.function = _guard(impl.function, impl.plugin_name, hook_name)
+
+
+# --- the data slice --------------------------------------------------------------------
+
+
+def data_slice(target: str, args: dict, train_samples: int, eval_samples: int):
+    """The configured data (``target(**args)``), cut to its first samples."""
+    from torch.utils.data import Subset
+
+    from .config import instantiate
+
+    data = instantiate({"target": target, "args": args}, "data")
+    train, evaluation = (data[0], data[1]) if isinstance(data, (tuple, list)) else (data, None)
+    train = Subset(train, range(min(train_samples, len(train))))
+    if evaluation is not None:
+        evaluation = Subset(evaluation, range(min(eval_samples, len(evaluation))))
+    return train, evaluation
+
+
+# --- one rank ----------------------------------------------------------------------------
+
+
+class StageLog:
+    """This rank's stage results, written to disk after every stage (a killed
+    rank still leaves what it finished)."""
+
+    def __init__(self, path: Path, rank: int, world_size: int):
+        self.path, self.rank, self.world_size = path, rank, world_size
+        self.stages: list[dict] = []
+        self.failed = False
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": self.rank, "world_size": self.world_size, "stages": self.stages}))
+        os.replace(tmp, self.path)
+
+    def add(self, stage: str, status: str, detail: str = "", seconds: float = 0.0, **extra) -> None:
+        self.stages.append({"stage": stage, "status": status, "detail": detail,
+                            "seconds": round(seconds, 3), **extra})
+        self.write()
+
+    def skip_rest(self, reason: str) -> None:
+        done = {s["stage"] for s in self.stages}
+        for stage in STAGES:
+            if stage not in done:
+                self.stages.append({"stage": stage, "status": SKIP, "detail": reason, "seconds": 0.0})
+        self.write()
+
+    @contextlib.contextmanager
+    def stage(self, name: str, detail: dict):
+        """Run a stage; ``detail["text"]`` set by the body becomes the table's detail."""
+        start = time.perf_counter()
+        try:
+            yield
+        except BaseException as exc:
+            self.failed = True
+            where = origin(exc)
+            message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            extra = {"plugin": where[0], "hook": where[1]} if where else {}
+            prefix = f"plugin '{where[0]}' raised in {where[1]}: " if where else ""
+            self.add(name, FAIL, prefix + message, time.perf_counter() - start, **extra)
+            raise
+        self.add(name, PASS, detail.get("text", ""), time.perf_counter() - start)
+
+
+def _smoke_overrides(config, world_size: int) -> list[str]:
+    """Overrides that turn the user's config into the smoke run (same plugins, small data)."""
+    steps = TRAIN_STEPS + RESUMED_STEPS + 1
+    accumulation = config.section("accumulation").get("steps", 1) if "accumulation" in config else 1
+    train_samples = world_size * config.trainer.batch_size * accumulation * steps
+    data = {"target": config.data.target, "args": config.section("data").get("args") or {},
+            "train_samples": train_samples, "eval_samples": EVAL_SAMPLES}
+    overrides = [
+        f"data.target={SMOKE_MODULE}.data_slice",
+        f"data.args={json.dumps(data)}",
+        "trainer.epochs=2",
+        f"trainer.max_steps={TRAIN_STEPS}",
+        "trainer.eval_every_epochs=0",  # the smoke run evaluates as its own stage
+        f"trainer.timeout_s={SMOKE_TIMEOUT_S}",
+        f"trainer.first_timeout_s={2 * SMOKE_TIMEOUT_S}",
+    ]
+    if "checkpoint" in config:
+        overrides += ["checkpoint.resume=false", "checkpoint.every_steps=0", "checkpoint.dir=checkpoints"]
+    return overrides
+
+
+def _load(config_path, overrides, extra):
+    from .config import CORE_DEFAULTS, apply_overrides, load_config, merge, read_yaml
+    from .config import DEFAULT_CONFIG
+    from .plugin import make_plugin_manager
+
+    # Build the plugin manager ourselves so even ddpx_configure failures name their plugin.
+    raw = apply_overrides(read_yaml(config_path or DEFAULT_CONFIG), [*overrides, *extra])
+    pm = make_plugin_manager(merge(CORE_DEFAULTS["plugins"], raw.get("plugins") or {}))
+    attribute_hook_failures(pm)
+    return load_config(config_path, [*overrides, *extra], plugin_manager=pm)
+
+
+@contextlib.contextmanager
+def _fresh_store_prefix(tag: str):
+    """A second process group in the same processes needs its own store keys
+    (ddpx.distributed prefixes them with TORCHELASTIC_RESTART_COUNT)."""
+    key = "TORCHELASTIC_RESTART_COUNT"
+    before = os.environ.get(key)
+    os.environ[key] = f"{before or '0'}-{tag}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def _train_steps(trainer, until_step: int) -> str:
+    trainer.config.trainer["max_steps"] = until_step
+    start = trainer.global_step
+    trainer.train_epoch(trainer.epoch)
+    trainer.epoch += 1
+    loss = trainer.last_loss.item() if trainer.last_loss is not None else float("nan")
+    return f"{trainer.global_step - start} optimizer steps, last loss {loss:.4f}"
+
+
+def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
+    """One rank of the smoke run (inside torchrun). Returns the exit code."""
+    import torch
+
+    from . import distributed
+    from .trainer import Trainer
+
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("run_dir=")), None)
+    if run_dir is None:
+        raise DdpxError("the smoke run needs run_dir=DIR (ddpx train --smoke sets it)")
+    log = StageLog(Path(run_dir) / "smoke" / f"rank{rank}.json", rank, world_size)
+    detail: dict = {}
+    trainer = None
+    try:
+        with log.stage("config", detail):
+            base = _load(config_path, overrides, [])
+            config = _load(config_path, overrides, _smoke_overrides(base, world_size))
+            plugins = [name for name, _ in config.plugin_manager.list_name_plugin()]
+            detail["text"] = f"{len(plugins)} plugins: {', '.join(plugins)}"
+        checkpoints = "checkpoint" in config and config.section("checkpoint").get("enabled", False)
+        if rank == 0 and checkpoints:
+            _clear_checkpoints(config)  # before the first collective: no rank reads them yet
+
+        trainer = Trainer(config)
+        with log.stage("setup", detail := {}):
+            trainer.setup()
+            detail["text"] = (f"{trainer.world_size} ranks, backend {trainer.backend}, "
+                              f"{len(trainer.train_set)} train / {len(trainer.eval_set or [])} eval samples")
+        with log.stage("train", detail := {}):
+            trainer.hook.ddpx_train_start(trainer=trainer)
+            detail["text"] = _train_steps(trainer, TRAIN_STEPS)
+        with log.stage("evaluate", detail := {}):
+            if trainer.eval_loader is None:
+                detail["text"] = "no eval set: nothing to evaluate"
+            else:
+                metrics = trainer.evaluate()
+                detail["text"] = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        saved_step = trainer.global_step
+        saved_weights = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+        if checkpoints:
+            with log.stage("checkpoint save", detail := {}):
+                trainer.hook.ddpx_train_end(trainer=trainer)  # the checkpoint plugin saves and waits
+                files = sorted(Path(trainer.run_dir, config.section("checkpoint")["dir"]).glob("*.pt"))
+                if rank == 0 and not files:
+                    raise RuntimeError("no checkpoint file was written")
+                detail["text"] = f"step {saved_step}" + (f" -> {files[-1].name}" if files else "")
+        else:
+            trainer.hook.ddpx_train_end(trainer=trainer)
+            log.add("checkpoint save", SKIP, "checkpoint plugin not loaded or disabled")
+        distributed.teardown()
+
+        if not checkpoints:
+            log.add("resume", SKIP, "no checkpoint to resume from")
+            trainer = None
+        else:
+            resume_config = _load(config_path, overrides,
+                                  [*_smoke_overrides(base, world_size), "checkpoint.resume=true",
+                                   f"run_dir={trainer.run_dir}"])
+            trainer = Trainer(resume_config)
+            with log.stage("resume", detail := {}), _fresh_store_prefix("smoke-resume"):
+                trainer.setup()
+                trainer.hook.ddpx_train_start(trainer=trainer)
+                if trainer.global_step != saved_step:
+                    raise RuntimeError(f"resumed at step {trainer.global_step}, the checkpoint was step {saved_step}")
+                now = trainer.module.state_dict()
+                changed = [k for k, v in saved_weights.items() if not torch.equal(now[k].cpu(), v.cpu())]
+                if changed:
+                    raise RuntimeError(f"resumed weights differ from the saved ones: {', '.join(changed[:3])}")
+                detail["text"] = f"step {saved_step}, weights identical"
+        if trainer is not None:
+            with log.stage("train after resume", detail := {}):
+                detail["text"] = _train_steps(trainer, saved_step + RESUMED_STEPS)
+            with log.stage("teardown", detail := {}):
+                trainer.hook.ddpx_train_end(trainer=trainer)
+                distributed.teardown()
+        else:
+            log.add("train after resume", SKIP, "no checkpoint to resume from")
+            log.add("teardown", PASS, "")
+    except BaseException as exc:
+        if not isinstance(exc, DdpxError):
+            import traceback
+
+            traceback.print_exc()
+        print(f"ddpx: smoke: [rank{rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if trainer is not None:
+            trainer._notify_exception(exc)
+        distributed.teardown()
+        log.skip_rest("after an earlier failure")
+        if not isinstance(exc, Exception):
+            raise
+        return 1
+    return 0
+
+
+def _clear_checkpoints(config) -> None:
+    import shutil
+
+    directory = Path(config.section("checkpoint")["dir"])
+    if not directory.is_absolute():
+        directory = Path(config.run_dir) / directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    from .worker import parse_args
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return run_rank(args.config, args.overrides)
+
+
+# --- the launcher side -----------------------------------------------------------------
+
+
+def smoke_run_dir(config, env=os.environ) -> str:
+    """``<run_dir or runs>/smoke-<SLURM job id or UTC time>``: the same on every node of a SLURM job."""
+    base = config.run_dir or "runs"
+    tag = env.get("SLURM_JOB_ID") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return os.path.abspath(os.path.join(base, f"smoke-{tag}"))
+
+
+def collect(run_dir: str) -> tuple[list[dict], int]:
+    """Every rank's results and the world size (from rank 0's file, else the highest seen)."""
+    results = []
+    for path in sorted(Path(run_dir, "smoke").glob("rank*.json")):
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    world = max((r["world_size"] for r in results), default=0)
+    return sorted(results, key=lambda r: r["rank"]), world
+
+
+def summarize(results: Sequence[dict], world_size: int) -> list[dict]:
+    """One row per stage over all ranks: FAIL if any rank failed it or has no result."""
+    by_rank = {r["rank"]: {s["stage"]: s for s in r["stages"]} for r in results}
+    rows = []
+    for stage in STAGES:
+        entries = {rank: stages.get(stage) for rank, stages in by_rank.items()}
+        failed = [(rank, e) for rank, e in sorted(entries.items()) if e and e["status"] == FAIL]
+        missing = [rank for rank in range(world_size) if not entries.get(rank)]
+        seconds = max((e["seconds"] for e in entries.values() if e), default=0.0)
+        if failed:
+            rank, entry = failed[0]
+            ranks = ", ".join(str(r) for r, _ in failed)
+            row = {"stage": stage, "status": FAIL, "detail": f"rank {ranks}: {entry['detail']}",
+                   "plugin": entry.get("plugin"), "hook": entry.get("hook")}
+        elif missing:
+            row = {"stage": stage, "status": FAIL,
+                   "detail": f"no result from rank {', '.join(map(str, missing))} (crashed or killed)"}
+        else:
+            first = entries.get(0) or next(iter(entries.values()))
+            status = SKIP if all(e["status"] == SKIP for e in entries.values()) else PASS
+            row = {"stage": stage, "status": status, "detail": first["detail"]}
+        row["seconds"] = seconds
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: Sequence[dict], world_size: int, run_dir: str) -> str:
+    width = max(len(s) for s in STAGES)
+    lines = [f"smoke run: {world_size} rank(s), run dir {run_dir}",
+             f"{'STAGE':<{width}}  STATUS  {'TIME':>7}  DETAIL"]
+    for row in rows:
+        lines.append(f"{row['stage']:<{width}}  {row['status']:<6}  {row['seconds']:>6.2f}s  {row['detail']}")
+    failed = [row for row in rows if row["status"] == FAIL]
+    if failed:
+        named = [row for row in failed if row.get("plugin")]
+        culprit = f": plugin '{named[0]['plugin']}' ({named[0]['hook']})" if named else ""
+        lines.append(f"smoke run FAILED at {failed[0]['stage']}{culprit}")
+    else:
+        lines.append("smoke run PASSED")
+    return "\n".join(lines)
+
+
+def launch_smoke(config_path: Optional[str], overrides: Sequence[str], opts) -> int:
+    """``ddpx train --smoke``: launch the smoke ranks like a real run, then print the table."""
+    from . import launch
+    from .config import load_config
+
+    config = load_config(config_path, overrides)  # one-line errors before anything starts
+    run_dir = smoke_run_dir(config)
+    overrides = [*overrides, f"run_dir={run_dir}"]
+    argv = launch.torchrun_argv(opts, config.launch, config_path, overrides)
+    module_at = argv.index("--module") + 1
+    argv[module_at] = SMOKE_MODULE
+    start = time.perf_counter()
+    launch_error = None
+    try:
+        launch.run_torchrun(argv)
+    except DdpxError as exc:
+        launch_error = exc
+    results, world = collect(run_dir)
+    if not results:
+        raise DdpxError(f"the smoke run produced no results in {run_dir}"
+                        + (f" ({launch_error})" if launch_error else ""))
+    rows = summarize(results, world)
+    print(format_table(rows, world, run_dir))
+    print(f"total {time.perf_counter() - start:.1f} s")
+    failed = any(row["status"] == FAIL for row in rows) or launch_error is not None
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""``ddpx train --smoke``: passes on the default example, names a failing plugin."""
+
+import textwrap
+
+import pluggy
+import pytest
+
+from ddpx import smoke
+from tests.utils import run_cli
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _table(out):
+    rows = {}
+    for line in out.splitlines():
+        for stage in smoke.STAGES:
+            if line.startswith(stage + " ") and line[len(stage):].split()[0] in (smoke.PASS, smoke.FAIL, smoke.SKIP):
+                rows[stage] = line[len(stage):].split(None, 1)
+    return rows
+
+
+def test_smoke_passes_on_the_default_example(tmp_path):
+    rc, out, err = run_cli(["train", "--smoke"], timeout=120, cwd=tmp_path)
+    assert rc == 0, out + err
+    rows = _table(out)
+    assert set(rows) == set(smoke.STAGES), out
+    assert all(status == smoke.PASS for status, _ in rows.values()), out
+    assert "smoke run PASSED" in out
+    assert "2 rank(s)" in out  # the default example's processes
+    assert "weights identical" in rows["resume"][1]
+    assert "3 optimizer steps" in rows["train"][1] and "2 optimizer steps" in rows["train after resume"][1]
+    # it ran on the slice, in a run dir of its own
+    assert list(tmp_path.glob("runs/smoke-*/checkpoints/*.pt"))
+
+
+BROKEN_PLUGIN = textwrap.dedent(
+    """
+    from ddpx import hookimpl
+
+    @hookimpl
+    def ddpx_epoch_start(trainer, epoch):
+        raise RuntimeError("broken on purpose")
+    """
+)
+
+
+def test_smoke_names_the_failing_plugin(tmp_path):
+    (tmp_path / "broken_smoke_plugin.py").write_text(BROKEN_PLUGIN)
+    rc, out, err = run_cli(["train", "--smoke", "plugins.enable=[broken_smoke_plugin]"], timeout=120,
+                           cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert rc == 1, out + err
+    rows = _table(out)
+    assert rows["config"][0] == rows["setup"][0] == smoke.PASS, out
+    assert rows["train"][0] == smoke.FAIL
+    assert "plugin 'broken_smoke_plugin' raised in ddpx_epoch_start: RuntimeError: broken on purpose" in rows["train"][1]
+    assert all(rows[s][0] == smoke.SKIP for s in smoke.STAGES[smoke.STAGES.index("train") + 1:]), out
+    assert "smoke run FAILED at train: plugin 'broken_smoke_plugin' (ddpx_epoch_start)" in out
+
+
+# --- attribution of exceptions to plugins, in-process ------------------------------------
+
+spec = pluggy.HookspecMarker("t")
+impl = pluggy.HookimplMarker("t")
+
+
+class Spec:
+    @spec
+    def step(self, x):
+        pass
+
+
+class Inner:
+    @impl
+    def step(self, x):
+        if x == "inner":
+            raise ValueError("inner failed")
+        return 1
+
+
+class Wrapper:
+    @impl(wrapper=True)
+    def step(self, x):
+        result = yield
+        if x == "wrapper":
+            raise KeyError("wrapper failed")
+        return result
+
+
+def _pm():
+    pm = pluggy.PluginManager("t")
+    pm.add_hookspecs(Spec)
+    pm.register(Inner(), name="inner")
+    pm.register(Wrapper(), name="wrap")
+    smoke.attribute_hook_failures(pm)
+    smoke.attribute_hook_failures(pm)  # idempotent
+    return pm
+
+
+def test_exceptions_carry_the_plugin_that_raised_them():
+    pm = _pm()
+    assert pm.hook.step(x="ok") == [1]  # behaviour unchanged, wrapper results pass through
+    with pytest.raises(ValueError) as info:
+        pm.hook.step(x="inner")
+    assert smoke.origin(info.value) == ("inner", "step")  # not the wrapper it passed through
+    with pytest.raises(KeyError) as info:
+        pm.hook.step(x="wrapper")
+    assert smoke.origin(info.value) == ("wrap", "step")
+
+
+def test_summary_marks_a_missing_rank_and_a_failure():
+    ok = {"stage": "config", "status": "PASS", "detail": "", "seconds": 0.1}
+    bad = {"stage": "setup", "status": "FAIL", "detail": "plugin 'p' raised in ddpx_setup: E: x",
+           "seconds": 0.2, "plugin": "p", "hook": "ddpx_setup"}
+    results = [{"rank": 0, "world_size": 3, "stages": [ok, bad]}, {"rank": 1, "world_size": 3, "stages": [ok]}]
+    rows = {r["stage"]: r for r in smoke.summarize(results, 3)}
+    assert rows["config"]["status"] == "FAIL" and "rank 2" in rows["config"]["detail"]
+    assert rows["setup"]["status"] == "FAIL" and rows["setup"]["plugin"] == "p"
+    text = smoke.format_table(smoke.summarize(results, 3), 3, "/x")
+    assert "FAILED at config" in text
