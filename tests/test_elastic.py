@@ -1,0 +1,141 @@
+"""Elastic restarts end to end: ``ddpx train`` through torchrun, gloo on CPU, hard timeouts.
+
+The probe plugin (tests/elastic_probe.py) records the samples of every
+optimizer step per rank and attempt and injects one failure. "Exactly once"
+is judged on the training that survives: a step an attempt ran after the
+checkpoint the next attempt resumed from is replayed by that attempt, so it
+does not count (its records are dropped).
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from utils import free_port, run_cli
+
+TESTS = Path(__file__).resolve().parent
+NUM_TRAIN = 1438  # digits_split(test_fraction=0.2): training samples
+STEPS_PER_EPOCH = 23  # 2 ranks x 32 per rank: 22 full global batches + a tail
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
+
+
+def train(tmp_path, label, *extra, nproc=2, max_restarts=0, timeout=90):
+    records = tmp_path / "records"
+    records.mkdir(exist_ok=True)
+    args = [
+        "train", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        f"run_dir={tmp_path / 'run'}", "trainer.epochs=2", "optimizer.args.lr=0.1",
+        "checkpoint.every_steps=4", "logging.progress=false", "plugins.enable=[elastic_probe]",
+        f"probe.record_dir={records}", f"probe.label={label}", f"probe.marker={tmp_path / 'marker'}",
+        *extra,
+    ]
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    code, out, err = run_cli(args, timeout=timeout, env=env, cwd=tmp_path)
+    return code, out + err, time.monotonic() - start
+
+
+def attempts(tmp_path, labels):
+    """Per attempt (in order): ``(start_step, world_size, [step records of all ranks])``."""
+    found = []
+    for label in labels:
+        attempt = 0
+        while True:
+            files = sorted((tmp_path / "records").glob(f"steps-{label}-{attempt}-rank*.jsonl"))
+            if not files:
+                break
+            lines = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+            start = next(r for r in lines if r["event"] == "start")
+            found.append((start["step"], start["world_size"], [r for r in lines if r["event"] == "step"]))
+            attempt += 1
+    return found
+
+
+def committed_samples(tmp_path, labels):
+    """``{epoch: Counter(sample index)}`` over the steps that survive in the final training."""
+    runs = attempts(tmp_path, labels)
+    seen = {}
+    for i, (_, _, steps) in enumerate(runs):
+        resumed_at = runs[i + 1][0] if i + 1 < len(runs) else None
+        for record in steps:
+            if resumed_at is None or record["step"] <= resumed_at:
+                seen.setdefault(record["epoch"], Counter()).update(record["indices"])
+    return seen, runs
+
+
+def assert_each_sample_once(seen, epochs=(0, 1)):
+    assert sorted(seen) == list(epochs)
+    for epoch in epochs:
+        counts = seen[epoch]
+        duplicated = {i: c for i, c in counts.items() if c != 1}
+        missing = set(range(NUM_TRAIN)) - set(counts)
+        assert not duplicated and not missing, (
+            f"epoch {epoch}: {len(duplicated)} samples seen more than once, {len(missing)} never"
+        )
+
+
+def final_accuracy(tmp_path):
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if "accuracy" in line][-1]["accuracy"]
+
+
+def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(tmp_path):
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    code, log, _ = train(reference, "ref")
+    assert code == 0, log[-3000:]
+
+    at_step = STEPS_PER_EPOCH + 7  # mid epoch 1, 3 steps after the checkpoint of step 28
+    code, log, _ = train(tmp_path, "kill", "probe.action=kill", f"probe.at_step={at_step}", "probe.rank=1",
+                         max_restarts=2)
+    assert code == 0, log[-3000:]
+    assert (tmp_path / "marker").exists(), "the probe never killed the worker"
+    seen, runs = committed_samples(tmp_path, ["kill"])
+    assert [r[0] for r in runs][0] == 0 and len(runs) == 2, runs
+    # Resumed from the newest checkpoint before the kill (24 if the async write of 28 was still in flight).
+    assert runs[1][0] in (24, 28), runs[1][0]
+    assert any(r["step"] > runs[1][0] for r in runs[0][2]), "nothing was replayed: the test proves nothing"
+    assert_each_sample_once(seen)
+
+    expected = torch.load(reference / "records" / "final-ref.pt")
+    actual = torch.load(tmp_path / "records" / "final-kill.pt")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), f"{name} differs from the uninterrupted run"
+    assert final_accuracy(tmp_path) > 0.8  # chance: 0.1
+
+
+def test_sigterm_stops_cleanly_and_resumes_with_another_world_size(tmp_path):
+    at_step = STEPS_PER_EPOCH + 7
+    code, log, _ = train(tmp_path, "first", "probe.action=term_agent", f"probe.at_step={at_step}",
+                         "probe.rank=0", "checkpoint.every_steps=0")
+    assert code == 128 + signal.SIGTERM, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    code, log, _ = train(tmp_path, "second", nproc=3)
+    assert code == 0, log[-3000:]
+    assert "resuming with 3 ranks from a checkpoint of 2" in log
+    seen, runs = committed_samples(tmp_path, ["first", "second"])
+    assert [(r[0], r[1]) for r in runs][0] == (0, 2)
+    stopped_at, world = runs[1][0], runs[1][1]
+    # Only epoch-end checkpoints were configured: this one is the stop's own, mid epoch 1.
+    assert world == 3 and at_step <= stopped_at < 2 * STEPS_PER_EPOCH, runs[1][:2]
+    assert_each_sample_once(seen)
+    assert final_accuracy(tmp_path) > 0.8  # chance: 0.1
+
+
+def test_one_rank_raising_stops_every_rank_quickly_and_names_it(tmp_path):
+    code, log, elapsed = train(tmp_path, "raise", "probe.action=raise", "probe.at_step=5", "probe.rank=1",
+                               "trainer.timeout_s=300", timeout=120)
+    assert code != 0
+    assert elapsed < 60, f"took {elapsed:.0f} s to stop"
+    assert "injected failure on rank 1" in log
+    assert "rank 1" in log.split("injected failure")[-1] or "rank: 1" in log, log[-3000:]
