@@ -1,7 +1,25 @@
 #include "hooks/bindings.h"
 
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include "hooks/native_hook.h"
+
+namespace py = pybind11;
+
 namespace ddpx::hooks {
 void bind(pybind11::module_& m) {
-  (void)m;  // native hooks are added by the comm-hooks work
+  m.attr("has_native_hooks") = true;
+  m.def(
+      "register_native_comm_hook",
+      [](c10d::Reducer& reducer, c10d::ProcessGroup* group, py::object state, const std::string& kind) {
+        // The group is held by Python through its own holder type; take a
+        // reference of ours on the same object.
+        auto pg = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(group);
+        auto core = std::make_shared<HookCore>(std::move(pg), std::move(state), kind);
+        reducer.register_comm_hook(std::make_unique<NativeHook>(std::move(core)));
+      },
+      py::arg("reducer"), py::arg("process_group"), py::arg("state"), py::arg("kind"),
+      "Register the native ddpx comm hook `kind` (allreduce, cast, int8) on a DDP reducer; `state` is the "
+      "Python ddpx.hooks state that owns options, counters and buffers.");
 }
 }  // namespace ddpx::hooks

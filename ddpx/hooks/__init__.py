@@ -1,0 +1,107 @@
+"""DDP communication hooks with fused compression kernels.
+
+Plain DDP script::
+
+    state, hook = ddpx.hooks.make("int8")          # or "fp16", "bf16", "allreduce"
+    ddp_model.register_comm_hook(state, hook)
+
+or, with the native C++ hook (no Python and no GIL per bucket)::
+
+    state = ddpx.hooks.register(ddp_model, "int8", warmup_steps=10)
+
+Both give identical results and the same ``state.state_dict()`` /
+``state.stats()``. Each algorithm is one module in this package that defines
+``HOOKS = {name: StateClass}``; ``available()`` lists them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+
+from ..errors import DdpxError
+from .base import HookState, hook
+
+log = logging.getLogger("ddpx.hooks")
+
+__all__ = ["make", "register", "available", "HookState", "hook"]
+
+_REGISTRY: dict[str, type] | None = None
+_FALLBACK_LOGGED: set[str] = set()
+
+
+def _registry() -> dict[str, type]:
+    global _REGISTRY
+    if _REGISTRY is None:
+        found = {}
+        for info in pkgutil.iter_modules(__path__):
+            if info.name.startswith("_") or info.name == "base":
+                continue
+            module = importlib.import_module(f".{info.name}", __name__)
+            found.update(getattr(module, "HOOKS", {}))
+        _REGISTRY = dict(sorted(found.items()))
+    return _REGISTRY
+
+
+def available() -> list[str]:
+    """Names accepted by :func:`make` and :func:`register`."""
+    return list(_registry())
+
+
+def make_state(name: str, process_group=None, **options) -> HookState:
+    cls = _registry().get(name)
+    if cls is None:
+        raise DdpxError(f"unknown comm hook {name!r}; available: {', '.join(available())}")
+    return cls(process_group=process_group, **options)
+
+
+def make(name: str, process_group=None, **options):
+    """Return ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
+
+    The pair also works as Lightning's ``DDPStrategy(ddp_comm_state=state,
+    ddp_comm_hook=hook)``. ``process_group`` defaults to the world group;
+    unknown or invalid options raise :class:`ddpx.DdpxError`.
+    """
+    return make_state(name, process_group, **options), hook
+
+
+def _native_unavailable(ddp_model, state) -> str | None:
+    """Why the native hook cannot be used here, or None."""
+    if state.native_kind is None:
+        return f"hook {state.name!r} has no native implementation"
+    try:
+        from .. import _C
+    except ImportError as exc:  # pragma: no cover - the extension is part of the install
+        return f"the ddpx._C extension failed to load ({exc})"
+    if not getattr(_C, "has_native_hooks", False):
+        return "this ddpx._C build has no native comm hooks (torch without distributed headers)"
+    if getattr(ddp_model, "reducer", None) is None:
+        return f"{type(ddp_model).__name__} has no DDP reducer"
+    return None
+
+
+def register(ddp_model, name: str, native: bool = True, **options) -> HookState:
+    """Register hook `name` on a ``DistributedDataParallel`` model; returns its state.
+
+    With ``native=True`` the C++ hook runs on the model's reducer. Where this
+    torch build or the model cannot take it, the Python hook is registered
+    instead and the reason is logged once.
+    """
+    state = make_state(name, getattr(ddp_model, "process_group", None), **options)
+    reason = _native_unavailable(ddp_model, state) if native else "native=False"
+    if reason is None:
+        from .. import _C
+
+        try:
+            _C.register_native_comm_hook(ddp_model.reducer, state.process_group, state, state.native_kind)
+        except (TypeError, RuntimeError) as exc:
+            reason = f"the reducer did not accept the native hook ({exc})"
+        else:
+            state.native = True
+            return state
+    if native and reason not in _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.add(reason)
+        log.warning("ddpx.hooks.register(%r): using the Python hook: %s", name, reason)
+    ddp_model.register_comm_hook(state, hook)
+    return state

@@ -1,0 +1,413 @@
+"""The shared machinery of every ddpx comm hook.
+
+A hook is a ``HookState`` subclass: it declares its options, builds one
+``BucketLayout`` per DDP bucket (which parameter slices are compressed, which
+travel uncompressed, the preallocated wire buffers) and runs one bucket in
+``run_bucket``. The native C++ hook (csrc/hooks/) runs the same algorithm on
+the same layout objects and tensors, so both paths give identical results and
+``state_dict()`` sees the same memory.
+
+Keys. Error-feedback memory is kept per parameter, keyed by the parameter's
+ordinal in the order the hook first sees parameters (bucket by bucket, in
+DDP's initial bucket order, which is deterministic for a given model and
+``bucket_cap_mb``). DDP rebuilds its buckets after the first iteration; the
+new layout adopts each parameter's memory, so nothing is lost or mixed.
+
+Collective order. Summable formats (allreduce, fp16, bf16) issue their
+collectives directly in the hook: DDP calls hooks in bucket order on every
+rank. Multi-phase formats (int8, onebit, powersgd) issue collectives that
+depend on earlier results; doing that in future callbacks would issue them in
+whatever order the network finishes (the bug behind torch's powerSGD crash on
+gloo). They run on one FIFO worker thread per state instead, so every rank
+issues every collective in bucket order, with several buckets queued at once
+and backward computation overlapping the communication.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DdpxError
+
+log = logging.getLogger("ddpx.hooks")
+
+STATE_DICT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Option:
+    """One hook option: type, default, a check returning an error text or None, and a doc line."""
+
+    type: type
+    default: Any
+    check: Callable[[Any], str | None] | None = None
+    doc: str = ""
+
+
+def non_negative(v):
+    return None if v >= 0 else "must be >= 0"
+
+
+def positive_multiple_of(k):
+    def check(v):
+        return None if v > 0 and v % k == 0 else f"must be a positive multiple of {k}"
+
+    return check
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring allreduce of `nbytes` (reduce-scatter + allgather)."""
+    return 2 * (world - 1) * nbytes // world
+
+
+def merge_runs(items):
+    """[(offset, numel, flag)] in bucket order -> runs of consecutive equal flags:
+    {flag: [(bucket_offset, numel, packed_offset)]} where packed_offset is the run's
+    position in the flag's packed buffer."""
+    runs: dict[bool, list[list[int]]] = {True: [], False: []}
+    packed = {True: 0, False: 0}
+    last_flag, last_end = None, None
+    for off, n, flag in items:
+        if n == 0:
+            continue
+        if flag == last_flag and off == last_end:
+            runs[flag][-1][1] += n
+        else:
+            runs[flag].append([off, n, packed[flag]])
+        packed[flag] += n
+        last_flag, last_end = flag, off + n
+    return {k: [tuple(r) for r in v] for k, v in runs.items()}
+
+
+class BucketLayout:
+    """What a hook needs to know about one DDP bucket, built once per bucket layout.
+
+    Attributes shared by every hook (read by the native path by name):
+        index: DDP bucket index;  numel: bucket elements
+        params: the bucket's parameters (identity = the layout's signature)
+        keys: the parameters' memory keys
+        comp_runs / plain_runs: [(bucket_offset, numel, packed_offset)] runs of
+            consecutive parameters that are compressed / sent uncompressed
+        n_comp / n_plain: elements in each class
+    Subclasses' ``build_layout`` add their buffers as attributes.
+    """
+
+    def __init__(self, index: int, params: list[torch.Tensor], keys: list[int], compressed: list[bool]):
+        self.index = index
+        self.params = list(params)
+        self.keys = list(keys)
+        self.numel = sum(p.numel() for p in params)
+        items, off = [], 0
+        for p, c in zip(params, compressed):
+            items.append((off, p.numel(), c))
+            off += p.numel()
+        runs = merge_runs(items)
+        self.comp_runs, self.plain_runs = runs[True], runs[False]
+        self.n_comp = sum(n for _, n, _ in self.comp_runs)
+        self.n_plain = sum(n for _, n, _ in self.plain_runs)
+        # packed offset of each compressed parameter (for per-parameter memory views)
+        self.param_packed_offset: list[int | None] = []
+        packed = {True: 0, False: 0}
+        for p, c in zip(params, compressed):
+            self.param_packed_offset.append(packed[True] if c else None)
+            packed[c] += p.numel()
+
+    def matches(self, params) -> bool:
+        return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
+
+    def runs(self, buf: torch.Tensor, compressed: bool) -> list[torch.Tensor]:
+        """The bucket slices of one class, as contiguous 1-D views."""
+        return [buf.narrow(0, off, n) for off, n, _ in (self.comp_runs if compressed else self.plain_runs)]
+
+
+class SerialWorker:
+    """A FIFO worker thread: jobs run one after another, in submission order.
+
+    ``submit(fn)`` returns a torch Future completed with ``fn()``'s result (or its
+    exception). Because one thread runs every job of a state, collectives are
+    issued in the order DDP hands buckets over -- the same on every rank."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], torch.Tensor], device: torch.device) -> torch.futures.Future:
+        fut = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+        ready = None
+        if device.type == "cuda":  # the bucket was produced on the caller's stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+        self._jobs.put((fn, fut, ready, device))
+        return fut
+
+    def _loop(self):
+        stream = None
+        while True:
+            fn, fut, ready, device = self._jobs.get()
+            try:
+                if ready is None:
+                    fut.set_result(fn())
+                    continue
+                if stream is None:
+                    stream = torch.cuda.Stream(device)
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    fut.set_result(fn())  # records the result's readiness on this stream
+            except BaseException as exc:  # surfaces in loss.backward() on this rank
+                fut.set_exception(exc)
+
+
+class HookState:
+    """Base of every ddpx comm-hook state (one per DDP model).
+
+    ``make(name)`` returns ``(state, hook)`` where ``hook(state, bucket)`` is the
+    function DDP calls per bucket. Subclasses set ``name``, ``options`` and
+    implement ``run_bucket`` (and ``build_layout`` if they need buffers).
+    """
+
+    name = ""
+    lossy = False
+    options: dict[str, Option] = {}
+    # per-parameter memory names kept in state_dict (e.g. error feedback)
+    memories: tuple[str, ...] = ()
+    # the C++ hook that runs this algorithm natively, or None
+    native_kind: str | None = None
+
+    def __init__(self, process_group=None, **opts):
+        self.opts = self._validate(opts)
+        for k, v in self.opts.items():
+            setattr(self, k, v)
+        self._group = process_group
+        self._world = None
+        self._rank = None
+        # [raw_bytes, wire_bytes, steps]: one tensor shared with the native hook
+        self.counters = torch.zeros(3, dtype=torch.int64)
+        self.layouts: dict[int, BucketLayout] = {}
+        self._keys: dict[int, int] = {}  # id(param) -> key
+        self._key_params: list[torch.Tensor] = []  # keeps ids valid
+        # memory[name][key] = flat tensor (a live view into a layout buffer, or
+        # a loaded tensor waiting for its parameter's layout)
+        self.memory: dict[str, dict[int, torch.Tensor]] = {m: {} for m in self.memories}
+        self._worker: SerialWorker | None = None
+        self.native = False  # set by ddpx.hooks.register when the C++ hook runs it
+        self._warned: set[str] = set()
+
+    # ----------------------------------------------------------------- options
+    @classmethod
+    def _validate(cls, opts):
+        unknown = sorted(set(opts) - set(cls.options))
+        if unknown:
+            known = ", ".join(sorted(cls.options)) or "none"
+            raise DdpxError(f"comm hook {cls.name!r}: unknown option(s) {', '.join(unknown)}; known options: {known}")
+        out = {}
+        for key, spec in cls.options.items():
+            v = opts.get(key, spec.default)
+            if spec.type is bool:
+                ok = isinstance(v, bool)
+            elif spec.type is int:
+                ok = isinstance(v, int) and not isinstance(v, bool)
+            else:
+                ok = isinstance(v, spec.type)
+            if not ok:
+                raise DdpxError(
+                    f"comm hook {cls.name!r}: option {key} must be {spec.type.__name__}, got {v!r} ({type(v).__name__})"
+                )
+            problem = spec.check(v) if spec.check else None
+            if problem:
+                raise DdpxError(f"comm hook {cls.name!r}: option {key} {problem}, got {v!r}")
+            out[key] = v
+        return out
+
+    # ------------------------------------------------------------------ group
+    @property
+    def process_group(self):
+        if self._group is None:
+            if not dist.is_initialized():
+                raise DdpxError("ddpx comm hook used before torch.distributed.init_process_group(); initialise it first")
+            self._group = dist.group.WORLD
+        return self._group
+
+    @property
+    def world_size(self) -> int:
+        if self._world is None:
+            self._world = dist.get_world_size(self.process_group)
+            self._rank = dist.get_rank(self.process_group)
+        return self._world
+
+    @property
+    def rank(self) -> int:
+        self.world_size
+        return self._rank
+
+    # ---------------------------------------------------------------- layouts
+    def compressible(self, p: torch.Tensor) -> bool:
+        """Whether a parameter's gradient goes through the lossy format."""
+        return False
+
+    def key_of(self, p: torch.Tensor) -> int:
+        k = self._keys.get(id(p))
+        if k is None:
+            k = len(self._key_params)
+            self._keys[id(p)] = k
+            self._key_params.append(p)
+        return k
+
+    def layout(self, index: int, params: list[torch.Tensor]) -> BucketLayout:
+        """The cached layout of bucket `index`; rebuilt when DDP changes the bucket."""
+        lay = self.layouts.get(index)
+        if lay is None or not lay.matches(params):
+            lay = BucketLayout(index, params, [self.key_of(p) for p in params], [self.compressible(p) for p in params])
+            self.build_layout(lay)
+            self.layouts[index] = lay
+        return lay
+
+    def build_layout(self, lay: BucketLayout) -> None:
+        """Allocate the layout's buffers (subclasses); call ``adopt`` for memory views."""
+
+    def adopt(self, name: str, key: int, view: torch.Tensor) -> None:
+        """Make `view` the home of parameter `key`'s memory `name`, carrying over
+        what the previous layout or a loaded state dict held."""
+        old = self.memory[name].get(key)
+        if old is not None:
+            if old.numel() == view.numel():
+                view.copy_(old.reshape(-1))
+            else:
+                self._warn_once(f"shape-{name}-{key}", "%s: %s memory of parameter %d has %d elements, the "
+                                "parameter now %d; starting it from zero", self.name, name, key, old.numel(),
+                                view.numel())
+                view.zero_()
+        else:
+            view.zero_()
+        self.memory[name][key] = view
+
+    # ------------------------------------------------------------------ hook
+    def run_bucket(self, bucket) -> torch.futures.Future:
+        raise NotImplementedError
+
+    def count(self, bucket_numel: int, wire_bytes: int, last: bool) -> None:
+        c = self.counters
+        c[0] += 4 * bucket_numel
+        c[1] += wire_bytes
+        if last:
+            c[2] += 1
+
+    @property
+    def steps(self) -> int:
+        return int(self.counters[2])
+
+    def worker(self) -> SerialWorker:
+        if self._worker is None:
+            self._worker = SerialWorker(f"ddpx-{self.name}-hook")
+        return self._worker
+
+    def stats(self) -> dict:
+        """Totals since creation: ``raw_bytes`` (fp32 gradient bytes handed to the
+        hook), ``wire_bytes`` (bytes this rank sent, ring model), ``steps``
+        (iterations communicated), ``ratio`` (raw / wire for world size 2's ring)."""
+        raw, wire, steps = (int(v) for v in self.counters)
+        return {"name": self.name, "raw_bytes": raw, "wire_bytes": wire, "steps": steps,
+                "compression": (raw / wire) if wire else None}
+
+    # ------------------------------------------------------------ state dict
+    def state_dict(self) -> dict:
+        """This rank's state: options, step counter and per-parameter memory.
+
+        Error-feedback memory is per rank: save one file per rank (e.g.
+        ``hook_state_rank{rank}.pt``) and load each rank its own."""
+        return {
+            "version": STATE_DICT_VERSION,
+            "name": self.name,
+            "options": dict(self.opts),
+            "world_size": self.world_size if dist.is_initialized() else self._world,
+            "rank": self.rank if dist.is_initialized() else self._rank,
+            "counters": self.counters.clone(),
+            "memory": {m: {k: t.detach().clone() for k, t in d.items()} for m, d in self.memory.items()},
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore counters and memory. A different hook name or version is an
+        error; a different world size or rank keeps the counters and resets the
+        memory (with a warning); a parameter whose size changed starts from zero."""
+        if not isinstance(sd, dict) or sd.get("version") != STATE_DICT_VERSION:
+            raise DdpxError(f"comm hook {self.name!r}: not a ddpx hook state dict (version "
+                            f"{sd.get('version') if isinstance(sd, dict) else None}, expected {STATE_DICT_VERSION})")
+        if sd.get("name") != self.name:
+            raise DdpxError(f"comm hook state dict is for {sd.get('name')!r}, not {self.name!r}; "
+                            f"load it into ddpx.hooks.make({sd.get('name')!r})")
+        self.counters.copy_(sd["counters"])
+        world = self.world_size if dist.is_initialized() else None
+        if sd.get("world_size") != world or sd.get("rank") != self.rank_or_none():
+            log.warning("%s: state dict was saved by rank %s of %s, this is rank %s of %s: error-feedback memory "
+                        "is per rank and is reset (counters kept)", self.name, sd.get("rank"), sd.get("world_size"),
+                        self.rank_or_none(), world)
+            for d in self.memory.values():
+                for t in d.values():
+                    t.zero_()
+            return
+        for name, saved in sd.get("memory", {}).items():
+            if name not in self.memory:
+                continue
+            live = self.memory[name]
+            for key, t in saved.items():
+                cur = live.get(key)
+                if cur is not None and cur.numel() == t.numel():
+                    cur.copy_(t.reshape(-1))
+                elif cur is not None:
+                    self._warn_once(f"shape-{name}-{key}", "%s: saved %s memory of parameter %d has %d elements, "
+                                    "the parameter has %d; it starts from zero", self.name, name, key, t.numel(),
+                                    cur.numel())
+                    cur.zero_()
+                else:
+                    live[key] = t.clone().reshape(-1)
+
+    def rank_or_none(self):
+        return self.rank if dist.is_initialized() else None
+
+    def _warn_once(self, key, msg, *args):
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.opts.items())
+        return f"ddpx.hooks.make({self.name!r}{', ' if opts else ''}{opts})"
+
+
+class LossyState(HookState):
+    """Base of the compressing hooks: warm-up and exemption of small tensors."""
+
+    lossy = True
+    options = {
+        "warmup_steps": Option(int, 0, non_negative, "iterations of plain fp32 allreduce before compression starts"),
+        "min_numel": Option(int, 1024, non_negative, "parameters with fewer elements are sent uncompressed"),
+        "compress_vectors": Option(bool, False, None, "compress 1-D parameters (biases, norms) too"),
+    }
+
+    def compressible(self, p):
+        return p.numel() >= self.min_numel and (p.dim() > 1 or self.compress_vectors)
+
+    def warming_up(self) -> bool:
+        return self.steps < self.warmup_steps
+
+
+def hook(state: HookState, bucket) -> torch.futures.Future:
+    """The comm-hook function for every ddpx state: ``ddp.register_comm_hook(state, hook)``."""
+    return state.run_bucket(bucket)
+
+
+# DDP checks the annotations at registration; this module's postponed
+# (string) annotations would not pass, so set the real objects.
+hook.__annotations__ = {"state": HookState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}

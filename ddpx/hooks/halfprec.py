@@ -1,0 +1,75 @@
+"""``fp16`` and ``bf16``: the bucket travels as a 16-bit allreduce.
+
+Each compressed run of the bucket is scaled by 1/world and cast in one pass
+(``ddpx.ops.scale_cast``) into a 16-bit send buffer, so the sum cannot
+overflow where the average would not; the return path casts back and writes
+straight into the bucket (``ddpx.ops.cast_scale_copy_``). Exempt parameters
+(small and 1-D ones by default) are averaged exactly in a second fp32
+allreduce issued right after, in the same hook call. Non-finite values stay
+non-finite (an overflow in the cast becomes inf), so GradScaler sees them.
+Wire: 2 bytes per compressed element.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .allreduce import allreduce_average
+from .base import LossyState, ring_allreduce_bytes
+
+
+class HalfPrecisionState(LossyState):
+    dtype = torch.float16
+    native_kind = "cast"
+
+    def build_layout(self, lay):
+        dev = lay.params[0].device
+        lay.wire = torch.empty(lay.n_comp, dtype=self.dtype, device=dev)
+        lay.plain = torch.empty(lay.n_plain, dtype=torch.float32, device=dev)
+
+    def run_bucket(self, bucket):
+        if self.warming_up():
+            return allreduce_average(self, bucket)
+        buf = bucket.buffer()
+        lay = self.layout(bucket.index(), bucket.parameters())
+        world, group = self.world_size, self.process_group
+        inv = 1.0 / world
+        self.count(buf.numel(), ring_allreduce_bytes(2 * lay.n_comp + 4 * lay.n_plain, world), bucket.is_last())
+        futs = []
+        if lay.n_comp:
+            for off, n, poff in lay.comp_runs:
+                ops.scale_cast(buf.narrow(0, off, n), inv, self.dtype, out=lay.wire.narrow(0, poff, n))
+            futs.append(dist.all_reduce(lay.wire, group=group, async_op=True).get_future())
+        if lay.n_plain:
+            ops.flatten(lay.runs(buf, False), inv, out=lay.plain)
+            futs.append(dist.all_reduce(lay.plain, group=group, async_op=True).get_future())
+
+        def finish(done):
+            for f in done.value():
+                f.value()  # re-raises a failed collective
+            for off, n, poff in lay.comp_runs:
+                ops.cast_scale_copy_(buf.narrow(0, off, n), lay.wire.narrow(0, poff, n), 1.0)
+            if lay.n_plain:
+                ops.unflatten_(lay.plain, lay.runs(buf, False))
+            return buf
+
+        return torch.futures.collect_all(futs).then(finish)
+
+
+class Fp16State(HalfPrecisionState):
+    """IEEE half precision (range +-65504 after the 1/world scaling)."""
+
+    name = "fp16"
+    dtype = torch.float16
+
+
+class Bf16State(HalfPrecisionState):
+    """bfloat16: fp32's range, 8 bits of mantissa; runs on gloo too."""
+
+    name = "bf16"
+    dtype = torch.bfloat16
+
+
+HOOKS = {"fp16": Fp16State, "bf16": Bf16State}

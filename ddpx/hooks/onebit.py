@@ -1,0 +1,142 @@
+"""``onebit``: 1-bit compression (signs + one scale per chunk) with worker and
+server error feedback, DeepSpeed-style, for any optimizer.
+
+1-bit codes are not summable, so the bucket is reduced by hand in two phases
+(the int8 hook's pattern):
+
+1. Every rank adds its worker error to its compressed values, packs the signs
+   into bits with one fp32 scale (mean |v|) per ``chunk_size`` elements
+   (``ddpx.ops.onebit_pack``, error updated in the same pass) and sends segment
+   r to rank r with one ``all_to_all_single``.
+2. Rank r decodes and averages the R received copies of its segment in fp32
+   (``onebit_unpack_accumulate_``), adds its server error, packs again (server
+   error updated), and an ``all_gather_into_tensor`` gives every rank every
+   averaged segment, decoded into the bucket.
+
+Exempt parameters (small and 1-D by default) ride along as fp32 in the same two
+messages: each rank's message is one byte buffer ``[plain fp32 | scales fp32 |
+bits]``. A chunk holding NaN/Inf gets a NaN scale, so a non-finite gradient
+stays non-finite. Wire per rank (ring model): about 2 (R-1)/R x (1/8 + 4 /
+chunk_size) bytes per compressed element: 32x less than fp32.
+
+Warm-up. Error feedback makes 1-bit SGD converge, but the first steps of
+training have large, fast-changing gradients whose signs carry little of their
+magnitude; with momentum (SGD momentum, Adam's first moment) the compression
+error is also integrated into the optimizer state. A few hundred steps of plain
+allreduce (``warmup_steps``) before compression starts is what DeepSpeed's
+1-bit Adam does (``freeze_step``); use it for momentum optimizers and when
+training from scratch. Fine-tuning with plain SGD usually needs none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .allreduce import allreduce_average
+from .base import LossyState, Option, positive_multiple_of
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+class OnebitState(LossyState):
+    """1-bit signs with a per-chunk scale, worker and server error feedback."""
+
+    name = "onebit"
+    native_kind = "onebit"
+    options = {
+        **LossyState.options,
+        "warmup_steps": Option(int, 50, lambda v: None if v >= 0 else "must be >= 0",
+                               "iterations of plain fp32 allreduce before compression starts"),
+        "chunk_size": Option(int, 2048, positive_multiple_of(8), "elements per fp32 scale"),
+    }
+    memories = ("worker_error", "server_error")
+
+    def build_layout(self, lay):
+        world, rank, chunk = self.world_size, self.rank, self.chunk_size
+        dev = lay.params[0].device
+        f32 = dict(dtype=torch.float32, device=dev)
+        # each rank's segment: whole chunks and whole 32-bit words, so every row of
+        # the byte messages below keeps its fp32 fields 4-byte aligned
+        align = chunk * 32 // math.gcd(chunk, 32)
+        lay.seg = _ceil_div(_ceil_div(lay.n_comp, world), align) * align
+        lay.lengths = [max(0, min(lay.seg, lay.n_comp - r * lay.seg)) for r in range(world)]
+        lay.chunks = lay.seg // chunk
+        lay.plain_chunk = _ceil_div(lay.n_plain, world)
+        lay.piece = 4 * lay.plain_chunk + 4 * lay.chunks + lay.seg // 8  # bytes per rank message
+        lay.comp = torch.zeros(world * lay.seg, **f32)  # packed compressed values (+ unused tail)
+        lay.plain = torch.zeros(world * lay.plain_chunk, **f32)
+        lay.reduced = torch.zeros(lay.seg, **f32)
+        lay.worker_error = torch.zeros(world * lay.seg, **f32)
+        lay.server_error = torch.zeros(world * lay.seg, **f32)  # only this rank's segment is used
+        lay.send = torch.zeros(world * lay.piece, dtype=torch.uint8, device=dev)
+        lay.recv = torch.zeros_like(lay.send)
+        lay.send2 = torch.zeros(lay.piece, dtype=torch.uint8, device=dev)
+        lay.recv2 = torch.zeros_like(lay.send)
+        for key, p, poff in zip(lay.keys, lay.params, lay.param_packed_offset):
+            if poff is not None:
+                self.adopt("worker_error", key, lay.worker_error.narrow(0, poff, p.numel()))
+                self.adopt("server_error", key, lay.server_error.narrow(0, poff, p.numel()))
+        # server memory carried over from another layout is only valid for our segment
+        own = slice(rank * lay.seg, (rank + 1) * lay.seg)
+        keep = lay.server_error[own].clone()
+        lay.server_error.zero_()
+        lay.server_error[own] = keep
+
+    def _views(self, lay, rows, m):
+        """(plain fp32 [R, e], scales fp32 [R, ceil(m/chunk)], bits uint8 [R, ceil(m/8)]) views of a
+        [R * piece] byte buffer whose rows hold segments of m compressed elements."""
+        rows = rows.view(-1, lay.piece)
+        e4, b4 = 4 * lay.plain_chunk, 4 * lay.chunks
+        plain = rows[:, :e4].view(torch.float32)
+        scales = rows[:, e4:e4 + 4 * _ceil_div(m, self.chunk_size)].view(torch.float32)
+        bits = rows[:, e4 + b4:e4 + b4 + _ceil_div(m, 8)]
+        return plain, scales, bits
+
+    def run_bucket(self, bucket):
+        if self.warming_up():
+            return allreduce_average(self, bucket)
+        buf = bucket.buffer()
+        lay = self.layout(bucket.index(), bucket.parameters())
+        world = self.world_size
+        self.count(buf.numel(), 2 * (world - 1) * lay.piece, bucket.is_last())
+        return self.worker().submit(lambda: self._reduce(buf, lay), buf.device)
+
+    def _reduce(self, buf, lay):
+        world, rank, chunk, group = self.world_size, self.rank, self.chunk_size, self.process_group
+        s = lay.seg
+        # phase 1: pack each destination's segment into its piece, exchange
+        ops.flatten(lay.runs(buf, True), out=lay.comp)
+        ops.flatten(lay.runs(buf, False), out=lay.plain)
+        for r, m in enumerate(lay.lengths):
+            plain, scales, bits = self._views(lay, lay.send, m)
+            ops.onebit_pack(lay.comp.narrow(0, r * s, m), chunk, lay.worker_error.narrow(0, r * s, m),
+                            out_bits=bits[r], out_scales=scales[r])
+        plain.copy_(lay.plain.view(world, -1))
+        dist.all_to_all_single(lay.recv, lay.send, group=group)
+        # local fp32 average of this rank's segment, server error feedback, re-pack
+        m = lay.lengths[rank]
+        plain, scales, bits = self._views(lay, lay.recv, m)
+        plain2, scales2, bits2 = self._views(lay, lay.send2, m)
+        torch.sum(plain, dim=0, out=plain2[0]).mul_(1.0 / world)
+        reduced = lay.reduced.narrow(0, 0, m)
+        ops.onebit_unpack_accumulate_(reduced, bits, scales, chunk, 1.0 / world)
+        ops.onebit_pack(reduced, chunk, lay.server_error.narrow(0, rank * s, m), out_bits=bits2[0],
+                        out_scales=scales2[0])
+        # phase 2: everyone gets every averaged segment
+        dist.all_gather_into_tensor(lay.recv2, lay.send2, group=group)
+        for r, m in enumerate(lay.lengths):
+            plain, scales, bits = self._views(lay, lay.recv2, m)
+            ops.onebit_unpack_accumulate_(lay.comp.narrow(0, r * s, m), bits[r], scales[r], chunk)
+        lay.plain.view(world, -1).copy_(plain)
+        ops.unflatten_(lay.comp, lay.runs(buf, True))
+        ops.unflatten_(lay.plain, lay.runs(buf, False))
+        return buf
+
+
+HOOKS = {"onebit": OnebitState}
