@@ -70,7 +70,10 @@ def _register(pm: pluggy.PluginManager, plugin, name: str, origin: str = "") -> 
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
-        raise DdpxError(f"plugin '{name}'{origin} is invalid: {exc}") from None
+        # pluggy's message spans lines; the first only repeats the plugin name.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = "; ".join(lines[1:] or lines)
+        raise DdpxError(f"plugin '{name}'{origin} is invalid: {detail} (see ddpx/hookspecs.py)") from None
     except ValueError as exc:  # already registered under another name, or name taken
         raise DdpxError(f"plugin '{name}'{origin} cannot be registered: {exc}") from None
 
@@ -174,11 +177,16 @@ def enable_tracing(pm: pluggy.PluginManager, write=None) -> None:
     pm.add_hookcall_monitoring(before, after)
 
 
+def registered(pm: pluggy.PluginManager) -> list[tuple[str, Any]]:
+    """``(name, plugin)`` in registration order, without blocked names (pluggy lists those as None)."""
+    return [(name, plugin) for name, plugin in pm.list_name_plugin() if plugin is not None]
+
+
 def plugin_table(pm: pluggy.PluginManager) -> list[dict]:
     """One row per registered plugin in registration order: name, distribution, version, hooks."""
     dists = distributions(pm)
     rows = []
-    for name, plugin in pm.list_name_plugin():
+    for name, plugin in registered(pm):
         if name in dists:
             dist_name, version = dists[name]
         elif name == CORE_PLUGIN:

@@ -1,0 +1,213 @@
+"""The plugin system: discovery, blocking, validation, hook order, overrides, tracing."""
+
+import importlib
+import importlib.metadata
+import sys
+import textwrap
+
+import pytest
+import torch.distributed as dist
+from utils import run_cli
+
+from ddpx.config import load_config
+from ddpx.errors import DdpxError
+from ddpx.plugin import make_plugin_manager, plugin_table, registered
+from ddpx.trainer import Trainer
+
+BUILTIN = {"sampler", "amp", "accumulation", "comm_hook", "logging", "checkpoint"}
+
+RECORDER = '''
+import torch
+from ddpx import hookimpl
+
+calls = []
+
+@hookimpl
+def ddpx_configure(config): calls.append("configure")
+@hookimpl
+def ddpx_setup(trainer): calls.append("setup")
+@hookimpl
+def ddpx_build_model(trainer):
+    import torch
+    return torch.nn.Sequential(torch.nn.Linear(64, 10))  # overrides the core's default model
+@hookimpl
+def ddpx_model_wrapped(trainer, model): calls.append("model_wrapped")
+@hookimpl
+def ddpx_train_start(trainer): calls.append("train_start")
+@hookimpl
+def ddpx_epoch_start(trainer, epoch): calls.append(f"epoch_start {epoch}")
+@hookimpl(wrapper=True)
+def ddpx_micro_step(trainer, batch, sync):
+    calls.append("micro_step(")
+    loss = yield
+    calls.append(")")
+    return loss
+@hookimpl(wrapper=True)
+def ddpx_forward(trainer, batch):
+    calls.append("forward")
+    return (yield)
+@hookimpl
+def ddpx_backward(trainer, loss): calls.append("backward")  # returns None: the core backpropagates
+@hookimpl
+def ddpx_optimizer_step(trainer): calls.append("optimizer_step")
+@hookimpl
+def ddpx_batch_end(trainer, batch_index, loss, stepped):
+    calls.append(f"batch_end {batch_index} {stepped} {trainer.global_step}")
+    if trainer.config.get("fail_at") == trainer.global_step:
+        raise RuntimeError("boom")
+@hookimpl
+def ddpx_evaluate(trainer, loader): calls.append("evaluate")
+@hookimpl
+def ddpx_epoch_end(trainer, epoch, metrics): calls.append(f"epoch_end {epoch} {sorted(metrics)}")
+@hookimpl
+def ddpx_train_end(trainer): calls.append("train_end")
+@hookimpl
+def ddpx_exception(trainer, exc): calls.append(f"exception {exc!r} {dist_alive()}")
+
+def dist_alive():
+    import torch.distributed as dist
+    return dist.is_initialized()
+'''
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    """Write plugin modules into tmp_path (importable by name); forget them afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written = []
+
+    def make(name, source):
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        written.append(name)
+        importlib.invalidate_caches()
+        return name
+
+    yield make
+    for name in written:
+        sys.modules.pop(name, None)
+
+
+def test_builtin_plugins_load_through_the_entry_point_group():
+    pm = make_plugin_manager(None)
+    names = [name for name, _ in registered(pm)]
+    declared = {ep.name for ep in importlib.metadata.entry_points(group="ddpx")}
+    assert BUILTIN <= declared  # registered like a third-party package would be
+    assert BUILTIN <= set(names)
+    assert names[-1] == "core"  # trylast defaults: registered last
+    rows = {row["name"]: row for row in plugin_table(pm)}
+    assert rows["sampler"]["distribution"] == "ddpx"
+    assert "ddpx_build_dataloaders" in rows["sampler"]["hooks"]
+    assert "ddpx_micro_step" in rows["core"]["hooks"]
+
+
+def test_block_and_enable(plugin_dir):
+    plugin_dir("extra_plugin", "from ddpx import hookimpl\n@hookimpl\ndef ddpx_train_end(trainer): pass\n")
+    pm = make_plugin_manager({"block": ["amp", "logging"], "enable": ["extra_plugin"]})
+    names = [name for name, _ in registered(pm)]
+    assert "amp" not in names and "logging" not in names and "sampler" in names
+    assert names[-2:] == ["extra_plugin", "core"]
+    with pytest.raises(DdpxError, match="'core' plugin cannot be blocked"):
+        make_plugin_manager({"block": ["core"]})
+
+
+def test_unknown_hook_is_named_with_its_plugin(plugin_dir):
+    plugin_dir("typo_plugin", "from ddpx import hookimpl\n@hookimpl\ndef ddpx_epoch_ends(trainer, epoch, metrics): pass\n")
+    with pytest.raises(DdpxError) as info:
+        make_plugin_manager({"enable": ["typo_plugin"]}, entry_points=False)
+    assert str(info.value) == "plugin 'typo_plugin' implements unknown hook 'ddpx_epoch_ends'; did you mean 'ddpx_epoch_end'?"
+
+
+def test_wrong_hook_arguments_and_import_errors(plugin_dir):
+    plugin_dir("args_plugin", "from ddpx import hookimpl\n@hookimpl\ndef ddpx_epoch_end(trainer, epoch, metric): pass\n")
+    with pytest.raises(DdpxError, match=r"plugin 'args_plugin' \(from plugins.enable\) is invalid: .*metric"):
+        make_plugin_manager({"enable": ["args_plugin"]}, entry_points=False)
+    plugin_dir("broken_plugin", "raise ImportError('needs libfoo')\n")
+    with pytest.raises(DdpxError, match="broken_plugin.*needs libfoo"):
+        make_plugin_manager({"enable": ["broken_plugin"]}, entry_points=False)
+    with pytest.raises(DdpxError, match="plugins.enable entry 'not_a_module_xyz' does not resolve"):
+        make_plugin_manager({"enable": ["not_a_module_xyz"]}, entry_points=False)
+
+
+def run_in_process(plugin_dir, tmp_path, overrides=()):
+    name = plugin_dir("recorder", RECORDER)
+    pm = make_plugin_manager({"enable": [name]}, entry_points=False)
+    # 3 batches of 32 per epoch (96 training samples), every rank sees all data.
+    config = load_config(None, ["trainer.epochs=2", "data.args.test_fraction=0.947", f"run_dir={tmp_path}/run", *overrides], plugin_manager=pm)
+    return Trainer(config), sys.modules[name].calls
+
+
+def test_hooks_run_in_the_documented_order(plugin_dir, tmp_path):
+    trainer, calls = run_in_process(plugin_dir, tmp_path)
+    trainer.run()
+    batch = ["micro_step(", "forward", "backward", ")", "optimizer_step"]
+    epoch0 = ["epoch_start 0"]
+    for i in range(3):
+        epoch0 += batch + [f"batch_end {i} True {i + 1}"]
+    epoch1 = ["epoch_start 1"]
+    for i in range(3):
+        epoch1 += batch + [f"batch_end {i} True {i + 4}"]
+    metrics = "['accuracy', 'epoch', 'eval_loss', 'loss', 'step']"
+    assert calls == (
+        ["configure", "setup", "model_wrapped", "train_start"]
+        + epoch0 + ["evaluate", f"epoch_end 0 {metrics}"]
+        + epoch1 + ["evaluate", f"epoch_end 1 {metrics}"]
+        + ["train_end"]
+    )
+    # The plugin's provider result replaced the core's default model.
+    assert isinstance(trainer.module, __import__("torch").nn.Sequential)
+    assert trainer.global_step == 6 and not dist.is_initialized()  # torn down
+
+
+def test_exception_reaches_plugins_and_tears_down(plugin_dir, tmp_path):
+    trainer, calls = run_in_process(plugin_dir, tmp_path)
+    trainer.config["fail_at"] = 2
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.run()
+    assert calls[-1] == "exception RuntimeError('boom') True"  # told while the group still exists
+    assert "train_end" not in calls
+    assert not dist.is_initialized()
+
+
+def test_trace_flag_and_env_var(capsys, monkeypatch):
+    load_config(None, ["plugins.trace=true"])
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "hook ddpx_configure(" in line)
+    assert line.startswith("[launcher] hook ddpx_configure(config={'seed': 0,")
+    called = line.rsplit("-> [", 1)[1].rstrip("]").split(", ")
+    assert "amp" in called and "checkpoint" in called and "core" not in called  # core has no ddpx_configure
+    monkeypatch.setenv("DDPX_TRACE_HOOKS", "1")
+    monkeypatch.setenv("RANK", "3")
+    load_config(None)
+    assert "[rank3] hook ddpx_configure(config=" in capsys.readouterr().err
+    monkeypatch.setenv("DDPX_TRACE_HOOKS", "0")
+    load_config(None)
+    assert "hook ddpx_configure" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_rank_with_different_plugins_stops_the_run(plugin_dir, tmp_path):
+    # On rank 1 only, a plugin registers one more plugin: like a node with an
+    # extra package installed.
+    plugin_dir("odd_rank", '''
+        import os
+        from ddpx import hookimpl
+
+        class Extra:
+            @hookimpl
+            def ddpx_train_end(self, trainer): pass
+
+        @hookimpl
+        def ddpx_configure(config):
+            if os.environ.get("RANK") == "1":
+                config.plugin_manager.register(Extra(), name="extra")
+    ''')
+    rc, out, err = run_cli(
+        ["train", "plugins.enable=[odd_rank]", "trainer.epochs=1", f"run_dir={tmp_path}/run", "--nproc-per-node", "2"],
+        timeout=120,
+        env={"PYTHONPATH": str(tmp_path)},
+        cwd=tmp_path,
+    )
+    assert rc != 0
+    assert "rank 1 loaded different plugins than rank 0 (position " in err
+    assert "extra==-" in err
+    assert "ddpx: error: training failed: rank" in err.strip().splitlines()[-1]
