@@ -1,0 +1,104 @@
+"""A plugin package installed into a fresh environment is discovered through its
+entry point, gets its config section, and its hooks run on every rank."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from utils import run_cli
+
+PLUGIN = '''
+"""A third-party ddpx plugin: records what it saw, one file per rank."""
+import json
+import os
+
+from ddpx import hookimpl
+
+
+def _record(trainer, **event):
+    cfg = trainer.config.section("hello")
+    path = os.path.join(trainer.run_dir, f"hello-rank{trainer.rank}.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps({"greeting": cfg["greeting"], **event}) + "\\n")
+
+
+@hookimpl
+def ddpx_config_defaults():
+    return {"hello": {"greeting": "hi", "times": 1}}
+
+
+@hookimpl
+def ddpx_train_start(trainer):
+    _record(trainer, event="train_start", world_size=trainer.world_size)
+
+
+@hookimpl
+def ddpx_epoch_end(trainer, epoch, metrics):
+    _record(trainer, event="epoch_end", epoch=epoch, accuracy=metrics.get("accuracy"))
+
+
+@hookimpl
+def ddpx_train_end(trainer):
+    _record(trainer, event="train_end", step=trainer.global_step)
+'''
+
+PYPROJECT = '''
+[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "ddpx-hello-plugin"
+version = "0.3.1"
+dependencies = ["ddpx"]
+
+[project.entry-points.ddpx]
+hello = "ddpx_hello"
+
+[tool.setuptools]
+py-modules = ["ddpx_hello"]
+'''
+
+
+@pytest.mark.slow
+def test_installed_plugin_is_discovered_and_called(tmp_path):
+    package = tmp_path / "ddpx-hello-plugin"
+    package.mkdir()
+    (package / "ddpx_hello.py").write_text(textwrap.dedent(PLUGIN))
+    (package / "pyproject.toml").write_text(textwrap.dedent(PYPROJECT))
+    venv = tmp_path / "venv"
+    # --system-site-packages: torch and ddpx come from this interpreter (no network);
+    # --without-pip: the system pip (visible through those site-packages) installs into the venv.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True, timeout=60)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet", str(package)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert install.returncode == 0, install.stderr
+
+    rc, out, err = run_cli(["plugins"], python=python, timeout=60)
+    assert rc == 0, err
+    row = next(line for line in out.splitlines() if line.startswith("hello "))
+    assert row.split() == ["hello", "ddpx-hello-plugin", "0.3.1", "ddpx_config_defaults,", "ddpx_epoch_end,", "ddpx_train_end,", "ddpx_train_start"]
+
+    run_dir = tmp_path / "run"
+    rc, out, err = run_cli(
+        ["train", "trainer.epochs=2", "hello.greeting=hey", f"run_dir={run_dir}", "logging.progress=false"],
+        python=python, timeout=120, cwd=tmp_path,
+    )
+    assert rc == 0, err[-3000:]
+    for rank in (0, 1):
+        events = [json.loads(line) for line in (run_dir / f"hello-rank{rank}.jsonl").read_text().splitlines()]
+        assert [e["event"] for e in events] == ["train_start", "epoch_end", "epoch_end", "train_end"]
+        assert {e["greeting"] for e in events} == {"hey"}  # its config section, overridden on the CLI
+        assert events[0]["world_size"] == 2
+        assert [e.get("epoch") for e in events[1:3]] == [0, 1]
+        assert events[2]["accuracy"] > 0.5
+        assert events[3]["step"] == 46  # 2 epochs x 23 steps (2 ranks x 32 per batch)
+
+    # Outside that environment the plugin does not exist.
+    rc, out, err = run_cli(["train", "hello.greeting=hey"], timeout=60, cwd=tmp_path)
+    assert rc == 2 and "unknown key 'hello'" in err
