@@ -9,6 +9,7 @@ namespace py = pybind11;
 namespace ddpx::hooks {
 void bind(pybind11::module_& m) {
   m.attr("has_native_hooks") = true;
+  m.def("native_hook_kinds", &algorithm_kinds, "The native algorithms built into this extension.");
   m.def(
       "register_native_comm_hook",
       [](c10d::Reducer& reducer, c10d::ProcessGroup* group, py::object state, const std::string& kind) {
@@ -19,7 +20,7 @@ void bind(pybind11::module_& m) {
         reducer.register_comm_hook(std::make_unique<NativeHook>(std::move(core)));
       },
       py::arg("reducer"), py::arg("process_group"), py::arg("state"), py::arg("kind"),
-      "Register the native ddpx comm hook `kind` (allreduce, cast, int8) on a DDP reducer; `state` is the "
-      "Python ddpx.hooks state that owns options, counters and buffers.");
+      "Register the native ddpx comm hook `kind` on a DDP reducer; `state` is the Python ddpx.hooks state that "
+      "owns options, counters and buffers.");
 }
 }  // namespace ddpx::hooks

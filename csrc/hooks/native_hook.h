@@ -7,6 +7,10 @@
 // only when DDP hands over a bucket it has not seen (first iterations and the
 // bucket rebuild), then keeps references to the layout's tensors, so
 // state_dict() and stats() see what the native hook wrote.
+//
+// Adding an algorithm = one csrc/hooks/<name>.cpp defining a NativeAlgorithm
+// and DDPX_REGISTER_NATIVE_HOOK("<native_kind>", Class); the Python state
+// names the kind in its `native_kind` attribute.
 #pragma once
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -19,10 +23,13 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
 namespace ddpx::hooks {
+
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
 // A run of consecutive parameters of one class in the bucket.
 struct Run {
@@ -31,16 +38,30 @@ struct Run {
   int64_t packed;  // in the class's packed buffer
 };
 
-// C++ mirror of ddpx.hooks.base.BucketLayout (and the hook's buffers).
+// C++ view of a ddpx.hooks.base.BucketLayout: the runs, plus every int and
+// tensor attribute the Python hook's build_layout() set, by attribute name.
 struct Layout {
   std::vector<const c10::TensorImpl*> signature;  // the bucket's parameters
   std::vector<Run> comp, plain;
   int64_t n_comp = 0, n_plain = 0;
-  // int8
-  int64_t chunk = 0, blocks = 0, plain_chunk = 0, piece = 0;
-  // buffers, by the Python attribute names
-  at::Tensor wire, plain_buf, comp_buf, reduced, worker_error, server_error, send, recv, send2, recv2;
+  std::unordered_map<std::string, at::Tensor> tensors;
+  std::unordered_map<std::string, int64_t> ints;
+
+  const at::Tensor& tensor(const std::string& name) const;
+  int64_t integer(const std::string& name) const;
 };
+
+// Slices of the bucket, one per run, as contiguous 1-D views.
+std::vector<at::Tensor> run_views(const at::Tensor& buf, const std::vector<Run>& runs);
+
+// (plain fp32 [R, plain_chunk], scales fp32 [R, blocks], payload [R, rest]) views
+// of a byte buffer of R rank messages laid out [plain | scales | payload], each
+// `piece` bytes (the two-phase hooks' wire format).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_views(const at::Tensor& bytes, int64_t piece,
+                                                           int64_t plain_chunk, int64_t blocks,
+                                                           at::ScalarType payload);
+
+int64_t ring_allreduce_bytes(int64_t nbytes, int64_t world);
 
 // Runs jobs one after another on one thread, in submission order, so every
 // rank issues the multi-phase collectives in DDP's bucket order.
@@ -58,39 +79,67 @@ class SerialWorker {
   std::thread thread_;
 };
 
-// Everything a native hook needs; shared by the hook object and its jobs.
+class HookCore;
+
+// One compression algorithm (the C++ twin of a Python HookState.run_bucket).
+class NativeAlgorithm {
+ public:
+  virtual ~NativeAlgorithm() = default;
+  virtual FuturePtr run(HookCore& core, c10d::GradBucket& bucket) = 0;
+};
+
+using AlgorithmFactory = std::function<std::unique_ptr<NativeAlgorithm>(HookCore&)>;
+bool register_algorithm(const std::string& kind, AlgorithmFactory factory);
+std::vector<std::string> algorithm_kinds();
+
+#define DDPX_REGISTER_NATIVE_HOOK(kind, cls)                                                      \
+  static const bool ddpx_native_hook_registered_##cls = ::ddpx::hooks::register_algorithm( \
+      kind, [](::ddpx::hooks::HookCore& core) { return std::make_unique<cls>(core); })
+
+// What every native hook shares: the group, the Python state and its options,
+// counters and layouts, and the FIFO worker.
 class HookCore {
  public:
-  HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, pybind11::object state, std::string kind);
+  HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, pybind11::object state, const std::string& kind);
   ~HookCore();
 
-  c10::intrusive_ptr<c10::ivalue::Future> run(c10d::GradBucket& bucket);
+  FuturePtr run(c10d::GradBucket& bucket);
 
- private:
-  std::shared_ptr<Layout> layout(c10d::GradBucket& bucket);
+  // The bucket's layout, built by the Python state the first time it is seen.
+  std::shared_ptr<const Layout> layout(c10d::GradBucket& bucket);
+  // Adds to the shared counters [raw_bytes, wire_bytes, steps].
   void count(int64_t bucket_numel, int64_t wire_bytes, bool last);
   bool warming_up() const;
-  c10::intrusive_ptr<c10::ivalue::Future> allreduce_average(c10d::GradBucket& bucket);
-  c10::intrusive_ptr<c10::ivalue::Future> run_cast(c10d::GradBucket& bucket);
-  c10::intrusive_ptr<c10::ivalue::Future> run_int8(c10d::GradBucket& bucket);
-  void reduce_int8(at::Tensor buf, const Layout& lay);
+  // Plain fp32 average in place (the allreduce hook and every warm-up step).
+  FuturePtr allreduce_average(c10d::GradBucket& bucket);
+  // Runs `work` on the FIFO worker (on a side stream that waits for the
+  // bucket, on accelerators); the future completes with the bucket.
+  FuturePtr submit(const at::Tensor& buf, std::function<void()> work);
+  // An option of the Python state (read once, at construction time).
+  int64_t int_option(const char* name, int64_t fallback) const;
+  double float_option(const char* name, double fallback) const;
+  std::string str_option(const char* name) const;
 
+  c10d::ProcessGroup& group() { return *pg_; }
+  int64_t world() const { return world_; }
+  int64_t rank() const { return rank_; }
+
+ private:
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   pybind11::object state_;  // the Python HookState; touched only under the GIL
-  std::string kind_;
   int64_t world_, rank_;
-  int64_t warmup_ = 0, block_ = 0;
-  at::ScalarType dtype_ = at::kFloat;
+  int64_t warmup_ = 0;
   at::Tensor counters_;  // int64 [raw_bytes, wire_bytes, steps], owned by the Python state
   std::mutex layouts_mu_;
-  std::unordered_map<size_t, std::shared_ptr<Layout>> layouts_;
-  SerialWorker worker_;
+  std::unordered_map<size_t, std::shared_ptr<const Layout>> layouts_;
+  std::unique_ptr<NativeAlgorithm> algorithm_;
+  SerialWorker worker_;  // last member: joined first on destruction
 };
 
 class NativeHook : public c10d::CppCommHookInterface<std::shared_ptr<HookCore>> {
  public:
   using c10d::CppCommHookInterface<std::shared_ptr<HookCore>>::CppCommHookInterface;
-  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override;
+  FuturePtr runHook(c10d::GradBucket& bucket) override;
 };
 
 }  // namespace ddpx::hooks

@@ -76,6 +76,8 @@ def _native_unavailable(ddp_model, state) -> str | None:
         return f"the ddpx._C extension failed to load ({exc})"
     if not getattr(_C, "has_native_hooks", False):
         return "this ddpx._C build has no native comm hooks (torch without distributed headers)"
+    if state.native_kind not in _C.native_hook_kinds():
+        return f"this ddpx._C build has no native {state.native_kind!r} hook (rebuild the extension)"
     if getattr(ddp_model, "reducer", None) is None:
         return f"{type(ddp_model).__name__} has no DDP reducer"
     return None

@@ -1,0 +1,55 @@
+// Native twin of ddpx/hooks/halfprec.py: fp16/bf16 allreduce, scaled before the
+// cast, exempt parameters averaged in fp32 in a second allreduce.
+#include "hooks/native_hook.h"
+#include "ops/ops.h"
+
+namespace ddpx::hooks {
+namespace {
+
+class Cast final : public NativeAlgorithm {
+ public:
+  explicit Cast(HookCore& core) : inv_(1.0 / static_cast<double>(core.world())) {}
+
+  FuturePtr run(HookCore& core, c10d::GradBucket& bucket) override {
+    at::Tensor buf = bucket.getBuffer();
+    auto lay = core.layout(bucket);
+    const at::Tensor& wire = lay->tensor("wire");
+    const at::Tensor& plain = lay->tensor("plain");
+    core.count(buf.numel(), ring_allreduce_bytes(2 * lay->n_comp + 4 * lay->n_plain, core.world()),
+               bucket.isLast());
+    c10::List<FuturePtr> futs(c10::FutureType::create(c10::AnyType::get()));
+    if (lay->n_comp) {
+      for (const auto& r : lay->comp) {
+        at::Tensor out = wire.narrow(0, r.packed, r.numel);
+        ddpx::ops::scale_cast_out(buf.narrow(0, r.offset, r.numel), inv_, out);
+      }
+      std::vector<at::Tensor> t{wire};
+      futs.push_back(core.group().allreduce(t)->getFuture());
+    }
+    if (lay->n_plain) {
+      at::Tensor out = plain;
+      ddpx::ops::flatten_out(run_views(buf, lay->plain), inv_, out);
+      std::vector<at::Tensor> t{plain};
+      futs.push_back(core.group().allreduce(t)->getFuture());
+    }
+    return c10::collectAll(futs)->then(
+        [buf, lay](c10::ivalue::Future& done) {
+          done.value();  // re-raises a failed collective
+          const at::Tensor& wire = lay->tensor("wire");
+          for (const auto& r : lay->comp) {
+            at::Tensor dst = buf.narrow(0, r.offset, r.numel);
+            ddpx::ops::cast_scale_copy_(dst, wire.narrow(0, r.packed, r.numel), 1.0);
+          }
+          if (lay->n_plain) ddpx::ops::unflatten_(lay->tensor("plain"), run_views(buf, lay->plain));
+          return c10::IValue(buf);
+        },
+        c10::TensorType::get());
+  }
+
+ private:
+  double inv_;
+};
+
+}  // namespace
+DDPX_REGISTER_NATIVE_HOOK("cast", Cast);
+}  // namespace ddpx::hooks
