@@ -291,6 +291,11 @@ def resolve(path: str, key: str = "import path"):
         try:
             return getattr(module, name)
         except AttributeError:
+            try:  # a submodule its package does not import (``mypkg.myplugin``)
+                return importlib.import_module(f"{mod}.{name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{mod}.{name}":
+                    raise DdpxError(f"{key} '{path}': importing {mod}.{name} failed: {exc}") from None
             hint = _did_you_mean(name, [n for n in dir(module) if not n.startswith("_")])
             raise DdpxError(f"{key} '{path}' does not resolve: module '{mod}' has no attribute '{name}'{hint}") from None
     raise DdpxError(f"{key} '{path}' does not resolve: {last_error}")
