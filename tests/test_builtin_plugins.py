@@ -1,0 +1,333 @@
+"""The built-in plugins through the real trainer: 2 ranks on gloo, each `python -m ddpx.worker`.
+
+The workers join a TCPStore this test process serves (what torchrun's agent
+would serve), so a run costs two interpreter start-ups and no launcher. This
+module is also a plugin (``plugins.enable: [tests.test_builtin_plugins]``): the
+recorder hooks below save what each rank saw to ``<run_dir>/record<rank>.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+
+from ddpx import hookimpl
+from ddpx.data import digits_split
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD = 2
+
+
+# --- data and the recorder plugin (imported by the workers) -------------------------------
+
+
+def indexed_digits(num_train=None):
+    """The digits split, each training sample carrying its index as a third tensor."""
+    train, test = digits_split()
+    x, y = train.tensors
+    if num_train is not None:
+        x, y = x[:num_train], y[:num_train]
+    return torch.utils.data.TensorDataset(x, y, torch.arange(len(y))), test
+
+
+def _counting_allreduce(state, bucket):
+    state["allreduce_calls"] += 1
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+@hookimpl
+def ddpx_config_defaults():
+    return {"recorder": {"inf_at_step": -1}}
+
+
+@hookimpl
+def ddpx_model_wrapped(trainer, model):
+    rec = trainer.recorder = {
+        "allreduce_calls": 0,
+        "indices": {},
+        "batches": [],
+        "metrics": [],
+        "output_dtypes": set(),
+    }
+    model.register_comm_hook(rec, _counting_allreduce)
+    trainer.module.register_forward_hook(
+        lambda m, i, out: rec["output_dtypes"].add(str(out.dtype)) if m.training else None
+    )
+
+
+@hookimpl
+def ddpx_train_start(trainer):
+    trainer.recorder["init"] = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    trainer.log.info("recorder info from rank %d", trainer.rank)
+    trainer.log.warning("recorder warning from rank %d", trainer.rank)
+
+
+@hookimpl(wrapper=True)
+def ddpx_forward(trainer, batch):
+    trainer.recorder["indices"].setdefault(trainer.epoch, []).append(batch[2].tolist())
+    loss = yield
+    if trainer.global_step == trainer.config.section("recorder")["inf_at_step"] and trainer.rank == 0:
+        loss = loss * math.inf  # an overflow on one rank: every rank must skip the step
+    return loss
+
+
+@hookimpl
+def ddpx_batch_end(trainer, batch_index, loss, stepped):
+    first = next(trainer.module.parameters())
+    trainer.recorder["batches"].append(
+        {"step": trainer.global_step, "stepped": stepped, "param_sum": first.detach().double().sum().item()}
+    )
+
+
+@hookimpl
+def ddpx_epoch_end(trainer, epoch, metrics):
+    trainer.recorder["metrics"].append(dict(metrics))
+
+
+@hookimpl
+def ddpx_train_end(trainer):
+    rec = trainer.recorder
+    rec["final"] = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    rec["global_step"] = trainer.global_step
+    rec["scheduler_steps"] = None if trainer.scheduler is None else trainer.scheduler.last_epoch
+    rec["lr"] = trainer.optimizer.param_groups[0]["lr"]
+    torch.save(rec, os.path.join(trainer.run_dir, f"record{trainer.rank}.pt"))
+
+
+# --- running 2 ranks -----------------------------------------------------------------------
+
+
+def run_ranks(tmp_path, config, timeout=120):
+    """Train ``config`` on WORLD gloo ranks; return (records, stderr per rank, run_dir)."""
+    run_dir = tmp_path / "run"
+    config = dict(config, run_dir=str(run_dir))
+    config.setdefault("plugins", {})["enable"] = ["tests.test_builtin_plugins"]
+    config.setdefault("checkpoint", {})["enabled"] = False
+    config.setdefault("trainer", {}).update(backend="gloo", device="cpu", timeout_s=60, first_timeout_s=60)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    )
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(WORLD)]
+    procs = []
+    for rank in range(WORLD):  # output to files: a full pipe must not block a rank mid-collective
+        with open(logs[rank], "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "ddpx.worker", "--config", str(path)],
+                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                    cwd=tmp_path,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    deadline = time.monotonic() + timeout
+    failed = []
+    for rank, proc in enumerate(procs):
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            proc.wait()
+            failed.append((rank, f"did not finish within {timeout} s"))
+        else:
+            if proc.returncode != 0:
+                failed.append((rank, f"exited with {proc.returncode}"))
+    outputs = [log.read_text() for log in logs]
+    if failed:
+        for p in procs:
+            p.kill()
+        raise AssertionError("\n".join(f"rank {rank} {what}:\n{outputs[rank][-3000:]}" for rank, what in failed))
+    records = [torch.load(run_dir / f"record{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    return records, outputs, run_dir
+
+
+def epoch_order(num_samples, seed, epoch):
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+# --- accumulation ---------------------------------------------------------------------------
+
+
+def test_should_step_windows_and_short_final_window():
+    from types import SimpleNamespace
+
+    from ddpx_plugins import accumulation
+
+    trainer = SimpleNamespace(accumulation=accumulation.AccumulationState(4))
+    steps, windows = [], []
+    for i in range(10):
+        steps.append(accumulation.ddpx_should_step(trainer=trainer, batch_index=i, num_batches=10))
+        windows.append(trainer.accumulation.window)
+    assert [i + 1 for i, s in enumerate(steps) if s] == [4, 8, 10]
+    assert windows == [4] * 8 + [2, 2]
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    """40 samples, 2 ranks x 4 per micro-batch = 5 micro-batches per epoch, 2 per step:
+    windows of 2, 2 and a short final 1. Parameters must match plain SGD on the
+    windows' samples taken as one batch each; DDP must all-reduce once per window."""
+    n, batch, accumulate, epochs, lr, gamma, seed = 40, 4, 2, 2, 0.5, 0.8, 3
+    config = {
+        "seed": seed,
+        "model": {"target": "torch.nn.Linear", "args": {"in_features": 64, "out_features": 10}},
+        "data": {"target": "tests.test_builtin_plugins.indexed_digits", "args": {"num_train": n}},
+        "optimizer": {"target": "torch.optim.SGD", "args": {"lr": lr}},
+        "scheduler": {"target": "torch.optim.lr_scheduler.ExponentialLR", "args": {"gamma": gamma}},
+        "trainer": {"epochs": epochs, "batch_size": batch},
+        "accumulation": {"steps": accumulate},
+        "logging": {"every_steps": 1, "all_ranks": True, "progress": False},
+    }
+    records, errors, _ = run_ranks(tmp_path, config)
+    r0, r1 = records
+
+    # the reference: one process, each window's samples as one batch
+    train, _ = indexed_digits(n)
+    x, y, _ = train.tensors
+    model = torch.nn.Linear(64, 10)
+    model.load_state_dict(r0["init"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    per_step = WORLD * batch
+    ref_epoch_losses = []
+    for epoch in range(epochs):
+        order = epoch_order(n, seed, epoch)
+        micro_losses = []
+        for start in range(0, n, per_step * accumulate):
+            window = order[start : start + per_step * accumulate]
+            with torch.no_grad():  # the unscaled per-rank micro-batch losses the trainer reports
+                for i in range(0, len(window), batch):
+                    micro = window[i : i + batch]
+                    micro_losses.append(loss_fn(model(x[micro]), y[micro]).item())
+            optimizer.zero_grad()
+            loss_fn(model(x[window]), y[window]).backward()
+            optimizer.step()
+            scheduler.step()
+        ref_epoch_losses.append(sum(micro_losses) / len(micro_losses))
+        # every rank saw its slice of every global micro-batch, in order
+        for rank, rec in enumerate(records):
+            expected = [order[g + rank * batch : g + (rank + 1) * batch] for g in range(0, n, per_step)]
+            assert rec["indices"][epoch] == expected
+
+    for rec in records:
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(rec["final"][key], value, rtol=1e-5, atol=1e-6)
+        assert rec["global_step"] == epochs * 3  # 5 micro-batches -> windows 2, 2, 1
+        assert rec["scheduler_steps"] == epochs * 3  # the scheduler follows optimizer steps
+        assert rec["lr"] == pytest.approx(lr * gamma ** (epochs * 3))
+        assert rec["allreduce_calls"] == epochs * 3  # no_sync on the other micro-batches (1 bucket)
+        assert [b["stepped"] for b in rec["batches"]] == [False, True, False, True, True] * epochs
+    for got, want in zip(r0["metrics"], ref_epoch_losses):
+        assert got["loss"] == pytest.approx(want, rel=1e-5)  # the reported loss is unscaled
+    # logging.all_ranks: every rank's info messages, with its prefix
+    assert "[rank0] recorder info from rank 0" in errors[0]
+    assert "[rank1] recorder info from rank 1" in errors[1]
+
+
+# --- amp --------------------------------------------------------------------------------------
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
+    inf_at = 3
+    config = {
+        "model": {"target": "ddpx.models.DigitsMLP", "args": {"hidden": 32}},
+        "data": {"target": "tests.test_builtin_plugins.indexed_digits", "args": {}},
+        "optimizer": {"target": "torch.optim.SGD", "args": {"lr": 0.1, "momentum": 0.9}},
+        "scheduler": {"target": "torch.optim.lr_scheduler.StepLR", "args": {"step_size": 1, "gamma": 1.0}},
+        "trainer": {"epochs": 3, "batch_size": 32, "grad_clip": 1.0},
+        "amp": {"enabled": True, "dtype": "fp16", "init_scale": 1024.0},
+        "recorder": {"inf_at_step": inf_at},
+        "logging": {"progress": False},
+    }
+    records, _, _ = run_ranks(tmp_path, config)
+    for rec in records:
+        assert rec["output_dtypes"] == {"torch.float16"}  # the forward ran under fp16 autocast
+        batches = rec["batches"]
+        assert [b["stepped"] for b in batches].count(False) == 1
+        skipped = next(i for i, b in enumerate(batches) if not b["stepped"])
+        assert batches[skipped]["step"] == inf_at + 1  # the step counter moves on
+        assert batches[skipped]["param_sum"] == batches[skipped - 1]["param_sum"]  # weights untouched
+        assert batches[skipped + 1]["param_sum"] != batches[skipped]["param_sum"]  # training resumed
+        assert rec["scheduler_steps"] == rec["global_step"] - 1  # no scheduler step for the skipped one
+        last = rec["metrics"][-1]
+        assert last["amp_skipped_steps"] == 1
+        assert last["amp_scale"] == 512.0  # halved once, never grown (growth interval 2000)
+        assert last["accuracy"] > 0.85
+        assert math.isinf(rec["metrics"][0]["loss"])  # the injected inf is in epoch 0's mean
+    torch.testing.assert_close(records[0]["final"], records[1]["final"], rtol=0, atol=0)
+
+
+def test_bf16_runs_and_converges_with_sampler_and_metrics(tmp_path):
+    """bf16 autocast; the sampler's per-epoch shuffle (identical across ranks,
+    different per epoch, disjoint shards covering the epoch); metrics.jsonl;
+    rank-0-only info logging."""
+    epochs, seed, batch, every = 3, 5, 32, 7
+    config = {
+        "seed": seed,
+        "model": {"target": "ddpx.models.DigitsMLP", "args": {"hidden": 64}},
+        "data": {"target": "tests.test_builtin_plugins.indexed_digits", "args": {}},
+        "optimizer": {"target": "torch.optim.SGD", "args": {"lr": 0.1, "momentum": 0.9}},
+        "trainer": {"epochs": epochs, "batch_size": batch},
+        "amp": {"enabled": True, "dtype": "bf16"},
+        "logging": {"every_steps": every, "progress": True},
+    }
+    records, errors, run_dir = run_ranks(tmp_path, config)
+    train, _ = indexed_digits()
+    n = len(train)
+    orders = []
+    for epoch in range(epochs):
+        order = epoch_order(n, seed, epoch)
+        orders.append(order)
+        shards = [[i for b in rec["indices"][epoch] for i in b] for rec in records]
+        assert not set(shards[0]) & set(shards[1])
+        assert sorted(shards[0] + shards[1]) == list(range(n))
+        steps = list(zip(records[0]["indices"][epoch], records[1]["indices"][epoch]))
+        assert [i for a, b in steps for i in a + b] == order  # global batches follow the epoch order
+    assert orders[0] != orders[1] != orders[2]
+
+    for rec in records:
+        assert rec["output_dtypes"] == {"torch.bfloat16"}
+        assert all(b["stepped"] for b in rec["batches"])
+        assert "amp_skipped_steps" not in rec["metrics"][-1]  # bf16: no scaler
+    assert records[0]["metrics"][-1]["accuracy"] > 0.9
+    torch.testing.assert_close(records[0]["final"], records[1]["final"], rtol=0, atol=0)
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_per_epoch = math.ceil(n / (WORLD * batch))
+    step_lines = [line for line in lines if line["kind"] == "step"]
+    epoch_lines = [line for line in lines if line["kind"] == "epoch"]
+    assert [line["step"] for line in step_lines] == list(range(every, epochs * steps_per_epoch + 1, every))
+    assert [line["epoch"] for line in step_lines] == [(s - 1) // steps_per_epoch for s in range(every, epochs * steps_per_epoch + 1, every)]
+    assert all(0 < line["loss"] < 3 and line["samples_per_s"] > 0 for line in step_lines)
+    assert [(line["epoch"], line["step"]) for line in epoch_lines] == [(e, (e + 1) * steps_per_epoch) for e in range(epochs)]
+    for line, metrics in zip(epoch_lines, records[0]["metrics"]):
+        assert line["loss"] == pytest.approx(metrics["loss"]) and line["accuracy"] == pytest.approx(metrics["accuracy"])
+    assert step_lines[-1]["loss"] < step_lines[0]["loss"]
+
+    # rank-aware logging: rank 0 info shown with its prefix, other ranks only warnings
+    assert "[rank0] recorder info from rank 0" in errors[0]
+    assert "[rank0] epoch 2 (step" in errors[0]
+    assert "recorder info" not in errors[1]
+    assert "[rank1] recorder warning from rank 1" in errors[1]
+    assert "epoch 0: 100%" in errors[0] and "samples_s=" in errors[0]  # rank 0's progress bar
+    assert "%|" not in errors[1]  # no bar on other ranks
