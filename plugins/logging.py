@@ -200,7 +200,7 @@ def ddpx_epoch_end(trainer, epoch, metrics):
         log.bar.close()
         log.bar = None
     log.write({"kind": "epoch", "step": trainer.global_step, "epoch": epoch, **metrics})
-    shown = "  ".join(f"{k} {_format(v)}" for k, v in metrics.items())
+    shown = "  ".join(f"{k} {_format(v)}" for k, v in metrics.items() if k not in ("epoch", "step"))
     trainer.log.info("epoch %d (step %d): %s", epoch, trainer.global_step, shown)
 
 

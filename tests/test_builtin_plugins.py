@@ -59,7 +59,8 @@ def ddpx_model_wrapped(trainer, model):
         "metrics": [],
         "output_dtypes": set(),
     }
-    model.register_comm_hook(rec, _counting_allreduce)
+    if trainer.config.section("comm_hook")["name"] == "allreduce":  # a DDP model takes one hook
+        model.register_comm_hook(rec, _counting_allreduce)
     trainer.module.register_forward_hook(
         lambda m, i, out: rec["output_dtypes"].add(str(out.dtype)) if m.training else None
     )
@@ -101,6 +102,8 @@ def ddpx_train_end(trainer):
     rec["global_step"] = trainer.global_step
     rec["scheduler_steps"] = None if trainer.scheduler is None else trainer.scheduler.last_epoch
     rec["lr"] = trainer.optimizer.param_groups[0]["lr"]
+    rec["comm_hook"] = type(getattr(trainer, "comm_hook", None)).__name__
+    rec["state_keys"] = sorted(trainer.state_dict())
     torch.save(rec, os.path.join(trainer.run_dir, f"record{trainer.rank}.pt"))
 
 
@@ -244,6 +247,18 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     assert "[rank1] recorder info from rank 1" in errors[1]
 
 
+def test_unknown_comm_hook_name_lists_the_choices():
+    from types import SimpleNamespace
+
+    from ddpx.errors import DdpxError
+    from ddpx_plugins import comm_hook
+
+    pytest.importorskip("ddpx.hooks")
+    config = SimpleNamespace(section=lambda name: {"name": "int7", "native": True, "options": {}})
+    with pytest.raises(DdpxError, match="unknown comm_hook.name 'int7'; choose one of: allreduce, .*int8"):
+        comm_hook.ddpx_configure(config=config)
+
+
 # --- amp --------------------------------------------------------------------------------------
 
 
@@ -279,8 +294,8 @@ def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
 
 def test_bf16_runs_and_converges_with_sampler_and_metrics(tmp_path):
     """bf16 autocast; the sampler's per-epoch shuffle (identical across ranks,
-    different per epoch, disjoint shards covering the epoch); metrics.jsonl;
-    rank-0-only info logging."""
+    different per epoch, disjoint shards covering the epoch) and exact sharded
+    evaluation; the fp16 comm hook; metrics.jsonl; rank-0-only info logging."""
     epochs, seed, batch, every = 3, 5, 32, 7
     config = {
         "seed": seed,
@@ -290,9 +305,10 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(tmp_path):
         "trainer": {"epochs": epochs, "batch_size": batch},
         "amp": {"enabled": True, "dtype": "bf16"},
         "logging": {"every_steps": every, "progress": True},
+        "comm_hook": {"name": "fp16"},
     }
     records, errors, run_dir = run_ranks(tmp_path, config)
-    train, _ = indexed_digits()
+    train, test = indexed_digits()
     n = len(train)
     orders = []
     for epoch in range(epochs):
@@ -310,6 +326,19 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(tmp_path):
         assert all(b["stepped"] for b in rec["batches"])
         assert "amp_skipped_steps" not in rec["metrics"][-1]  # bf16: no scaler
     assert records[0]["metrics"][-1]["accuracy"] > 0.9
+    # evaluation sharded without padding: exactly the accuracy over the whole eval set
+    from ddpx.models import DigitsMLP
+
+    model = DigitsMLP(hidden=64)
+    model.load_state_dict(records[0]["final"])
+    with torch.no_grad():
+        correct = (model(test.tensors[0]).argmax(1) == test.tensors[1]).sum().item()
+    assert len(test) % WORLD == 1  # padding would have counted one sample twice
+    assert records[0]["metrics"][-1]["accuracy"] == pytest.approx(correct / len(test), abs=1e-12)
+    for rec in records:
+        assert rec["comm_hook"] not in ("NoneType", None)
+        assert {"sampler", "comm_hook", "model", "optimizer"} <= set(rec["state_keys"])
+        assert "amp" not in rec["state_keys"]  # bf16: no scaler state
     torch.testing.assert_close(records[0]["final"], records[1]["final"], rtol=0, atol=0)
 
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
