@@ -131,7 +131,9 @@ def test_resume_at_every_position_with_same_and_other_world_size(drop_last):
             for s in after:
                 s.load_state_dict(state)
                 s.set_epoch(2)  # the resumed epoch: position kept
-            rest = flatten(epoch_batches(after))
+            per_rank_rest = epoch_batches(after)
+            rest = flatten(per_rank_rest)
+            assert [len(s) for s in after] == [len(batches) for batches in per_rank_rest]
             assert len({len(s) for s in after}) == 1
             assert not set(done) & set(rest), (n, b, w_before, w_after, k)
             assert len(rest) == len(set(rest))

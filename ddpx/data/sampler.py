@@ -26,7 +26,7 @@ Layout of one epoch (``N`` samples, ``W`` ranks, ``B`` samples per rank and batc
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Mapping
+from typing import Any, Iterator, List, Mapping, Optional
 
 import torch
 from torch.utils.data import Sampler
@@ -81,13 +81,13 @@ class ResumableDistributedBatchSampler(Sampler[List[int]]):
     def advance(self, batches: int = 1) -> None:
         """Mark the next ``batches`` global batches as consumed (trained on)."""
         for _ in range(batches):
-            ends = self._global_batch_ends(self.consumed)
-            if not ends:
+            end = self._next_end(self.consumed)
+            if end is None:
                 raise RuntimeError(
                     f"sampler advanced past the end of epoch {self.epoch} "
                     f"(consumed {self.consumed} of {self.num_samples} samples)"
                 )
-            self.consumed = ends[0]
+            self.consumed = end
 
     def state_dict(self) -> dict:
         return {
@@ -122,31 +122,33 @@ class ResumableDistributedBatchSampler(Sampler[List[int]]):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.num_samples, generator=generator)
 
-    def _global_batch_ends(self, start: int) -> List[int]:
-        """End positions of the global batches from ``start`` (see module docstring)."""
+    def _next_end(self, start: int) -> Optional[int]:
+        """End of the global batch starting at ``start`` (None: the epoch is over).
+        O(1): called after every batch. The rule is in the module docstring."""
         per_step = self.world_size * self.batch_size
         full, tail = divmod(self.num_samples - start, per_step)
-        ends = [start + per_step * (i + 1) for i in range(full)]
-        if tail and not self.drop_last:
-            if tail >= self.world_size:
-                ends.append(self.num_samples)
-            elif ends:
-                ends[-1] = self.num_samples
-        return ends
+        keep_tail = tail > 0 and not self.drop_last
+        if full == 0:
+            return self.num_samples if keep_tail and tail >= self.world_size else None
+        if full == 1 and keep_tail and tail < self.world_size:
+            return self.num_samples  # the last full batch takes the short tail
+        return start + per_step
 
     def __len__(self) -> int:
         """Batches left in this epoch from the current position (same on every rank)."""
-        return len(self._global_batch_ends(self.consumed))
+        full, tail = divmod(self.num_samples - self.consumed, self.world_size * self.batch_size)
+        return full + (1 if tail >= self.world_size and not self.drop_last else 0)
 
     def __iter__(self) -> Iterator[List[int]]:
         order = self.epoch_order()
         begin = self.consumed
-        for end in self._global_batch_ends(begin):
+        end = self._next_end(begin)
+        while end is not None:
             size = end - begin
             lo = begin + self.rank * size // self.world_size
             hi = begin + (self.rank + 1) * size // self.world_size
             yield order[lo:hi].tolist()
-            begin = end
+            begin, end = end, self._next_end(end)
 
 
 def shard_range(num_samples: int, rank: int, world_size: int) -> range:
