@@ -14,8 +14,7 @@ namespace {
 
 // Elements per parallel task: big enough to amortize the thread hand-off.
 constexpr int64_t kGrainElems = 1 << 16;
-// Rows are summed in fp32 tiles this long (fits L1 next to the inputs).
-constexpr int64_t kTile = 1024;
+constexpr int64_t kStep = 64;  // elements per prefetch step
 
 template <bool kError>
 DDPX_INLINE void quantize_blocks(const float* x, float* err, int8_t* q, float* scales, int64_t n, int64_t block,
@@ -23,14 +22,26 @@ DDPX_INLINE void quantize_blocks(const float* x, float* err, int8_t* q, float* s
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lo = b * block;
     const int64_t len = std::min(block, n - lo);
+    if (len <= 0) break;  // never (b < nblocks); tells gcc the fills below are sane
     const float* xb = x + lo;
     float* eb = kError ? err + lo : nullptr;
     int8_t* qb = q + lo;
 
-    int32_t amax = 0;
-    for (int64_t i = 0; i < len; ++i) {
-      const float v = kError ? xb[i] + eb[i] : xb[i];
-      const int32_t a = abs_bits(v);
+    // Pass 1: max|v| as integer bits (also flags NaN/Inf).
+    i32x8 max_lo = {}, max_hi = {};
+    const int64_t full = len - len % 16;
+    for (int64_t i = 0; i < full; i += 16) {
+      f32x8 v_lo = load8(xb + i), v_hi = load8(xb + i + 8);
+      if (kError) {
+        v_lo = v_lo + load8(eb + i);
+        v_hi = v_hi + load8(eb + i + 8);
+      }
+      max_lo = max8(max_lo, abs_bits8(v_lo));
+      max_hi = max8(max_hi, abs_bits8(v_hi));
+    }
+    int32_t amax = hmax8(max8(max_lo, max_hi));
+    for (int64_t i = full; i < len; ++i) {
+      const int32_t a = abs_bits(kError ? xb[i] + eb[i] : xb[i]);
       amax = a > amax ? a : amax;
     }
     if (amax >= kNonFiniteAbsBits) {  // NaN/Inf: NaN scale, error untouched
@@ -47,13 +58,23 @@ DDPX_INLINE void quantize_blocks(const float* x, float* err, int8_t* q, float* s
       }
       continue;
     }
-    for (int64_t i = 0; i < len; ++i) {
-      const float v = kError ? xb[i] + eb[i] : xb[i];
-      float r = round_half_even(v / scale);
-      r = r < -127.0f ? -127.0f : r;
-      r = r > 127.0f ? 127.0f : r;
-      qb[i] = static_cast<int8_t>(static_cast<int32_t>(r));
-      if (kError) eb[i] = v - r * scale;
+    // Pass 2, from L1, while the next block streams in.
+    const int64_t next_len = std::max<int64_t>(0, std::min(block, n - lo - block));
+    for (int64_t i0 = 0; i0 < len; i0 += kStep) {
+      const int64_t m = std::min(kStep, len - i0);
+      if (i0 < next_len) {
+        const int64_t ahead = std::min(kStep, next_len - i0) * 4;
+        prefetch_lines(xb + block + i0, ahead);
+        if (kError) prefetch_lines(eb + block + i0, ahead);
+      }
+      for (int64_t i = i0; i < i0 + m; ++i) {
+        const float v = kError ? xb[i] + eb[i] : xb[i];
+        float r = round_half_even(v / scale);
+        r = r < -127.0f ? -127.0f : r;
+        r = r > 127.0f ? 127.0f : r;
+        qb[i] = static_cast<int8_t>(static_cast<int32_t>(r));
+        if (kError) eb[i] = v - r * scale;
+      }
     }
   }
 }
@@ -89,32 +110,40 @@ void int8_quantize_out(const at::Tensor& x_in, int64_t block, const std::optiona
   });
 }
 
-// One [lo, lo + len) slice inside block b: sum the rows in a tile, then apply
-// alpha and (optionally) the old value of out.
+// out = (accumulate ? out : 0) + alpha * (q[0] * s[0] + q[1] * s[1] + ...),
+// rows added in order, 64 elements at a time.
 DDPX_CPU_CLONES void dequant_blocks(float* out, const int8_t* q, int64_t q_row_stride, const float* scales,
                                     int64_t s_row_stride, int64_t rows, int64_t n, int64_t block, float alpha,
                                     bool accumulate, int64_t b0, int64_t b1) {
-  float tmp[kTile];
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t block_end = std::min(n, (b + 1) * block);
-    for (int64_t lo = b * block; lo < block_end; lo += kTile) {
-      const int64_t len = std::min(kTile, block_end - lo);
+    int64_t lo = b * block;
+    for (; lo + kStep <= block_end; lo += kStep) {
+      float acc[kStep];
       {
         const int8_t* qr = q + lo;
         const float s = scales[b];
-        for (int64_t i = 0; i < len; ++i) tmp[i] = static_cast<float>(qr[i]) * s;
+        for (int i = 0; i < kStep; ++i) acc[i] = static_cast<float>(qr[i]) * s;
       }
       for (int64_t r = 1; r < rows; ++r) {
         const int8_t* qr = q + r * q_row_stride + lo;
         const float s = scales[r * s_row_stride + b];
-        for (int64_t i = 0; i < len; ++i) tmp[i] = tmp[i] + static_cast<float>(qr[i]) * s;
+        for (int i = 0; i < kStep; ++i) acc[i] = acc[i] + static_cast<float>(qr[i]) * s;
       }
       float* o = out + lo;
       if (accumulate) {
-        for (int64_t i = 0; i < len; ++i) o[i] = o[i] + alpha * tmp[i];
+        for (int i = 0; i < kStep; ++i) o[i] = o[i] + alpha * acc[i];
       } else {
-        for (int64_t i = 0; i < len; ++i) o[i] = alpha * tmp[i];
+        for (int i = 0; i < kStep; ++i) o[i] = alpha * acc[i];
       }
+    }
+    for (int64_t i = lo; i < block_end; ++i) {  // the block's last partial step
+      float sum = 0.0f;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float d = static_cast<float>(q[r * q_row_stride + i]) * scales[r * s_row_stride + b];
+        sum = r == 0 ? d : sum + d;
+      }
+      out[i] = accumulate ? out[i] + alpha * sum : alpha * sum;
     }
   }
 }

@@ -13,10 +13,10 @@ namespace ddpx::cpu {
 namespace {
 
 constexpr int64_t kGrainElems = 1 << 16;
-constexpr int64_t kTile = 1024;  // multiple of 8: tiles start on byte boundaries
 // Independent partial sums for mean|v|: a fixed summation order the compiler
 // may vectorize without -ffast-math.
 constexpr int kLanes = 16;
+constexpr int64_t kStep = 64;  // multiple of 8: steps start on byte boundaries
 
 DDPX_INLINE float sign_scale(bool positive, float scale) { return positive ? scale : -scale; }
 
@@ -30,25 +30,32 @@ DDPX_INLINE void pack_chunks(const float* x, float* err, uint8_t* bits, float* s
     float* ec = kError ? err + lo : nullptr;
     uint8_t* bc = bits + lo / 8;
 
-    float acc[kLanes] = {};
-    int32_t amax_lane[kLanes] = {};
+    // Pass 1: max|v| bits (NaN/Inf check) and sum|v| in 16 fixed lanes:
+    // lane j sums elements i = j (mod 16), then the lanes are added pairwise.
+    i32x8 max_lo = {}, max_hi = {};
+    f32x8 sum_lo = {}, sum_hi = {};
     const int64_t full = len - len % kLanes;
     for (int64_t i = 0; i < full; i += kLanes) {
-      for (int j = 0; j < kLanes; ++j) {
-        const float v = kError ? xc[i + j] + ec[i + j] : xc[i + j];
-        const int32_t a = abs_bits(v);
-        amax_lane[j] = a > amax_lane[j] ? a : amax_lane[j];
-        acc[j] += bits_float(static_cast<uint32_t>(a));
+      f32x8 v_lo = load8(xc + i), v_hi = load8(xc + i + 8);
+      if (kError) {
+        v_lo = v_lo + load8(ec + i);
+        v_hi = v_hi + load8(ec + i + 8);
       }
+      const i32x8 a_lo = abs_bits8(v_lo), a_hi = abs_bits8(v_hi);
+      max_lo = max8(max_lo, a_lo);
+      max_hi = max8(max_hi, a_hi);
+      sum_lo = sum_lo + bits_float8(a_lo);
+      sum_hi = sum_hi + bits_float8(a_hi);
     }
+    float acc[kLanes];
+    std::memcpy(acc, &sum_lo, sizeof sum_lo);
+    std::memcpy(acc + 8, &sum_hi, sizeof sum_hi);
+    int32_t amax = hmax8(max8(max_lo, max_hi));
     for (int64_t i = full; i < len; ++i) {
-      const float v = kError ? xc[i] + ec[i] : xc[i];
-      const int32_t a = abs_bits(v);
-      amax_lane[i - full] = a > amax_lane[i - full] ? a : amax_lane[i - full];
+      const int32_t a = abs_bits(kError ? xc[i] + ec[i] : xc[i]);
+      amax = a > amax ? a : amax;
       acc[i - full] += bits_float(static_cast<uint32_t>(a));
     }
-    int32_t amax = 0;
-    for (int j = 0; j < kLanes; ++j) amax = amax_lane[j] > amax ? amax_lane[j] : amax;
     for (int width = kLanes / 2; width > 0; width /= 2) {
       for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
     }
@@ -56,28 +63,26 @@ DDPX_INLINE void pack_chunks(const float* x, float* err, uint8_t* bits, float* s
     const float scale = finite ? acc[0] / static_cast<float>(len) : bits_float(0x7fc00000u);
     scales[c] = scale;
 
-    const int64_t full_bytes = len / 8;
-    for (int64_t k = 0; k < full_bytes; ++k) {
-      uint32_t byte = 0;
-      for (int j = 0; j < 8; ++j) {
-        const int64_t i = k * 8 + j;
-        const float v = kError ? xc[i] + ec[i] : xc[i];
-        byte |= static_cast<uint32_t>(v >= 0.0f) << j;
+    // Pass 2, from L1, in steps of kStep elements: signs, then the residual.
+    const int64_t next_len = std::max<int64_t>(0, std::min(chunk, n - lo - chunk));
+    for (int64_t i0 = 0; i0 < len; i0 += kStep) {
+      const int64_t m = std::min(kStep, len - i0);
+      if (i0 < next_len) {
+        const int64_t ahead = std::min(kStep, next_len - i0) * 4;
+        prefetch_lines(xc + chunk + i0, ahead);
+        if (kError) prefetch_lines(ec + chunk + i0, ahead);
       }
-      bc[k] = static_cast<uint8_t>(byte);
-    }
-    if (len % 8) {
-      uint32_t byte = 0;
-      for (int64_t i = full_bytes * 8; i < len; ++i) {
-        const float v = kError ? xc[i] + ec[i] : xc[i];
-        byte |= static_cast<uint32_t>(v >= 0.0f) << (i % 8);
+      float v[kStep];
+      for (int64_t i = 0; i < m; ++i) v[i] = kError ? xc[i0 + i] + ec[i0 + i] : xc[i0 + i];
+      uint8_t* bo = bc + i0 / 8;
+      for (int64_t k = 0; k < m / 8; ++k) bo[k] = sign_byte(v + 8 * k);
+      if (m % 8) {  // the chunk's (and tensor's) last, partial byte: padding bits 0
+        uint32_t byte = 0;
+        for (int64_t i = m - m % 8; i < m; ++i) byte |= static_cast<uint32_t>(v[i] >= 0.0f) << (i % 8);
+        bo[m / 8] = static_cast<uint8_t>(byte);
       }
-      bc[full_bytes] = static_cast<uint8_t>(byte);
-    }
-    if (kError && finite) {
-      for (int64_t i = 0; i < len; ++i) {
-        const float v = xc[i] + ec[i];
-        ec[i] = v - sign_scale(v >= 0.0f, scale);
+      if (kError && finite) {
+        for (int64_t i = 0; i < m; ++i) ec[i0 + i] = v[i] - sign_scale(v[i] >= 0.0f, scale);
       }
     }
   }
@@ -124,34 +129,40 @@ struct SignTable {
 };
 const SignTable kSigns;
 
+// out = (accumulate ? out : 0) + alpha * (dec[0] + dec[1] + ...), rows added
+// in order; 64 elements at a time are summed in registers over all rows.
 DDPX_CPU_CLONES void unpack_chunks(float* out, const uint8_t* bits, int64_t b_row_stride, const float* scales,
                                    int64_t s_row_stride, int64_t rows, int64_t n, int64_t chunk, float alpha,
                                    bool accumulate, int64_t c0, int64_t c1) {
-  float tmp[kTile];
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t chunk_end = std::min(n, (c + 1) * chunk);
-    for (int64_t lo = c * chunk; lo < chunk_end; lo += kTile) {
-      const int64_t len = std::min(kTile, chunk_end - lo);
-      const int64_t nbytes = (len + 7) / 8;  // tmp has room: kTile % 8 == 0
-      for (int64_t r = 0; r < rows; ++r) {
+    int64_t lo = c * chunk;
+    for (; lo + kStep <= chunk_end; lo += kStep) {
+      f32x8 acc[kStep / 8];
+      {
+        const uint8_t* br = bits + lo / 8;
+        const float s = scales[c];
+        for (int k = 0; k < kStep / 8; ++k) acc[k] = load8(kSigns.v[br[k]]) * s;
+      }
+      for (int64_t r = 1; r < rows; ++r) {
         const uint8_t* br = bits + r * b_row_stride + lo / 8;
         const float s = scales[r * s_row_stride + c];
-        for (int64_t k = 0; k < nbytes; ++k) {
-          const float* sign = kSigns.v[br[k]];
-          float* t = tmp + k * 8;
-          if (r == 0) {
-            for (int j = 0; j < 8; ++j) t[j] = sign[j] * s;
-          } else {
-            for (int j = 0; j < 8; ++j) t[j] = t[j] + sign[j] * s;
-          }
-        }
+        for (int k = 0; k < kStep / 8; ++k) acc[k] = acc[k] + load8(kSigns.v[br[k]]) * s;
       }
       float* o = out + lo;
-      if (accumulate) {
-        for (int64_t i = 0; i < len; ++i) o[i] = o[i] + alpha * tmp[i];
-      } else {
-        for (int64_t i = 0; i < len; ++i) o[i] = alpha * tmp[i];
+      for (int k = 0; k < kStep / 8; ++k) {
+        const f32x8 add = alpha * acc[k];
+        const f32x8 res = accumulate ? load8(o + 8 * k) + add : add;
+        std::memcpy(o + 8 * k, &res, sizeof res);
       }
+    }
+    for (int64_t i = lo; i < chunk_end; ++i) {  // the tensor's last partial step
+      float sum = 0.0f;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float d = kSigns.v[bits[r * b_row_stride + i / 8]][i % 8] * scales[r * s_row_stride + c];
+        sum = r == 0 ? d : sum + d;
+      }
+      out[i] = accumulate ? out[i] + alpha * sum : alpha * sum;
     }
   }
 }

@@ -16,6 +16,10 @@
 
 #define DDPX_INLINE inline __attribute__((always_inline))
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace ddpx::cpu {
 
 DDPX_INLINE uint32_t float_bits(float f) {
@@ -42,6 +46,60 @@ DDPX_INLINE int32_t abs_bits(float f) { return static_cast<int32_t>(float_bits(f
 DDPX_INLINE float round_half_even(float y) {
   constexpr float kMagic = 12582912.0f;
   return (y + kMagic) - kMagic;
+}
+
+// 8-lane vectors (GCC/clang vector extensions): explicit lanes where the
+// order of a float sum matters, lowered to AVX2 or pairs of SSE registers.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+
+DDPX_INLINE f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+DDPX_INLINE i32x8 abs_bits8(f32x8 v) {
+  i32x8 u;
+  std::memcpy(&u, &v, sizeof u);
+  return u & 0x7fffffff;
+}
+
+DDPX_INLINE f32x8 bits_float8(i32x8 u) {
+  f32x8 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+DDPX_INLINE i32x8 max8(i32x8 a, i32x8 b) { return a > b ? a : b; }
+
+DDPX_INLINE int32_t hmax8(i32x8 a) {
+  int32_t m = a[0];
+  for (int j = 1; j < 8; ++j) m = a[j] > m ? a[j] : m;
+  return m;
+}
+
+// Bit j of the result is (v[j] >= 0) for j < 8 (NaN -> 0).
+DDPX_INLINE uint8_t sign_byte(const float* v) {
+#if defined(__SSE2__)
+  const __m128 zero = _mm_setzero_ps();
+  const int lo = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(v), zero));
+  const int hi = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(v + 4), zero));
+  return static_cast<uint8_t>(lo | (hi << 4));
+#else
+  uint32_t byte = 0;
+  for (int j = 0; j < 8; ++j) byte |= static_cast<uint32_t>(v[j] >= 0.0f) << j;
+  return static_cast<uint8_t>(byte);
+#endif
+}
+
+// Pull the next block into the cache while the current one is being computed
+// on, so the DRAM stream does not stall between a block's two passes.
+DDPX_INLINE void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
 }  // namespace ddpx::cpu
