@@ -10,6 +10,7 @@ the test with each rank's stderr instead of stalling the suite.
 from __future__ import annotations
 
 import datetime
+import time
 import importlib.util
 import os
 import subprocess
@@ -33,25 +34,29 @@ def run_workers(fn, world_size: int = 2, args: tuple = (), timeout: float = 90.0
         for rank in range(world_size):
             cmd = [sys.executable, __file__, module_path, fn.__name__, str(rank), str(world_size), str(port),
                    args_file, os.path.join(tmp, f"rank{rank}.pt"), str(timeout)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outputs, failed = [], []
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+            with open(os.path.join(tmp, f"rank{rank}.err"), "w") as err:  # a file: a full pipe would block
+                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
+        # poll: when one rank dies the others would wait for it until the gloo timeout
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+        timed_out = [r for r, p in enumerate(procs) if p.poll() is None]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        failed = []
         for rank, p in enumerate(procs):
-            left = max(1.0, (deadline - datetime.datetime.now()).total_seconds())
-            try:
-                out, err = p.communicate(timeout=left)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                out, err = p.communicate()
-                failed.append(f"rank {rank} timed out after {timeout:.0f}s:\n{err[-3000:]}")
-                continue
-            outputs.append(out)
-            if p.returncode != 0:
+            p.wait()
+            with open(os.path.join(tmp, f"rank{rank}.err")) as f:
+                err = f.read()
+            if rank in timed_out:
+                reason = f"was killed after {timeout:.0f}s" if time.monotonic() > deadline else "was stopped"
+                failed.append(f"rank {rank} {reason}:\n{err[-3000:]}")
+            elif p.returncode != 0:
                 failed.append(f"rank {rank} exited with {p.returncode}:\n{err[-3000:]}")
         if failed:
-            for q in procs:
-                q.kill()
             raise AssertionError("\n".join(failed))
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 

@@ -66,6 +66,16 @@ class OnebitState(LossyState):
         world, rank, chunk = self.world_size, self.rank, self.chunk_size
         dev = lay.params[0].device
         f32 = dict(dtype=torch.float32, device=dev)
+        # compressed parameters are packed in key order, not bucket order: the chunks, and
+        # so the results, then do not depend on the order DDP lists a bucket's parameters
+        # in (it changes at the bucket rebuild: a resumed run's first step matches)
+        offsets, off = [], 0
+        for p in lay.params:
+            offsets.append(off)
+            off += p.numel()
+        order = sorted(i for i, poff in enumerate(lay.param_packed_offset) if poff is not None)
+        order.sort(key=lambda i: lay.keys[i])
+        lay.comp_slices = [(offsets[i], lay.params[i].numel()) for i in order]
         # each rank's segment: whole chunks and whole 32-bit words, so every row of
         # the byte messages below keeps its fp32 fields 4-byte aligned
         align = chunk * 32 // math.gcd(chunk, 32)
@@ -83,10 +93,12 @@ class OnebitState(LossyState):
         lay.recv = torch.zeros_like(lay.send)
         lay.send2 = torch.zeros(lay.piece, dtype=torch.uint8, device=dev)
         lay.recv2 = torch.zeros_like(lay.send)
-        for key, p, poff in zip(lay.keys, lay.params, lay.param_packed_offset):
-            if poff is not None:
-                self.adopt("worker_error", key, lay.worker_error.narrow(0, poff, p.numel()))
-                self.adopt("server_error", key, lay.server_error.narrow(0, poff, p.numel()))
+        packed = 0
+        for i in order:
+            n = lay.params[i].numel()
+            self.adopt("worker_error", lay.keys[i], lay.worker_error.narrow(0, packed, n))
+            self.adopt("server_error", lay.keys[i], lay.server_error.narrow(0, packed, n))
+            packed += n
         # server memory carried over from another layout is only valid for our segment
         own = slice(rank * lay.seg, (rank + 1) * lay.seg)
         keep = lay.server_error[own].clone()
@@ -115,8 +127,9 @@ class OnebitState(LossyState):
     def _reduce(self, buf, lay):
         world, rank, chunk, group = self.world_size, self.rank, self.chunk_size, self.process_group
         s = lay.seg
+        comp = [buf.narrow(0, off, n) for off, n in lay.comp_slices]
         # phase 1: pack each destination's segment into its piece, exchange
-        ops.flatten(lay.runs(buf, True), out=lay.comp)
+        ops.flatten(comp, out=lay.comp)
         ops.flatten(lay.runs(buf, False), out=lay.plain)
         for r, m in enumerate(lay.lengths):
             plain, scales, bits = self._views(lay, lay.send, m)
@@ -139,7 +152,7 @@ class OnebitState(LossyState):
             plain, scales, bits = self._views(lay, lay.recv2, m)
             ops.onebit_unpack_accumulate_(lay.comp.narrow(0, r * s, m), bits[r], scales[r], chunk)
         lay.plain.view(world, -1).copy_(plain)
-        ops.unflatten_(lay.comp, lay.runs(buf, True))
+        ops.unflatten_(lay.comp, comp)
         ops.unflatten_(lay.plain, lay.runs(buf, False))
         return buf
 

@@ -1,0 +1,161 @@
+"""``powersgd``: rank-r PowerSGD (Vogels et al., 2019) with error feedback and
+warm start, on gloo and NCCL, with several buckets in flight.
+
+Per bucket, every matrix-shaped gradient M (n x m, higher dims flattened to
+n x prod(rest), plus its error memory) is approximated as P Q^T:
+
+1. P = M Q for every matrix; all P's of the bucket and the uncompressed
+   parameters (vectors, small tensors; fp32, pre-divided by world) go in one
+   buffer and one allreduce.
+2. Orthogonalize each P (``torch.linalg.qr``), Q = M^T P; all Q's in one
+   allreduce, divided by world.
+3. M ~ P Q^T is written into the bucket; the local error M - P Q^T is kept for
+   the next step, and the averaged Q is the next step's starting Q (warm start).
+
+Q starts from a seeded normal draw per parameter (``seed`` + the parameter's
+ordinal), identical on every rank. Error and Q memory are per parameter, so
+they survive DDP's bucket rebuild and ``state_dict()``; a world-size change on
+load resets both (Q redrawn). A matrix whose P is non-finite (a NaN/Inf
+gradient on some rank) comes out NaN, so GradScaler skips the step, and keeps
+its previous error and a fresh Q.
+
+The P and Q phases depend on each other, so they run on the state's FIFO worker
+thread: every rank issues P1, Q1, P2, Q2, ... in bucket order (torch 2.13's
+``powerSGD_hook`` issues the Q allreduce from a future callback, in completion
+order, and crashes on gloo with several buckets). Wire per matrix: r (n + m)
+fp32 elements instead of n m.
+
+Options: ``rank`` (the approximation rank r), ``warmup_steps`` (plain
+allreduce first, torch's ``start_powerSGD_iter``), ``min_numel`` (smaller
+matrices travel uncompressed), ``seed``. No native hook yet: ``register``
+uses the Python hook and logs so once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .allreduce import allreduce_average
+from .base import HookState, LossyState, Option, non_negative, ring_allreduce_bytes
+
+
+def _matrix_shape(p: torch.Tensor) -> tuple[int, int]:
+    return p.shape[0], p.numel() // p.shape[0]
+
+
+class PowerSGDState(LossyState):
+    """Rank-r PowerSGD with error feedback and warm start."""
+
+    name = "powersgd"
+    native_kind = None
+    options = {
+        "rank": Option(int, 4, lambda v: None if v >= 1 else "must be >= 1", "approximation rank r"),
+        "warmup_steps": LossyState.options["warmup_steps"],
+        "min_numel": LossyState.options["min_numel"],
+        "seed": Option(int, 0, non_negative, "seed of the initial Q (identical on every rank)"),
+    }
+    memories = ("error", "q")
+
+    # HookState.rank is the process rank; the option of the same name (the
+    # user-facing spelling, as in the paper) is stored as `approx_rank`.
+    @property
+    def rank(self) -> int:
+        return HookState.rank.fget(self)
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self.approx_rank = value
+
+    def r_of(self, p: torch.Tensor) -> int:
+        n, m = _matrix_shape(p)
+        return min(self.approx_rank, n, m)
+
+    def compressible(self, p):
+        if p.dim() < 2 or p.numel() < self.min_numel:
+            return False
+        n, m = _matrix_shape(p)
+        return (n + m) * self.r_of(p) < n * m
+
+    def build_layout(self, lay):
+        dev = lay.params[0].device
+        f32 = dict(dtype=torch.float32, device=dev)
+        lay.mats = []  # (key, bucket_offset, n, m, r, p_offset, q_offset, packed_offset)
+        p_total = q_total = 0
+        off = 0
+        for key, p, poff in zip(lay.keys, lay.params, lay.param_packed_offset):
+            if poff is not None:
+                n, m = _matrix_shape(p)
+                r = self.r_of(p)
+                lay.mats.append((key, off, n, m, r, p_total, q_total, poff))
+                p_total += n * r
+                q_total += m * r
+            off += p.numel()
+        lay.pbuf = torch.zeros(lay.n_plain + p_total, **f32)  # [plain | P's]: one allreduce
+        lay.q = torch.zeros(q_total, **f32)  # Q's: one allreduce, and the warm-start memory
+        lay.error = torch.zeros(lay.n_comp, **f32)
+        for key, _, n, m, r, _, qoff, poff in lay.mats:
+            self.adopt("error", key, lay.error.narrow(0, poff, n * m))
+            q = lay.q.narrow(0, qoff, m * r)
+            self.adopt("q", key, q)
+            if not q.any():  # new parameter, or memory reset: start from the seeded draw
+                self._draw_q(key, q)
+
+    def _draw_q(self, key: int, q: torch.Tensor) -> None:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
+        q.copy_(torch.randn(q.numel(), generator=g))
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        # a reset (world-size change) zeroes the memory; Q must start random again
+        for key, q in self.memory["q"].items():
+            if q.numel() and not q.any():
+                self._draw_q(key, q)
+
+    def run_bucket(self, bucket):
+        if self.warming_up():
+            return allreduce_average(self, bucket)
+        buf = bucket.buffer()
+        lay = self.layout(bucket.index(), bucket.parameters())
+        world = self.world_size
+        wire = ring_allreduce_bytes(4 * lay.pbuf.numel(), world) + ring_allreduce_bytes(4 * lay.q.numel(), world)
+        self.count(buf.numel(), wire, bucket.is_last())
+        return self.worker().submit(lambda: self._reduce(buf, lay), buf.device)
+
+    def _reduce(self, buf, lay):
+        world, group = self.world_size, self.process_group
+        inv = 1.0 / world
+        ops.flatten(lay.runs(buf, False), inv, out=lay.pbuf)
+        mats = []
+        for key, off, n, m, r, p_off, q_off, poff in lay.mats:
+            mat = buf.narrow(0, off, n * m).view(n, m)
+            error = lay.error.narrow(0, poff, n * m).view(n, m)
+            p = lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r)
+            q = lay.q.narrow(0, q_off, m * r).view(m, r)
+            mat.add_(error)
+            torch.matmul(mat, q, out=p)
+            mats.append((key, mat, error, p, q))
+        dist.all_reduce(lay.pbuf, group=group)
+        finite = []
+        for key, mat, error, p, q in mats:
+            ok = bool(torch.isfinite(p).all())  # p is identical on every rank: so is the decision
+            finite.append(ok)
+            if ok:
+                p.copy_(torch.linalg.qr(p).Q)
+            torch.matmul(mat.t(), p, out=q)
+        dist.all_reduce(lay.q, group=group)
+        lay.q.mul_(inv)
+        for ok, (key, mat, error, p, q) in zip(finite, mats):
+            if ok:
+                error.copy_(mat)
+                torch.matmul(p, q.t(), out=mat)
+                error.sub_(mat)
+            else:
+                mat.fill_(float("nan"))
+                self._draw_q(key, q)
+        ops.unflatten_(lay.pbuf, lay.runs(buf, False))
+        return buf
+
+
+HOOKS = {"powersgd": PowerSGDState}
