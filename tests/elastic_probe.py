@@ -6,7 +6,9 @@ attempt, and can inject one failure at a chosen step:
 * ``action: kill``        SIGKILL this worker (no cleanup can run);
 * ``action: raise``       raise an exception in this worker;
 * ``action: term_agent``  SIGTERM the torchrun agent (``ddpx train``), which
-  forwards it to every worker: the graceful-stop path.
+  forwards it to every worker: the graceful-stop path;
+* ``action: kill_node``   SIGKILL the agent, then this worker: a host dying
+  (with one worker per node).
 
 The failure happens once: ``marker`` names a file created just before it, and
 an existing marker disables the action (a restarted attempt runs normally).
@@ -83,6 +85,9 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
         raise RuntimeError(f"probe: injected failure on rank {trainer.rank} at step {trainer.global_step}")
     elif cfg["action"] == "term_agent":
         os.kill(os.getppid(), signal.SIGTERM)
+    elif cfg["action"] == "kill_node":
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @hookimpl

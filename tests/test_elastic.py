@@ -139,3 +139,81 @@ def test_one_rank_raising_stops_every_rank_quickly_and_names_it(tmp_path):
     assert elapsed < 60, f"took {elapsed:.0f} s to stop"
     assert "injected failure on rank 1" in log
     assert "rank 1" in log.split("injected failure")[-1] or "rank: 1" in log, log[-3000:]
+
+
+def _netns_available():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    name = f"ddpxprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+@pytest.fixture
+def two_hosts():
+    """Namespaces ``hosts[0]`` (10.216.<n>.1) and ``hosts[1]`` (10.216.<n>.2) joined by a veth pair."""
+    tag = f"{os.getpid() % 100000}"
+    hosts = [f"ddpxe{tag}a", f"ddpxe{tag}b"]
+    links = [f"ve{tag}a", f"ve{tag}b"]
+    subnet = os.getpid() % 250
+    sh = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True)  # noqa: E731
+    try:
+        for ns in hosts:
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for i, (ns, link) in enumerate(zip(hosts, links)):
+            sh("ip", "link", "set", link, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"10.216.{subnet}.{i + 1}/24", "dev", link)
+            sh("ip", "-n", ns, "link", "set", link, "up")
+        yield [(ns, link, f"10.216.{subnet}.{i + 1}") for i, (ns, link) in enumerate(zip(hosts, links))]
+    finally:
+        for ns in hosts:  # deleting a namespace deletes its end of the veth pair too
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not _netns_available(), reason="needs root and ip netns")
+def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(tmp_path, two_hosts):
+    """Two one-worker "hosts" (static rendezvous, --max-restarts 0): host 1's agent
+    and worker are SIGKILLed mid epoch 1. Configured not to restart, host 0 must
+    end promptly with an error naming its rank and the lost peer; the checkpoints
+    survive, and a rerun on one machine finishes every epoch exactly once."""
+    records = tmp_path / "records"
+    records.mkdir()
+    (host0, _, addr0), _ = two_hosts
+    port = 29500 + os.getpid() % 1000
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    procs = []
+    for node, (ns, link, _) in enumerate(two_hosts):
+        cmd = [
+            "ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "train", "--nnodes=2",
+            "--nproc-per-node=1", f"--node-rank={node}", "--max-restarts=0", "--rdzv-backend=static",
+            f"--rdzv-endpoint={addr0}:{port}", f"run_dir={tmp_path / 'run'}", "trainer.epochs=2",
+            "optimizer.args.lr=0.1", "checkpoint.every_steps=4", "logging.progress=false",
+            "plugins.enable=[elastic_probe]", f"probe.record_dir={records}", "probe.label=hosts",
+            f"probe.marker={tmp_path / 'marker'}", "probe.action=kill_node", "probe.rank=1",
+            f"probe.at_step={STEPS_PER_EPOCH + 7}",
+        ]
+        procs.append(subprocess.Popen(cmd, env=dict(env, GLOO_SOCKET_IFNAME=link), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=tmp_path))
+    try:
+        out0, _ = procs[0].communicate(timeout=120)
+        procs[1].wait(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert (tmp_path / "marker").exists(), out0[-3000:]
+    assert procs[1].returncode == -signal.SIGKILL or procs[1].returncode != 0
+    assert procs[0].returncode == 2, out0[-3000:]  # one line from ddpx train, not a hang
+    assert "training failed: rank 0" in out0 and "by peer" in out0, out0[-3000:]  # gloo: closed or reset
+
+    (tmp_path / "marker").unlink()  # the rerun runs normally
+    code, log, _ = train(tmp_path, "rerun")
+    assert code == 0, log[-3000:]
+    seen, runs = committed_samples(tmp_path, ["hosts", "rerun"])
+    assert runs[1][0] in (24, 28), runs[1][0]  # resumed from a checkpoint the 2-host run wrote
+    assert_each_sample_once(seen)
