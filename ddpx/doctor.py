@@ -653,22 +653,31 @@ def _collectives_worker() -> int:
     return 0
 
 
-def measure_allreduce_seconds(nbytes: int, iters: int = 5, group=None) -> float:
-    """Median time of an allreduce of ``nbytes`` of fp32 (after one warm-up)."""
+def measure_allreduce_seconds(nbytes: int, iters: int = 5, group=None, device=None) -> float:
+    """Median time of an fp32 allreduce of ``nbytes`` on ``device`` (after one
+    warm-up); rank 0's value, which every rank returns."""
     import torch
     import torch.distributed as dist
 
-    buf = torch.ones(max(1, nbytes // 4))
+    device = torch.device(device or "cpu")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    buf = torch.ones(max(1, nbytes // 4), device=device)
     dist.all_reduce(buf, group=group)
     times = []
     for _ in range(iters):
+        sync()
         dist.barrier(group=group)
         t0 = time.perf_counter()
         dist.all_reduce(buf, group=group)
+        sync()
         times.append(time.perf_counter() - t0)
     # every rank must use the same number: take rank 0's median
-    t = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
-    dist.broadcast(t, src=0, group=group)
+    t = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return float(t.item())
 
 

@@ -1,0 +1,372 @@
+"""``ddpx bench comm``: which comm hook makes a step of *your* model faster on *your* link.
+
+Launched like ``ddpx train`` (same config, overrides and launcher options, on
+the job's ranks). Each rank builds the configured model and data, then:
+
+1. link: a timed fp32 allreduce of a buffer the size of the gradients gives
+   the rate at which one rank sends (ring model: 2 (R-1)/R x bytes);
+2. compute: forward + backward of one optimizer step (``accumulation.steps``
+   micro-batches of ``trainer.batch_size``) inside ``no_sync()``, i.e. without
+   communication;
+3. per hook: the predicted step time, compute + (bytes the hook sends per
+   step) / (link rate), and the measured one, a real DDP step with that hook
+   (the median of ``--steps``, the slowest rank's).
+
+The baseline row ``allreduce`` is DDP's own fp32 allreduce (no hook). The
+recommendation is taken from the measured times: a hook is advised only when
+it makes the step clearly faster, otherwise "no compression". When
+communication dominates a step (the small-batch trap) it says so and suggests
+gradient accumulation or a larger batch. The prediction assumes no overlap of
+communication with the backward pass (an upper bound where compute is small).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+from ..errors import DdpxError
+
+BENCH_MODULE = "ddpx.bench.comm"
+BASELINE = "allreduce"  # DDP's built-in fp32 allreduce, no hook
+MIN_SPEEDUP = 1.10  # a hook must make the step at least 10 % faster to be worth its loss of precision
+COMM_BOUND_SHARE = 0.5  # communication above this share of a step: communication dominates
+NEGLIGIBLE_SHARE = 0.15  # below this share compression cannot win anything worth having
+SMALL_BATCH = 8
+ENV_OUT, ENV_HOOKS, ENV_STEPS = "DDPX_BENCH_OUT", "DDPX_BENCH_HOOKS", "DDPX_BENCH_STEPS"
+
+
+@dataclass
+class HookTiming:
+    name: str
+    wire_bytes: int  # bytes one rank sends per step (ring model)
+    predicted_s: float
+    measured_s: Optional[float]
+    error: str = ""
+
+
+@dataclass
+class Measurement:
+    world_size: int
+    batch_size: int  # per rank, per micro-batch
+    accumulation: int
+    grad_bytes: int
+    link_bytes_per_s: float  # what one rank sends per second in a ring allreduce
+    allreduce_s: float  # fp32 allreduce of the gradients
+    compute_s: float  # one optimizer step without communication
+    hooks: list = field(default_factory=list)  # [HookTiming], the baseline first
+
+
+# --- the decision (pure: unit-tested with synthetic measurements) ---------------------
+
+
+def ring_bytes(nbytes: int, world: int) -> int:
+    return 2 * (world - 1) * nbytes // world
+
+
+def predict_step_s(compute_s: float, wire_bytes: int, link_bytes_per_s: float) -> float:
+    """Compute plus the hook's bytes on the measured link (no overlap assumed)."""
+    return compute_s + (wire_bytes / link_bytes_per_s if link_bytes_per_s > 0 else 0.0)
+
+
+def recommend(m: Measurement) -> dict:
+    """The advice for a measurement: best hook (or none), communication share, small-batch trap."""
+    timings = {h.name: h for h in m.hooks}
+    base = timings.get(BASELINE)
+    base_s = base.measured_s if base and base.measured_s else predict_step_s(
+        m.compute_s, ring_bytes(m.grad_bytes, m.world_size), m.link_bytes_per_s)
+    comm_s = max(0.0, base_s - m.compute_s)
+    share = comm_s / base_s if base_s > 0 else 0.0
+    candidates = [h for h in m.hooks if h.name != BASELINE and h.measured_s and not h.error]
+    best = min(candidates, key=lambda h: h.measured_s, default=None)
+    speedup = base_s / best.measured_s if best else 1.0
+    lines = []
+    advice = {"comm_share": share, "baseline_s": base_s, "comm_s": comm_s, "hook": None,
+              "speedup": 1.0, "small_batch_trap": False, "slower_than_one_process": False,
+              "accumulation_steps": None}
+    pct = f"{100 * share:.0f}%"
+    if share < NEGLIGIBLE_SHARE or best is None or speedup < MIN_SPEEDUP:
+        why = (f"communication is only {pct} of a step" if share < NEGLIGIBLE_SHARE
+               else f"no hook makes the step {100 * (MIN_SPEEDUP - 1):.0f}% faster"
+               + (f" (best: {best.name}, {speedup:.2f}x)" if best else ""))
+        lines.append(f"recommendation: no compression (comm_hook.name: {BASELINE}): {why}; "
+                     "compression would only add work and error")
+    else:
+        advice.update(hook=best.name, speedup=speedup)
+        lines.append(f"recommendation: comm_hook.name: {best.name} -- step {speedup:.2f}x faster "
+                     f"({1e3 * base_s:.1f} -> {1e3 * best.measured_s:.1f} ms); it is lossy: check convergence "
+                     "on a short run first")
+    if share > COMM_BOUND_SHARE:
+        # k micro-batches per allreduce: communication becomes at most half of the step when
+        # k * compute >= comm, i.e. k = ceil(comm / compute).
+        per_micro = m.compute_s / max(1, m.accumulation)
+        k = max(2, math.ceil(comm_s / per_micro)) if per_micro > 0 else None
+        advice.update(small_batch_trap=True, accumulation_steps=k)
+        small = f" (batch {m.batch_size} per rank is below ~{SMALL_BATCH})" if m.batch_size < SMALL_BATCH else ""
+        lines.append(f"communication dominates the step ({pct}): the small-batch trap{small}. Communicate less "
+                     f"often: accumulation.steps: {k} (or a {k}x larger trainer.batch_size) makes compute at "
+                     "least as long as the allreduce")
+    # one process alone does batch_size samples per compute_s; the job does world * that per base_s
+    if m.world_size > 1 and base_s > m.world_size * m.compute_s:
+        advice["slower_than_one_process"] = True
+        lines.append(f"with {m.world_size} ranks a step takes {1e3 * base_s:.1f} ms vs {1e3 * m.compute_s:.1f} ms "
+                     "of compute: the job trains fewer samples per second than one process alone would")
+    advice["lines"] = lines
+    return advice
+
+
+def format_report(m: Measurement, advice: dict) -> str:
+    gb = 1e9
+    lines = [
+        f"ranks {m.world_size}, batch {m.batch_size} per rank x accumulation {m.accumulation}, "
+        f"gradients {m.grad_bytes / 1e6:.2f} MB",
+        f"link: fp32 allreduce of the gradients {1e3 * m.allreduce_s:.2f} ms "
+        f"({m.link_bytes_per_s / gb:.3f} GB/s sent per rank)",
+        f"compute (forward + backward, no communication): {1e3 * m.compute_s:.2f} ms per step",
+        f"communication share of a step with {BASELINE}: {100 * advice['comm_share']:.0f}%",
+        "",
+        f"{'hook':<12} {'MB sent/step':>12} {'predicted ms':>13} {'measured ms':>12} {'vs ' + BASELINE:>13}",
+    ]
+    base_s = advice["baseline_s"]
+    for h in m.hooks:
+        if h.error:
+            lines.append(f"{h.name:<12} {'':>12} {'':>13} {'failed':>12}  {h.error}")
+            continue
+        ratio = f"{base_s / h.measured_s:.2f}x" if h.measured_s else "-"
+        measured = f"{1e3 * h.measured_s:.2f}" if h.measured_s else "-"
+        lines.append(f"{h.name:<12} {h.wire_bytes / 1e6:>12.3f} {1e3 * h.predicted_s:>13.2f} {measured:>12} {ratio:>13}")
+    lines.append("")
+    lines += advice["lines"]
+    return "\n".join(lines)
+
+
+# --- measuring (every rank, same collectives in the same order) ------------------------
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, device) -> float:
+    """The slowest rank's value (every rank gets it)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _time_steps(step, steps: int, device, warmup: int = 2) -> float:
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return _slowest(statistics.median(times), device)
+
+
+def _step_fn(ddp, loss_fn, batch, accumulation: int, communicate: bool):
+    """One optimizer step's forward/backward (no optimizer: parameters stay put)."""
+    import contextlib
+
+    inputs, targets = batch[0], batch[1]
+
+    def step():
+        ddp.zero_grad(set_to_none=True)
+        for i in range(accumulation):
+            last = communicate and i == accumulation - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                loss_fn(ddp(inputs), targets).backward()
+
+    return step
+
+
+def _hook_options(hooks, name) -> dict:
+    """Measure the compressed path itself: no warm-up of plain allreduce."""
+    probe = hooks.make_state(name)
+    return {"warmup_steps": 0} if "warmup_steps" in getattr(probe, "options", {}) else {}
+
+
+def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5) -> Measurement:
+    """Every rank: link, compute and per-hook step times for ``trainer``'s model and batch."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..doctor import measure_allreduce_seconds
+    from ..trainer import to_device
+
+    device, world = trainer.device, trainer.world_size
+    if world < 2:
+        raise DdpxError("ddpx bench comm needs at least 2 ranks (e.g. --nproc-per-node 2, or several nodes)")
+    accumulation = int(trainer.config.section("accumulation").get("steps", 1)) if "accumulation" in trainer.config else 1
+    batch = to_device(next(iter(trainer.train_loader)), device)
+    params = [p for p in trainer.module.parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    device_ids = [device] if device.type == "cuda" else None
+
+    allreduce_s = measure_allreduce_seconds(grad_bytes, device=device)
+    link = ring_bytes(grad_bytes, world) / allreduce_s if allreduce_s > 0 else 0.0
+
+    def fresh_ddp():
+        return DDP(copy.deepcopy(trainer.module), device_ids=device_ids)
+
+    baseline = fresh_ddp()
+    compute_s = _time_steps(_step_fn(baseline, trainer.loss_fn, batch, accumulation, False), steps, device)
+    measured = _time_steps(_step_fn(baseline, trainer.loss_fn, batch, accumulation, True), steps, device)
+    base_wire = ring_bytes(grad_bytes, world)
+    m = Measurement(world, trainer.config.trainer.batch_size, accumulation, grad_bytes, link, allreduce_s, compute_s)
+    m.hooks.append(HookTiming(BASELINE, base_wire, predict_step_s(compute_s, base_wire, link), measured))
+    del baseline
+
+    try:
+        import ddpx.hooks as hooks
+    except Exception as exc:  # noqa: BLE001 - the baseline is still worth reporting
+        trainer.log.warning(f"ddpx.hooks does not load ({exc}); measuring the baseline only")
+        return m
+    names = list(hook_names) if hook_names is not None else [n for n in hooks.available() if n != BASELINE]
+    native = bool(trainer.config.section("comm_hook").get("native", True)) if "comm_hook" in trainer.config else True
+    for name in names:
+        if name == BASELINE:
+            continue
+        ddp = fresh_ddp()
+        step = _step_fn(ddp, trainer.loss_fn, batch, accumulation, True)
+        try:  # a hook that fails here fails the same way on every rank
+            state = hooks.register(ddp, name, native=native, **_hook_options(hooks, name))
+            step()  # one step to learn the bytes the hook sends per step
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the other hooks still run
+            m.hooks.append(HookTiming(name, 0, 0.0, None, f"{type(exc).__name__}: {exc}"[:200]))
+            continue
+        wire = int(state.stats()["wire_bytes"]) // max(1, state.stats()["steps"])
+        seconds = _time_steps(step, steps, device, warmup=1)
+        m.hooks.append(HookTiming(name, wire, predict_step_s(compute_s, wire, link), seconds))
+        del ddp, state
+    return m
+
+
+def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
+    """One rank of ``ddpx bench comm`` (inside torchrun)."""
+    from .. import distributed
+    from ..config import load_config
+    from ..trainer import Trainer
+
+    config = load_config(config_path, overrides)
+    trainer = Trainer(config)
+    try:
+        trainer.setup()
+        hooks_env = os.environ.get(ENV_HOOKS)
+        names = [n for n in hooks_env.split(",") if n] if hooks_env else None
+        m = measure(trainer, names, steps=int(os.environ.get(ENV_STEPS, "5")))
+        if trainer.rank == 0:
+            advice = recommend(m)
+            out = os.environ.get(ENV_OUT)
+            payload = {"measurement": asdict(m), "advice": advice}
+            if out:
+                with open(out, "w") as f:
+                    json.dump(payload, f)
+            else:
+                print(format_report(m, advice), flush=True)
+    finally:
+        distributed.teardown()
+    return 0
+
+
+def main(argv=None) -> int:
+    from ..worker import parse_args
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run_rank(args.config, args.overrides)
+    except DdpxError as exc:
+        print(f"ddpx: error: [rank{os.environ.get('RANK', '0')}] {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+# --- the command ------------------------------------------------------------------------
+
+
+def register(subparsers):
+    p = subparsers.add_parser(
+        "comm",
+        help="measure link bandwidth and step compute, then recommend a comm hook (or none)",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
+    _add_launch_arguments(p)
+    p.add_argument("--hooks", default=None, help="comma-separated hooks to measure (default: every ddpx hook)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per hook (median; default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _add_launch_arguments(p):
+    p.add_argument("config", nargs="?", default=None, help="YAML config (omit for the built-in digits run)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--nproc-per-node", default=None, help="workers on this node (default: launch.nproc_per_node)")
+    p.add_argument("--nnodes", default=None, help="number of nodes (default: launch.nnodes)")
+    p.add_argument("--node-rank", type=int, default=None, help="rank of this node")
+    p.add_argument("--rdzv-backend", default=None, help="rendezvous backend (default: c10d with several nodes)")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 for multi-node runs")
+    p.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node")
+    p.add_argument("--master-addr", default=None, help="address of the single-node store (default: 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None, help="port of the single-node store (default: free)")
+
+
+def run(args) -> int:
+    from .. import launch
+    from ..commands.train import split_config_and_overrides
+    from ..config import load_config
+
+    if args.steps < 1:
+        raise DdpxError(f"--steps must be at least 1, got {args.steps}")
+    config_path, overrides = split_config_and_overrides(args.config, args.overrides)
+    config = load_config(config_path, overrides)
+    opts = launch.LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                                rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
+                                rdzv_id=args.rdzv_id, max_restarts=0, master_addr=args.master_addr,
+                                master_port=args.master_port)
+    argv = launch.torchrun_argv(opts, config.launch, config_path, overrides)
+    argv[argv.index("--module") + 1] = BENCH_MODULE
+    fd, out = tempfile.mkstemp(prefix="ddpx-bench-comm-", suffix=".json")
+    os.close(fd)
+    os.environ.update({ENV_OUT: out, ENV_STEPS: str(args.steps)})
+    if args.hooks:
+        os.environ[ENV_HOOKS] = args.hooks
+    try:
+        launch.run_torchrun(argv)
+        with open(out) as f:
+            text = f.read()
+    finally:
+        os.unlink(out)
+    if not text:
+        print("ddpx bench comm: rank 0 runs on another node; the report is printed there", file=sys.stderr)
+        return 0
+    payload = json.loads(text)
+    if args.json:
+        print(json.dumps(payload, indent=2))
+    else:
+        m = payload["measurement"]
+        m["hooks"] = [HookTiming(**h) for h in m["hooks"]]
+        print(format_report(Measurement(**m), payload["advice"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

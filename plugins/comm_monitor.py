@@ -1,0 +1,134 @@
+"""A one-time warning when gradient communication takes a large share of each step.
+
+Occasionally (not every step) the plugin times a window of ``window_steps``
+optimizer steps, then all ranks run one timed fp32 allreduce of a buffer the
+size of the gradients (scaled by the comm hook's compression, when one is
+installed). The communication share is that allreduce time over the mean step
+time. Above ``threshold``, rank 0 warns once, naming the options: gradient
+accumulation or a larger batch (communicate less often), a compressing comm
+hook, and ``ddpx bench comm`` to measure which helps.
+
+Cost: between measurements, one integer comparison per micro-batch. A
+measurement is two allreduces of the gradient size (a warm-up and the timed
+one) plus a device synchronisation at both ends of the window, first at step
+``start_step`` after the start (or resume) and then every ``every_steps``.
+Every rank measures at the same steps, so the collectives line up.
+
+Config section ``comm_monitor``: ``enabled`` (true), ``threshold`` (0.5, the
+share of a step), ``start_step`` (20), ``window_steps`` (10), ``every_steps``
+(1000).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from ddpx import hookimpl
+from ddpx.errors import DdpxError
+
+
+class CommMonitor:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.next_start = None  # global step at which the next timing window opens
+        self.window_start = None  # (global step, perf_counter) of the open window
+        self.last_step = -1
+        self.warned = False
+        self.shares: list[float] = []  # every measured share, for tests and curious users
+
+
+def _sync(trainer):
+    import torch
+
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
+
+
+@hookimpl
+def ddpx_config_defaults():
+    return {"comm_monitor": {"enabled": True, "threshold": 0.5, "start_step": 20, "window_steps": 10,
+                             "every_steps": 1000}}
+
+
+@hookimpl
+def ddpx_configure(config):
+    cfg = config.section("comm_monitor")
+    if not 0.0 <= cfg["threshold"] <= 1.0:
+        raise DdpxError(f"comm_monitor.threshold is a share of a step between 0 and 1, got {cfg['threshold']}")
+    for key in ("start_step", "window_steps", "every_steps"):
+        if cfg[key] < 1:
+            raise DdpxError(f"comm_monitor.{key} must be at least 1, got {cfg[key]}")
+
+
+@hookimpl
+def ddpx_setup(trainer):
+    cfg = trainer.config.section("comm_monitor")
+    trainer.comm_monitor = CommMonitor(cfg) if cfg["enabled"] and trainer.world_size > 1 else None
+
+
+@hookimpl
+def ddpx_train_start(trainer):
+    monitor = getattr(trainer, "comm_monitor", None)
+    if monitor is not None:
+        monitor.next_start = trainer.global_step + monitor.cfg["start_step"]
+        monitor.last_step = trainer.global_step
+
+
+@hookimpl
+def ddpx_batch_end(trainer, batch_index, loss, stepped):
+    monitor = getattr(trainer, "comm_monitor", None)
+    if monitor is None or trainer.global_step == monitor.last_step:
+        return  # not an optimizer-step boundary (inside an accumulation window)
+    monitor.last_step = step = trainer.global_step
+    if monitor.window_start is None:
+        if step >= monitor.next_start:
+            _sync(trainer)
+            monitor.window_start = (step, time.perf_counter())
+        return
+    first, started = monitor.window_start
+    if step - first < monitor.cfg["window_steps"]:
+        return
+    _sync(trainer)
+    step_s = (time.perf_counter() - started) / (step - first)
+    monitor.window_start = None
+    monitor.next_start = step + monitor.cfg["every_steps"]
+    share, comm_s, grad_bytes = measure_share(trainer, step_s)
+    monitor.shares.append(share)
+    if share > monitor.cfg["threshold"] and not monitor.warned:
+        monitor.warned = True
+        if trainer.is_main:
+            trainer.log.warning(warning_text(trainer, share, comm_s, step_s, grad_bytes))
+
+
+def measure_share(trainer, step_s):
+    """(share of a step, communication seconds, gradient bytes): every rank, same collectives."""
+    from ddpx.doctor import measure_allreduce_seconds
+
+    grad_bytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters() if p.requires_grad)
+    comm_s = measure_allreduce_seconds(grad_bytes, iters=1, device=trainer.device)
+    hook = getattr(trainer, "comm_hook", None)
+    stats = hook.stats() if hook is not None and hasattr(hook, "stats") else None
+    if stats and stats.get("wire_bytes") and stats.get("raw_bytes"):
+        # the hook sends wire/raw of what an fp32 ring allreduce would
+        world = trainer.world_size
+        fp32_wire = 2 * (world - 1) * stats["raw_bytes"] / world
+        comm_s *= min(1.0, stats["wire_bytes"] / fp32_wire)
+    return min(1.0, comm_s / step_s) if step_s > 0 else 0.0, comm_s, grad_bytes
+
+
+def warning_text(trainer, share, comm_s, step_s, grad_bytes):
+    cfg = trainer.config
+    batch = cfg.trainer.batch_size
+    accumulation = cfg.section("accumulation").get("steps", 1) if "accumulation" in cfg else 1
+    compute_s = max(step_s - comm_s, 1e-9)
+    k = max(2, math.ceil(accumulation * comm_s / compute_s))
+    hook = cfg.section("comm_hook").get("name", "allreduce") if "comm_hook" in cfg else "allreduce"
+    return (
+        f"communication takes about {100 * share:.0f}% of each optimizer step (gradient allreduce of "
+        f"{grad_bytes / 1e6:.1f} MB: {1e3 * comm_s:.1f} ms of a {1e3 * step_s:.1f} ms step"
+        f"{', comm hook ' + hook if hook != 'allreduce' else ''}). Options: communicate less often with "
+        f"accumulation.steps={k} or a larger trainer.batch_size (now {batch} per rank); compress the gradients "
+        "with comm_hook.name=fp16, bf16, int8 or onebit; `ddpx bench comm CONFIG` measures which helps. "
+        "(warned once; comm_monitor.enabled=false silences it)"
+    )

@@ -1,0 +1,224 @@
+"""``ddpx bench comm`` and the comm_monitor plugin.
+
+The recommendation logic is tested on synthetic measurements; the real command
+runs on loopback (compute-bound: no compression) and, as root, across two
+network namespaces joined by a 100 Mbit/s link (communication-bound: a
+compressing hook, and the small-batch trap)."""
+
+import importlib.metadata
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import types
+import uuid
+
+import pytest
+
+from ddpx.bench import comm
+from ddpx.bench.comm import BASELINE, HookTiming, Measurement, recommend
+from tests.utils import free_port, run_cli
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _measurement(compute_ms, link_gbs, measured_ms, batch=32, world=2, grad_mb=50.0, accumulation=1):
+    """Hooks' measured step times in ms: {name: ms}; predictions from the wire bytes."""
+    grad = int(grad_mb * 1e6)
+    link = link_gbs * 1e9
+    wire = {"allreduce": 1.0, "fp16": 0.5, "int8": 0.26, "onebit": 0.04}
+    m = Measurement(world, batch, accumulation, grad, link, comm.ring_bytes(grad, world) / link, compute_ms / 1e3)
+    for name, ms in measured_ms.items():
+        w = int(wire[name] * comm.ring_bytes(grad, world))
+        m.hooks.append(HookTiming(name, w, comm.predict_step_s(m.compute_s, w, link), ms / 1e3))
+    return m
+
+
+def test_slow_link_recommends_the_fastest_hook_and_flags_the_trap():
+    # DESIGN.md's 1 Gbit/s case: 21 ms compute, 446 ms fp32, 244 ms fp16
+    m = _measurement(21, 0.125, {"allreduce": 446, "fp16": 244, "int8": 140})
+    advice = recommend(m)
+    assert advice["hook"] == "int8" and advice["speedup"] == pytest.approx(446 / 140)
+    assert advice["comm_share"] == pytest.approx((446 - 21) / 446)
+    assert advice["small_batch_trap"] and advice["slower_than_one_process"]
+    assert advice["accumulation_steps"] == 21  # ceil(425 / 21): compute catches up with the allreduce
+    text = "\n".join(advice["lines"])
+    assert "comm_hook.name: int8" in text and "accumulation.steps: 21" in text and "small-batch trap" in text
+
+
+def test_fast_link_recommends_no_compression():
+    m = _measurement(100, 10, {"allreduce": 108, "fp16": 112, "int8": 120})
+    advice = recommend(m)
+    assert advice["hook"] is None and not advice["small_batch_trap"]
+    assert "no compression" in advice["lines"][0] and "only 7%" in advice["lines"][0]
+
+
+def test_a_hook_must_be_clearly_faster():
+    # communication matters, but the best hook wins only 5 %: not worth the precision
+    m = _measurement(50, 1, {"allreduce": 100, "fp16": 95.2, "int8": 130})
+    advice = recommend(m)
+    assert advice["hook"] is None and "best: fp16" in advice["lines"][0]
+
+
+def test_small_batch_named_when_below_eight():
+    m = _measurement(2, 1, {"allreduce": 20, "fp16": 19}, batch=4)
+    advice = recommend(m)
+    assert advice["small_batch_trap"] and "batch 4 per rank is below ~8" in "\n".join(advice["lines"])
+
+
+def test_prediction_is_compute_plus_wire_time():
+    assert comm.predict_step_s(0.01, 12_500_000, 12.5e6) == pytest.approx(1.01)
+    assert comm.ring_bytes(100, 4) == 150
+
+
+# --- the real command ---------------------------------------------------------------------
+
+MODEL = ["model.args.hidden=1024", "comm_hook.native=false", "logging.progress=false"]
+
+
+def test_loopback_recommends_no_compression():
+    # compute-bound on loopback: a large batch per rank
+    rc, out, err = run_cli(["bench", "comm", *MODEL, "trainer.batch_size=512", "--hooks", "fp16,int8",
+                            "--steps", "3", "--json"], timeout=180)
+    assert rc == 0, out + err
+    report = json.loads(out)
+    names = [h["name"] for h in report["measurement"]["hooks"]]
+    assert names == [BASELINE, "fp16", "int8"]
+    assert all(h["measured_s"] > 0 and not h["error"] for h in report["measurement"]["hooks"])
+    assert report["advice"]["hook"] is None, report
+    assert "no compression" in report["advice"]["lines"][0]
+
+
+def _netns_ok():
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return False
+    name = f"ddpxprobe{uuid.uuid4().hex[:6]}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+@pytest.fixture
+def two_hosts():
+    """Namespaces A and B joined by a veth pair shaped to 100 Mbit/s in both directions."""
+    tag = uuid.uuid4().hex[:6]
+    subnet = f"10.214.{random.randint(1, 250)}"
+    hosts = [(f"ddpxbA{tag}", f"vbA{tag}", f"{subnet}.1"), (f"ddpxbB{tag}", f"vbB{tag}", f"{subnet}.2")]
+
+    def sh(*cmd):
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    try:
+        for ns, _, _ in hosts:
+            sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+        for ns, iface, addr in hosts:
+            sh("ip", "link", "set", iface, "netns", ns)
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{addr}/24", "dev", iface)
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", iface, "up")
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, "root", "tbf",
+               "rate", "100mbit", "burst", "1mb", "latency", "100ms")
+        yield hosts
+    finally:
+        for ns, _, _ in hosts:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # deletes the veth pair too
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not _netns_ok(), reason="needs root, ip netns and tc")
+def test_slow_link_recommends_compression(two_hosts, tmp_path):
+    endpoint = f"{two_hosts[0][2]}:{free_port()}"
+    procs = []
+    for node_rank, (ns, iface, _) in enumerate(two_hosts):
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "bench", "comm", *MODEL,
+               "trainer.batch_size=64", "--hooks", "fp16,int8", "--steps", "3", "--json",
+               "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
+               "--rdzv-backend", "static", "--rdzv-endpoint", endpoint]
+        # gloo must bind the namespace's interface: the hostname resolves to loopback here
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=iface, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=env, cwd=tmp_path, start_new_session=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=150))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    tails = "\n".join(f"--- node {i} stderr ---\n{err[-2500:]}" for i, (_, err) in enumerate(outputs))
+    assert [p.returncode for p in procs] == [0, 0], tails
+    report = json.loads(outputs[0][0])
+    m, advice = report["measurement"], report["advice"]
+    assert m["link_bytes_per_s"] < 14e6  # the 100 Mbit/s (12.5 MB/s) link, not loopback
+    assert advice["hook"] in ("fp16", "int8"), advice
+    assert advice["speedup"] > 1.5
+    assert advice["small_batch_trap"]
+    assert any("small-batch trap" in line for line in advice["lines"])
+    # the prediction from bytes and link rate is close to the measured step on a bandwidth-bound link
+    for h in m["hooks"]:
+        assert h["predicted_s"] == pytest.approx(h["measured_s"], rel=0.35), h
+
+
+# --- the comm_monitor plugin ------------------------------------------------------------------
+
+
+def _fake_trainer(cfg, world_size=2):
+    trainer = types.SimpleNamespace(world_size=world_size, global_step=0, is_main=True, warnings=[],
+                                    device=types.SimpleNamespace(type="cpu"))
+    trainer.config = types.SimpleNamespace(section=lambda name: dict(cfg))
+    trainer.log = types.SimpleNamespace(warning=trainer.warnings.append)
+    return trainer
+
+
+def test_comm_monitor_measures_occasionally_and_warns_once(monkeypatch):
+    from ddpx_plugins import comm_monitor
+
+    calls = []
+
+    def fake_share(trainer, step_s):
+        calls.append(trainer.global_step)
+        return 0.8, 0.008, 4_000_000
+
+    monkeypatch.setattr(comm_monitor, "measure_share", fake_share)
+    monkeypatch.setattr(comm_monitor, "warning_text", lambda *a: "communication dominates")
+    cfg = {"enabled": True, "threshold": 0.5, "start_step": 3, "window_steps": 2, "every_steps": 5}
+    trainer = _fake_trainer(cfg)
+    comm_monitor.ddpx_setup(trainer)
+    comm_monitor.ddpx_train_start(trainer)
+    for micro in range(40):  # accumulation of 2: a step boundary every other micro-batch
+        if micro % 2 == 1:
+            trainer.global_step += 1
+        comm_monitor.ddpx_batch_end(trainer, micro, None, micro % 2 == 1)
+    # window opens at step 3, closes at 5 (measure); next opens at 10, closes at 12; then 17 -> 19
+    assert calls == [5, 12, 19]
+    assert trainer.warnings == ["communication dominates"]  # once
+
+
+def test_comm_monitor_is_off_for_one_rank():
+    from ddpx_plugins import comm_monitor
+
+    trainer = _fake_trainer({"enabled": True, "threshold": 0.5, "start_step": 1, "window_steps": 1,
+                             "every_steps": 1}, world_size=1)
+    comm_monitor.ddpx_setup(trainer)
+    assert trainer.comm_monitor is None
+
+
+def _monitor_enabled_args():
+    installed = any(ep.name == "comm_monitor" for ep in importlib.metadata.entry_points(group="ddpx"))
+    return [] if installed else ["plugins.enable=[ddpx_plugins.comm_monitor]"]
+
+
+def test_training_warns_once_with_the_options(tmp_path):
+    args = ["train", *_monitor_enabled_args(), "trainer.max_steps=10", "logging.progress=false",
+            "comm_monitor.start_step=1", "comm_monitor.window_steps=2", "comm_monitor.every_steps=3",
+            "comm_monitor.threshold=0.0", "checkpoint.enabled=false"]
+    rc, out, err = run_cli(args, timeout=120, cwd=tmp_path)
+    assert rc == 0, out + err
+    warnings = [line for line in err.splitlines() if "communication takes about" in line]
+    assert len(warnings) == 1, err
+    for option in ("accumulation.steps=", "trainer.batch_size", "comm_hook.name=", "ddpx bench comm"):
+        assert option in warnings[0]
