@@ -52,6 +52,11 @@ def int8_quantize(
     return q.view(-1)[:n].to(torch.int8), scale
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """1-D means one rank's row."""
+    return t.unsqueeze(0) if t.dim() == 1 else t
+
+
 def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
     """rows[0] + rows[1] + ... in that order (the kernels' fp32 summation order)."""
     total = rows[0].clone()
@@ -74,7 +79,9 @@ def int8_dequant_accumulate_(
     out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int, alpha: float = 1.0, accumulate: bool = False
 ) -> torch.Tensor:
     n = out.numel()
-    q2, s2 = q.reshape(-1, n), scales.reshape(q.reshape(-1, n).shape[0], -1)
+    q2, s2 = _rows(q), _rows(scales)
+    if n == 0 or q2.shape[0] == 0:
+        return _finish(out, torch.zeros_like(out.view(-1)), alpha, accumulate)
     if n % block == 0:
         decoded = (q2.view(q2.shape[0], -1, block).float() * s2[:, :, None]).view(q2.shape[0], n)
     else:
@@ -112,8 +119,9 @@ def onebit_unpack_accumulate_(
     accumulate: bool = False,
 ) -> torch.Tensor:
     n = out.numel()
-    b2 = bits.reshape(-1, (n + 7) // 8)
-    s2 = scales.reshape(b2.shape[0], -1)
+    b2, s2 = _rows(bits), _rows(scales)
+    if n == 0 or b2.shape[0] == 0:
+        return _finish(out, torch.zeros_like(out.view(-1)), alpha, accumulate)
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     positive = ((b2[:, :, None] >> shifts) & 1).view(b2.shape[0], -1)[:, :n].bool()
     s = _expand(s2, chunk, n)
