@@ -269,7 +269,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
         "data": {"target": "tests.test_builtin_plugins.indexed_digits", "args": {}},
         "optimizer": {"target": "torch.optim.SGD", "args": {"lr": 0.1, "momentum": 0.9}},
         "scheduler": {"target": "torch.optim.lr_scheduler.StepLR", "args": {"step_size": 1, "gamma": 1.0}},
-        "trainer": {"epochs": 3, "batch_size": 32, "grad_clip": 1.0},
+        "trainer": {"epochs": 6, "batch_size": 32, "grad_clip": 1.0},
         "amp": {"enabled": True, "dtype": "fp16", "init_scale": 1024.0},
         "recorder": {"inf_at_step": inf_at},
         "logging": {"progress": False},
@@ -287,7 +287,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
         last = rec["metrics"][-1]
         assert last["amp_skipped_steps"] == 1
         assert last["amp_scale"] == 512.0  # halved once, never grown (growth interval 2000)
-        assert last["accuracy"] > 0.85
+        assert last["accuracy"] > 0.9
         assert math.isinf(rec["metrics"][0]["loss"])  # the injected inf is in epoch 0's mean
     torch.testing.assert_close(records[0]["final"], records[1]["final"], rtol=0, atol=0)
 
@@ -296,7 +296,7 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(tmp_path):
     """bf16 autocast; the sampler's per-epoch shuffle (identical across ranks,
     different per epoch, disjoint shards covering the epoch) and exact sharded
     evaluation; the fp16 comm hook; metrics.jsonl; rank-0-only info logging."""
-    epochs, seed, batch, every = 3, 5, 32, 7
+    epochs, seed, batch, every = 6, 5, 32, 7
     config = {
         "seed": seed,
         "model": {"target": "ddpx.models.DigitsMLP", "args": {"hidden": 64}},
@@ -319,7 +319,7 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(tmp_path):
         assert sorted(shards[0] + shards[1]) == list(range(n))
         steps = list(zip(records[0]["indices"][epoch], records[1]["indices"][epoch]))
         assert [i for a, b in steps for i in a + b] == order  # global batches follow the epoch order
-    assert orders[0] != orders[1] != orders[2]
+    assert len({tuple(order) for order in orders}) == epochs
 
     for rec in records:
         assert rec["output_dtypes"] == {"torch.bfloat16"}
@@ -355,7 +355,7 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(tmp_path):
 
     # rank-aware logging: rank 0 info shown with its prefix, other ranks only warnings
     assert "[rank0] recorder info from rank 0" in errors[0]
-    assert "[rank0] epoch 2 (step" in errors[0]
+    assert f"[rank0] epoch {epochs - 1} (step" in errors[0]
     assert "recorder info" not in errors[1]
     assert "[rank1] recorder warning from rank 1" in errors[1]
     assert "epoch 0: 100%" in errors[0] and "samples_s=" in errors[0]  # rank 0's progress bar
