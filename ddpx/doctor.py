@@ -291,6 +291,28 @@ def check_hostname(hostname: str, host_addresses: Sequence[str], env: Mapping[st
     return checks
 
 
+def check_rendezvous_host(master_addr: str, master_addresses: Sequence[str], master_is_local: bool,
+                          hostname: str, host_addresses: Sequence[str]) -> Optional[Check]:
+    """Will torchrun's c10d rendezvous recognise MASTER_ADDR as this machine?
+
+    torchrun hosts the c10d store only when the endpoint is ``localhost``, a
+    loopback address, the hostname, or shares an address with what the hostname
+    resolves to. An interface address the hostname does not resolve to fails
+    that test: every node, this one included, then waits for a store nobody starts.
+    """
+    if not master_is_local or not master_addresses or all(is_loopback(a) for a in master_addresses):
+        return None
+    if master_addr in ("localhost", hostname) or set(master_addresses) & set(host_addresses):
+        return Check("rdzv host", OK, f"torchrun's c10d rendezvous recognises {master_addr} as this host")
+    resolved = host_addresses[0] if host_addresses else "nothing"
+    return Check("rdzv host", WARN,
+                 f"{master_addr} is this host, but hostname {hostname!r} resolves to {resolved}: with "
+                 "--rdzv-backend c10d torchrun does not see the endpoint as itself, starts no store and every "
+                 "node waits until the rendezvous times out",
+                 f"use --rdzv-endpoint {hostname}:PORT, or --rdzv-backend static, or map {hostname} to "
+                 f"{master_addresses[0]} in /etc/hosts")
+
+
 def check_nccl_hints(backend: str, env: Mapping[str, str], ib_devices: Sequence[str],
                      multi_host: bool, iface: Optional[str]) -> list[Check]:
     if backend != "nccl":
@@ -457,6 +479,10 @@ def run_checks(facts: Facts) -> list[Check]:
     if facts.master_addresses:
         checks.append(check_master_port(facts.master_port, facts.master_is_local, facts.port_bindable,
                                         facts.port_bind_error, facts.port_users, facts.port_states))
+    rdzv = check_rendezvous_host(facts.master_addr, facts.master_addresses, facts.master_is_local,
+                                 facts.hostname, facts.host_addresses)
+    if rdzv is not None:
+        checks.append(rdzv)
     checks += check_hostname(facts.hostname, facts.host_addresses, facts.env, facts.backend,
                              facts.multi_host, iface)
     checks += check_nccl_hints(facts.backend, facts.env, facts.ib_devices, facts.multi_host, iface)

@@ -73,6 +73,16 @@ def test_hostname_resolving_to_loopback_without_interface_variable():
     assert _by_name(doctor.check_hostname("node1", ["10.0.0.5"], {}, "gloo", True, "eth0"))["gloo iface"].status == OK
 
 
+def test_rendezvous_host_not_recognised_by_torchrun():
+    # the master is this host's interface address, the hostname resolves to loopback
+    check = doctor.check_rendezvous_host("10.0.0.5", ["10.0.0.5"], True, "node1", ["127.0.1.1"])
+    assert check.status == WARN and "--rdzv-endpoint node1:PORT" in check.fix
+    assert doctor.check_rendezvous_host("10.0.0.5", ["10.0.0.5"], True, "node1", ["10.0.0.5"]).status == OK
+    assert doctor.check_rendezvous_host("node1", ["10.0.0.5"], True, "node1", ["127.0.1.1"]).status == OK
+    assert doctor.check_rendezvous_host("127.0.0.1", ["127.0.0.1"], True, "node1", ["127.0.1.1"]) is None
+    assert doctor.check_rendezvous_host("10.0.0.9", ["10.0.0.9"], False, "node1", ["127.0.1.1"]) is None
+
+
 def test_unreachable_master_fails_and_refused_warns():
     args = dict(addr="10.9.9.9", port=29500, addresses=["10.9.9.9"], resolve_error="",
                 master_is_local=False, route_iface="eth0")
