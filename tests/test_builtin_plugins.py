@@ -262,6 +262,57 @@ def test_unknown_comm_hook_name_lists_the_choices():
 # --- amp --------------------------------------------------------------------------------------
 
 
+def _amp_trainer(grad_clip=None, init_scale=1024.0):
+    """A stand-in trainer with what the AMP plugin reads, on CPU."""
+    from types import SimpleNamespace
+
+    from ddpx_plugins import amp
+
+    model = torch.nn.Linear(4, 3)
+    sections = {"amp": {"enabled": True, "dtype": "fp16", "init_scale": init_scale}}
+    trainer = SimpleNamespace(
+        config=SimpleNamespace(section=sections.__getitem__),
+        device=torch.device("cpu"),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        norms_seen=[],
+    )
+
+    def clip_gradients():
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+        trainer.norms_seen.append(norm.item())
+
+    trainer.clip_gradients = clip_gradients
+    amp.ddpx_setup(trainer=trainer)
+    return trainer
+
+
+def test_amp_unscales_before_clipping_and_restores_the_scaler():
+    from ddpx_plugins import amp
+
+    trainer = _amp_trainer(grad_clip=0.5)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    loss = torch.nn.functional.cross_entropy(trainer.module(x), y)
+    reference = torch.autograd.grad(loss, list(trainer.module.parameters()), retain_graph=True)
+    true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in reference])).item()
+    assert amp.ddpx_backward(trainer=trainer, loss=loss) is True
+    assert trainer.module.weight.grad.abs().max() > 100 * reference[0].abs().max()  # scaled by 1024
+    assert amp.ddpx_optimizer_step(trainer=trainer) is True
+    assert trainer.norms_seen == [pytest.approx(true_norm, rel=1e-5)]  # clipping saw the true gradients
+
+    trainer.module.weight.grad = torch.full_like(trainer.module.weight, math.inf)
+    before = trainer.module.weight.detach().clone()
+    assert amp.ddpx_optimizer_step(trainer=trainer) is False
+    assert torch.equal(trainer.module.weight, before)
+    assert trainer.amp.skipped_steps == 1 and trainer.amp.scaler.get_scale() == 512.0
+
+    state = amp.ddpx_state_dict(trainer=trainer)
+    fresh = _amp_trainer(init_scale=65536.0)
+    amp.ddpx_load_state_dict(trainer=fresh, state=state)
+    assert fresh.amp.scaler.get_scale() == 512.0 and fresh.amp.skipped_steps == 1
+    assert fresh.amp.scaler.state_dict() == trainer.amp.scaler.state_dict()
+
+
 def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
     inf_at = 3
     config = {
