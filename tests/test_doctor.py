@@ -244,3 +244,11 @@ def test_loopback_hostname_in_a_namespace_names_the_route_interface(namespace):
     else:
         assert gloo["status"] == "OK"
     assert checks["master addr"]["status"] == "OK" and ns_if in checks["master addr"]["message"]
+
+
+def test_inside_srun_doctor_checks_the_endpoint_ddpx_train_derives():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost"}
+    rc, out, err = run_cli(["doctor", "--json"], timeout=60, env=env)
+    checks = {c["name"]: c for c in json.loads(out)["checks"]}
+    assert checks["master addr"]["message"].startswith("localhost")
+    assert checks["master port"]["message"].startswith("24242")  # 20000 + job id % 20000

@@ -12,10 +12,12 @@ def register(subparsers):
         help="check backend, ports, addresses and interfaces before a distributed run",
         description="One line per check (OK / WARN / FAIL) with the fix. Exit code 1 when a check fails.",
     )
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                   help="the rendezvous host (default: $MASTER_ADDR or 127.0.0.1)")
+    p.add_argument("--master-addr", default=None,
+                   help="the rendezvous host (default: inside srun the job's first node, else $MASTER_ADDR "
+                        "or 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=None,
-                   help="the rendezvous port (default: $MASTER_PORT or 29500)")
+                   help="the rendezvous port (default: inside srun the one ddpx train derives, else "
+                        "$MASTER_PORT or 29500)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="processes per node you plan to start")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     p.add_argument("--collectives", action="store_true",
@@ -25,19 +27,25 @@ def register(subparsers):
 
 
 def run(args):
-    from .. import doctor
+    from .. import doctor, slurm
 
-    port = args.master_port
+    port, addr, nproc = args.master_port, args.master_addr, args.nproc_per_node
+    if slurm.in_slurm_step():  # check what `srun ddpx train` will use
+        job = slurm.launch_from_slurm()
+        addr = addr or job.master_addr
+        port = port if port is not None else job.master_port
+        nproc = nproc if nproc is not None else job.nproc_per_node
+    addr = addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     if port is None:
         raw = os.environ.get("MASTER_PORT", str(doctor.DEFAULT_MASTER_PORT))
         try:
             port = int(raw)
         except ValueError:
             raise DdpxError(f"MASTER_PORT={raw!r} is not a number; set it to a port such as 29500") from None
-    facts = doctor.gather_facts(args.master_addr, port, args.nproc_per_node)
+    facts = doctor.gather_facts(addr, port, nproc)
     checks = doctor.run_checks(facts)
     if args.collectives:
-        checks += doctor.run_collectives(args.nproc_per_node or 2, timeout_s=args.timeout)
+        checks += doctor.run_collectives(nproc or 2, timeout_s=args.timeout)
     if args.json:
         print(json.dumps(doctor.summarize(checks), indent=2))
     else:
