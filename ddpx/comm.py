@@ -107,10 +107,19 @@ def fused_allreduce(
             before the sum (fp32 rounding of that product included), which also
             keeps fp16 sums from overflowing.
         bucket_mb: bucket size in MiB; a larger tensor gets a bucket of its own.
-        compression: ``None`` / ``"allreduce"`` (exact), ``"fp16"``, ``"bf16"``
-            (the wire formats of the comm hooks of the same names), or a lossy
-            hook name / hook state; see the README. Lossy compression needs
-            float32 tensors.
+        compression: ``None`` / ``"allreduce"``: exact, any dtype. Any other
+            name of ``ddpx.hooks.available()`` (``"fp16"``, ``"bf16"``, ``"int8"``,
+            ``"onebit"``, ``"powersgd"``) runs that comm hook's own per-bucket
+            code on each fused bucket (float32 tensors only), with the hook's
+            defaults: small and 1-D tensors travel uncompressed, and a fresh
+            state per call, so error feedback and warm starts start from zero
+            every call. For memory across calls (e.g. periodic model averaging
+            of the same parameters) pass a state instead:
+            ``state, _ = ddpx.hooks.make("int8", min_numel=0)``;
+            ``fused_allreduce(params, compression=state)``; memory is keyed by
+            tensor identity, so pass the same tensor objects every call (the
+            state holds a reference to each tensor it has seen). The hooks average:
+            with ``op="sum"`` the average is multiplied by the world size.
         process_group: defaults to the world group.
         async_op: when True (default) returns a :class:`FusedAllreduceHandle`
             whose ``wait()`` finishes the copy-back; when False blocks and returns
@@ -121,14 +130,15 @@ def fused_allreduce(
     """
     tensors = list(tensors)
     _check_args(tensors, op, bucket_mb)
-    codec = _codec(compression, tensors, op)
+    codec = _codec(compression, tensors, op, process_group)
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     scale = 1.0 / world if op == "avg" else 1.0
     pending = []
+    buckets = _group_and_bucket(tensors, int(bucket_mb * 2**20))
     with torch.no_grad():
-        for index, idx in enumerate(_group_and_bucket(tensors, int(bucket_mb * 2**20))):
-            pending.append(codec(index, [tensors[i] for i in idx], scale, group))
+        for index, idx in enumerate(buckets):
+            pending.append(codec(index, [tensors[i] for i in idx], scale, group, index == len(buckets) - 1))
     handle = FusedAllreduceHandle(tensors, pending)
     if async_op:
         return handle
@@ -149,7 +159,7 @@ def _writeback(members: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callabl
     return dests, copy_back
 
 
-def _plain(index, members, scale, group):
+def _plain(index, members, scale, group, last):
     flat = ops.flatten(members, scale)
     work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
     dests, copy_back = _writeback(members)
@@ -161,30 +171,61 @@ def _plain(index, members, scale, group):
     return work, finish
 
 
-def _half(dtype):
-    def codec(index, members, scale, group):
+class _FusedBucket:
+    """The part of DDP's GradBucket the comm hooks read, over one fused buffer."""
+
+    def __init__(self, index: int, buf: torch.Tensor, tensors: list[torch.Tensor], last: bool):
+        self._index, self._buf, self._tensors, self._last = index, buf, tensors, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._tensors
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def _hook_codec(state, op):
+    """Run a comm hook's own per-bucket code (DDP's path) on each fused bucket. The
+    hooks average; op='sum' multiplies the average by the world size on the way back."""
+
+    def codec(index, members, scale, group, last):
         flat = ops.flatten(members)
-        wire = ops.scale_cast(flat, scale, dtype)  # divide before sending: no fp16 overflow in the sum
-        work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        fut = state.run_bucket(_FusedBucket(index, flat, members, last))
         dests, copy_back = _writeback(members)
 
         def finish():
-            ops.cast_scale_copy_(flat, wire, 1.0)
-            ops.unflatten_(flat, dests)
+            ops.unflatten_(fut.value(), dests, 1.0 if op == "avg" else float(state.world_size))
             copy_back()
 
-        return work, finish
+        return fut, finish
 
     return codec
 
 
-def _codec(compression, tensors, op):
+def _codec(compression, tensors, op, process_group):
     if compression is None or compression == "allreduce":
         return _plain
-    if compression in ("fp16", "bf16"):
-        for i, t in enumerate(tensors):
-            if t.dtype != torch.float32:
-                raise TypeError(f"ddpx.comm.fused_allreduce: compression={compression!r} needs float32 tensors, "
-                                f"tensors[{i}] is {t.dtype}; pass it in a separate call without compression")
-        return _half(torch.float16 if compression == "fp16" else torch.bfloat16)
-    raise ValueError(f"ddpx.comm.fused_allreduce: unknown compression {compression!r}")
+    from . import hooks
+    from .hooks.base import HookState
+
+    if isinstance(compression, HookState):
+        state = compression
+        if process_group is not None and state.process_group is not process_group:
+            raise ValueError("ddpx.comm.fused_allreduce: the compression state has its own process group; "
+                             "create it with ddpx.hooks.make(name, process_group=...) instead of passing both")
+    elif isinstance(compression, str) and compression in hooks.available():
+        state = hooks.make_state(compression, process_group)
+    else:
+        raise ValueError(f"ddpx.comm.fused_allreduce: unknown compression {compression!r}; use None or one of "
+                         f"{hooks.available()} (or a state from ddpx.hooks.make)")
+    for i, t in enumerate(tensors):
+        if t.dtype != torch.float32:
+            raise TypeError(f"ddpx.comm.fused_allreduce: compression={state.name!r} needs float32 tensors, "
+                            f"tensors[{i}] is {t.dtype}; reduce it in a separate call without compression")
+    return _hook_codec(state, op)
