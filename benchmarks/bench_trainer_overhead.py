@@ -1,0 +1,305 @@
+"""Per-step overhead of `ddpx train` against a hand-written DDP loop doing the same work.
+
+Both run under torchrun with the same number of processes on the digits default:
+``ddpx.models.DigitsMLP(hidden=128)``, ``digits_split()``, batch 32 per rank,
+SGD(lr 0.1, momentum 0.9), the same ``ResumableDistributedBatchSampler``.
+
+* ``ddpx``: ``python -m ddpx train`` with the default config and every built-in
+  plugin (progress bar, metrics.jsonl, checkpoints, ...), plus this file as a
+  timing plugin (``plugins.enable=[bench_trainer_overhead]``);
+* ``hand``: the loop below (the README's comparison), this file run by torchrun.
+
+Timed: the training part of each epoch (first batch to the end of the last
+step, evaluation and epoch-end checkpoints excluded), epochs after the first.
+Runs alternate (ddpx, hand, ddpx, hand, ...) so machine load hits both alike.
+The headline compares the fastest epoch of each (other load only adds time);
+the medians over all timed epochs are printed too. Target: ratio <= 1.03.
+
+Usage: python benchmarks/bench_trainer_overhead.py [--epochs 6] [--repeats 3] [--nproc 2] [--json] [KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIMING_FILE = "bench_timing.json"
+
+# --- the timing plugin (registered in the ddpx run) ----------------------------------------
+
+try:
+    from ddpx import hookimpl
+except ImportError:  # pragma: no cover
+    hookimpl = None
+
+_epochs: list = []
+_clock: dict = {}
+
+
+if hookimpl is not None:
+
+    @hookimpl
+    def ddpx_train_start(trainer):
+        _clock["train_start"] = time.time()
+
+    @hookimpl(tryfirst=True)  # before the other plugins' epoch-start work
+    def ddpx_epoch_start(trainer, epoch):
+        _clock["start"] = time.perf_counter()
+
+    def _mark_end(trainer):
+        if "start" in _clock:
+            _epochs.append((time.perf_counter() - _clock.pop("start"), trainer.global_step))
+
+    @hookimpl(tryfirst=True)  # runs first once every batch-end hook and the epoch's loss reduce are done
+    def ddpx_evaluate(trainer, loader):
+        _mark_end(trainer)
+        return None  # the core evaluates
+
+    @hookimpl(tryfirst=True)  # the end mark when the epoch has no evaluation
+    def ddpx_epoch_end(trainer, epoch, metrics):
+        _mark_end(trainer)
+
+    @hookimpl
+    def ddpx_train_end(trainer):
+        if trainer.rank == 0:
+            steps = [b - a for (_, a), (_, b) in zip([(0, 0)] + _epochs, _epochs)]
+            record = {"epochs": [{"seconds": s, "steps": n} for (s, _), n in zip(_epochs, steps)],
+                      "train_start": _clock["train_start"]}
+            with open(os.path.join(trainer.run_dir, TIMING_FILE), "w") as f:
+                json.dump(record, f)
+
+
+# --- the hand-written loop ---------------------------------------------------------------
+
+
+def hand_loop(epochs: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+
+    from ddpx.data import digits_split
+    from ddpx.data.sampler import ResumableDistributedBatchSampler
+    from ddpx.models import DigitsMLP
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(DigitsMLP(hidden=128))
+    train_set, test_set = digits_split(test_fraction=0.2, seed=0)
+    sampler = ResumableDistributedBatchSampler(len(train_set), 32, rank, world, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_sampler=sampler)
+    test_loader = DataLoader(test_set, batch_size=256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    timings = []
+    train_start = time.time()
+    for epoch in range(epochs):
+        start = time.perf_counter()
+        sampler.set_epoch(epoch)
+        steps = 0
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sampler.advance()
+            steps += 1
+        timings.append({"seconds": time.perf_counter() - start, "steps": steps})
+        model.eval()
+        with torch.no_grad():  # evaluation like ddpx's (not timed)
+            correct = sum((model.module(x).argmax(1) == y).sum().item() for x, y in test_loader)
+        model.train()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"epochs": timings, "train_start": train_start, "accuracy": correct / len(test_set)}, f)
+    dist.destroy_process_group()
+
+
+def interleaved(rounds: int, overrides, out: str) -> None:
+    """Both loops in the same torchrun workers, one epoch each in turn, on the same
+    model, optimizer and data: the most direct per-step comparison."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from ddpx.config import load_config
+    from ddpx.data.sampler import ResumableDistributedBatchSampler
+    from ddpx.trainer import Trainer
+
+    # No evaluation and no checkpoint files: only the per-step work is compared.
+    settings = ["trainer.eval_every_epochs=0", "plugins.enable=[bench_trainer_overhead]", *overrides]
+    config = load_config(None, settings)
+    if "checkpoint" in config:  # the plugin is not blocked
+        config = load_config(None, [*settings, "checkpoint.enabled=false"])
+    trainer = Trainer(config)
+    trainer.setup()
+    # The plugin instance of this file (imported by name, not this __main__).
+    epochs_log = sys.modules["bench_trainer_overhead"]._epochs
+    model, optimizer, loss_fn = trainer.model, trainer.optimizer, trainer.loss_fn
+    sampler = ResumableDistributedBatchSampler(len(trainer.train_set), config.trainer.batch_size,
+                                               trainer.rank, trainer.world_size, shuffle=True, seed=0)
+    loader = DataLoader(trainer.train_set, batch_sampler=sampler)
+    ddpx_times, hand_times = [], []
+    trainer.hook.ddpx_train_start(trainer=trainer)
+    for epoch in range(2 * rounds + 1):
+        if epoch % 2 == 0:  # ddpx epochs: 0, 2, 4, ...; the first warms up
+            trainer.train_epoch(epoch)
+            seconds, steps = epochs_log[-1]
+            ddpx_times.append(seconds / (steps - (epochs_log[-2][1] if len(epochs_log) > 1 else 0)))
+        else:
+            start = time.perf_counter()
+            sampler.set_epoch(epoch)
+            steps = 0
+            for x, y in loader:
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                sampler.advance()
+                steps += 1
+            hand_times.append((time.perf_counter() - start) / steps)
+    trainer.hook.ddpx_train_end(trainer=trainer)
+    if trainer.rank == 0:
+        with open(out, "w") as f:
+            json.dump({"ddpx": ddpx_times[1:], "hand": hand_times}, f)
+    import ddpx.distributed
+
+    ddpx.distributed.teardown()
+
+
+# --- the driver ----------------------------------------------------------------------------
+
+
+def epoch_step_times(record: dict) -> list[float]:
+    """Seconds per step of each timed epoch (the first epoch warms up)."""
+    timed = [e for e in record["epochs"][1:] if e["steps"] > 0]
+    if not timed:
+        raise SystemExit(f"no timed epochs in {record}")
+    return [e["seconds"] / e["steps"] for e in timed]
+
+
+def run_ddpx(epochs: int, nproc: int, workdir: str, index: int, overrides=()) -> dict:
+    run_dir = os.path.join(workdir, f"ddpx{index}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    launched = time.time()
+    cmd = [sys.executable, "-m", "ddpx", "train", f"trainer.epochs={epochs}", f"run_dir={run_dir}",
+           "plugins.enable=[bench_trainer_overhead]", *overrides, "--nproc-per-node", str(nproc)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=workdir)
+    if proc.returncode != 0:
+        raise SystemExit(f"ddpx run failed:\n{proc.stderr[-3000:]}")
+    with open(os.path.join(run_dir, TIMING_FILE)) as f:
+        record = json.load(f)
+    record["startup_s"] = record["train_start"] - launched
+    return record
+
+
+def run_hand(epochs: int, nproc: int, workdir: str, index: int) -> dict:
+    out = os.path.join(workdir, f"hand{index}.json")
+    launched = time.time()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
+           os.path.abspath(__file__), "--hand-loop", "--epochs", str(epochs), "--out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # what `ddpx train` and torchrun set with several workers
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=workdir)
+    if proc.returncode != 0:
+        raise SystemExit(f"hand-written loop failed:\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        record = json.load(f)
+    record["startup_s"] = record["train_start"] - launched
+    return record
+
+
+def run_interleaved(rounds: int, nproc: int, workdir: str, overrides) -> dict:
+    out = os.path.join(workdir, "interleaved.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
+           os.path.abspath(__file__), "--interleaved-worker", "--rounds", str(rounds), "--out", out, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=workdir)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if "batch/s" not in line]
+        raise SystemExit("interleaved run failed:\n" + "\n".join(lines[-60:]))
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=6, help="epochs per run (the first is not timed)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating")
+    parser.add_argument("--nproc", type=int, default=2, help="processes per run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides for the ddpx runs, e.g. plugins.block=[checkpoint] to see a plugin's share")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved epochs of each loop")
+    parser.add_argument("--skip-launch", action="store_true", help="only the interleaved comparison")
+    parser.add_argument("--hand-loop", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.hand_loop:
+        hand_loop(args.epochs, args.out)
+        return 0
+    if args.interleaved_worker:
+        interleaved(args.rounds, args.overrides, args.out)
+        return 0
+
+    result = {"benchmark": "trainer_overhead", "nproc": args.nproc, "overrides": args.overrides,
+              "target_ratio": 1.03}
+    with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir:
+        pair = run_interleaved(args.rounds, args.nproc, workdir, args.overrides)
+        ddpx_times, hand_times = pair["ddpx"], pair["hand"]
+        result["interleaved"] = summarize(ddpx_times, hand_times, rounds=args.rounds)
+        if not args.skip_launch:
+            ddpx_runs, hand_runs = [], []
+            for i in range(args.repeats):
+                ddpx_runs.append(run_ddpx(args.epochs, args.nproc, workdir, i, args.overrides))
+                hand_runs.append(run_hand(args.epochs, args.nproc, workdir, i))
+            result["launch"] = summarize(
+                [t for r in ddpx_runs for t in epoch_step_times(r)],
+                [t for r in hand_runs for t in epoch_step_times(r)],
+                epochs=args.epochs, repeats=args.repeats,
+                steps_per_epoch=ddpx_runs[0]["epochs"][-1]["steps"],
+                ddpx_startup_s=statistics.median(r["startup_s"] for r in ddpx_runs),
+                hand_startup_s=statistics.median(r["startup_s"] for r in hand_runs),
+            )
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    titles = {"interleaved": "same workers, alternating epochs",
+              "launch": "`ddpx train` vs a torchrun'd hand-written script"}
+    for key in ("interleaved", "launch"):
+        if key not in result:
+            continue
+        r = result[key]
+        print(f"[{titles[key]}]")
+        print(f"  hand-written DDP loop: {r['hand_step_ms']:.3f} ms/step (fastest epoch), {r['hand_step_ms_median']:.3f} median")
+        print(f"  ddpx:                  {r['ddpx_step_ms']:.3f} ms/step (fastest epoch), {r['ddpx_step_ms_median']:.3f} median")
+        print(f"  ratio ddpx/hand:       {r['ratio']:.3f} fastest, {r['ratio_median']:.3f} median (target <= 1.03)")
+        if "ddpx_startup_s" in r:
+            print(f"  launch to first step: ddpx {r['ddpx_startup_s']:.1f} s, hand-written {r['hand_startup_s']:.1f} s")
+    return 0
+
+
+def summarize(ddpx_times, hand_times, **extra) -> dict:
+    # Other load on the machine only ever adds time, so the fastest epoch is the
+    # steadiest estimate of the cost itself; the medians are reported as well.
+    return {
+        "ddpx_step_ms": min(ddpx_times) * 1e3,
+        "hand_step_ms": min(hand_times) * 1e3,
+        "ratio": min(ddpx_times) / min(hand_times),
+        "ddpx_step_ms_median": statistics.median(ddpx_times) * 1e3,
+        "hand_step_ms_median": statistics.median(hand_times) * 1e3,
+        "ratio_median": statistics.median(ddpx_times) / statistics.median(hand_times),
+        **extra,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
