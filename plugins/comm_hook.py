@@ -39,15 +39,15 @@ def ddpx_config_defaults():
 
 @hookimpl
 def ddpx_configure(config):
-    name = config.section("comm_hook")["name"]
+    cfg = config.section("comm_hook")
     hooks = _hooks_module()
-    if name == BUILTIN or hooks is None:
+    if cfg["name"] == BUILTIN or hooks is None:
         return
     available = list(hooks.available())
-    if name not in available:
-        raise DdpxError(
-            f"unknown comm_hook.name {name!r}; choose one of: {', '.join([BUILTIN, *available])}"
-        )
+    if cfg["name"] not in available:
+        choices = [BUILTIN, *(n for n in available if n != BUILTIN)]
+        raise DdpxError(f"unknown comm_hook.name {cfg['name']!r}; choose one of: {', '.join(choices)}")
+    hooks.make_state(cfg["name"], **cfg["options"])  # bad options fail here, before any worker starts
 
 
 @hookimpl
@@ -68,7 +68,8 @@ def ddpx_model_wrapped(trainer, model):
         )
         return
     trainer.comm_hook = hooks.register(model, cfg["name"], native=cfg["native"], **cfg["options"])
-    trainer.log.info("comm hook %s installed (native=%s)", cfg["name"], cfg["native"])
+    kind = "native C++" if getattr(trainer.comm_hook, "native", False) else "Python"
+    trainer.log.info("comm hook %s installed (%s hook)", cfg["name"], kind)
 
 
 @hookimpl

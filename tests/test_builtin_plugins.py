@@ -255,7 +255,10 @@ def test_unknown_comm_hook_name_lists_the_choices():
 
     pytest.importorskip("ddpx.hooks")
     config = SimpleNamespace(section=lambda name: {"name": "int7", "native": True, "options": {}})
-    with pytest.raises(DdpxError, match="unknown comm_hook.name 'int7'; choose one of: allreduce, .*int8"):
+    with pytest.raises(DdpxError, match="unknown comm_hook.name 'int7'; choose one of: allreduce, bf16, .*int8"):
+        comm_hook.ddpx_configure(config=config)
+    config = SimpleNamespace(section=lambda name: {"name": "int8", "native": True, "options": {"blok": 3}})
+    with pytest.raises(DdpxError, match="unknown option.*blok"):
         comm_hook.ddpx_configure(config=config)
 
 
