@@ -45,11 +45,15 @@ At every optimizer-step boundary the ranks combine their flags with one
 final checkpoint and call ``trainer.request_stop``; the loop ends at that
 boundary and the worker exits with 128 + the signal number once the write is
 on disk. ``torchrun`` forwards a SIGTERM/SIGINT it receives to every worker
-and kills them 30 s later.
+and kills them 30 s later. It also SIGTERMs the survivors when a rank fails;
+those never agree on a boundary, so a rank that has not agreed within
+``stop_timeout_s`` of the signal terminates at once, without a final
+checkpoint (the last periodic one is used on restart).
 
 Config section ``checkpoint``: ``enabled`` (true), ``every_steps`` (0),
 ``keep`` (3), ``dir`` (``checkpoints``, relative to ``run_dir``), ``resume``
-(true), ``async_write`` (true), ``lr_scaling`` (``none`` | ``linear``).
+(true), ``async_write`` (true), ``lr_scaling`` (``none`` | ``linear``),
+``stop_timeout_s`` (20).
 """
 
 from __future__ import annotations
@@ -86,12 +90,15 @@ class CheckpointSession:
         self.boundary_step = 0  # global_step at the last optimizer-step boundary seen
         self.signal_received = 0
         self.previous_handlers = {}
+        self.stop_deadline = None  # the timer that ends a stop no step boundary completes
 
     # --- signals ------------------------------------------------------------------------
 
     def install_signal_handlers(self, rank):
         if threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only
+
+        timeout = self.cfg["stop_timeout_s"]
 
         def on_signal(signum, frame):
             self.signal_received = signum
@@ -103,11 +110,30 @@ class CheckpointSession:
                 f"[rank{rank}] ddpx: received {signal.Signals(signum).name}: stopping after the "
                 "current optimizer step with a final checkpoint (send it again to exit now)\n"
             ).encode())
+            # torchrun also sends SIGTERM to the survivors of a failed rank: they
+            # never reach an agreed step boundary, so do not make them wait for
+            # torchrun's SIGKILL 30 s later.
+            self.stop_deadline = threading.Timer(timeout, give_up, args=(signum,))
+            self.stop_deadline.daemon = True
+            self.stop_deadline.start()
+
+        def give_up(signum):
+            os.write(2, (
+                f"[rank{rank}] ddpx: no optimizer step boundary was agreed within "
+                f"checkpoint.stop_timeout_s={timeout:g} s of {signal.Signals(signum).name} "
+                "(a peer failed or hangs): exiting without a final checkpoint\n"
+            ).encode())
+            os.kill(os.getpid(), signal.SIGTERM)  # its default action since the first signal
 
         for sig in STOP_SIGNALS:
             self.previous_handlers[sig] = signal.signal(sig, on_signal)
 
+    def stop_agreed(self):
+        if self.stop_deadline is not None:
+            self.stop_deadline.cancel()
+
     def restore_signal_handlers(self):
+        self.stop_agreed()
         handlers, self.previous_handlers = self.previous_handlers, {}
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -133,6 +159,7 @@ def ddpx_config_defaults():
             "resume": True,
             "async_write": True,
             "lr_scaling": "none",
+            "stop_timeout_s": 20.0,
         }
     }
 
@@ -144,6 +171,8 @@ def ddpx_configure(config):
         raise DdpxError(f"checkpoint.every_steps must be >= 0 (0: only at epoch ends), got {cfg['every_steps']}")
     if cfg["keep"] < 1:
         raise DdpxError(f"checkpoint.keep must be >= 1, got {cfg['keep']}")
+    if cfg["stop_timeout_s"] <= 0:
+        raise DdpxError(f"checkpoint.stop_timeout_s must be > 0, got {cfg['stop_timeout_s']}")
     if cfg["lr_scaling"] not in LR_SCALING:
         raise DdpxError(f"checkpoint.lr_scaling must be one of {', '.join(LR_SCALING)}, got {cfg['lr_scaling']!r}")
 
@@ -173,6 +202,8 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
         return
     session.boundary_step = trainer.global_step
     stop = _agree_to_stop(trainer, session)
+    if stop:
+        session.stop_agreed()  # the final save is bounded by trainer.timeout_s
     every = session.cfg["every_steps"]
     # The epoch's last step is saved by the epoch end (which also runs the evaluation).
     periodic = every and trainer.global_step % every == 0 and not _epoch_exhausted(trainer)

@@ -8,7 +8,8 @@ attempt, and can inject one failure at a chosen step:
 * ``action: term_agent``  SIGTERM the torchrun agent (``ddpx train``), which
   forwards it to every worker: the graceful-stop path;
 * ``action: kill_node``   SIGKILL the agent, then this worker: a host dying
-  (with one worker per node).
+  (with one worker per node);
+* ``action: hang``        sleep for an hour (a stuck rank that is still alive).
 
 The failure happens once: ``marker`` names a file created just before it, and
 an existing marker disables the action (a restarted attempt runs normally).
@@ -22,6 +23,7 @@ step; ``final-<label>.pt`` (rank 0's parameters at the end).
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -85,6 +87,8 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
         raise RuntimeError(f"probe: injected failure on rank {trainer.rank} at step {trainer.global_step}")
     elif cfg["action"] == "term_agent":
         os.kill(os.getppid(), signal.SIGTERM)
+    elif cfg["action"] == "hang":
+        time.sleep(3600)
     elif cfg["action"] == "kill_node":
         os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -141,6 +141,18 @@ def test_one_rank_raising_stops_every_rank_quickly_and_names_it(tmp_path):
     assert "rank 1" in log.split("injected failure")[-1] or "rank: 1" in log, log[-3000:]
 
 
+
+def test_a_hanging_rank_is_cut_short_by_the_steady_state_timeout(tmp_path):
+    # Rank 1 stays alive but stops at step 5: rank 0's next collective times out
+    # (trainer.timeout_s), torchrun SIGTERMs rank 1, which cannot reach an agreed
+    # stop and gives up after checkpoint.stop_timeout_s instead of torchrun's 30 s.
+    code, log, elapsed = train(tmp_path, "hang", "probe.action=hang", "probe.at_step=5", "probe.rank=1",
+                               "trainer.timeout_s=5", "checkpoint.stop_timeout_s=3", timeout=120)
+    assert code != 0
+    assert elapsed < 45, f"took {elapsed:.0f} s to stop"
+    assert "Timed out waiting 5000ms" in log, log[-3000:]
+    assert "[rank1] ddpx: no optimizer step boundary was agreed" in log, log[-3000:]
+
 def _netns_available():
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return False
