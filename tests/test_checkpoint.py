@@ -171,3 +171,36 @@ def test_rng_state_round_trip():
     set_rng_state(state)
     second = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(first[0], second[0]) and first[1:] == second[1:]
+
+
+def test_linear_lr_scaling_scales_optimizer_and_scheduler_base():
+    from types import SimpleNamespace
+
+    from ddpx_plugins.checkpoint import _scale_lr
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    _scale_lr(SimpleNamespace(optimizer=optimizer, scheduler=scheduler), 3 / 2)  # 2 ranks -> 3
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.15)
+    assert scheduler.get_last_lr() == [pytest.approx(0.15)]
+    optimizer.step()
+    scheduler.step()  # LambdaLR recomputes from base_lrs: they must be scaled too
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.075)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [("every_steps", -1, "every_steps must be >= 0"), ("keep", 0, "keep must be >= 1"),
+     ("lr_scaling", "sqrt", "lr_scaling must be one of none, linear"),
+     ("stop_timeout_s", 0.0, "stop_timeout_s must be > 0")],
+)
+def test_bad_checkpoint_config_is_a_one_line_error(key, value, message):
+    from types import SimpleNamespace
+
+    from ddpx.errors import DdpxError
+    from ddpx_plugins.checkpoint import ddpx_config_defaults, ddpx_configure
+
+    section = {**ddpx_config_defaults()["checkpoint"], key: value}
+    with pytest.raises(DdpxError, match=message):
+        ddpx_configure(SimpleNamespace(section=lambda name: section))
