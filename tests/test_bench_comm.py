@@ -12,6 +12,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 import types
 import uuid
 
@@ -139,17 +140,23 @@ def test_slow_link_recommends_compression(two_hosts, tmp_path):
                "--rdzv-backend", "static", "--rdzv-endpoint", endpoint]
         # gloo must bind the namespace's interface: the hostname resolves to loopback here
         env = dict(os.environ, GLOO_SOCKET_IFNAME=iface, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=env, cwd=tmp_path, start_new_session=True))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=150))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-    tails = "\n".join(f"--- node {i} stderr ---\n{err[-2500:]}" for i, (_, err) in enumerate(outputs))
+        # files, not pipes: an undrained pipe would block a chatty node and hang the other
+        out, err = open(tmp_path / f"node{node_rank}.out", "w"), open(tmp_path / f"node{node_rank}.err", "w")
+        procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=tmp_path, start_new_session=True))
+    deadline = time.monotonic() + 150
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    hung = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in hung:
+        os.killpg(procs[i].pid, 9)
+    for p in procs:
+        p.wait()
+    outputs = [((tmp_path / f"node{i}.out").read_text(), (tmp_path / f"node{i}.err").read_text()) for i in range(2)]
+    tails = "\n".join(f"--- node {i} stderr ---\n{err[-3000:]}" for i, (_, err) in enumerate(outputs))
+    assert not hung, f"node(s) {hung} did not finish within 150 s\n{tails}"
     assert [p.returncode for p in procs] == [0, 0], tails
     report = json.loads(outputs[0][0])
     m, advice = report["measurement"], report["advice"]
