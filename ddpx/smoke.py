@@ -385,9 +385,15 @@ def format_table(rows: Sequence[dict], world_size: int, run_dir: str) -> str:
 def launch_smoke(config_path: Optional[str], overrides: Sequence[str], opts) -> int:
     """``ddpx train --smoke``: launch the smoke ranks like a real run, then print the table."""
     from . import launch
-    from .config import load_config
 
-    config = load_config(config_path, overrides)  # one-line errors before anything starts
+    try:  # validate here first: one-line errors before anything starts
+        config = _load(config_path, overrides, [])
+    except Exception as exc:
+        where = origin(exc)
+        if where is None:
+            raise
+        raise DdpxError(f"smoke run FAILED at config: plugin '{where[0]}' raised in {where[1]}: "
+                        f"{type(exc).__name__}: {exc}") from None
     run_dir = smoke_run_dir(config)
     overrides = [*overrides, f"run_dir={run_dir}"]
     argv = launch.torchrun_argv(opts, config.launch, config_path, overrides)

@@ -58,6 +58,16 @@ def test_smoke_names_the_failing_plugin(tmp_path):
     assert "smoke run FAILED at train: plugin 'broken_smoke_plugin' (ddpx_epoch_start)" in out
 
 
+def test_smoke_names_a_plugin_failing_while_reading_the_config(tmp_path):
+    (tmp_path / "configure_fails.py").write_text(
+        "from ddpx import hookimpl\n\n@hookimpl\ndef ddpx_configure(config):\n    raise ValueError('no')\n")
+    rc, out, err = run_cli(["train", "--smoke", "plugins.enable=[configure_fails]"], timeout=60,
+                           cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert rc == 2  # nothing was launched: a one-line error
+    assert "plugin 'configure_fails' raised in ddpx_configure: ValueError: no" in err
+    assert "Traceback" not in err
+
+
 # --- attribution of exceptions to plugins, in-process ------------------------------------
 
 spec = pluggy.HookspecMarker("t")
