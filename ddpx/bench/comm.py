@@ -344,6 +344,8 @@ def run(args) -> int:
                                 master_port=args.master_port)
     argv = launch.torchrun_argv(opts, config.launch, config_path, overrides)
     argv[argv.index("--module") + 1] = BENCH_MODULE
+    if "--nproc-per-node=1" in argv and "--nnodes=1" in argv:
+        raise DdpxError("ddpx bench comm needs at least 2 ranks: use --nproc-per-node 2 or several nodes")
     fd, out = tempfile.mkstemp(prefix="ddpx-bench-comm-", suffix=".json")
     os.close(fd)
     os.environ.update({ENV_OUT: out, ENV_STEPS: str(args.steps)})
