@@ -26,6 +26,12 @@ def register(subparsers):
         help="time the fused kernels against memcpy and plain torch",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
     )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_arguments(parser):
+    """The options of ``ddpx bench kernels`` (shared with benchmarks/bench_kernels.py)."""
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--size-mb", type=float, default=DEFAULT_SIZE_MB, help="fp32 input size in MiB (default 64)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads; default 1)")
@@ -35,11 +41,16 @@ def register(subparsers):
         "--block-size", type=int, default=DEFAULT_BLOCK, help="int8 block and 1-bit chunk size (default 1024)"
     )
     parser.add_argument("--ranks", type=int, default=2, help="rows summed by the *_accumulate kernels (default 2)")
-    parser.set_defaults(func=run)
 
 
 def run(args) -> int:
-    result = measure(
+    result = measure_from_args(args)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+def measure_from_args(args) -> Dict:
+    return measure(
         size_mb=args.size_mb,
         threads=args.threads,
         device=args.device,
@@ -47,8 +58,6 @@ def run(args) -> int:
         block_size=args.block_size,
         ranks=args.ranks,
     )
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
-    return 0
 
 
 def _check_args(size_mb, threads, device, repeats, block_size, ranks):
@@ -207,6 +216,25 @@ def measure(
         "torch": torch.__version__,
         "memcpy": "torch dst.copy_(src), fp32, input size; GB/s = (read + written bytes) / best time",
     }
+
+
+# The issue's targets: share of the copy bandwidth (CPU: 1 thread, 64 MB), and
+# speed-up over plain torch for the compression kernels.
+MEMCPY_SHARE_TARGET = {"cpu": 0.4, "cuda": 0.7}
+TORCH_SPEEDUP_TARGET = 5.0
+
+
+def missed_targets(result: Dict) -> List[str]:
+    """One line per op that misses a target (empty when all are met)."""
+    share = MEMCPY_SHARE_TARGET["cpu" if result["device"] == "cpu" else "cuda"]
+    misses = []
+    for op in result["ops"]:
+        if op["ratio_to_memcpy"] < share:
+            misses.append(f"{op['name']}: {op['ratio_to_memcpy']:.0%} of memcpy < {share:.0%}")
+        compression = op["name"].startswith(("int8", "onebit"))
+        if compression and result["device"] == "cpu" and op["speedup_vs_torch"] < TORCH_SPEEDUP_TARGET:
+            misses.append(f"{op['name']}: {op['speedup_vs_torch']:.1f}x plain torch < {TORCH_SPEEDUP_TARGET:g}x")
+    return misses
 
 
 def format_table(result: Dict) -> str:
