@@ -41,7 +41,9 @@ A different world size on resume (``--nnodes MIN:MAX``, fewer GPUs):
 Stopping. From ``ddpx_setup`` on, the first SIGTERM or SIGINT only sets a
 flag (and restores Python's default handlers, so a second one acts at once).
 At every optimizer-step boundary the ranks combine their flags with one
-``all_reduce`` (MAX), so all of them stop after the same step: they write a
+asynchronous ``all_reduce`` (MAX) whose result is read at the next boundary,
+so all of them stop after the same step (one step after the signal at most,
+with no per-step wait): they write a
 final checkpoint and call ``trainer.request_stop``; the loop ends at that
 boundary and the worker exits with 128 + the signal number once the write is
 on disk. ``torchrun`` forwards a SIGTERM/SIGINT it receives to every worker
@@ -89,6 +91,7 @@ class CheckpointSession:
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
         self.boundary_step = 0  # global_step at the last optimizer-step boundary seen
         self.signal_received = 0
+        self.stop_vote = None  # the all_reduce of the stop flags started at the last boundary
         self.previous_handlers = {}
         self.stop_deadline = None  # the timer that ends a stop no step boundary completes
 
@@ -253,16 +256,37 @@ REPLICATED = ("model", "optimizer", "scheduler", "progress")
 
 
 def _agree_to_stop(trainer, session) -> bool:
-    """True on every rank if any rank received a stop signal (one all_reduce)."""
-    flag = 1 if session.signal_received else 0
-    if _world(trainer):
-        import torch
-        import torch.distributed as dist
+    """True on every rank, at the same boundary, once any rank received a stop signal.
 
-        tensor = torch.tensor([flag], dtype=torch.int32, device=trainer.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        flag = int(tensor.item())
-    return bool(flag)
+    Each boundary starts an asynchronous all_reduce (MAX) of this rank's flag
+    and decides on the one started at the previous boundary: every rank reads
+    the same result, so all stop after the same step (one step after the
+    signal at worst), and the loop never waits for a round trip or, on CUDA,
+    for the device to drain.
+    """
+    if not _world(trainer):
+        return bool(session.signal_received)
+    import torch
+    import torch.distributed as dist
+
+    decision = False
+    if session.stop_vote is not None:
+        work, result, ready = session.stop_vote
+        work.wait()
+        if ready is not None:
+            ready.synchronize()  # only the copy queued one step ago
+        decision = bool(result.item())
+    flag = torch.tensor([1 if session.signal_received else 0], dtype=torch.int32, device=trainer.device)
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+    result, ready = flag, None
+    if flag.is_cuda:
+        work.wait()  # orders the copy after the all_reduce on the device; the host does not block
+        result = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        result.copy_(flag, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    session.stop_vote = (work, result, ready)
+    return decision
 
 
 def _epoch_exhausted(trainer) -> bool:

@@ -150,7 +150,7 @@ def test_a_hanging_rank_is_cut_short_by_the_steady_state_timeout(tmp_path):
                                "trainer.timeout_s=5", "checkpoint.stop_timeout_s=3", timeout=120)
     assert code != 0
     assert elapsed < 45, f"took {elapsed:.0f} s to stop"
-    assert "Timed out waiting 5000ms" in log, log[-3000:]
+    assert "Timed out waiting 5000ms" in log or "Application timeout" in log, log[-3000:]  # gloo's words
     assert "[rank1] ddpx: no optimizer step boundary was agreed" in log, log[-3000:]
 
 def _netns_available():
