@@ -543,3 +543,41 @@ def test_cuda_flatten_matches_cpu(dtype):
     ops.unflatten_(flat, expected, 2.0 if scale != 1.0 else 1.0)
     for d, e in zip(dests, expected):
         same(d.cpu(), e)
+
+
+# ----------------------------------------------------------------- several threads
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_parallel_split_matches_reference(two_threads):
+    # large enough for at::parallel_for to split the blocks over threads
+    n = (1 << 19) + 13
+    x = make(n, seed=21, specials=[(1000, float("nan")), (300000, float("inf"))])
+    err, err_ref = torch.full_like(x, 0.01), torch.full_like(x, 0.01)
+    q, s = ops.int8_quantize(x, 96, err)
+    q_ref, s_ref = ref.int8_quantize(x, 96, err_ref)
+    same(q, q_ref)
+    same(s, s_ref)
+    same(err, err_ref)
+    rows_q, rows_s = torch.stack([q, q.flip(0)]), torch.stack([s, s.flip(0)])
+    same(
+        ops.int8_dequant_accumulate_(torch.ones_like(x), rows_q, rows_s, 96, 0.5, True),
+        ref.int8_dequant_accumulate_(torch.ones_like(x), rows_q, rows_s, 96, 0.5, True),
+    )
+    bits, scales = check_onebit(x, 64, torch.full_like(x, 0.01))
+    rows_b, rows_s = torch.stack([bits, bits.flip(0)]), torch.stack([scales, scales.flip(0)])
+    same(
+        ops.onebit_unpack_accumulate_(torch.ones_like(x), rows_b, rows_s, 64, 0.5, True),
+        ref.onebit_unpack_accumulate_(torch.ones_like(x), rows_b, rows_s, 64, 0.5, True),
+    )
+    same(ops.scale_cast(x, 0.5, torch.bfloat16), ref.scale_cast(x, 0.5, torch.bfloat16))
+    same(ops.scale_cast(x, 0.5, torch.float16), ref.scale_cast(x, 0.5, torch.float16))
+    ts = [x[i : i + 70001] for i in range(0, n, 70001)]
+    same(ops.flatten(ts, 2.0), ref.flatten(ts, 2.0))
