@@ -371,6 +371,7 @@ class Facts:
     hostname: str = ""
     host_addresses: list = field(default_factory=list)
     ib_devices: list = field(default_factory=list)
+    nnodes: int = 1
 
     @property
     def backend(self) -> str:
@@ -378,7 +379,9 @@ class Facts:
 
     @property
     def multi_host(self) -> bool:
-        """A master that is not a loopback address means other hosts take part."""
+        """Several nodes, or a master that is not a loopback address: other hosts take part."""
+        if self.nnodes > 1:
+            return True
         return bool(self.master_addresses) and not all(is_loopback(a) for a in self.master_addresses)
 
 
@@ -409,11 +412,12 @@ def _proc_route_iface(addr: str) -> Optional[str]:
 
 
 def gather_facts(master_addr: str, master_port: int, nproc_per_node: Optional[int],
-                 env: Mapping[str, str] = os.environ) -> Facts:
+                 env: Mapping[str, str] = os.environ, nnodes: int = 1) -> Facts:
     import torch
     import torch.distributed as dist
 
-    facts = Facts(master_addr=master_addr, master_port=master_port, nproc_per_node=nproc_per_node, env=dict(env))
+    facts = Facts(master_addr=master_addr, master_port=master_port, nproc_per_node=nproc_per_node, env=dict(env),
+                  nnodes=nnodes)
     facts.torch_version = torch.__version__
     facts.cuda_version = torch.version.cuda
     facts.cuda_available = torch.cuda.is_available()

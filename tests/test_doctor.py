@@ -132,6 +132,18 @@ def test_run_checks_on_faked_facts_names_the_variable():
     assert doctor.exit_code(doctor.run_checks(facts)) == 0
 
 
+def test_several_nodes_with_a_master_name_resolving_to_loopback_is_a_failure():
+    # SLURM node 0: its own name resolves to 127.0.1.1 locally, yet the job spans 4 nodes
+    facts = doctor.Facts(master_addr="node01", master_port=29500, nproc_per_node=None, env={},
+                         torch_version="2.x", gloo_available=True, master_addresses=["127.0.1.1"],
+                         master_is_local=True, route_iface="lo", default_iface="ib0", hostname="node01",
+                         host_addresses=["127.0.1.1"], nnodes=4)
+    gloo = _by_name(doctor.run_checks(facts))["gloo iface"]
+    assert gloo.status == FAIL and gloo.fix == "export GLOO_SOCKET_IFNAME=ib0"
+    facts.nnodes = 1
+    assert _by_name(doctor.run_checks(facts))["gloo iface"].status == WARN
+
+
 # --- the CLI on this machine -------------------------------------------------------------
 
 
@@ -247,8 +259,13 @@ def test_loopback_hostname_in_a_namespace_names_the_route_interface(namespace):
 
 
 def test_inside_srun_doctor_checks_the_endpoint_ddpx_train_derives():
-    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost"}
+    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost,n2",
+           "GLOO_SOCKET_IFNAME": "lo"}
     rc, out, err = run_cli(["doctor", "--json"], timeout=60, env=env)
     checks = {c["name"]: c for c in json.loads(out)["checks"]}
     assert checks["master addr"]["message"].startswith("localhost")
     assert checks["master port"]["message"].startswith("24242")  # 20000 + job id % 20000
+    rc, out, err = run_cli(["doctor", "--json"], timeout=60, env={**env, "GLOO_SOCKET_IFNAME": ""})
+    checks = {c["name"]: c for c in json.loads(out)["checks"]}
+    if all(doctor.is_loopback(a) for a in doctor.resolve(socket.gethostname())[0]):
+        assert checks["gloo iface"]["status"] == "FAIL" and rc == 1  # two nodes: loopback gloo cannot work
