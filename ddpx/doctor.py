@@ -49,11 +49,12 @@ def check_backend(cuda_available: bool, gpu_count: int, nccl_available: bool,
         if not nccl_available:
             return [Check("backend", FAIL, f"{gpu_count} GPU(s) but this torch has no NCCL",
                           "install a CUDA build of torch with NCCL, or set trainer.backend=gloo (slow)")]
-        checks = [Check("backend", OK, f"nccl ({gpu_count} CUDA GPU(s) visible; NCCL is the GPU backend)")]
         if nproc_per_node is not None and nproc_per_node > gpu_count:
-            checks.append(Check("gpus", FAIL, f"{nproc_per_node} processes per node but {gpu_count} GPU(s)",
-                                f"use --nproc-per-node {gpu_count} (one process per GPU)"))
-        return checks
+            # ddpx.distributed.choose_backend("auto") needs one GPU per local process
+            return [Check("backend", FAIL, f"gloo on CPU: {nproc_per_node} processes per node but only "
+                          f"{gpu_count} GPU(s), so trainer.backend=auto cannot give each its own GPU",
+                          f"use --nproc-per-node {gpu_count} (one process per GPU)")]
+        return [Check("backend", OK, f"nccl ({gpu_count} CUDA GPU(s) visible; NCCL is the GPU backend)")]
     if not gloo_available:
         return [Check("backend", FAIL, "no GPU and this torch has no gloo backend",
                       "install a torch build with distributed support (pip install torch)")]
@@ -375,7 +376,9 @@ class Facts:
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.cuda_available and self.gpu_count > 0 and self.nccl_available else "gloo"
+        """What trainer.backend=auto picks (ddpx.distributed.choose_backend)."""
+        enough = self.nproc_per_node is None or self.nproc_per_node <= self.gpu_count
+        return "nccl" if self.cuda_available and self.gpu_count > 0 and self.nccl_available and enough else "gloo"
 
     @property
     def multi_host(self) -> bool:

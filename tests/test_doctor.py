@@ -106,8 +106,9 @@ def test_port_checks():
 
 def test_backend_choice_and_gpu_count():
     assert "gloo" in doctor.check_backend(False, 0, False, True, None)[0].message
-    checks = doctor.check_backend(True, 4, True, True, 8)
-    assert "nccl" in checks[0].message and checks[1].status == FAIL and "--nproc-per-node 4" in checks[1].fix
+    assert "nccl" in doctor.check_backend(True, 4, True, True, 4)[0].message
+    checks = doctor.check_backend(True, 4, True, True, 8)  # auto falls back to gloo: say so
+    assert checks[0].status == FAIL and "gloo" in checks[0].message and "--nproc-per-node 4" in checks[0].fix
     assert doctor.check_backend(True, 2, False, True, None)[0].status == FAIL
 
 
