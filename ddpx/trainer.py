@@ -183,8 +183,8 @@ class Trainer:
         num_batches = len(loader)
         move = self.device.type != "cpu"
         max_steps = self.config.trainer.max_steps
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # no per-step host sync
-        batches = 0
+        losses: list = []  # summed at the epoch end: no per-step host sync, no per-step kernel
+        partial_batches = 0  # batches folded into losses[0]
         for batch_index, batch in enumerate(loader):
             self.batch_index = batch_index
             if move:
@@ -199,8 +199,10 @@ class Trainer:
                     self.scheduler.step()
                 self.global_step += 1
             self.last_loss = loss
-            loss_sum += loss
-            batches += 1
+            losses.append(loss)
+            if len(losses) == 4096:  # bound the memory of very long epochs
+                losses = [torch.stack(losses).sum()]
+                partial_batches += 4095
             batch_end(trainer=self, batch_index=batch_index, loss=loss, stepped=stepped)
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
@@ -208,8 +210,10 @@ class Trainer:
                 break
         self._epoch_finished = True
 
-        totals = torch.stack([loss_sum, torch.tensor(float(batches), dtype=torch.float64, device=self.device)])
-        dist.all_reduce(totals)
+        batches = partial_batches + len(losses)
+        loss_sum = torch.stack(losses).double().sum() if losses else torch.zeros((), dtype=torch.float64, device=self.device)
+        totals = torch.stack([loss_sum.to(self.device), torch.tensor(float(batches), dtype=torch.float64, device=self.device)])
+        dist.all_reduce(totals)  # one collective per epoch for the train loss
         metrics: dict = {"epoch": epoch, "step": self.global_step}
         if totals[1] > 0:
             metrics["loss"] = (totals[0] / totals[1]).item()
