@@ -56,6 +56,7 @@ class OnebitState(LossyState):
 
     name = "onebit"
     native_kind = "onebit"
+    multi_phase = True
     options = {
         **LossyState.options,
         "chunk_size": Option(int, 64, positive_multiple_of(8), "elements per fp32 scale"),
@@ -75,7 +76,9 @@ class OnebitState(LossyState):
             off += p.numel()
         order = sorted(i for i, poff in enumerate(lay.param_packed_offset) if poff is not None)
         order.sort(key=lambda i: lay.keys[i])
-        lay.comp_slices = [(offsets[i], lay.params[i].numel()) for i in order]
+        # [(bucket offset, numel)] per compressed parameter, in packing order (int64 [k, 2])
+        lay.comp_order = torch.tensor([(offsets[i], lay.params[i].numel()) for i in order],
+                                      dtype=torch.int64).reshape(-1, 2)
         # each rank's segment: whole chunks and whole 32-bit words, so every row of
         # the byte messages below keeps its fp32 fields 4-byte aligned
         align = chunk * 32 // math.gcd(chunk, 32)
@@ -125,9 +128,9 @@ class OnebitState(LossyState):
         return self.worker().submit(lambda: self._reduce(buf, lay), buf.device)
 
     def _reduce(self, buf, lay):
-        world, rank, chunk, group = self.world_size, self.rank, self.chunk_size, self.process_group
+        world, rank, chunk, group = self.world_size, self.rank, self.chunk_size, self.worker_group
         s = lay.seg
-        comp = [buf.narrow(0, off, n) for off, n in lay.comp_slices]
+        comp = [buf.narrow(0, off, n) for off, n in lay.comp_order.tolist()]
         # phase 1: pack each destination's segment into its piece, exchange
         ops.flatten(comp, out=lay.comp)
         ops.flatten(lay.runs(buf, False), out=lay.plain)

@@ -50,6 +50,7 @@ class PowerSGDState(LossyState):
 
     name = "powersgd"
     native_kind = None
+    multi_phase = True
     options = {
         "rank": Option(int, 4, lambda v: None if v >= 1 else "must be >= 1", "approximation rank r"),
         "warmup_steps": LossyState.options["warmup_steps"],
@@ -124,7 +125,7 @@ class PowerSGDState(LossyState):
         return self.worker().submit(lambda: self._reduce(buf, lay), buf.device)
 
     def _reduce(self, buf, lay):
-        world, group = self.world_size, self.process_group
+        world, group = self.world_size, self.worker_group
         inv = 1.0 / world
         ops.flatten(lay.runs(buf, False), inv, out=lay.pbuf)
         mats = []
