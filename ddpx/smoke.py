@@ -16,6 +16,7 @@ Entry points: :func:`launch_smoke` (launcher side, called by ``ddpx train
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import inspect
 import json
@@ -396,7 +397,8 @@ def launch_smoke(config_path: Optional[str], overrides: Sequence[str], opts) -> 
                         f"{type(exc).__name__}: {exc}") from None
     run_dir = smoke_run_dir(config)
     overrides = [*overrides, f"run_dir={run_dir}"]
-    argv = launch.torchrun_argv(opts, config.launch, config_path, overrides)
+    # no restarts: a failing stage must be reported, not retried
+    argv = launch.torchrun_argv(dataclasses.replace(opts, max_restarts=0), config.launch, config_path, overrides)
     module_at = argv.index("--module") + 1
     argv[module_at] = SMOKE_MODULE
     start = time.perf_counter()
