@@ -40,27 +40,24 @@ A different world size on resume (``--nnodes MIN:MAX``, fewer GPUs):
 
 Stopping. From ``ddpx_setup`` on, the first SIGTERM or SIGINT only sets a
 flag (and restores Python's default handlers, so a second one acts at once).
-At every optimizer-step boundary the ranks combine their flags with one
-asynchronous ``all_reduce`` (MAX) whose result is read at the next boundary,
-so all of them stop after the same step (one step after the signal at most,
-with no per-step wait): they write a
+Every ``stop_check_every`` optimizer steps the ranks combine their flags with
+one ``all_reduce`` (MAX), so all of them stop after the same step: they write a
 final checkpoint and call ``trainer.request_stop``; the loop ends at that
 boundary and the worker exits with 128 + the signal number once the write is
 on disk. ``torchrun`` forwards a SIGTERM/SIGINT it receives to every worker
 and kills them 30 s later. It also SIGTERMs the survivors when a rank fails;
-those never agree on a boundary, so a rank that has not agreed within
-``stop_timeout_s`` of the signal terminates at once, without a final
+those make no progress, so a rank that reaches no step boundary for
+``stop_timeout_s`` after the signal terminates at once, without a final
 checkpoint (the last periodic one is used on restart).
 
 Config section ``checkpoint``: ``enabled`` (true), ``every_steps`` (0),
 ``keep`` (3), ``dir`` (``checkpoints``, relative to ``run_dir``), ``resume``
 (true), ``async_write`` (true), ``lr_scaling`` (``none`` | ``linear``),
-``stop_timeout_s`` (20).
+``stop_timeout_s`` (20), ``stop_check_every`` (10).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -68,8 +65,6 @@ from pathlib import Path
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
-
-log = logging.getLogger("ddpx.checkpoint")
 
 LR_SCALING = ("none", "linear")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -91,7 +86,6 @@ class CheckpointSession:
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
         self.boundary_step = 0  # global_step at the last optimizer-step boundary seen
         self.signal_received = 0
-        self.stop_vote = None  # the all_reduce of the stop flags started at the last boundary
         self.previous_handlers = {}
         self.stop_deadline = None  # the timer that ends a stop no step boundary completes
 
@@ -110,30 +104,37 @@ class CheckpointSession:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             # os.write, not print/logging: a signal may interrupt a write to stderr
             os.write(2, (
-                f"[rank{rank}] ddpx: received {signal.Signals(signum).name}: stopping after the "
-                "current optimizer step with a final checkpoint (send it again to exit now)\n"
+                f"[rank{rank}] ddpx: received {signal.Signals(signum).name}: stopping within "
+                f"{self.cfg['stop_check_every']} optimizer steps with a final checkpoint "
+                "(send it again to exit now)\n"
             ).encode())
-            # torchrun also sends SIGTERM to the survivors of a failed rank: they
-            # never reach an agreed step boundary, so do not make them wait for
-            # torchrun's SIGKILL 30 s later.
-            self.stop_deadline = threading.Timer(timeout, give_up, args=(signum,))
-            self.stop_deadline.daemon = True
-            self.stop_deadline.start()
+            self.arm_stop_deadline()
 
         def give_up(signum):
             os.write(2, (
-                f"[rank{rank}] ddpx: no optimizer step boundary was agreed within "
-                f"checkpoint.stop_timeout_s={timeout:g} s of {signal.Signals(signum).name} "
-                "(a peer failed or hangs): exiting without a final checkpoint\n"
+                f"[rank{rank}] ddpx: no optimizer step boundary for checkpoint.stop_timeout_s="
+                f"{timeout:g} s after {signal.Signals(signum).name} (a peer failed or hangs): "
+                "exiting without a final checkpoint\n"
             ).encode())
             os.kill(os.getpid(), signal.SIGTERM)  # its default action since the first signal
+
+        self.give_up = give_up
 
         for sig in STOP_SIGNALS:
             self.previous_handlers[sig] = signal.signal(sig, on_signal)
 
+    def arm_stop_deadline(self):
+        """(Re)start the watchdog: torchrun also SIGTERMs the survivors of a failed
+        rank; they make no progress, so do not let them wait for torchrun's SIGKILL."""
+        self.stop_agreed()
+        self.stop_deadline = threading.Timer(self.cfg["stop_timeout_s"], self.give_up, args=(self.signal_received,))
+        self.stop_deadline.daemon = True
+        self.stop_deadline.start()
+
     def stop_agreed(self):
         if self.stop_deadline is not None:
             self.stop_deadline.cancel()
+            self.stop_deadline = None
 
     def restore_signal_handlers(self):
         self.stop_agreed()
@@ -163,6 +164,7 @@ def ddpx_config_defaults():
             "async_write": True,
             "lr_scaling": "none",
             "stop_timeout_s": 20.0,
+            "stop_check_every": 10,
         }
     }
 
@@ -174,6 +176,8 @@ def ddpx_configure(config):
         raise DdpxError(f"checkpoint.every_steps must be >= 0 (0: only at epoch ends), got {cfg['every_steps']}")
     if cfg["keep"] < 1:
         raise DdpxError(f"checkpoint.keep must be >= 1, got {cfg['keep']}")
+    if cfg["stop_check_every"] < 1:
+        raise DdpxError(f"checkpoint.stop_check_every must be >= 1, got {cfg['stop_check_every']}")
     if cfg["stop_timeout_s"] <= 0:
         raise DdpxError(f"checkpoint.stop_timeout_s must be > 0, got {cfg['stop_timeout_s']}")
     if cfg["lr_scaling"] not in LR_SCALING:
@@ -207,6 +211,8 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
     stop = _agree_to_stop(trainer, session)
     if stop:
         session.stop_agreed()  # the final save is bounded by trainer.timeout_s
+    elif session.stop_deadline is not None:
+        session.arm_stop_deadline()  # progress: wait for the next check
     every = session.cfg["every_steps"]
     # The epoch's last step is saved by the epoch end (which also runs the evaluation).
     periodic = every and trainer.global_step % every == 0 and not _epoch_exhausted(trainer)
@@ -246,7 +252,7 @@ def ddpx_exception(trainer, exc):
     try:
         session.writer.wait()
     except Exception as error:
-        log.warning("rank %d: the last checkpoint write failed too: %s", trainer.rank, error)
+        trainer.log.warning(f"the last checkpoint write failed too: {error}")
 
 
 # --- collective parts (every rank, same order) -------------------------------------------
@@ -258,35 +264,20 @@ REPLICATED = ("model", "optimizer", "scheduler", "progress")
 def _agree_to_stop(trainer, session) -> bool:
     """True on every rank, at the same boundary, once any rank received a stop signal.
 
-    Each boundary starts an asynchronous all_reduce (MAX) of this rank's flag
-    and decides on the one started at the previous boundary: every rank reads
-    the same result, so all stop after the same step (one step after the
-    signal at worst), and the loop never waits for a round trip or, on CUDA,
-    for the device to drain.
+    Every ``stop_check_every`` optimizer steps (counted by ``global_step``, so
+    the same steps on every rank) one all_reduce (MAX) combines the flags.
     """
-    if not _world(trainer):
-        return bool(session.signal_received)
-    import torch
-    import torch.distributed as dist
+    if trainer.global_step % session.cfg["stop_check_every"]:
+        return False
+    flag = 1 if session.signal_received else 0
+    if _world(trainer):
+        import torch
+        import torch.distributed as dist
 
-    decision = False
-    if session.stop_vote is not None:
-        work, result, ready = session.stop_vote
-        work.wait()
-        if ready is not None:
-            ready.synchronize()  # only the copy queued one step ago
-        decision = bool(result.item())
-    flag = torch.tensor([1 if session.signal_received else 0], dtype=torch.int32, device=trainer.device)
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-    result, ready = flag, None
-    if flag.is_cuda:
-        work.wait()  # orders the copy after the all_reduce on the device; the host does not block
-        result = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        result.copy_(flag, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-    session.stop_vote = (work, result, ready)
-    return decision
+        tensor = torch.tensor([flag], dtype=torch.int32, device=trainer.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        flag = int(tensor.item())
+    return bool(flag)
 
 
 def _epoch_exhausted(trainer) -> bool:
