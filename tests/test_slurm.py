@@ -1,5 +1,7 @@
 """SLURM environment -> torchrun arguments (faked SLURM environments)."""
 
+import os
+
 import pytest
 
 from ddpx.errors import DdpxError
@@ -77,3 +79,25 @@ def test_detection_of_an_srun_step():
     assert not in_slurm_step(_job(DDPX_SLURM="0"))
     # inside torchrun's workers the launcher already ran
     assert not in_slurm_step(_job(TORCHELASTIC_RUN_ID="123456"))
+
+
+def test_launcher_uses_the_slurm_settings(monkeypatch):
+    from ddpx.config import load_config
+    from ddpx.launch import LaunchOptions, torchrun_argv
+    from tests.utils import free_port
+
+    port = free_port()
+    env = _job(SLURM_NNODES="2", SLURM_NODEID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost,node2",
+               SLURM_GPUS_ON_NODE="3", MASTER_PORT=str(port))
+    for key in [k for k in list(os.environ) if k.startswith("SLURM_") or k == "TORCHELASTIC_RUN_ID"]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = load_config(None, [])
+    argv = torchrun_argv(LaunchOptions(), config.launch, None, [])
+    for expected in ("--nnodes=2", "--node-rank=0", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=123456", "--nproc-per-node=3"):
+        assert expected in argv, (expected, argv)
+    # an explicit option still wins over SLURM
+    argv = torchrun_argv(LaunchOptions(nproc_per_node="1"), config.launch, None, [])
+    assert "--nproc-per-node=1" in argv and "--nproc-per-node=3" not in argv
