@@ -2,14 +2,14 @@
 
 The model is 12 x Linear(1024, 1024) (about 50 MB of fp32). For each repetition:
 
-* ``copy``: cloning every tensor of the state into fresh CPU memory (the
-  reference: "one local copy");
+* ``copy``: copying every tensor of the state into fresh CPU memory (the
+  reference: "one local copy"; from the GPU with ``--device cuda``);
 * ``async_blocking``: the time ``AsyncCheckpointWriter.save`` keeps the caller
   (snapshot to CPU; serialization and fsync run on a background thread);
 * ``sync_save``: a synchronous atomic save (serialize + fsync + rename), i.e.
   what the loop would wait for without the background writer.
 
-Usage: python benchmarks/bench_checkpoint.py [--reps 5] [--dir DIR] [--json]
+Usage: python benchmarks/bench_checkpoint.py [--reps 5] [--dir DIR] [--device cpu|cuda] [--json]
 """
 
 import argparse
@@ -39,11 +39,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--device", default="cpu", help="where the model lives (cpu, cuda)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    model = build_model()
+    model = build_model().to(args.device)
+    sync = torch.cuda.synchronize if model[0].weight.is_cuda else (lambda: None)
     nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         directory = CheckpointDirectory(Path(tmp), keep=2)
@@ -52,7 +54,7 @@ def main(argv=None):
         copy_s, blocking_s, sync_s, write_s = [], [], [], []
         step = 0
         for _ in range(args.reps):
-            copy_s.append(timed(lambda: {k: v.clone() for k, v in model.state_dict().items()}))
+            copy_s.append(timed(lambda: ({k: v.to("cpu", copy=True) for k, v in model.state_dict().items()}, sync())))
             step += 1
             blocking_s.append(timed(lambda: writer.save({"model": model.state_dict()}, step)))
             write_s.append(blocking_s[-1] + timed(writer.wait))  # until it is on disk
@@ -60,6 +62,7 @@ def main(argv=None):
             sync_s.append(timed(lambda: sync_writer.save({"model": model.state_dict()}, step)))
     result = {
         "model_mb": round(nbytes / 2**20, 1),
+        "device": args.device,
         "reps": args.reps,
         "copy_ms": round(1e3 * statistics.median(copy_s), 2),
         "async_blocking_ms": round(1e3 * statistics.median(blocking_s), 2),

@@ -72,15 +72,27 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     fsync_directory(path.parent)
 
 
-def snapshot(obj: Any) -> Any:
+def snapshot(obj: Any, buffers: Optional[dict] = None, _path: str = "") -> Any:
     """A copy of ``obj`` that later training steps cannot change: every tensor is
-    copied to CPU memory, containers are rebuilt, other leaves deep-copied."""
+    copied to CPU memory, containers are rebuilt, other leaves deep-copied.
+
+    With ``buffers`` (a dict kept between calls), the CPU tensors of the
+    previous snapshot are reused when shape and dtype match: no allocation, no
+    page faults, so a repeated snapshot costs less than a fresh copy. Their
+    previous contents must no longer be needed. Copies from a GPU go to pinned
+    memory without blocking; call :func:`torch.cuda.synchronize` before reading.
+    """
     if isinstance(obj, torch.Tensor):
-        out = torch.empty_like(obj, device="cpu")
-        out.copy_(obj.detach())
+        src = obj.detach()
+        out = buffers.get(_path) if buffers is not None else None
+        if out is None or out.shape != src.shape or out.dtype != src.dtype:
+            out = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+            if buffers is not None:
+                buffers[_path] = out
+        out.copy_(src, non_blocking=src.is_cuda)
         return out
     if isinstance(obj, dict):
-        items = [(k, snapshot(v)) for k, v in obj.items()]
+        items = [(k, snapshot(v, buffers, f"{_path}/{k!r}")) for k, v in obj.items()]
         try:
             out = type(obj)(items)  # keeps OrderedDict (module state_dicts)
         except TypeError:  # e.g. defaultdict
@@ -89,9 +101,9 @@ def snapshot(obj: Any) -> Any:
             out._metadata = copy.deepcopy(obj._metadata)
         return out
     if isinstance(obj, list):
-        return [snapshot(v) for v in obj]
+        return [snapshot(v, buffers, f"{_path}/{i}") for i, v in enumerate(obj)]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(snapshot(v) for v in obj)
+        return tuple(snapshot(v, buffers, f"{_path}/{i}") for i, v in enumerate(obj))
     return copy.deepcopy(obj)
 
 
@@ -204,9 +216,10 @@ class CheckpointDirectory:
 class AsyncCheckpointWriter:
     """Runs :meth:`CheckpointDirectory.save` on a background thread, one at a time.
 
-    ``save`` blocks only for :func:`snapshot` (one local copy of the state)
-    plus waiting for the previous write. An error in the background write is
-    raised by the next ``save`` or ``wait``.
+    ``save`` blocks only for :func:`snapshot` (one local copy of the state,
+    into CPU buffers reused from the previous save: the writer keeps one copy
+    of the state in CPU memory) plus waiting for the previous write. An error
+    in the background write is raised by the next ``save`` or ``wait``.
     """
 
     def __init__(self, directory: CheckpointDirectory, async_write: bool = True):
@@ -214,6 +227,7 @@ class AsyncCheckpointWriter:
         self.async_write = async_write
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._buffers: dict = {}
         self.last_path: Optional[Path] = None
 
     def save(self, state: dict, step: int, on_done: Optional[Callable[[Path], None]] = None) -> None:
@@ -222,7 +236,9 @@ class AsyncCheckpointWriter:
             self._write(state, step, on_done)
             self._raise()
             return
-        copied = snapshot(state)
+        copied = snapshot(state, self._buffers)  # the previous write is done with them
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies
         self._thread = threading.Thread(
             target=self._write, args=(copied, step, on_done), name="ddpx-checkpoint-writer"
         )
