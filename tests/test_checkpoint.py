@@ -204,3 +204,16 @@ def test_bad_checkpoint_config_is_a_one_line_error(key, value, message):
     section = {**ddpx_config_defaults()["checkpoint"], key: value}
     with pytest.raises(DdpxError, match=message):
         ddpx_configure(SimpleNamespace(section=lambda name: section))
+
+
+def test_consecutive_async_saves_reusing_buffers_keep_each_checkpoint_intact(tmp_path):
+    directory = CheckpointDirectory(tmp_path, keep=3)
+    writer = AsyncCheckpointWriter(directory, async_write=True)
+    weight = torch.zeros(256, 256)
+    for step in (1, 2, 3):  # each save reuses the CPU buffers of the one before
+        weight.fill_(step)
+        writer.save({"w": weight}, step)
+    writer.wait()
+    for step in (1, 2, 3):
+        saved = torch.load(directory.path_for(step), weights_only=False)["w"]
+        assert torch.equal(saved, torch.full((256, 256), float(step))), step
