@@ -187,6 +187,7 @@ def two_hosts():
 
 
 @pytest.mark.netns
+@pytest.mark.timeout(280)
 @pytest.mark.skipif(not _netns_available(), reason="needs root and ip netns")
 def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(tmp_path, two_hosts):
     """Two one-worker "hosts" (static rendezvous, --max-restarts 0): host 1's agent
