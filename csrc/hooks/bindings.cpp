@@ -12,14 +12,17 @@ void bind(pybind11::module_& m) {
   m.def("native_hook_kinds", &algorithm_kinds, "The native algorithms built into this extension.");
   m.def(
       "register_native_comm_hook",
-      [](c10d::Reducer& reducer, c10d::ProcessGroup* group, py::object state, const std::string& kind) {
-        // The group is held by Python through its own holder type; take a
-        // reference of ours on the same object.
+      [](c10d::Reducer& reducer, c10d::ProcessGroup* group, c10d::ProcessGroup* worker_group, py::object state,
+         const std::string& kind) {
+        // The groups are held by Python through their own holder type; take
+        // references of ours on the same objects.
         auto pg = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(group);
-        auto core = std::make_shared<HookCore>(std::move(pg), std::move(state), kind);
+        c10::intrusive_ptr<c10d::ProcessGroup> worker_pg;
+        if (worker_group) worker_pg = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(worker_group);
+        auto core = std::make_shared<HookCore>(std::move(pg), std::move(worker_pg), std::move(state), kind);
         reducer.register_comm_hook(std::make_unique<NativeHook>(std::move(core)));
       },
-      py::arg("reducer"), py::arg("process_group"), py::arg("state"), py::arg("kind"),
+      py::arg("reducer"), py::arg("process_group"), py::arg("worker_group"), py::arg("state"), py::arg("kind"),
       "Register the native ddpx comm hook `kind` on a DDP reducer; `state` is the Python ddpx.hooks state that "
       "owns options, counters and buffers.");
 }

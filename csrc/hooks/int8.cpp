@@ -44,7 +44,7 @@ class Int8 final : public NativeAlgorithm {
       }
     }
     std::vector<int64_t> equal_splits;
-    core.group().alltoall_base(recv, send, equal_splits, equal_splits)->wait();
+    core.worker_group().alltoall_base(recv, send, equal_splits, equal_splits)->wait();
     // local fp32 average of this rank's chunk, server error feedback, requantize
     {
       auto [plain, scales, q] = views(recv);
@@ -55,7 +55,7 @@ class Int8 final : public NativeAlgorithm {
       ddpx::ops::int8_quantize_out(reduced, block_, server_error.narrow(0, rank * c, c), qq2, s2);
     }
     // phase 2: everyone gets every averaged chunk
-    core.group()._allgather_base(recv2, send2)->wait();
+    core.worker_group()._allgather_base(recv2, send2)->wait();
     {
       auto [plain, scales, q] = views(recv2);
       for (int64_t r = 0; r < world; ++r) {

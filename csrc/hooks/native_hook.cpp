@@ -105,8 +105,9 @@ std::vector<Run> read_runs(const py::handle& runs) {
 }  // namespace
 
 // ---------------------------------------------------------------- HookCore
-HookCore::HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, py::object state, const std::string& kind)
-    : pg_(std::move(pg)), state_(std::move(state)) {
+HookCore::HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
+                   py::object state, const std::string& kind)
+    : pg_(std::move(pg)), worker_pg_(std::move(worker_pg)), state_(std::move(state)) {
   world_ = state_.attr("world_size").cast<int64_t>();
   rank_ = state_.attr("rank").cast<int64_t>();
   counters_ = state_.attr("counters").cast<at::Tensor>();
@@ -127,6 +128,11 @@ HookCore::~HookCore() {
   }
 }
 
+c10d::ProcessGroup& HookCore::worker_group() {
+  TORCH_CHECK(worker_pg_, "ddpx native comm hook: this hook was registered without a worker group");
+  return *worker_pg_;
+}
+
 int64_t HookCore::int_option(const char* name, int64_t fallback) const {
   py::object v = py::getattr(state_, name, py::none());
   return v.is_none() ? fallback : v.cast<int64_t>();
@@ -143,6 +149,7 @@ void HookCore::count(int64_t bucket_numel, int64_t wire_bytes, bool last) {
   int64_t* c = counters_.data_ptr<int64_t>();
   c[0] += 4 * bucket_numel;
   c[1] += wire_bytes;
+  c[3] += 1;
   if (last) c[2] += 1;
 }
 

@@ -100,14 +100,17 @@ std::vector<std::string> algorithm_kinds();
 // counters and layouts, and the FIFO worker.
 class HookCore {
  public:
-  HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, pybind11::object state, const std::string& kind);
+  // `worker_pg` (may be null for single-phase hooks) is the private group of
+  // the worker's collectives; see ddpx/hooks/base.py (worker_group) for why.
+  HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
+           pybind11::object state, const std::string& kind);
   ~HookCore();
 
   FuturePtr run(c10d::GradBucket& bucket);
 
   // The bucket's layout, built by the Python state the first time it is seen.
   std::shared_ptr<const Layout> layout(c10d::GradBucket& bucket);
-  // Adds to the shared counters [raw_bytes, wire_bytes, steps].
+  // Adds to the shared counters [raw_bytes, wire_bytes, steps, buckets].
   void count(int64_t bucket_numel, int64_t wire_bytes, bool last);
   bool warming_up() const;
   // Plain fp32 average in place (the allreduce hook and every warm-up step).
@@ -121,15 +124,16 @@ class HookCore {
   std::string str_option(const char* name) const;
 
   c10d::ProcessGroup& group() { return *pg_; }
+  c10d::ProcessGroup& worker_group();
   int64_t world() const { return world_; }
   int64_t rank() const { return rank_; }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_, worker_pg_;
   pybind11::object state_;  // the Python HookState; touched only under the GIL
   int64_t world_, rank_;
   int64_t warmup_ = 0;
-  at::Tensor counters_;  // int64 [raw_bytes, wire_bytes, steps], owned by the Python state
+  at::Tensor counters_;  // int64 [raw_bytes, wire_bytes, steps, buckets], owned by the Python state
   std::mutex layouts_mu_;
   std::unordered_map<size_t, std::shared_ptr<const Layout>> layouts_;
   std::unique_ptr<NativeAlgorithm> algorithm_;

@@ -38,14 +38,18 @@ class Onebit final : public NativeAlgorithm {
     const int64_t s = lay.integer("seg"), n_comp = lay.n_comp;
     const double inv = 1.0 / static_cast<double>(world);
     auto length = [&](int64_t r) { return std::max<int64_t>(0, std::min(s, n_comp - r * s)); };
+    // the compressed values: the bucket itself where they are one contiguous stretch of
+    // it in packing order (direct_offset >= 0), else the packed `comp` buffer
+    const int64_t direct = lay.integer("direct_offset");
     std::vector<at::Tensor> comp_views;
-    {
+    if (direct < 0) {
       const at::Tensor& order = lay.tensor("comp_order");
       const int64_t* o = order.const_data_ptr<int64_t>();
       for (int64_t i = 0; i < order.size(0); ++i) comp_views.push_back(buf.narrow(0, o[2 * i], o[2 * i + 1]));
     }
     const auto plain_views = run_views(buf, lay.plain);
-    at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain"), reduced = lay.tensor("reduced");
+    at::Tensor comp = direct >= 0 ? buf.narrow(0, direct, n_comp) : lay.tensor("comp");
+    at::Tensor plain_buf = lay.tensor("plain"), reduced = lay.tensor("reduced");
     const at::Tensor &send = lay.tensor("send"), &recv = lay.tensor("recv");
     const at::Tensor &send2 = lay.tensor("send2"), &recv2 = lay.tensor("recv2");
     const at::Tensor& worker_error = lay.tensor("worker_error");
@@ -53,7 +57,7 @@ class Onebit final : public NativeAlgorithm {
     const int64_t plain_chunk = lay.integer("plain_chunk");
 
     // phase 1: pack each destination's segment into its piece, exchange
-    ddpx::ops::flatten_out(comp_views, 1.0, comp);
+    if (direct < 0) ddpx::ops::flatten_out(comp_views, 1.0, comp);
     ddpx::ops::flatten_out(plain_views, 1.0, plain_buf);
     for (int64_t r = 0; r < world; ++r) {
       const int64_t m = length(r);
@@ -86,7 +90,7 @@ class Onebit final : public NativeAlgorithm {
       ddpx::ops::onebit_unpack_accumulate_(out, bits[r], scales[r], chunk_, 1.0, false);
       if (r == 0) plain_buf.view({world, plain_chunk}).copy_(plain);
     }
-    ddpx::ops::unflatten_(comp, comp_views);
+    if (direct < 0) ddpx::ops::unflatten_(comp, comp_views);
     ddpx::ops::unflatten_(plain_buf, plain_views);
   }
 

@@ -20,7 +20,12 @@ depend on earlier results; doing that in future callbacks would issue them in
 whatever order the network finishes (the bug behind torch's powerSGD crash on
 gloo). They run on one FIFO worker thread per state instead, so every rank
 issues every collective in bucket order, with several buckets queued at once
-and backward computation overlapping the communication.
+and backward computation overlapping the communication. The worker uses its
+own process group (``worker_group``, a private copy of the hook's group made
+at the same point on every rank): DDP itself issues collectives on the main
+group while buckets are still in flight (e.g. the unused-parameter map with
+``find_unused_parameters=True``), and two threads sharing one group would
+interleave differently on different ranks.
 """
 
 from __future__ import annotations
@@ -68,21 +73,19 @@ def ring_allreduce_bytes(nbytes: int, world: int) -> int:
 
 
 def merge_runs(items):
-    """[(offset, numel, flag)] in bucket order -> runs of consecutive equal flags:
-    {flag: [(bucket_offset, numel, packed_offset)]} where packed_offset is the run's
-    position in the flag's packed buffer."""
+    """[(bucket_offset, numel, packed_offset, flag)] in bucket order -> {flag: runs}
+    where consecutive items of one flag that are contiguous both in the bucket
+    and in the packed buffer merge into one (bucket_offset, numel, packed_offset)."""
     runs: dict[bool, list[list[int]]] = {True: [], False: []}
-    packed = {True: 0, False: 0}
-    last_flag, last_end = None, None
-    for off, n, flag in items:
+    last = None  # (flag, bucket end, packed end)
+    for off, n, poff, flag in items:
         if n == 0:
             continue
-        if flag == last_flag and off == last_end:
+        if last == (flag, off, poff):
             runs[flag][-1][1] += n
         else:
-            runs[flag].append([off, n, packed[flag]])
-        packed[flag] += n
-        last_flag, last_end = flag, off + n
+            runs[flag].append([off, n, poff])
+        last = (flag, off + n, poff + n)
     return {k: [tuple(r) for r in v] for k, v in runs.items()}
 
 
@@ -94,7 +97,8 @@ class BucketLayout:
         params: the bucket's parameters (identity = the layout's signature)
         keys: the parameters' memory keys
         comp_runs / plain_runs: [(bucket_offset, numel, packed_offset)] runs of
-            consecutive parameters that are compressed / sent uncompressed
+            parameters that are compressed / sent uncompressed, in packed order
+            (the packed buffers hold the parameters in key order)
         n_comp / n_plain: elements in each class
     Subclasses' ``build_layout`` add their buffers as attributes.
     """
@@ -104,20 +108,27 @@ class BucketLayout:
         self.params = list(params)
         self.keys = list(keys)
         self.numel = sum(p.numel() for p in params)
+        # Packed buffers hold parameters in key order, not DDP's bucket order: DDP
+        # reorders a bucket when it rebuilds, and a canonical order keeps the
+        # compressed stream (chunks, blocks, error memory) the same for the same
+        # set of parameters, e.g. when a run resumes from a checkpoint.
+        self.param_packed_offset: list[int | None] = [None] * len(params)
+        packed_pos = [0] * len(params)
+        packed = {True: 0, False: 0}
+        for i in sorted(range(len(params)), key=lambda i: self.keys[i]):
+            packed_pos[i] = packed[compressed[i]]
+            packed[compressed[i]] += params[i].numel()
+            if compressed[i]:
+                self.param_packed_offset[i] = packed_pos[i]
         items, off = [], 0
-        for p, c in zip(params, compressed):
-            items.append((off, p.numel(), c))
+        for i, p in enumerate(params):
+            items.append((off, p.numel(), packed_pos[i], compressed[i]))
             off += p.numel()
         runs = merge_runs(items)
-        self.comp_runs, self.plain_runs = runs[True], runs[False]
+        # in packed order, so flatten/unflatten of the run views fill the packed buffer
+        self.comp_runs, self.plain_runs = sorted(runs[True], key=lambda r: r[2]), sorted(runs[False], key=lambda r: r[2])
         self.n_comp = sum(n for _, n, _ in self.comp_runs)
         self.n_plain = sum(n for _, n, _ in self.plain_runs)
-        # packed offset of each compressed parameter (for per-parameter memory views)
-        self.param_packed_offset: list[int | None] = []
-        packed = {True: 0, False: 0}
-        for p, c in zip(params, compressed):
-            self.param_packed_offset.append(packed[True] if c else None)
-            packed[c] += p.numel()
 
     def matches(self, params) -> bool:
         return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params))
@@ -185,6 +196,8 @@ class HookState:
     memories: tuple[str, ...] = ()
     # the C++ hook that runs this algorithm natively, or None
     native_kind: str | None = None
+    # collectives depend on earlier results: run on the worker, on worker_group
+    multi_phase = False
 
     def __init__(self, process_group=None, **opts):
         self.opts = self._validate(opts)
@@ -193,8 +206,8 @@ class HookState:
         self._group = process_group
         self._world = None
         self._rank = None
-        # [raw_bytes, wire_bytes, steps]: one tensor shared with the native hook
-        self.counters = torch.zeros(3, dtype=torch.int64)
+        # [raw_bytes, wire_bytes, steps, buckets]: one tensor shared with the native hook
+        self.counters = torch.zeros(4, dtype=torch.int64)
         self.layouts: dict[int, BucketLayout] = {}
         self._keys: dict[int, int] = {}  # id(param) -> key
         self._key_params: list[torch.Tensor] = []  # keeps ids valid
@@ -202,6 +215,7 @@ class HookState:
         # a loaded tensor waiting for its parameter's layout)
         self.memory: dict[str, dict[int, torch.Tensor]] = {m: {} for m in self.memories}
         self._worker: SerialWorker | None = None
+        self._worker_group = None
         self.native = False  # set by ddpx.hooks.register when the C++ hook runs it
         self._warned: set[str] = set()
 
@@ -301,6 +315,7 @@ class HookState:
         c = self.counters
         c[0] += 4 * bucket_numel
         c[1] += wire_bytes
+        c[3] += 1
         if last:
             c[2] += 1
 
@@ -308,17 +323,31 @@ class HookState:
     def steps(self) -> int:
         return int(self.counters[2])
 
+    @property
+    def worker_group(self):
+        """The private process group of the worker's collectives (same ranks as
+        ``process_group``); created on first use, which is the same point on
+        every rank (the first compressed bucket, or ``ddpx.hooks.register``)."""
+        if self._worker_group is None:
+            group = self.process_group
+            self._worker_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
+                                                backend=dist.get_backend(group), use_local_synchronization=True)
+        return self._worker_group
+
     def worker(self) -> SerialWorker:
+        """The FIFO worker of multi-phase hooks; call from run_bucket (DDP's thread)."""
         if self._worker is None:
+            self.worker_group
             self._worker = SerialWorker(f"ddpx-{self.name}-hook")
         return self._worker
 
     def stats(self) -> dict:
         """Totals since creation: ``raw_bytes`` (fp32 gradient bytes handed to the
         hook), ``wire_bytes`` (bytes this rank sent, ring model), ``steps``
-        (iterations communicated), ``ratio`` (raw / wire for world size 2's ring)."""
-        raw, wire, steps = (int(v) for v in self.counters)
-        return {"name": self.name, "raw_bytes": raw, "wire_bytes": wire, "steps": steps,
+        (iterations communicated), ``buckets`` (hook calls), ``compression``
+        (raw / wire)."""
+        raw, wire, steps, buckets = (int(v) for v in self.counters)
+        return {"name": self.name, "raw_bytes": raw, "wire_bytes": wire, "steps": steps, "buckets": buckets,
                 "compression": (raw / wire) if wire else None}
 
     # ------------------------------------------------------------ state dict
@@ -347,7 +376,8 @@ class HookState:
         if sd.get("name") != self.name:
             raise DdpxError(f"comm hook state dict is for {sd.get('name')!r}, not {self.name!r}; "
                             f"load it into ddpx.hooks.make({sd.get('name')!r})")
-        self.counters.copy_(sd["counters"])
+        saved = sd["counters"].reshape(-1)[: self.counters.numel()]
+        self.counters.zero_()[: saved.numel()].copy_(saved)
         world = self.world_size if dist.is_initialized() else None
         if sd.get("world_size") != world or sd.get("rank") != self.rank_or_none():
             log.warning("%s: state dict was saved by rank %s of %s, this is rank %s of %s: error-feedback memory "

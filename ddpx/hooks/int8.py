@@ -36,6 +36,7 @@ class Int8State(LossyState):
 
     name = "int8"
     native_kind = "int8"
+    multi_phase = True
     options = {
         **LossyState.options,
         "block_size": Option(int, 256, positive_multiple_of(4), "elements per fp32 scale"),
@@ -89,7 +90,7 @@ class Int8State(LossyState):
         return self.worker().submit(lambda: self._reduce(buf, lay), buf.device)
 
     def _reduce(self, buf, lay):
-        world, rank, block, group = self.world_size, self.rank, self.block_size, self.process_group
+        world, rank, block, group = self.world_size, self.rank, self.block_size, self.worker_group
         c = lay.chunk
         # phase 1: quantize each destination's chunk into its piece, exchange
         ops.flatten(lay.runs(buf, True), out=lay.comp)

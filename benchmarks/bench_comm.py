@@ -1,0 +1,374 @@
+"""DDP step time with each comm hook on a bandwidth-limited network.
+
+Loopback is not a network: on it compression only adds work. This benchmark
+builds N "hosts" as Linux network namespaces joined by a bridge, shapes every
+link with ``tc qdisc ... tbf rate RATE`` (both directions), runs one torchrun
+node per namespace (``GLOO_SOCKET_IFNAME`` set, master = the first host) and
+times DDP steps of a communication-bound model (12 x Linear(1024, 1024),
+about 50 MB of fp32 gradients) for: no hook, torch's fp16_compress_hook,
+torch's PowerSGD (its failure is reported if it fails), and every ddpx hook,
+native and Python.
+
+It reports ms/step, the speed-up over plain allreduce and over torch's fp16
+hook in the same run, the bytes each rank sends per step, and the step time
+the link allows: compute + wire bytes / rate.
+
+    sudo python benchmarks/bench_comm.py                  # 2 hosts, 1 Gbit/s
+    sudo python benchmarks/bench_comm.py --hosts 3 --rate 500mbit --json
+
+On a real cluster, skip the namespaces and run the worker under torchrun:
+
+    torchrun --nnodes 2 --nproc_per_node 1 ... benchmarks/bench_comm.py --worker --rate-bps 1e9
+
+Namespaces (``ddpxbench<pid>-*``, addresses 10.213.0.0/24 inside them only)
+are removed on exit, on Ctrl-C and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SUBNET = "10.213.0"
+PORT = 29513
+
+
+# ----------------------------------------------------------------- worker
+def _configs(names):
+    """(label, kind, name, native) in run order; torch's PowerSGD last (it may crash the group)."""
+    import ddpx.hooks
+
+    out = [("no hook", "none", None, None), ("torch fp16_compress_hook", "torch", "fp16", None)]
+    for name in ddpx.hooks.available():
+        if names and name not in names:
+            continue
+        out.append((f"ddpx {name} native", "ddpx", name, True))
+        out.append((f"ddpx {name} python", "ddpx", name, False))
+    out.append(("torch powerSGD rank 4", "torch", "powersgd", None))
+    return out
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])
+
+
+def _ring(nbytes, world):
+    return 2 * (world - 1) * nbytes / world
+
+
+def _torch_wire_bytes(name, model, world, rank=4):
+    params = list(model.parameters())
+    if name == "fp16":
+        return _ring(2 * sum(p.numel() for p in params), world)
+    total = 0
+    for p in params:  # PowerSGD: P (n x r) and Q (m x r) per matrix, vectors uncompressed
+        if p.dim() > 1:
+            n, m = p.shape[0], p.numel() // p.shape[0]
+            total += 4 * rank * (n + m)
+        else:
+            total += 4 * p.numel()
+    return _ring(total, world)
+
+
+def worker(args):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpx.hooks
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(args.batch, 1024)
+    results = {"world_size": world, "rate_bps": args.rate_bps, "steps": args.steps, "results": []}
+
+    def save():
+        if rank == 0 and args.out:
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(results, f)
+            os.replace(args.out + ".tmp", args.out)
+
+    # compute alone: forward + backward of the same model, no communication
+    net = _model()
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            t0 = time.perf_counter()
+        net.zero_grad()
+        net(x).square().mean().backward()
+    results["compute_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
+    n_params = sum(p.numel() for p in net.parameters())
+    results["grad_bytes"] = 4 * n_params
+    save()
+
+    for label, kind, name, native in _configs(args.hooks):
+        entry = {"label": label, "kind": kind, "name": name, "native": native}
+        results["results"].append(entry)
+        ddp = DDP(_model())
+        state = None
+        try:
+            if kind == "ddpx":
+                state = ddpx.hooks.register(ddp, name, native=native)
+                entry["native"] = state.native
+            elif kind == "torch" and name == "fp16":
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif kind == "torch" and name == "powersgd":
+                ps = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                                 start_powerSGD_iter=2, warm_start=True)
+                ddp.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
+            times = []
+            for i in range(args.warmup + args.steps):
+                if i == args.warmup and state is not None:
+                    before = state.stats()
+                dist.barrier()
+                t0 = time.perf_counter()
+                ddp.zero_grad()
+                ddp(x).square().mean().backward()
+                times.append(time.perf_counter() - t0)
+            times = times[args.warmup:]
+            entry["ms_per_step"] = statistics.median(times) * 1e3
+            entry["ms_mean"] = statistics.mean(times) * 1e3
+            if state is not None:
+                after = state.stats()
+                entry["wire_bytes"] = (after["wire_bytes"] - before["wire_bytes"]) / args.steps
+            elif kind == "none":
+                entry["wire_bytes"] = _ring(4 * n_params, world)
+            else:
+                entry["wire_bytes"] = _torch_wire_bytes(name, ddp.module, world)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            save()
+            if kind == "torch" and name == "powersgd":
+                break  # the group may be out of step now; it is the last config anyway
+            raise
+        save()
+        del ddp, state
+    save()
+    dist.barrier()
+    dist.destroy_process_group()
+    return results
+
+
+# ------------------------------------------------------------------ table
+def summarize(results, rate_bps):
+    """Add speed-ups and the link-bound step time to every entry."""
+    by = {e["label"]: e for e in results["results"]}
+    plain = by.get("no hook", {}).get("ms_per_step")
+    tfp16 = by.get("torch fp16_compress_hook", {}).get("ms_per_step")
+    for e in results["results"]:
+        ms = e.get("ms_per_step")
+        if ms is None:
+            continue
+        e["speedup_vs_allreduce"] = plain / ms if plain else None
+        e["speedup_vs_torch_fp16"] = tfp16 / ms if tfp16 else None
+        if rate_bps and "wire_bytes" in e:
+            e["link_bound_ms"] = results["compute_ms"] + e["wire_bytes"] * 8 / rate_bps * 1e3
+            e["vs_link_bound"] = ms / e["link_bound_ms"]
+    return results
+
+
+def table(results):
+    rows = [("hook", "ms/step", "x allreduce", "x torch fp16", "wire MB/step", "link-bound ms", "/bound")]
+    for e in results["results"]:
+        if "error" in e and "ms_per_step" not in e:
+            rows.append((e["label"], "FAILED: " + e["error"], "", "", "", "", ""))
+            continue
+        if "ms_per_step" not in e:
+            rows.append((e["label"], "did not finish", "", "", "", "", ""))
+            continue
+        rows.append((
+            e["label"] + ("" if e.get("native") in (None, e["label"].endswith("native")) else " (fell back)"),
+            f"{e['ms_per_step']:.1f}",
+            f"{e['speedup_vs_allreduce']:.2f}" if e.get("speedup_vs_allreduce") else "",
+            f"{e['speedup_vs_torch_fp16']:.2f}" if e.get("speedup_vs_torch_fp16") else "",
+            f"{e['wire_bytes'] / 1e6:.1f}" if "wire_bytes" in e else "",
+            f"{e['link_bound_ms']:.1f}" if "link_bound_ms" in e else "",
+            f"{e['vs_link_bound']:.2f}" if "vs_link_bound" in e else "",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    head = (f"{results['world_size']} ranks, {results['rate_bps'] / 1e9:g} Gbit/s links, "
+            f"compute alone {results['compute_ms']:.1f} ms/step, gradients {results['grad_bytes'] / 1e6:.1f} MB, "
+            f"median of {results['steps']} steps")
+    return head + "\n" + "\n".join(lines)
+
+
+# ------------------------------------------------------------- namespaces
+def parse_rate(rate: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)", rate.lower())
+    if not m:
+        raise SystemExit(f"bench_comm: --rate {rate!r} is not a tc rate like 1gbit or 500mbit")
+    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    return float(m.group(1)) * mult * (8 if m.group(3) == "bps" else 1)
+
+
+class Namespaces:
+    """N hosts + a switch namespace holding the bridge; removed by close()."""
+
+    def __init__(self, hosts: int, rate: str):
+        self.prefix = f"ddpxbench{os.getpid()}"
+        self.switch = f"{self.prefix}-sw"
+        self.hosts = [f"{self.prefix}-h{i}" for i in range(hosts)]
+        self.rate = rate
+        self.created: list[str] = []
+
+    def sh(self, *cmd):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed: {r.stderr.strip()}")
+
+    def addr(self, i):
+        return f"{SUBNET}.{i + 1}"
+
+    def open(self):
+        self.sh("ip", "netns", "add", self.switch)
+        self.created.append(self.switch)
+        sw = ["ip", "netns", "exec", self.switch]
+        self.sh(*sw, "ip", "link", "add", "br0", "type", "bridge")
+        self.sh(*sw, "ip", "link", "set", "br0", "up")
+        for i, host in enumerate(self.hosts):
+            self.sh("ip", "netns", "add", host)
+            self.created.append(host)
+            hx = ["ip", "netns", "exec", host]
+            port = f"p{i}"
+            self.sh("ip", "link", "add", "eth0", "netns", host, "type", "veth", "peer", "name", port, "netns",
+                    self.switch)
+            self.sh(*hx, "ip", "link", "set", "lo", "up")
+            self.sh(*hx, "ip", "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            self.sh(*hx, "ip", "link", "set", "eth0", "up")
+            self.sh(*sw, "ip", "link", "set", port, "master", "br0")
+            self.sh(*sw, "ip", "link", "set", port, "up")
+            tbf = ["root", "tbf", "rate", self.rate, "burst", "1mb", "latency", "100ms"]
+            self.sh(*hx, "tc", "qdisc", "add", "dev", "eth0", *tbf)  # host -> switch
+            self.sh(*sw, "tc", "qdisc", "add", "dev", port, *tbf)  # switch -> host
+        return self
+
+    def close(self):
+        for ns in reversed(self.created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.created = []
+
+
+def refuse_without_rights():
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        raise SystemExit("bench_comm: needs the `ip` and `tc` tools (iproute2) to build network namespaces; "
+                         "install iproute2, or run the worker under torchrun on real hosts (--worker)")
+    if os.geteuid() != 0:
+        raise SystemExit("bench_comm: creating network namespaces needs root (CAP_NET_ADMIN); run it with sudo, "
+                         "or run the worker under torchrun on real hosts (--worker)")
+    probe = f"ddpxbench{os.getpid()}-probe"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench_comm: cannot create network namespaces here ({r.stderr.strip()}); "
+                         "run as root on a Linux host, or run the worker under torchrun (--worker)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hosts", type=int, default=2, help="network-namespace hosts (one rank each)")
+    p.add_argument("--rate", default="1gbit", help="link rate per direction, tc syntax (default 1gbit)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per hook")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per hook (bucket rebuild, warm-up)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--hooks", nargs="*", default=None, help="ddpx hooks to time (default: all)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
+    p.add_argument("--collective-timeout", type=float, default=60)
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--worker", action="store_true", help="run as a torchrun worker (no namespaces)")
+    p.add_argument("--rate-bps", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker:
+        if args.rate_bps is None:
+            args.rate_bps = parse_rate(args.rate)
+        results = worker(args)
+        if int(os.environ.get("RANK", "0")) == 0 and args.out is None:  # torchrun on real hosts
+            results = summarize(results, args.rate_bps)
+            print(json.dumps(results, indent=2) if args.json else table(results))
+        return 0
+
+    if args.hosts < 2:
+        raise SystemExit("bench_comm: --hosts must be at least 2")
+    rate_bps = parse_rate(args.rate)
+    refuse_without_rights()
+    nets = Namespaces(args.hosts, args.rate)
+    procs: list[subprocess.Popen] = []
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    tmp = tempfile.mkdtemp(prefix="ddpx-bench-comm-")
+    out_file = os.path.join(tmp, "results.json")
+    try:
+        nets.open()
+        here = os.path.abspath(__file__)
+        for i, host in enumerate(nets.hosts):
+            cmd = ["ip", "netns", "exec", host, sys.executable, "-m", "torch.distributed.run",
+                   f"--nnodes={args.hosts}", f"--node_rank={i}", "--nproc_per_node=1",
+                   f"--master_addr={nets.addr(0)}", f"--master_port={PORT}",
+                   here, "--worker", "--rate-bps", str(rate_bps), "--out", out_file,
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+                   "--threads", str(args.threads), "--collective-timeout", str(args.collective_timeout)]
+            if args.hooks is not None:
+                cmd += ["--hooks", *args.hooks]
+            env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS=str(args.threads))
+            log = open(os.path.join(tmp, f"host{i}.log"), "w")
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.time() + args.timeout
+        while any(pr.poll() is None for pr in procs) and time.time() < deadline:
+            time.sleep(0.5)
+        hung = any(pr.poll() is None for pr in procs)
+        failed = [i for i, pr in enumerate(procs) if pr.returncode not in (0, None)]
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                os.killpg(pr.pid, signal.SIGKILL)
+                pr.wait()
+        nets.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    if not os.path.exists(out_file):
+        logs = "".join(open(os.path.join(tmp, f"host{i}.log")).read()[-2000:] for i in range(args.hosts))
+        raise SystemExit(f"bench_comm: the workers produced no results; their output:\n{logs}")
+    with open(out_file) as f:
+        results = summarize(json.load(f), rate_bps)
+    for e in results["results"]:
+        if "ms_per_step" not in e and "error" not in e:
+            e["error"] = "hung (killed at --timeout)" if hung else "did not finish"
+    if failed or hung:
+        results["worker_logs"] = tmp
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(table(results))
+        if failed or hung:
+            print(f"(worker logs: {tmp})")
+    if not (failed or hung):
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,407 @@
+"""ddpx.hooks on gloo (CPU), several processes: exactness, native == Python,
+replica consistency, DDP modes, non-finite gradients, checkpointed state.
+
+Each multi-process scenario runs once per module (a fixture) and several
+tests assert on its results, to keep process start-ups few.
+"""
+
+import copy
+import logging
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multiproc import run_workers  # noqa: E402
+
+import ddpx.hooks  # noqa: E402
+from ddpx.errors import DdpxError  # noqa: E402
+
+LOSSY = ["fp16", "bf16", "int8"]
+ALL = ["allreduce"] + LOSSY
+# max |hook - exact| / max |exact| per parameter after one step (first step: no error feedback yet)
+REL_TOL = {"fp16": 2e-3, "bf16": 2e-2, "int8": 3e-2}
+
+
+# ---------------------------------------------------------------- workers
+class Net(torch.nn.Module):
+    """Small MLP; `unused` is never called (find_unused_parameters)."""
+
+    def __init__(self, unused=False):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(20, 200)
+        self.fc2 = torch.nn.Linear(200, 200)
+        self.fc3 = torch.nn.Linear(200, 10)
+        self.unused = torch.nn.Linear(200, 200) if unused else None
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def make_model(unused=False):
+    torch.manual_seed(0)
+    return Net(unused)
+
+
+def batch(step, rank, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def train(hook, native=False, steps=3, rank=0, mode=None, model=None, state_sd=None, first_step=0,
+          inject=None, opt_sd=None, bucket_cap_mb=0.05, **options):
+    """Train `steps` SGD steps; returns grads per step, final params, stats, states.
+
+    mode: None | "no_sync" | "static_graph" | "find_unused" | "bucket_view".
+    inject: (step, rank, value) puts `value` into one element of fc2.weight's gradient.
+    """
+    net = model if model is not None else make_model(unused=mode == "find_unused")
+    kwargs = {"bucket_cap_mb": bucket_cap_mb}
+    if mode == "static_graph":
+        kwargs["static_graph"] = True
+    if mode == "find_unused":
+        kwargs["find_unused_parameters"] = True
+    if mode == "bucket_view":
+        kwargs["gradient_as_bucket_view"] = True
+    ddp = DDP(net, **kwargs)
+    state = ddpx.hooks.register(ddp, hook, native=native, **options) if hook else None
+    if state is not None and state_sd is not None:
+        state.load_state_dict(state_sd)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if opt_sd is not None:
+        opt.load_state_dict(opt_sd)
+    cur = {"step": -1}
+    if inject is not None:
+        def poison(g):
+            if cur["step"] == inject[0] and rank == inject[1]:
+                g = g.clone()
+                g.view(-1)[7] = inject[2]
+            return g
+
+        net.fc2.weight.register_hook(poison)
+    grads, saved = [], None
+    for step in range(first_step, first_step + steps):
+        cur["step"] = step
+        opt.zero_grad()
+        if mode == "no_sync":
+            with ddp.no_sync():
+                x, y = batch(step, rank, micro=1)
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        x, y = batch(step, rank)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+        if all(bool(torch.isfinite(g).all()) for g in grads[-1]):  # skip like GradScaler does
+            opt.step()
+        if step == first_step + steps // 2 - 1 and state is not None:
+            saved = (copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()), state.state_dict())
+    return {
+        "grads": grads,
+        "params": [p.detach().clone() for p in net.parameters()],
+        "stats": state.stats() if state else None,
+        "native": state.native if state else None,
+        "memory": {k: {kk: t.clone() for kk, t in d.items()} for k, d in state.memory.items()} if state else {},
+        "saved": saved,
+    }
+
+
+def equivalence_worker(rank, world):
+    out = {("none", False): train(None, rank=rank)}
+    for hook in ALL:
+        for native in (False, True):
+            out[(hook, native)] = train(hook, native, rank=rank)
+    out[("int8-warmup", True)] = train("int8", True, rank=rank, warmup_steps=2)
+    out[("int8-all", True)] = train("int8", True, rank=rank, min_numel=0, compress_vectors=True, block_size=64)
+    return out
+
+
+def modes_worker(rank, world):
+    out = {}
+    for mode in ("no_sync", "static_graph", "find_unused", "bucket_view"):
+        out[(mode, "none")] = train(None, rank=rank, mode=mode)
+        for hook in ("fp16", "int8"):
+            out[(mode, hook)] = train(hook, True, rank=rank, mode=mode)
+    # non-finite gradients: step 1, rank 1, one element of fc2.weight
+    for hook in ALL:
+        for value in ("inf", "nan"):
+            out[("inject", hook, value)] = train(hook, True, rank=rank, steps=3, inject=(1, 1, float(value)))
+    # torch's own bf16 hook on gloo, next to ours
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = DDP(make_model())
+    x, y = batch(0, rank)
+    try:
+        ddp.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        out["torch_bf16"] = None
+    except Exception as exc:  # noqa: BLE001 - recorded and asserted on
+        out["torch_bf16"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def checkpoint_worker(rank, world):
+    out = {}
+    for native in (False, True):
+        full = train("int8", native, rank=rank, steps=6, bucket_cap_mb=25)
+        model_sd, opt_sd, hook_sd = full["saved"]
+        net = make_model()
+        net.load_state_dict(model_sd)
+        resumed = train("int8", native, rank=rank, steps=3, first_step=3, model=net, state_sd=hook_sd,
+                        opt_sd=opt_sd, bucket_cap_mb=25)
+        net = make_model()
+        net.load_state_dict(model_sd)
+        fresh_sd = copy.deepcopy(hook_sd)
+        fresh_sd["memory"] = {}
+        no_memory = train("int8", native, rank=rank, steps=3, first_step=3, model=net, state_sd=fresh_sd,
+                          opt_sd=opt_sd, bucket_cap_mb=25)
+        out[native] = {"full": full["params"], "resumed": resumed["params"], "no_memory": no_memory["params"],
+                       "hook_sd": hook_sd, "stats": resumed["stats"]}
+    # loading a state saved with another world size / rank: warn, reset, keep counters
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddpx.hooks").addHandler(handler)
+    state, _ = ddpx.hooks.make("int8")
+    ddp = DDP(make_model(), bucket_cap_mb=25)
+    ddp.register_comm_hook(state, ddpx.hooks.hook)
+    x, y = batch(0, rank)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    sd = out[True]["hook_sd"]
+    state.load_state_dict(dict(sd, world_size=world + 1))
+    out["world_change"] = {
+        "warnings": [r.getMessage() for r in records],
+        "memory_zero": all(bool((t == 0).all()) for d in state.memory.values() for t in d.values()),
+        "memory_count": sum(len(d) for d in state.memory.values()),
+        "steps": state.stats()["steps"],
+    }
+    return out
+
+
+def world3_worker(rank, world):
+    out = {("none", False): train(None, rank=rank, steps=2)}
+    for hook in ("allreduce", "int8", "fp16"):
+        for native in (False, True):
+            out[(hook, native)] = train(hook, native, rank=rank, steps=2)
+    return out
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def equivalence():
+    return run_workers(equivalence_worker, 2, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def modes():
+    return run_workers(modes_worker, 2, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return run_workers(checkpoint_worker, 2, timeout=120)
+
+
+def equal_lists(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def max_rel_err(got, ref):
+    return max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-12)) for g, r in zip(got, ref))
+
+
+# ------------------------------------------------------------------- tests
+def test_available_names():
+    assert {"allreduce", "fp16", "bf16", "int8"} <= set(ddpx.hooks.available())
+
+
+@pytest.mark.parametrize(
+    "name,opts,needle",
+    [
+        ("int9", {}, "unknown comm hook 'int9'; available: "),
+        ("int8", {"blocksize": 64}, "unknown option(s) blocksize; known options: block_size"),
+        ("int8", {"block_size": 30}, "block_size must be a positive multiple of 4, got 30"),
+        ("fp16", {"warmup_steps": -1}, "warmup_steps must be >= 0"),
+        ("fp16", {"compress_vectors": 1}, "compress_vectors must be bool, got 1"),
+        ("allreduce", {"min_numel": 5}, "unknown option(s) min_numel; known options: none"),
+    ],
+)
+def test_bad_options_are_one_line_errors(name, opts, needle):
+    with pytest.raises(DdpxError) as info:
+        ddpx.hooks.make(name, **opts)
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_allreduce_is_bit_identical_to_ddp_without_hook(equivalence):
+    for rank_out in equivalence:
+        ref = rank_out[("none", False)]
+        for native in (False, True):
+            got = rank_out[("allreduce", native)]
+            assert got["native"] is native
+            for g, r in zip(got["grads"], ref["grads"]):
+                assert equal_lists(g, r)
+            assert equal_lists(got["params"], ref["params"])
+
+
+@pytest.mark.parametrize("hook", LOSSY)
+def test_lossy_first_step_within_format_rounding(equivalence, hook):
+    ref = equivalence[0][("none", False)]["grads"][0]
+    got = equivalence[0][(hook, False)]["grads"][0]
+    weights = [i for i, r in enumerate(ref) if r.dim() > 1]
+    err = max_rel_err([got[i] for i in weights], [ref[i] for i in weights])
+    assert 0 < err < REL_TOL[hook], err  # compressed, and within the format's rounding
+    # biases (1-D, exempt by default) are averaged exactly in fp32
+    for i, r in enumerate(ref):
+        if r.dim() == 1:
+            assert torch.equal(got[i], r)
+
+
+def test_compressing_everything_stays_close(equivalence):
+    ref = equivalence[0][("none", False)]["grads"][0]
+    got = equivalence[0][("int8-all", True)]["grads"][0]
+    err = max_rel_err(got, ref)
+    assert 0 < err < REL_TOL["int8"]
+    assert not any(torch.equal(g, r) for g, r in zip(got, ref) if r.dim() == 1)  # biases compressed too
+
+
+@pytest.mark.parametrize("hook", ALL)
+def test_native_and_python_paths_are_bit_identical(equivalence, hook):
+    for rank_out in equivalence:
+        py, nat = rank_out[(hook, False)], rank_out[(hook, True)]
+        assert py["native"] is False and nat["native"] is True
+        for g, h in zip(py["grads"], nat["grads"]):
+            assert equal_lists(g, h)
+        assert equal_lists(py["params"], nat["params"])
+        assert py["stats"] == nat["stats"]
+        for name in py["memory"]:
+            assert py["memory"][name].keys() == nat["memory"][name].keys()
+            for k in py["memory"][name]:
+                assert torch.equal(py["memory"][name][k], nat["memory"][name][k])
+
+
+def test_replicas_stay_bit_identical(equivalence):
+    r0, r1 = equivalence
+    for key in r0:
+        for g0, g1 in zip(r0[key]["grads"], r1[key]["grads"]):
+            assert equal_lists(g0, g1), key
+        assert equal_lists(r0[key]["params"], r1[key]["params"]), key
+
+
+def test_error_feedback_memory_is_kept_per_parameter(equivalence):
+    mem = equivalence[0][("int8", True)]["memory"]
+    model = make_model()
+    shapes = sorted(p.numel() for p in model.parameters() if p.dim() > 1 and p.numel() >= 1024)
+    assert sorted(t.numel() for t in mem["worker_error"].values()) == shapes
+    assert any(bool(t.abs().sum() > 0) for t in mem["worker_error"].values())
+    # each rank's server memory covers its own chunk only: the ranks' memories are disjoint
+    s0 = torch.cat([t for _, t in sorted(equivalence[0][("int8", True)]["memory"]["server_error"].items())])
+    s1 = torch.cat([t for _, t in sorted(equivalence[1][("int8", True)]["memory"]["server_error"].items())])
+    assert bool(((s0 != 0) & (s1 != 0)).sum() == 0) and bool((s0 != 0).any()) and bool((s1 != 0).any())
+
+
+def test_stats_count_raw_and_wire_bytes(equivalence):
+    model = make_model()
+    n = sum(p.numel() for p in model.parameters())
+    n_comp = sum(p.numel() for p in model.parameters() if p.dim() > 1 and p.numel() >= 1024)
+    steps = 3
+    full = equivalence[0][("allreduce", True)]["stats"]
+    assert full["raw_bytes"] == 4 * n * steps and full["steps"] == steps
+    assert full["wire_bytes"] == 4 * n * steps  # ring allreduce, 2 ranks: 2 (R-1)/R = 1
+    half = equivalence[0][("fp16", True)]["stats"]
+    assert half["wire_bytes"] == (2 * n_comp + 4 * (n - n_comp)) * steps
+    int8 = equivalence[0][("int8", True)]["stats"]
+    assert n_comp * steps < int8["wire_bytes"] < 1.1 * (n_comp + 4 * (n - n_comp)) * steps
+
+
+def test_warmup_steps_use_exact_allreduce(equivalence):
+    ref = equivalence[0][("none", False)]
+    got = equivalence[0][("int8-warmup", True)]
+    assert equal_lists(got["grads"][0], ref["grads"][0]) and equal_lists(got["grads"][1], ref["grads"][1])
+    assert not equal_lists(got["grads"][2], ref["grads"][2])
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "static_graph", "find_unused", "bucket_view"])
+@pytest.mark.parametrize("hook", ["fp16", "int8"])
+def test_ddp_modes(modes, mode, hook):
+    ref = modes[0][(mode, "none")]
+    for rank_out in modes:
+        got = rank_out[(mode, hook)]
+        assert len(got["grads"][0]) == len(ref["grads"][0])
+        assert max_rel_err(got["grads"][0], ref["grads"][0]) < REL_TOL[hook]
+    assert equal_lists(modes[0][(mode, hook)]["params"], modes[1][(mode, hook)]["params"])
+
+
+@pytest.mark.parametrize("hook", ALL)
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_non_finite_gradient_stays_non_finite(modes, hook, value):
+    got = modes[0][("inject", hook, value)]
+    fc2_weight = 2  # fc1.weight, fc1.bias, fc2.weight, ...
+    before, poisoned, after = got["grads"]
+    assert all(bool(torch.isfinite(g).all()) for g in before + after)  # the next step is clean again
+    assert not bool(torch.isfinite(poisoned[fc2_weight]).all())  # GradScaler will see it
+    bad = sum(int((~torch.isfinite(g)).sum()) for g in poisoned)
+    # exact formats: only the poisoned element; int8: at most its block (a NaN scale)
+    assert bad <= (256 if hook == "int8" else 1), bad
+    for memory in got["memory"].values():  # error feedback is not poisoned
+        assert all(bool(torch.isfinite(t).all()) for t in memory.values())
+
+
+def test_torch_bf16_hook_refuses_on_gloo_while_ours_runs(modes, equivalence):
+    assert modes[0]["torch_bf16"] is not None
+    assert equivalence[0][("bf16", True)]["stats"]["steps"] == 3
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_state_round_trip_continues_bit_identically(checkpoint, native):
+    for rank_out in checkpoint:
+        res = rank_out[native]
+        assert equal_lists(res["resumed"], res["full"])
+        assert not equal_lists(res["no_memory"], res["full"])  # the memory matters
+        assert res["stats"]["steps"] == 6
+        assert res["hook_sd"]["memory"]["worker_error"]
+
+
+def test_loading_another_world_size_warns_and_resets(checkpoint):
+    info = checkpoint[0]["world_change"]
+    assert any("error-feedback memory is per rank and is reset" in w for w in info["warnings"])
+    assert info["memory_count"] > 0 and info["memory_zero"]
+    assert info["steps"] == 3  # counters kept
+
+
+def test_three_ranks():
+    out = run_workers(world3_worker, 3, timeout=120)
+    for rank_out in out:
+        for native in (False, True):
+            assert equal_lists(rank_out[("allreduce", native)]["params"], rank_out[("none", False)]["params"])
+        for hook in ("int8", "fp16"):
+            assert equal_lists(rank_out[(hook, False)]["params"], rank_out[(hook, True)]["params"])
+    for key in out[0]:
+        assert equal_lists(out[0][key]["params"], out[1][key]["params"])
+        assert equal_lists(out[0][key]["params"], out[2][key]["params"])
+    ref = out[0][("none", False)]["grads"][0]
+    assert max_rel_err(out[0][("int8", True)]["grads"][0], ref) < REL_TOL["int8"]
+
+
+def test_state_dict_of_another_hook_is_refused():
+    state, _ = ddpx.hooks.make("int8")
+    sd = {"version": 1, "name": "fp16", "counters": torch.zeros(3, dtype=torch.int64), "memory": {}}
+    with pytest.raises(DdpxError, match="state dict is for 'fp16', not 'int8'"):
+        state.load_state_dict(sd)
+
+
+def test_register_falls_back_to_python_and_says_why(caplog):
+    class NoReducer(torch.nn.Module):
+        process_group = None
+
+        def register_comm_hook(self, state, hook):
+            self.registered = (state, hook)
+
+    model = NoReducer()
+    with caplog.at_level(logging.WARNING, logger="ddpx.hooks"):
+        state = ddpx.hooks.register(model, "fp16")
+    assert model.registered == (state, ddpx.hooks.hook) and state.native is False
+    assert "using the Python hook: NoReducer has no DDP reducer" in caplog.text
