@@ -1,4 +1,5 @@
 // CUDA registrations of flatten_out / unflatten_ (multi-tensor kernel in flatten.cu).
+#include <ATen/ops/mul.h>
 #include <torch/library.h>
 
 #include <vector>

@@ -2,7 +2,7 @@
 // tensor's device and launch-error reporting. Uses only device-generic c10
 // APIs, so the glue also compiles against CPU torch headers (a syntax check).
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <cuda_runtime_api.h>

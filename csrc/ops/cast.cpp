@@ -2,6 +2,7 @@
 // the cast before sending); cast_scale_copy_: the return path, fp16/bf16 ->
 // fp32 times scale, written straight into the gradient buffer.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "ops/common.h"
@@ -66,6 +67,8 @@ at::Tensor& cast_scale_copy_(at::Tensor& dst, const at::Tensor& src, double scal
 
 }  // namespace ddpx::ops
 
+// Every op file adds its schemas to the `ddpx` namespace; device kernels are
+// registered in csrc/cpu and csrc/cuda.
 TORCH_LIBRARY_FRAGMENT(ddpx, m) {
   m.def("scale_cast(Tensor x, float scale, ScalarType dtype) -> Tensor");
   m.def("scale_cast_out(Tensor x, float scale, Tensor(a!) out) -> ()");

@@ -3,7 +3,9 @@
 //   TORCH_CHECK_TYPE  -> TypeError  (wrong dtype)
 //   TORCH_CHECK_VALUE -> ValueError (sizes, contiguity of in-place outputs, devices)
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+
+#include <optional>
 
 #include <string>
 

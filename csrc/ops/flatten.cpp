@@ -1,6 +1,7 @@
 // Multi-tensor flatten/unflatten: many small tensors <-> one flat buffer in a
 // single call (the building block of fused bucketed collectives).
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "ops/common.h"

@@ -1,6 +1,7 @@
 // Blockwise int8 quantization with optional error feedback, and the fused
 // dequantize-and-sum of several ranks' blocks.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "ops/common.h"

@@ -2,6 +2,7 @@
 // scale (mean |v|) per chunk, error feedback in the same pass; and the fused
 // unpack-and-sum of several ranks' packed chunks.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "ops/common.h"

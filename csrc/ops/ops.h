@@ -14,7 +14,7 @@
 // The *_out variants write into preallocated buffers (e.g. slices of a send
 // buffer); outputs must be contiguous and of the documented dtype and size.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>
