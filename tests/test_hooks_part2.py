@@ -19,6 +19,8 @@ from ddpx.data import digits_split
 EPOCHS = 30
 BATCH = 32
 HOOKS = {"onebit": {}, "powersgd": {}}  # defaults: the documented configuration
+NATIVE_CASES = [("onebit", "onebit", {}), ("onebit_all", "onebit", {"compress_vectors": True, "min_numel": 0}),
+                ("powersgd", "powersgd", {})]
 
 
 def _model():
@@ -94,8 +96,9 @@ def _scenarios(rank, world):
         res[name] = {"acc": run.accuracy(), "flat": run.flat(), "stats": run.state.stats(),
                      "buckets": len(run.state.layouts)}
 
-    # native C++ hook vs Python hook: the same numbers (powersgd: Python, with a logged reason)
-    for name, opts in HOOKS.items():
+    # native C++ hook vs Python hook: the same numbers (powersgd: Python, with a logged reason).
+    # onebit_all compresses every parameter: one contiguous stretch, no packing copies
+    for label, name, opts in NATIVE_CASES:
         py = Run(rank, world, name, opts, native=False)
         py.steps(0, 60)
         records = _Records()
@@ -105,8 +108,9 @@ def _scenarios(rank, world):
         finally:
             logging.getLogger("ddpx.hooks").removeHandler(records)
         nat.steps(0, 60)
-        res[f"{name}_native"] = {"python": py.flat(), "native": nat.flat(), "is_native": nat.state.native,
-                                 "warnings": records.messages, "stats": (py.state.stats(), nat.state.stats())}
+        res[f"{label}_native"] = {"python": py.flat(), "native": nat.flat(), "is_native": nat.state.native,
+                                  "warnings": records.messages, "stats": (py.state.stats(), nat.state.stats()),
+                                  "direct": [getattr(lay, "direct_offset", None) for lay in py.state.layouts.values()]}
 
     # round trip: save at step 30 (compressing, past the bucket rebuild), continue to 60. One
     # bucket, so the resumed run's first iteration (before DDP's rebuild) has the same layout.
@@ -184,13 +188,15 @@ def test_replicas_bit_identical(results, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(HOOKS))
-def test_native_matches_python(results, name):
+@pytest.mark.parametrize("label", [c[0] for c in NATIVE_CASES])
+def test_native_matches_python(results, label):
     for r in results:
-        got = r[f"{name}_native"]
+        got = r[f"{label}_native"]
         assert torch.equal(got["python"], got["native"])
         assert got["stats"][0] == got["stats"][1]
-        if name == "onebit":
+        if label == "onebit_all":  # every bucket is compressed in place
+            assert got["direct"] and all(d >= 0 for d in got["direct"]), got["direct"]
+        if label.startswith("onebit"):
             assert got["is_native"] and got["warnings"] == []
         else:  # documented fallback: the Python hook, and why
             assert not got["is_native"]

@@ -67,18 +67,24 @@ class OnebitState(LossyState):
         world, rank, chunk = self.world_size, self.rank, self.chunk_size
         dev = lay.params[0].device
         f32 = dict(dtype=torch.float32, device=dev)
-        # compressed parameters are packed in key order, not bucket order: the chunks, and
-        # so the results, then do not depend on the order DDP lists a bucket's parameters
-        # in (it changes at the bucket rebuild: a resumed run's first step matches)
+        # compressed parameters are packed in descending key order, not bucket order: the
+        # chunks, and so the results, then do not depend on the order DDP lists a bucket's
+        # parameters in (it changes at the bucket rebuild: a resumed run's first step
+        # matches), and after the rebuild (gradient-ready order, i.e. descending keys for
+        # most models) the packing order usually is the bucket order
         offsets, off = [], 0
         for p in lay.params:
             offsets.append(off)
             off += p.numel()
-        order = sorted(i for i, poff in enumerate(lay.param_packed_offset) if poff is not None)
-        order.sort(key=lambda i: lay.keys[i])
+        order = [i for i, poff in enumerate(lay.param_packed_offset) if poff is not None]
+        order.sort(key=lambda i: -lay.keys[i])
         # [(bucket offset, numel)] per compressed parameter, in packing order (int64 [k, 2])
-        lay.comp_order = torch.tensor([(offsets[i], lay.params[i].numel()) for i in order],
-                                      dtype=torch.int64).reshape(-1, 2)
+        slices = [(offsets[i], lay.params[i].numel()) for i in order]
+        lay.comp_order = torch.tensor(slices, dtype=torch.int64).reshape(-1, 2)
+        # packed order == one contiguous stretch of the bucket: work in the bucket itself
+        # (no flatten/unflatten copies); its offset, or -1
+        contiguous = all(a[0] + a[1] == b[0] for a, b in zip(slices, slices[1:]))
+        lay.direct_offset = slices[0][0] if slices and contiguous else -1
         # each rank's segment: whole chunks and whole 32-bit words, so every row of
         # the byte messages below keeps its fp32 fields 4-byte aligned
         align = chunk * 32 // math.gcd(chunk, 32)
@@ -87,7 +93,8 @@ class OnebitState(LossyState):
         lay.chunks = lay.seg // chunk
         lay.plain_chunk = _ceil_div(lay.n_plain, world)
         lay.piece = 4 * lay.plain_chunk + 4 * lay.chunks + lay.seg // 8  # bytes per rank message
-        lay.comp = torch.zeros(world * lay.seg, **f32)  # packed compressed values (+ unused tail)
+        # packed compressed values (only the first n_comp elements are used)
+        lay.comp = torch.zeros(lay.n_comp if lay.direct_offset < 0 else 0, **f32)
         lay.plain = torch.zeros(world * lay.plain_chunk, **f32)
         lay.reduced = torch.zeros(lay.seg, **f32)
         lay.worker_error = torch.zeros(world * lay.seg, **f32)
@@ -130,13 +137,16 @@ class OnebitState(LossyState):
     def _reduce(self, buf, lay):
         world, rank, chunk, group = self.world_size, self.rank, self.chunk_size, self.worker_group
         s = lay.seg
-        comp = [buf.narrow(0, off, n) for off, n in lay.comp_order.tolist()]
+        if lay.direct_offset >= 0:
+            comp_buf, comp = buf.narrow(0, lay.direct_offset, lay.n_comp), None
+        else:
+            comp_buf, comp = lay.comp, [buf.narrow(0, off, n) for off, n in lay.comp_order.tolist()]
+            ops.flatten(comp, out=comp_buf)
         # phase 1: pack each destination's segment into its piece, exchange
-        ops.flatten(comp, out=lay.comp)
         ops.flatten(lay.runs(buf, False), out=lay.plain)
         for r, m in enumerate(lay.lengths):
             plain, scales, bits = self._views(lay, lay.send, m)
-            ops.onebit_pack(lay.comp.narrow(0, r * s, m), chunk, lay.worker_error.narrow(0, r * s, m),
+            ops.onebit_pack(comp_buf.narrow(0, r * s, m), chunk, lay.worker_error.narrow(0, r * s, m),
                             out_bits=bits[r], out_scales=scales[r])
         plain.copy_(lay.plain.view(world, -1))
         dist.all_to_all_single(lay.recv, lay.send, group=group)
@@ -153,9 +163,10 @@ class OnebitState(LossyState):
         dist.all_gather_into_tensor(lay.recv2, lay.send2, group=group)
         for r, m in enumerate(lay.lengths):
             plain, scales, bits = self._views(lay, lay.recv2, m)
-            ops.onebit_unpack_accumulate_(lay.comp.narrow(0, r * s, m), bits[r], scales[r], chunk)
+            ops.onebit_unpack_accumulate_(comp_buf.narrow(0, r * s, m), bits[r], scales[r], chunk)
         lay.plain.view(world, -1).copy_(plain)
-        ops.unflatten_(lay.comp, comp)
+        if comp is not None:
+            ops.unflatten_(comp_buf, comp)
         ops.unflatten_(lay.plain, lay.runs(buf, False))
         return buf
 
