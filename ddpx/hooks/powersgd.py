@@ -149,9 +149,8 @@ class PowerSGDState(LossyState):
         lay.q.mul_(inv)
         for ok, (key, mat, error, p, q) in zip(finite, mats):
             if ok:
-                error.copy_(mat)
+                torch.addmm(mat, p, q.t(), alpha=-1.0, out=error)  # error = M - P Q^T, one pass
                 torch.matmul(p, q.t(), out=mat)
-                error.sub_(mat)
             else:
                 mat.fill_(float("nan"))
                 self._draw_q(key, q)
