@@ -682,6 +682,9 @@ def _collectives_worker() -> int:
                                                + (" with comm_hook.native=true" if native else ""))
                 _report(label, status, message, fix)
     finally:
+        import gc
+
+        gc.collect()  # the hooks' DDP models go before their process group
         dist.destroy_process_group()
     return 0
 

@@ -199,6 +199,19 @@ def _fresh_store_prefix(tag: str):
             os.environ[key] = before
 
 
+def _teardown(trainer) -> None:
+    """Drop the DDP wrapper before the process group: a DDP reducer outliving its
+    gloo group aborts the interpreter at exit now and then (torch 2.13)."""
+    import gc
+
+    from . import distributed
+
+    if trainer is not None:
+        trainer.model = None
+        gc.collect()
+    distributed.teardown()
+
+
 def _train_steps(trainer, until_step: int) -> str:
     trainer.config.trainer["max_steps"] = until_step
     start = trainer.global_step
@@ -212,7 +225,6 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
     """One rank of the smoke run (inside torchrun). Returns the exit code."""
     import torch
 
-    from . import distributed
     from .trainer import Trainer
 
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -258,7 +270,7 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
         else:
             trainer.hook.ddpx_train_end(trainer=trainer)
             log.add("checkpoint save", SKIP, "checkpoint plugin not loaded or disabled")
-        distributed.teardown()
+        _teardown(trainer)
 
         if not checkpoints:
             log.add("resume", SKIP, "no checkpoint to resume from")
@@ -283,7 +295,7 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
                 detail["text"] = _train_steps(trainer, saved_step + RESUMED_STEPS)
             with log.stage("teardown", detail := {}):
                 trainer.hook.ddpx_train_end(trainer=trainer)
-                distributed.teardown()
+                _teardown(trainer)
         else:
             log.add("train after resume", SKIP, "no checkpoint to resume from")
             log.add("teardown", PASS, "")
@@ -295,7 +307,7 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
         print(f"ddpx: smoke: [rank{rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         if trainer is not None:
             trainer._notify_exception(exc)
-        distributed.teardown()
+        _teardown(trainer)
         log.skip_rest("after an earlier failure")
         if not isinstance(exc, Exception):
             raise
