@@ -39,10 +39,16 @@ class Onebit final : public NativeAlgorithm {
     const double inv = 1.0 / static_cast<double>(world);
     auto length = [&](int64_t r) { return std::max<int64_t>(0, std::min(s, n_comp - r * s)); };
     // the compressed values: the bucket itself where they are one contiguous stretch of
-    // it in packing order (direct_offset >= 0), else the packed `comp` buffer
+    // it in packing order (direct_offset >= 0); else, where every compressed parameter
+    // is whole chunks, straight from/into the bucket span by span (`spans`: rank, bucket
+    // offset, numel, segment offset); else the packed `comp` buffer
     const int64_t direct = lay.integer("direct_offset");
+    const at::Tensor& spans_t = lay.tensor("spans");
+    const int64_t n_spans = spans_t.size(0);
+    const int64_t* spans = spans_t.const_data_ptr<int64_t>();
+    const bool packed = direct < 0 && n_spans == 0;
     std::vector<at::Tensor> comp_views;
-    if (direct < 0) {
+    if (packed) {
       const at::Tensor& order = lay.tensor("comp_order");
       const int64_t* o = order.const_data_ptr<int64_t>();
       for (int64_t i = 0; i < order.size(0); ++i) comp_views.push_back(buf.narrow(0, o[2 * i], o[2 * i + 1]));
@@ -57,14 +63,23 @@ class Onebit final : public NativeAlgorithm {
     const int64_t plain_chunk = lay.integer("plain_chunk");
 
     // phase 1: pack each destination's segment into its piece, exchange
-    if (direct < 0) ddpx::ops::flatten_out(comp_views, 1.0, comp);
+    if (packed) ddpx::ops::flatten_out(comp_views, 1.0, comp);
     ddpx::ops::flatten_out(plain_views, 1.0, plain_buf);
-    for (int64_t r = 0; r < world; ++r) {
-      const int64_t m = length(r);
-      auto [plain, scales, bits] = views(send, lay, m);
-      at::Tensor br = bits[r], sr = scales[r];
-      ddpx::ops::onebit_pack_out(comp.narrow(0, r * s, m), chunk_, worker_error.narrow(0, r * s, m), br, sr);
-      if (r == 0) plain.copy_(plain_buf.view({world, plain_chunk}));
+    std::get<0>(views(send, lay, 0)).copy_(plain_buf.view({world, plain_chunk}));
+    if (n_spans) {
+      for (int64_t i = 0; i < n_spans; ++i) {
+        const int64_t r = spans[4 * i], boff = spans[4 * i + 1], n = spans[4 * i + 2], soff = spans[4 * i + 3];
+        auto [plain, scales, bits] = views(send, lay, length(r));
+        at::Tensor br = bits[r].narrow(0, soff / 8, n / 8), sr = scales[r].narrow(0, soff / chunk_, n / chunk_);
+        ddpx::ops::onebit_pack_out(buf.narrow(0, boff, n), chunk_, worker_error.narrow(0, r * s + soff, n), br, sr);
+      }
+    } else {
+      for (int64_t r = 0; r < world; ++r) {
+        const int64_t m = length(r);
+        auto [plain, scales, bits] = views(send, lay, m);
+        at::Tensor br = bits[r], sr = scales[r];
+        ddpx::ops::onebit_pack_out(comp.narrow(0, r * s, m), chunk_, worker_error.narrow(0, r * s, m), br, sr);
+      }
     }
     std::vector<int64_t> equal_splits;
     at::Tensor recv_t = recv, send_t = send;
@@ -83,14 +98,24 @@ class Onebit final : public NativeAlgorithm {
     // phase 2: everyone gets every averaged segment
     at::Tensor recv2_t = recv2, send2_t = send2;
     core.worker_group()._allgather_base(recv2_t, send2_t)->wait();
-    for (int64_t r = 0; r < world; ++r) {
-      const int64_t m = length(r);
-      auto [plain, scales, bits] = views(recv2, lay, m);
-      at::Tensor out = comp.narrow(0, r * s, m);
-      ddpx::ops::onebit_unpack_accumulate_(out, bits[r], scales[r], chunk_, 1.0, false);
-      if (r == 0) plain_buf.view({world, plain_chunk}).copy_(plain);
+    if (n_spans) {
+      for (int64_t i = 0; i < n_spans; ++i) {
+        const int64_t r = spans[4 * i], boff = spans[4 * i + 1], n = spans[4 * i + 2], soff = spans[4 * i + 3];
+        auto [plain, scales, bits] = views(recv2, lay, length(r));
+        at::Tensor out = buf.narrow(0, boff, n);
+        ddpx::ops::onebit_unpack_accumulate_(out, bits[r].narrow(0, soff / 8, n / 8),
+                                             scales[r].narrow(0, soff / chunk_, n / chunk_), chunk_, 1.0, false);
+      }
+    } else {
+      for (int64_t r = 0; r < world; ++r) {
+        const int64_t m = length(r);
+        auto [plain, scales, bits] = views(recv2, lay, m);
+        at::Tensor out = comp.narrow(0, r * s, m);
+        ddpx::ops::onebit_unpack_accumulate_(out, bits[r], scales[r], chunk_, 1.0, false);
+      }
     }
-    if (direct < 0) ddpx::ops::unflatten_(comp, comp_views);
+    plain_buf.view({world, plain_chunk}).copy_(std::get<0>(views(recv2, lay, 0)));
+    if (packed) ddpx::ops::unflatten_(comp, comp_views);
     ddpx::ops::unflatten_(plain_buf, plain_views);
   }
 

@@ -93,8 +93,22 @@ class OnebitState(LossyState):
         lay.chunks = lay.seg // chunk
         lay.plain_chunk = _ceil_div(lay.n_plain, world)
         lay.piece = 4 * lay.plain_chunk + 4 * lay.chunks + lay.seg // 8  # bytes per rank message
+        # Otherwise, when every compressed parameter is a whole number of chunks, each
+        # (segment, parameter) overlap is whole chunks too: pack straight from and decode
+        # straight into the bucket, span by span (rank, bucket offset, numel, segment
+        # offset), again without packing copies. Same chunks, same bits as packing first.
+        spans = []
+        if lay.direct_offset < 0 and all(n % chunk == 0 for _, n in slices):
+            packed = 0
+            for boff, n in slices:
+                while n:
+                    r, soff = divmod(packed, lay.seg)
+                    take = min(n, lay.seg - soff)
+                    spans.append((r, boff, take, soff))
+                    boff, n, packed = boff + take, n - take, packed + take
+        lay.spans = torch.tensor(spans, dtype=torch.int64).reshape(-1, 4)
         # packed compressed values (only the first n_comp elements are used)
-        lay.comp = torch.zeros(lay.n_comp if lay.direct_offset < 0 else 0, **f32)
+        lay.comp = torch.zeros(lay.n_comp if lay.direct_offset < 0 and not spans else 0, **f32)
         lay.plain = torch.zeros(world * lay.plain_chunk, **f32)
         lay.reduced = torch.zeros(lay.seg, **f32)
         lay.worker_error = torch.zeros(world * lay.seg, **f32)
@@ -137,18 +151,27 @@ class OnebitState(LossyState):
     def _reduce(self, buf, lay):
         world, rank, chunk, group = self.world_size, self.rank, self.chunk_size, self.worker_group
         s = lay.seg
+        spans = lay.spans.tolist()
+        comp_buf = comp = None
         if lay.direct_offset >= 0:
-            comp_buf, comp = buf.narrow(0, lay.direct_offset, lay.n_comp), None
-        else:
+            comp_buf = buf.narrow(0, lay.direct_offset, lay.n_comp)
+        elif not spans:
             comp_buf, comp = lay.comp, [buf.narrow(0, off, n) for off, n in lay.comp_order.tolist()]
             ops.flatten(comp, out=comp_buf)
         # phase 1: pack each destination's segment into its piece, exchange
         ops.flatten(lay.runs(buf, False), out=lay.plain)
-        for r, m in enumerate(lay.lengths):
-            plain, scales, bits = self._views(lay, lay.send, m)
-            ops.onebit_pack(comp_buf.narrow(0, r * s, m), chunk, lay.worker_error.narrow(0, r * s, m),
-                            out_bits=bits[r], out_scales=scales[r])
-        plain.copy_(lay.plain.view(world, -1))
+        self._views(lay, lay.send, 0)[0].copy_(lay.plain.view(world, -1))
+        if spans:
+            for r, boff, n, soff in spans:
+                _, scales, bits = self._views(lay, lay.send, lay.lengths[r])
+                ops.onebit_pack(buf.narrow(0, boff, n), chunk, lay.worker_error.narrow(0, r * s + soff, n),
+                                out_bits=bits[r, soff // 8:(soff + n) // 8],
+                                out_scales=scales[r, soff // chunk:(soff + n) // chunk])
+        else:
+            for r, m in enumerate(lay.lengths):
+                _, scales, bits = self._views(lay, lay.send, m)
+                ops.onebit_pack(comp_buf.narrow(0, r * s, m), chunk, lay.worker_error.narrow(0, r * s, m),
+                                out_bits=bits[r], out_scales=scales[r])
         dist.all_to_all_single(lay.recv, lay.send, group=group)
         # local fp32 average of this rank's segment, server error feedback, re-pack
         m = lay.lengths[rank]
@@ -161,10 +184,16 @@ class OnebitState(LossyState):
                         out_scales=scales2[0])
         # phase 2: everyone gets every averaged segment
         dist.all_gather_into_tensor(lay.recv2, lay.send2, group=group)
-        for r, m in enumerate(lay.lengths):
-            plain, scales, bits = self._views(lay, lay.recv2, m)
-            ops.onebit_unpack_accumulate_(comp_buf.narrow(0, r * s, m), bits[r], scales[r], chunk)
-        lay.plain.view(world, -1).copy_(plain)
+        if spans:
+            for r, boff, n, soff in spans:
+                _, scales, bits = self._views(lay, lay.recv2, lay.lengths[r])
+                ops.onebit_unpack_accumulate_(buf.narrow(0, boff, n), bits[r, soff // 8:(soff + n) // 8],
+                                              scales[r, soff // chunk:(soff + n) // chunk], chunk)
+        else:
+            for r, m in enumerate(lay.lengths):
+                _, scales, bits = self._views(lay, lay.recv2, m)
+                ops.onebit_unpack_accumulate_(comp_buf.narrow(0, r * s, m), bits[r], scales[r], chunk)
+        lay.plain.view(world, -1).copy_(self._views(lay, lay.recv2, 0)[0])
         if comp is not None:
             ops.unflatten_(comp_buf, comp)
         ops.unflatten_(lay.plain, lay.runs(buf, False))
