@@ -57,7 +57,11 @@ __attribute__((target("avx2,f16c"))) void from_fp16_f16c(const uint16_t* src, fl
   for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]) * scale;
 }
 
-const bool kHasF16C = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+bool cpu_has_f16c() {
+  __builtin_cpu_init();  // static initializers may run before libgcc's own CPU probe
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+const bool kHasF16C = cpu_has_f16c();
 #endif
 
 void to_fp16(const float* x, uint16_t* out, float scale, int64_t n) {
