@@ -151,7 +151,9 @@ def worker(args):
             else:
                 entry["wire_bytes"] = _torch_wire_bytes(name, ddp.module, world)
         except Exception as exc:  # noqa: BLE001 - reported in the table
-            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            # torch nests callback errors ("Got the following error when running the callback: ...")
+            text = re.sub(r"(\w+Error: )?Got the following error when running the callback: ", "", str(exc))
+            entry["error"] = f"{type(exc).__name__}: {text.splitlines()[0][:200]}"
             save()
             if kind == "torch" and name == "powersgd":
                 break  # the group may be out of step now; it is the last config anyway
@@ -184,12 +186,11 @@ def summarize(results, rate_bps):
 
 def table(results):
     rows = [("hook", "ms/step", "x allreduce", "x torch fp16", "wire MB/step", "link-bound ms", "/bound")]
+    notes = []
     for e in results["results"]:
-        if "error" in e and "ms_per_step" not in e:
-            rows.append((e["label"], "FAILED: " + e["error"], "", "", "", "", ""))
-            continue
         if "ms_per_step" not in e:
-            rows.append((e["label"], "did not finish", "", "", "", "", ""))
+            rows.append((e["label"], "FAILED", "", "", "", "", ""))
+            notes.append(f"{e['label']}: {e.get('error', 'did not finish')}")
             continue
         rows.append((
             e["label"] + ("" if e.get("native") in (None, e["label"].endswith("native")) else " (fell back)"),
@@ -206,7 +207,7 @@ def table(results):
     head = (f"{results['world_size']} ranks, {results['rate_bps'] / 1e9:g} Gbit/s links, "
             f"compute alone {results['compute_ms']:.1f} ms/step, gradients {results['grad_bytes'] / 1e6:.1f} MB, "
             f"median of {results['steps']} steps")
-    return head + "\n" + "\n".join(lines)
+    return head + "\n" + "\n".join(lines + notes)
 
 
 # ------------------------------------------------------------- namespaces
@@ -286,7 +287,7 @@ def main(argv=None):
     p.add_argument("--rate", default="1gbit", help="link rate per direction, tc syntax (default 1gbit)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per hook")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per hook (bucket rebuild, warm-up)")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8, help="samples per rank (small: communication-bound)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--hooks", nargs="*", default=None, help="ddpx hooks to time (default: all)")
     p.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")

@@ -1,5 +1,6 @@
 // Native twin of ddpx/hooks/int8.py: blockwise int8, all-to-all + local fp32
-// average + requantize + all-gather, worker and server error feedback.
+// average + requantize + all-gather, worker and server error feedback,
+// pipelined across buckets in the same fixed order as the Python hook.
 #include "hooks/native_hook.h"
 #include "ops/ops.h"
 
@@ -13,61 +14,107 @@ class Int8 final : public NativeAlgorithm {
   FuturePtr run(HookCore& core, c10d::GradBucket& bucket) override {
     at::Tensor buf = bucket.getBuffer();
     auto lay = core.layout(bucket);
-    core.count(buf.numel(), 2 * (core.world() - 1) * lay->integer("piece"), bucket.isLast());
-    return core.submit(buf, [this, &core, buf, lay] { reduce(core, buf, *lay); });
+    const bool last = bucket.isLast();
+    core.count(buf.numel(), 2 * (core.world() - 1) * lay->integer("piece"), last);
+    return core.submit_deferred(buf, [this, &core, buf, lay, last](const FuturePtr& fut) {
+      // worker job: start this bucket, finish the previous one (and this one if last)
+      auto prev = std::move(pending_);
+      pending_.reset();
+      c10::intrusive_ptr<c10d::Work> work;
+      try {
+        work = start(core, buf, *lay);
+      } catch (...) {
+        if (prev) prev->fut->setError(std::current_exception());
+        throw;
+      }
+      if (prev) finish(core, *prev);
+      Pending cur{buf, lay, work, fut};
+      if (last) {
+        finish(core, cur);
+      } else {
+        pending_ = std::make_unique<Pending>(std::move(cur));
+      }
+    });
   }
 
  private:
-  void reduce(HookCore& core, const at::Tensor& buf, const Layout& lay) const {
-    const int64_t world = core.world(), rank = core.rank();
-    const int64_t c = lay.integer("chunk"), piece = lay.integer("piece");
-    const int64_t plain_chunk = lay.integer("plain_chunk"), blocks = lay.integer("blocks");
-    const double inv = 1.0 / static_cast<double>(world);
-    const auto comp_views = run_views(buf, lay.comp);
-    const auto plain_views = run_views(buf, lay.plain);
-    at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain"), reduced = lay.tensor("reduced");
-    at::Tensor send = lay.tensor("send"), recv = lay.tensor("recv");
-    at::Tensor send2 = lay.tensor("send2"), recv2 = lay.tensor("recv2");
-    const at::Tensor& worker_error = lay.tensor("worker_error");
-    const at::Tensor& server_error = lay.tensor("server_error");
-    auto views = [&](const at::Tensor& bytes) { return piece_views(bytes, piece, plain_chunk, blocks, at::kChar); };
+  struct Pending {
+    at::Tensor buf;
+    std::shared_ptr<const Layout> lay;
+    c10::intrusive_ptr<c10d::Work> work;
+    FuturePtr fut;
+  };
 
-    // phase 1: quantize each destination's chunk into its piece, exchange
-    ddpx::ops::flatten_out(comp_views, 1.0, comp);
-    ddpx::ops::flatten_out(plain_views, 1.0, plain_buf);
-    {
-      auto [plain, scales, q] = views(send);
-      plain.copy_(plain_buf.view({world, plain_chunk}));
-      for (int64_t r = 0; r < world; ++r) {
-        at::Tensor qr = q[r], sr = scales[r];
-        ddpx::ops::int8_quantize_out(comp.narrow(0, r * c, c), block_, worker_error.narrow(0, r * c, c), qr, sr);
-      }
+  struct Sizes {
+    int64_t c, piece, plain_chunk, blocks;
+    explicit Sizes(const Layout& lay)
+        : c(lay.integer("chunk")),
+          piece(lay.integer("piece")),
+          plain_chunk(lay.integer("plain_chunk")),
+          blocks(lay.integer("blocks")) {}
+  };
+
+  // Phase 1: quantize each destination's chunk into its piece; start the exchange.
+  c10::intrusive_ptr<c10d::Work> start(HookCore& core, const at::Tensor& buf, const Layout& lay) const {
+    const int64_t world = core.world();
+    const Sizes z(lay);
+    at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain");
+    at::Tensor send = lay.tensor("send"), recv = lay.tensor("recv");
+    const at::Tensor& worker_error = lay.tensor("worker_error");
+    ddpx::ops::flatten_out(run_views(buf, lay.comp), 1.0, comp);
+    ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0, plain_buf);
+    auto [plain, scales, q] = piece_views(send, z.piece, z.plain_chunk, z.blocks, at::kChar);
+    plain.copy_(plain_buf.view({world, z.plain_chunk}));
+    for (int64_t r = 0; r < world; ++r) {
+      at::Tensor qr = q[r], sr = scales[r];
+      ddpx::ops::int8_quantize_out(comp.narrow(0, r * z.c, z.c), block_, worker_error.narrow(0, r * z.c, z.c), qr,
+                                   sr);
     }
     std::vector<int64_t> equal_splits;
-    core.worker_group().alltoall_base(recv, send, equal_splits, equal_splits)->wait();
-    // local fp32 average of this rank's chunk, server error feedback, requantize
-    {
-      auto [plain, scales, q] = views(recv);
-      auto [plain2, scales2, q2] = views(send2);
-      at::Tensor p2 = plain2[0], s2 = scales2[0], qq2 = q2[0];
-      at::sum_out(p2, plain, {0}).mul_(inv);
-      ddpx::ops::int8_dequant_accumulate_(reduced, q, scales, block_, inv, false);
-      ddpx::ops::int8_quantize_out(reduced, block_, server_error.narrow(0, rank * c, c), qq2, s2);
-    }
-    // phase 2: everyone gets every averaged chunk
-    core.worker_group()._allgather_base(recv2, send2)->wait();
-    {
-      auto [plain, scales, q] = views(recv2);
-      for (int64_t r = 0; r < world; ++r) {
-        at::Tensor out = comp.narrow(0, r * c, c);
-        ddpx::ops::int8_dequant_accumulate_(out, q[r], scales[r], block_, 1.0, false);
-      }
-      plain_buf.view({world, plain_chunk}).copy_(plain);
-    }
-    ddpx::ops::unflatten_(comp, comp_views);
-    ddpx::ops::unflatten_(plain_buf, plain_views);
+    return core.worker_group().alltoall_base(recv, send, equal_splits, equal_splits);
   }
 
+  // Phase 2: average this rank's chunk, requantize, all-gather, decode into the bucket.
+  void finish(HookCore& core, const Pending& p) const {
+    try {
+      const Layout& lay = *p.lay;
+      const int64_t world = core.world(), rank = core.rank();
+      const Sizes z(lay);
+      const double inv = 1.0 / static_cast<double>(world);
+      at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain"), reduced = lay.tensor("reduced");
+      at::Tensor recv = lay.tensor("recv"), send2 = lay.tensor("send2"), recv2 = lay.tensor("recv2");
+      const at::Tensor& server_error = lay.tensor("server_error");
+      auto views = [&](const at::Tensor& bytes) {
+        return piece_views(bytes, z.piece, z.plain_chunk, z.blocks, at::kChar);
+      };
+      p.work->wait();
+      {
+        auto [plain, scales, q] = views(recv);
+        auto [plain2, scales2, q2] = views(send2);
+        at::Tensor p2 = plain2[0], s2 = scales2[0], qq2 = q2[0];
+        at::sum_out(p2, plain, {0}).mul_(inv);
+        ddpx::ops::int8_dequant_accumulate_(reduced, q, scales, block_, inv, false);
+        ddpx::ops::int8_quantize_out(reduced, block_, server_error.narrow(0, rank * z.c, z.c), qq2, s2);
+      }
+      core.worker_group()._allgather_base(recv2, send2)->wait();
+      {
+        auto [plain, scales, q] = views(recv2);
+        for (int64_t r = 0; r < world; ++r) {
+          at::Tensor out = comp.narrow(0, r * z.c, z.c);
+          ddpx::ops::int8_dequant_accumulate_(out, q[r], scales[r], block_, 1.0, false);
+        }
+        plain_buf.view({world, z.plain_chunk}).copy_(plain);
+      }
+      ddpx::ops::unflatten_(comp, run_views(p.buf, lay.comp));
+      ddpx::ops::unflatten_(plain_buf, run_views(p.buf, lay.plain));
+    } catch (...) {  // surfaces in loss.backward() on this rank
+      p.fut->setError(std::current_exception());
+      return;
+    }
+    p.fut->markCompleted(c10::IValue(p.buf));
+  }
+
+  std::unique_ptr<Pending> pending_;  // touched only by the worker thread
   int64_t block_;
 };
 

@@ -211,6 +211,13 @@ FuturePtr HookCore::allreduce_average(c10d::GradBucket& bucket) {
 }
 
 FuturePtr HookCore::submit(const at::Tensor& buf, std::function<void()> work) {
+  return submit_deferred(buf, [buf, work = std::move(work)](const FuturePtr& fut) {
+    work();
+    fut->markCompleted(c10::IValue(buf));
+  });
+}
+
+FuturePtr HookCore::submit_deferred(const at::Tensor& buf, std::function<void(const FuturePtr&)> work) {
   const c10::Device device = buf.device();
   std::vector<c10::Device> devices;
   std::shared_ptr<c10::Event> ready;
@@ -221,20 +228,18 @@ FuturePtr HookCore::submit(const at::Tensor& buf, std::function<void()> work) {
     ready->record(impl.getStream(device));
   }
   auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices);
-  worker_.submit([buf, fut, ready, device, work = std::move(work)]() {
+  worker_.submit([fut, ready, device, work = std::move(work)]() {
     try {
       if (ready) {
         c10::impl::VirtualGuardImpl impl(device.type());
         c10::StreamGuard guard(impl.getStreamFromGlobalPool(device));
         ready->block(impl.getStream(device));
-        work();
-        fut->markCompleted(c10::IValue(buf));  // records readiness on this stream
+        work(fut);  // completing a future records readiness on this stream
       } else {
-        work();
-        fut->markCompleted(c10::IValue(buf));
+        work(fut);
       }
     } catch (...) {  // surfaces in loss.backward() on this rank
-      fut->setError(std::current_exception());
+      if (!fut->completed()) fut->setError(std::current_exception());
     }
   });
   return fut;

@@ -118,6 +118,9 @@ class HookCore {
   // Runs `work` on the FIFO worker (on a side stream that waits for the
   // bucket, on accelerators); the future completes with the bucket.
   FuturePtr submit(const at::Tensor& buf, std::function<void()> work);
+  // Like submit, but `work` completes the future itself, possibly from a later
+  // job (software pipelining across buckets).
+  FuturePtr submit_deferred(const at::Tensor& buf, std::function<void(const FuturePtr&)> work);
   // An option of the Python state (read once, at construction time).
   int64_t int_option(const char* name, int64_t fallback) const;
   double float_option(const char* name, double fallback) const;

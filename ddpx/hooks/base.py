@@ -141,9 +141,12 @@ class BucketLayout:
 class SerialWorker:
     """A FIFO worker thread: jobs run one after another, in submission order.
 
-    ``submit(fn)`` returns a torch Future completed with ``fn()``'s result (or its
-    exception). Because one thread runs every job of a state, collectives are
-    issued in the order DDP hands buckets over -- the same on every rank."""
+    ``submit(fn, device)`` returns a torch Future completed with ``fn()``'s
+    result (or its exception). ``submit_deferred(fn, device)`` calls
+    ``fn(fut)``, which completes the future itself, possibly from a later job
+    (software pipelining across buckets). One thread runs every job of a state,
+    so collectives are issued in the order DDP hands buckets over -- the same
+    on every rank."""
 
     def __init__(self, name: str):
         self._name = name
@@ -152,6 +155,12 @@ class SerialWorker:
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[[], torch.Tensor], device: torch.device) -> torch.futures.Future:
+        return self._put(lambda fut: fut.set_result(fn()), device)
+
+    def submit_deferred(self, fn: Callable[[torch.futures.Future], None], device: torch.device):
+        return self._put(fn, device)
+
+    def _put(self, fn, device):
         fut = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
         ready = None
         if device.type == "cuda":  # the bucket was produced on the caller's stream
@@ -170,15 +179,16 @@ class SerialWorker:
             fn, fut, ready, device = self._jobs.get()
             try:
                 if ready is None:
-                    fut.set_result(fn())
+                    fn(fut)
                     continue
                 if stream is None:
                     stream = torch.cuda.Stream(device)
                 with torch.cuda.device(device), torch.cuda.stream(stream):
                     stream.wait_event(ready)
-                    fut.set_result(fn())  # records the result's readiness on this stream
+                    fn(fut)  # completing a future records readiness on this stream
             except BaseException as exc:  # surfaces in loss.backward() on this rank
-                fut.set_exception(exc)
+                if not fut.done():
+                    fut.set_exception(exc)
 
 
 class HookState:

@@ -10,6 +10,11 @@ int8 codes are not summable, so the bucket is reduced by hand in two phases:
    ``all_gather_into_tensor`` gives every rank every averaged chunk, which is
    dequantized into the bucket.
 
+Buckets are pipelined on the worker: bucket i's quantize and all-to-all are
+issued before bucket i-1's reduce and all-gather, so the CPU codec of one
+bucket overlaps the wire time of its neighbour. The order is fixed (A2A 0,
+A2A 1, AG 0, A2A 2, AG 1, ..., AG last), the same on every rank.
+
 Exempt parameters (small and 1-D by default) ride along as fp32 in the same
 two messages: each rank's message is one byte buffer ``[plain fp32 | scales
 fp32 | q int8]``. A block holding NaN/Inf gets a NaN scale, so a non-finite
@@ -85,14 +90,30 @@ class Int8State(LossyState):
             return allreduce_average(self, bucket)
         buf = bucket.buffer()
         lay = self.layout(bucket.index(), bucket.parameters())
-        world = self.world_size
-        self.count(buf.numel(), 2 * (world - 1) * lay.piece, bucket.is_last())
-        return self.worker().submit(lambda: self._reduce(buf, lay), buf.device)
+        world, last = self.world_size, bucket.is_last()
+        self.count(buf.numel(), 2 * (world - 1) * lay.piece, last)
+        return self.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
 
-    def _reduce(self, buf, lay):
-        world, rank, block, group = self.world_size, self.rank, self.block_size, self.worker_group
+    def _pipeline(self, buf, lay, last, fut):
+        """Worker job: start this bucket, finish the previous one (and this one if last)."""
+        prev, self._pending = getattr(self, "_pending", None), None
+        try:
+            work = self._start(buf, lay)
+        except BaseException as exc:
+            if prev is not None:
+                prev[3].set_exception(exc)
+            raise
+        if prev is not None:
+            self._finish(*prev)
+        if last:
+            self._finish(buf, lay, work, fut)
+        else:
+            self._pending = (buf, lay, work, fut)
+
+    def _start(self, buf, lay):
+        """Phase 1: quantize each destination's chunk into its piece; start the exchange."""
+        world, block = self.world_size, self.block_size
         c = lay.chunk
-        # phase 1: quantize each destination's chunk into its piece, exchange
         ops.flatten(lay.runs(buf, True), out=lay.comp)
         ops.flatten(lay.runs(buf, False), out=lay.plain)
         plain, scales, q = self._views(lay, lay.send)
@@ -100,23 +121,33 @@ class Int8State(LossyState):
         for r in range(world):
             ops.int8_quantize(lay.comp.narrow(0, r * c, c), block, lay.worker_error.narrow(0, r * c, c),
                               out_q=q[r], out_scales=scales[r])
-        dist.all_to_all_single(lay.recv, lay.send, group=group)
-        # local fp32 average of this rank's chunk, server error feedback, requantize
-        plain, scales, q = self._views(lay, lay.recv)
-        plain2, scales2, q2 = self._views(lay, lay.send2)
-        torch.sum(plain, dim=0, out=plain2[0]).mul_(1.0 / world)
-        ops.int8_dequant_accumulate_(lay.reduced, q, scales, block, 1.0 / world)
-        ops.int8_quantize(lay.reduced, block, lay.server_error.narrow(0, rank * c, c),
-                          out_q=q2[0], out_scales=scales2[0])
-        # phase 2: everyone gets every averaged chunk
-        dist.all_gather_into_tensor(lay.recv2, lay.send2, group=group)
-        plain, scales, q = self._views(lay, lay.recv2)
-        for r in range(world):
-            ops.int8_dequant_accumulate_(lay.comp.narrow(0, r * c, c), q[r], scales[r], block)
-        lay.plain.view(world, lay.plain_chunk).copy_(plain)
-        ops.unflatten_(lay.comp, lay.runs(buf, True))
-        ops.unflatten_(lay.plain, lay.runs(buf, False))
-        return buf
+        return dist.all_to_all_single(lay.recv, lay.send, group=self.worker_group, async_op=True)
+
+    def _finish(self, buf, lay, work, fut):
+        """Phase 2: average this rank's chunk, requantize, all-gather, decode into the bucket."""
+        try:
+            world, rank, block = self.world_size, self.rank, self.block_size
+            c = lay.chunk
+            work.wait()
+            # local fp32 average of this rank's chunk, server error feedback, requantize
+            plain, scales, q = self._views(lay, lay.recv)
+            plain2, scales2, q2 = self._views(lay, lay.send2)
+            torch.sum(plain, dim=0, out=plain2[0]).mul_(1.0 / world)
+            ops.int8_dequant_accumulate_(lay.reduced, q, scales, block, 1.0 / world)
+            ops.int8_quantize(lay.reduced, block, lay.server_error.narrow(0, rank * c, c),
+                              out_q=q2[0], out_scales=scales2[0])
+            # phase 2: everyone gets every averaged chunk
+            dist.all_gather_into_tensor(lay.recv2, lay.send2, group=self.worker_group)
+            plain, scales, q = self._views(lay, lay.recv2)
+            for r in range(world):
+                ops.int8_dequant_accumulate_(lay.comp.narrow(0, r * c, c), q[r], scales[r], block)
+            lay.plain.view(world, lay.plain_chunk).copy_(plain)
+            ops.unflatten_(lay.comp, lay.runs(buf, True))
+            ops.unflatten_(lay.plain, lay.runs(buf, False))
+        except BaseException as exc:  # surfaces in loss.backward() on this rank
+            fut.set_exception(exc)
+        else:
+            fut.set_result(buf)
 
 
 HOOKS = {"int8": Int8State}
