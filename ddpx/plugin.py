@@ -145,6 +145,16 @@ def check_pending(pm: pluggy.PluginManager) -> None:
             raise DdpxError(f"plugin '{impl.plugin_name}' implements unknown hook '{name}'{hint}")
 
 
+def attach(pm: pluggy.PluginManager, plugin, name: str) -> None:
+    """Register a per-run helper plugin under ``name`` (replacing an earlier one of a
+    previous run). Built-in plugins attach their per-step hooks this way only when
+    their feature is on, so a disabled feature costs nothing per step; the trainer
+    unregisters what was attached during its run at teardown."""
+    if pm.get_plugin(name) is not None:
+        pm.unregister(name=name)
+    _register(pm, plugin, name, " (attached at run time)")
+
+
 def rank_prefix() -> str:
     """``[rankN] `` in a worker, ``[launcher] `` in ``ddpx train`` before workers exist."""
     rank = os.environ.get("RANK")
@@ -175,6 +185,7 @@ def enable_tracing(pm: pluggy.PluginManager, write=None) -> None:
             write(f"{prefix}hook {hook_name} returned {brief(outcome.get_result())}")
 
     pm.add_hookcall_monitoring(before, after)
+    pm.ddpx_tracing = True  # the trainer then calls every per-step hook through pluggy
 
 
 def registered(pm: pluggy.PluginManager) -> list[tuple[str, Any]]:

@@ -14,6 +14,7 @@ import os
 import pathlib
 import signal
 import sys
+import threading
 from typing import Any, Optional
 
 import torch
@@ -23,14 +24,18 @@ from torch.utils.data import DataLoader
 from . import distributed
 from .config import Config, instantiate
 from .errors import DdpxError
-from .plugin import hookimpl, plugin_signature
+from .plugin import CORE_PLUGIN, hookimpl, plugin_signature
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class TrainingStopped(Exception):
-    """Raised at a batch boundary after SIGTERM/SIGINT asked the run to stop."""
+    """Raised when SIGTERM/SIGINT asked the run to stop: at a batch boundary every
+    rank agreed on (a plugin set ``trainer.stop_signal_handler``), or at once."""
 
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by signal {signal.Signals(signum).name}")
+    def __init__(self, signum: int, detail: str = ""):
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}{detail}")
         self.signum = signum
 
 
@@ -43,6 +48,22 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def _logger_settings(log: logging.Logger) -> tuple:
+    return list(log.handlers), log.level, log.propagate
+
+
+def _restore_logger(log: logging.Logger, settings: tuple) -> None:
+    handlers, level, propagate = settings
+    for handler in list(log.handlers):
+        if handler not in handlers:
+            log.removeHandler(handler)
+    for handler in handlers:
+        if handler not in log.handlers:
+            log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = propagate
 
 
 def default_log_handler(log: logging.Logger, rank: int) -> None:
@@ -87,8 +108,13 @@ class Trainer:
         self.stop_requested = False
         self.metrics: list[dict] = []  # one dict per finished epoch
         self.log = logging.getLogger("ddpx")  # the logging plugin formats it (rank prefix, ranks shown)
-        self._epoch_finished = False
+        self._epoch_finished = False  # True only once the epoch's loader is exhausted
         self._stop_signal = signal.SIGTERM
+        # Called with the signal number on SIGTERM/SIGINT instead of stopping at
+        # once; the checkpoint plugin sets it to agree on a stop across ranks.
+        self.stop_signal_handler = None
+        self._callers: Optional[dict] = None  # the per-step hook callables of the running epoch
+        self._previous_signal_handlers: dict = {}
 
     @property
     def is_main(self) -> bool:
@@ -102,6 +128,9 @@ class Trainer:
         Returns the per-epoch metrics. On an exception every plugin's
         ``ddpx_exception`` runs, then the exception propagates.
         """
+        saved_logger = _logger_settings(self.log)
+        plugins_before = set(self.plugin_manager.get_plugins())
+        self._install_signal_handlers()
         try:
             self.setup()
             self.fit()
@@ -110,7 +139,47 @@ class Trainer:
             self._notify_exception(exc)
             raise
         finally:
-            distributed.teardown()
+            try:
+                distributed.teardown()
+            finally:
+                # After every plugin's last message: leave the process as it was
+                # (a later run or test in the same process sees its own settings).
+                self._restore_signal_handlers()
+                for plugin in set(self.plugin_manager.get_plugins()) - plugins_before:
+                    self.plugin_manager.unregister(plugin)  # per-run helpers plugins attached
+                _restore_logger(self.log, saved_logger)
+
+    # --- signals -----------------------------------------------------------------------
+    #
+    # The trainer is the one owner of SIGTERM/SIGINT during a run: it installs the
+    # handlers before any plugin's setup and restores the previous ones at the
+    # end. A plugin that can stop every rank at the same batch boundary (the
+    # checkpoint plugin: one all_reduce of the flags) takes the signal through
+    # ``trainer.stop_signal_handler``. Without one, a rank cannot stop at a
+    # boundary the others agree on (a rank stopping alone would leave its peers
+    # blocked in the next collective), so the fallback raises
+    # :class:`TrainingStopped` at once: teardown, a clear message, exit 128+signal.
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only
+        for sig in STOP_SIGNALS:
+            self._previous_signal_handlers[sig] = signal.signal(sig, self._on_stop_signal)
+
+    def _on_stop_signal(self, signum, frame) -> None:
+        # A second signal acts immediately (KeyboardInterrupt / termination).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.stop_signal_handler is not None:
+            self.stop_signal_handler(signum)
+            return
+        raise TrainingStopped(signum, ": no plugin agrees on a stop across ranks (checkpoint plugin "
+                              "blocked or not set up), exiting at once without a final checkpoint")
+
+    def _restore_signal_handlers(self) -> None:
+        handlers, self._previous_signal_handlers = self._previous_signal_handlers, {}
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
     def setup(self) -> None:
         cfg = self.config.trainer
@@ -165,19 +234,47 @@ class Trainer:
         epochs = self.config.trainer.epochs
         while self.epoch < epochs and not self._max_steps_reached():
             self.train_epoch(self.epoch)
+            if not self._epoch_finished:
+                break  # cut short by max_steps: a resumed run continues this epoch
             self.epoch += 1
+            self._epoch_finished = False  # nothing of the next epoch is consumed yet
         self.hook.ddpx_train_end(trainer=self)
 
     def _max_steps_reached(self) -> bool:
         max_steps = self.config.trainer.max_steps
         return max_steps is not None and self.global_step >= max_steps
 
+    def _step_callers(self) -> dict:
+        """The per-step hooks, each as the callable to use this epoch.
+
+        A hook that only the core implements is called as the core's method
+        directly (pluggy's dispatch costs microseconds per call, every step);
+        with tracing on, every call goes through pluggy so it is printed.
+        """
+        hook, core = self.hook, self.plugin_manager.get_plugin(CORE_PLUGIN)
+        tracing = getattr(self.plugin_manager, "ddpx_tracing", False)
+        callers = {}
+        for name in ("ddpx_should_step", "ddpx_micro_step", "ddpx_forward", "ddpx_backward", "ddpx_optimizer_step",
+                     "ddpx_batch_end"):
+            caller = getattr(hook, name)
+            impls = caller.get_hookimpls()
+            if not impls:
+                callers[name] = None  # nobody listens (ddpx_batch_end without plugins)
+            elif not tracing and len(impls) == 1 and impls[0].plugin is core:
+                callers[name] = getattr(core, name)
+            else:
+                callers[name] = caller
+        return callers
+
     def train_epoch(self, epoch: int) -> dict:
         hook = self.hook
-        should_step, micro_step = hook.ddpx_should_step, hook.ddpx_micro_step
-        optimizer_step, batch_end = hook.ddpx_optimizer_step, hook.ddpx_batch_end
         self._epoch_finished = False
         hook.ddpx_epoch_start(trainer=self, epoch=epoch)
+        callers = self._step_callers()  # after epoch start: a plugin may attach step hooks there
+        self._callers = callers  # read by the core's micro step
+        should_step, micro_step = callers["ddpx_should_step"], callers["ddpx_micro_step"]
+        optimizer_step, batch_end = callers["ddpx_optimizer_step"], callers["ddpx_batch_end"]
+        always_step = getattr(should_step, "__self__", None) is self.plugin_manager.get_plugin(CORE_PLUGIN)
         self.module.train()
         loader = self.train_loader
         num_batches = len(loader)
@@ -185,30 +282,36 @@ class Trainer:
         max_steps = self.config.trainer.max_steps
         losses: list = []  # summed at the epoch end: no per-step host sync, no per-step kernel
         partial_batches = 0  # batches folded into losses[0]
+        optimizer, scheduler = self.optimizer, self.scheduler
+        batch_index = -1
         for batch_index, batch in enumerate(loader):
             self.batch_index = batch_index
             if move:
                 batch = to_device(batch, self.device)
-            sync = should_step(trainer=self, batch_index=batch_index, num_batches=num_batches)
+            sync = True if always_step else should_step(trainer=self, batch_index=batch_index, num_batches=num_batches)
             loss = micro_step(trainer=self, batch=batch, sync=sync)
             stepped = False
             if sync:
                 stepped = bool(optimizer_step(trainer=self))
-                self.optimizer.zero_grad(set_to_none=True)
-                if stepped and self.scheduler is not None:
-                    self.scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if stepped and scheduler is not None:
+                    scheduler.step()
                 self.global_step += 1
             self.last_loss = loss
             losses.append(loss)
             if len(losses) == 4096:  # bound the memory of very long epochs
                 losses = [torch.stack(losses).sum()]
                 partial_batches += 4095
-            batch_end(trainer=self, batch_index=batch_index, loss=loss, stepped=stepped)
+            if batch_end is not None:
+                batch_end(trainer=self, batch_index=batch_index, loss=loss, stepped=stepped)
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
             if max_steps is not None and sync and self.global_step >= max_steps:
                 break
-        self._epoch_finished = True
+        else:
+            self._epoch_finished = True
+        if batch_index + 1 >= num_batches:  # max_steps hit on the epoch's last batch: finished too
+            self._epoch_finished = True
 
         batches = partial_batches + len(losses)
         loss_sum = torch.stack(losses).double().sum() if losses else torch.zeros((), dtype=torch.float64, device=self.device)
@@ -294,9 +397,9 @@ class CorePlugin:
 
     @hookimpl(trylast=True)
     def ddpx_micro_step(self, trainer: Trainer, batch, sync: bool):
-        hook = trainer.hook
-        loss = hook.ddpx_forward(trainer=trainer, batch=batch)
-        hook.ddpx_backward(trainer=trainer, loss=loss)
+        callers = trainer._callers or trainer._step_callers()  # resolved once per epoch in the loop
+        loss = callers["ddpx_forward"](trainer=trainer, batch=batch)
+        callers["ddpx_backward"](trainer=trainer, loss=loss)
         return loss.detach()
 
     @hookimpl(trylast=True)

@@ -14,12 +14,15 @@ micro-batch loss. The core steps the LR scheduler once per optimizer step.
 Config section ``accumulation``: ``steps`` (1: no accumulation).
 
 Per-run state lives in ``trainer.accumulation`` (an :class:`AccumulationState`).
+The per-step hooks are attached (plugin ``accumulation.steps``) only when
+``steps`` > 1: without accumulation the plugin costs nothing per step.
 """
 
 import contextlib
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
+from ddpx.plugin import attach
 
 
 class AccumulationState:
@@ -43,10 +46,13 @@ def ddpx_configure(config):
 @hookimpl
 def ddpx_setup(trainer):
     trainer.accumulation = AccumulationState(trainer.config.section("accumulation")["steps"])
+    if trainer.accumulation.steps > 1:  # steps 1: every micro-batch steps, nothing to do per step
+        attach(trainer.plugin_manager, AccumulationSteps(trainer.accumulation), "accumulation.steps")
 
 
-@hookimpl
 def ddpx_should_step(trainer, batch_index, num_batches):
+    """The window rule. Deliberately unmarked here: :class:`AccumulationSteps`
+    attaches it as the hook only when ``steps`` > 1."""
     acc = trainer.accumulation
     if acc.steps == 1:
         return None  # the core's default: every micro-batch steps
@@ -56,18 +62,27 @@ def ddpx_should_step(trainer, batch_index, num_batches):
     return batch_index + 1 >= end
 
 
-@hookimpl(wrapper=True)
-def ddpx_micro_step(trainer, batch, sync):
-    no_sync = getattr(trainer.model, "no_sync", None)
-    context = no_sync() if not sync and no_sync is not None else contextlib.nullcontext()
-    with context:
+class AccumulationSteps:
+    """The per-step hooks (attached only when ``steps`` > 1)."""
+
+    def __init__(self, acc):
+        self.acc = acc
+
+    @hookimpl
+    def ddpx_should_step(self, trainer, batch_index, num_batches):
+        return ddpx_should_step(trainer, batch_index, num_batches)
+
+    @hookimpl(wrapper=True)
+    def ddpx_micro_step(self, trainer, batch, sync):
+        no_sync = getattr(trainer.model, "no_sync", None)
+        context = no_sync() if not sync and no_sync is not None else contextlib.nullcontext()
+        with context:
+            loss = yield
+        window = self.acc.window
+        return loss if window == 1 else loss * window  # report the micro-batch's own loss
+
+    @hookimpl(wrapper=True)
+    def ddpx_forward(self, trainer, batch):
         loss = yield
-    window = trainer.accumulation.window
-    return loss if window == 1 else loss * window  # report the micro-batch's own loss
-
-
-@hookimpl(wrapper=True)
-def ddpx_forward(trainer, batch):
-    loss = yield
-    window = trainer.accumulation.window
-    return loss if window == 1 else loss / window
+        window = self.acc.window
+        return loss if window == 1 else loss / window

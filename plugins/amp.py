@@ -12,11 +12,14 @@ Both work on CPU and CUDA. The scaler's state is saved in checkpoints (key
 Config section ``amp``: ``enabled`` (false), ``dtype`` (``fp16`` | ``bf16``),
 ``init_scale`` (65536.0, fp16 only).
 
-Per-run state lives in ``trainer.amp`` (an :class:`AmpState`, or None when disabled).
+Per-run state lives in ``trainer.amp`` (an :class:`AmpState`, or None when
+disabled). The per-step hooks are attached (plugin ``amp.steps``) only when
+AMP is enabled: disabled, it costs nothing per step.
 """
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
+from ddpx.plugin import attach
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -52,7 +55,7 @@ def ddpx_setup(trainer):
     cfg = trainer.config.section("amp")
     trainer.amp = None
     if not cfg["enabled"]:
-        return
+        return  # no per-step hooks at all
     device_type = trainer.device.type
     dtype = getattr(torch, DTYPES[cfg["dtype"]])
     if not torch.amp.is_autocast_available(device_type):
@@ -63,20 +66,40 @@ def ddpx_setup(trainer):
     if dtype is torch.float16:
         scaler = torch.amp.GradScaler(device_type, init_scale=float(cfg["init_scale"]))
     trainer.amp = AmpState(device_type, dtype, scaler)
+    pm = getattr(trainer, "plugin_manager", None)  # None: a unit test drives the hooks itself
+    if pm is not None:
+        attach(pm, AutocastSteps(trainer.amp) if scaler is None else ScaledSteps(trainer.amp), "amp.steps")
 
 
-@hookimpl(wrapper=True)
-def ddpx_forward(trainer, batch):
-    amp = trainer.amp
-    if amp is None:
-        return (yield)
-    import torch
+class AutocastSteps:
+    """The per-step hooks of bf16 (attached only when AMP is on)."""
 
-    with torch.autocast(amp.device_type, dtype=amp.dtype):
-        return (yield)
+    def __init__(self, amp):
+        self.amp = amp
+
+    @hookimpl(wrapper=True)
+    def ddpx_forward(self, trainer, batch):
+        import torch
+
+        with torch.autocast(self.amp.device_type, dtype=self.amp.dtype):
+            return (yield)
 
 
-@hookimpl
+class ScaledSteps(AutocastSteps):
+    """The per-step hooks of fp16: autocast plus the GradScaler."""
+
+    @hookimpl
+    def ddpx_backward(self, trainer, loss):
+        return ddpx_backward(trainer, loss)
+
+    @hookimpl
+    def ddpx_optimizer_step(self, trainer):
+        return ddpx_optimizer_step(trainer)
+
+
+# The bodies of ScaledSteps' hooks, deliberately unmarked here (attached only with fp16).
+
+
 def ddpx_backward(trainer, loss):
     amp = trainer.amp
     if amp is None or amp.scaler is None:
@@ -85,7 +108,6 @@ def ddpx_backward(trainer, loss):
     return True
 
 
-@hookimpl
 def ddpx_optimizer_step(trainer):
     amp = trainer.amp
     if amp is None or amp.scaler is None:

@@ -38,8 +38,10 @@ A different world size on resume (``--nnodes MIN:MAX``, fewer GPUs):
 * per-rank plugin state (comm-hook error feedback) receives rank 0's entries,
   which the plugin resets with a warning (its state records its rank and world size).
 
-Stopping. From ``ddpx_setup`` on, the first SIGTERM or SIGINT only sets a
-flag (and restores Python's default handlers, so a second one acts at once).
+Stopping. The trainer owns the SIGTERM/SIGINT handlers; from ``ddpx_setup``
+on, this plugin takes the signals through ``trainer.stop_signal_handler``: the
+first SIGTERM or SIGINT only sets a flag (the trainer restores the default
+handlers, so a second one acts at once).
 Every ``stop_check_every`` optimizer steps the ranks combine their flags with
 one ``all_reduce`` (MAX), so all of them stop after the same step: they write a
 final checkpoint and call ``trainer.request_stop``; the loop ends at that
@@ -67,7 +69,6 @@ from ddpx import hookimpl
 from ddpx.errors import DdpxError
 
 LR_SCALING = ("none", "linear")
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class CheckpointSession:
@@ -86,22 +87,20 @@ class CheckpointSession:
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
         self.boundary_step = 0  # global_step at the last optimizer-step boundary seen
         self.signal_received = 0
-        self.previous_handlers = {}
+        self.trainer = None  # whose stop signals this session takes
         self.stop_deadline = None  # the timer that ends a stop no step boundary completes
 
     # --- signals ------------------------------------------------------------------------
 
-    def install_signal_handlers(self, rank):
-        if threading.current_thread() is not threading.main_thread():
-            return  # Python delivers signals to the main thread only
-
+    def take_stop_signals(self, trainer):
+        """Handle SIGTERM/SIGINT for the trainer, which owns the handlers (see
+        ddpx/trainer.py): it calls us instead of stopping at once, and resets
+        the handlers so a second signal acts immediately."""
+        rank = trainer.rank
         timeout = self.cfg["stop_timeout_s"]
 
-        def on_signal(signum, frame):
+        def on_signal(signum):
             self.signal_received = signum
-            # A second signal acts immediately (KeyboardInterrupt / termination).
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             # os.write, not print/logging: a signal may interrupt a write to stderr
             os.write(2, (
                 f"[rank{rank}] ddpx: received {signal.Signals(signum).name}: stopping within "
@@ -119,9 +118,8 @@ class CheckpointSession:
             os.kill(os.getpid(), signal.SIGTERM)  # its default action since the first signal
 
         self.give_up = give_up
-
-        for sig in STOP_SIGNALS:
-            self.previous_handlers[sig] = signal.signal(sig, on_signal)
+        self.trainer = trainer
+        trainer.stop_signal_handler = on_signal
 
     def arm_stop_deadline(self):
         """(Re)start the watchdog: torchrun also SIGTERMs the survivors of a failed
@@ -136,11 +134,12 @@ class CheckpointSession:
             self.stop_deadline.cancel()
             self.stop_deadline = None
 
-    def restore_signal_handlers(self):
+    def release_stop_signals(self):
+        """Back to the trainer's own handling (stop at once) for the rest of the run."""
         self.stop_agreed()
-        handlers, self.previous_handlers = self.previous_handlers, {}
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        trainer, self.trainer = self.trainer, None
+        if trainer is not None:
+            trainer.stop_signal_handler = None
 
 
 _session: CheckpointSession | None = None
@@ -188,7 +187,7 @@ def ddpx_configure(config):
 def ddpx_setup(trainer):
     global _session
     _session = CheckpointSession(trainer, trainer.config.section("checkpoint"))
-    _session.install_signal_handlers(trainer.rank)
+    _session.take_stop_signals(trainer)
 
 
 @hookimpl(tryfirst=True)  # restore before other plugins see the start of training
@@ -238,7 +237,7 @@ def ddpx_train_end(trainer):
             _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
         session.writer.wait()
     finally:
-        session.restore_signal_handlers()
+        session.release_stop_signals()
 
 
 @hookimpl
@@ -248,7 +247,7 @@ def ddpx_exception(trainer, exc):
     session = _session
     if session is None:
         return
-    session.restore_signal_handlers()
+    session.release_stop_signals()
     try:
         session.writer.wait()
     except Exception as error:

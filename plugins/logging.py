@@ -10,8 +10,12 @@
   ``every_steps`` optimizer steps (``kind: "step"``: ``step``, ``epoch``, ``loss``
   = rank 0's mean micro-batch loss since the previous line, ``lr``,
   ``samples_per_s``, ``time``) and one per epoch (``kind: "epoch"``: ``step``,
-  ``epoch`` and the epoch's metrics, e.g. ``loss``, ``accuracy``). The loss is
-  accumulated on the device and read (one ``.item()``) only on logged steps.
+  ``epoch`` and the epoch's metrics, e.g. ``loss``, ``accuracy``). The
+  micro-batch losses are kept as device tensors and summed and read (one
+  ``.item()``) only on logged steps.
+* The per-step hook is attached on rank 0 only, when there is a bar or step
+  lines; the bar advances every ``BAR_EVERY`` batches (and at logged steps and
+  the epoch end).
 
 Config section ``logging``: ``progress`` (true), ``all_ranks`` (false),
 ``every_steps`` (10; 0 writes only per-epoch lines), ``metrics_file``
@@ -29,9 +33,10 @@ import time
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
-from ddpx.plugin import rank_prefix
+from ddpx.plugin import attach, rank_prefix
 
 LOGGER = "ddpx"
+BAR_EVERY = 16  # batches per progress-bar update: tqdm's bookkeeping is not free every step
 
 
 class _RankFilter(logging.Filter):
@@ -85,8 +90,8 @@ class MetricsLog:
         self.samples_per_batch = samples_per_batch
         self.file = None
         self.bar = None
-        self.loss_sum = None  # device tensor: no host sync per batch
-        self.loss_count = 0
+        self.losses = []  # micro-batch losses since the last step line: stacked (one kernel) when logged
+        self.bar_pending = 0  # batches not yet shown on the bar
         self.batches = 0
         self.mark = time.perf_counter()
         self.start = self.mark
@@ -97,8 +102,14 @@ class MetricsLog:
         self.file.write(json.dumps(record, default=_plain) + "\n")
         self.file.flush()
 
+    def flush_bar(self):
+        if self.bar_pending:
+            self.bar.update(self.bar_pending)
+            self.bar_pending = 0
+
     def close(self):
         if self.bar is not None:
+            self.flush_bar()
             self.bar.close()
             self.bar = None
         if self.file is not None:
@@ -134,6 +145,8 @@ def ddpx_setup(trainer):
     path = os.path.join(str(trainer.run_dir), cfg["metrics_file"])
     samples_per_batch = trainer.world_size * trainer.config.trainer.batch_size
     trainer.metrics_log = MetricsLog(path, cfg["every_steps"], cfg["progress"], samples_per_batch)
+    if trainer.rank == 0 and (cfg["progress"] or cfg["every_steps"] > 0):
+        attach(trainer.plugin_manager, StepLog(trainer.metrics_log), "logging.steps")
 
 
 @hookimpl
@@ -150,6 +163,7 @@ def ddpx_epoch_start(trainer, epoch):
     log = trainer.metrics_log
     log.mark = time.perf_counter()
     log.batches = 0
+    log.bar_pending = 0
     if trainer.rank == 0 and log.progress:
         from tqdm import tqdm
 
@@ -157,38 +171,47 @@ def ddpx_epoch_start(trainer, epoch):
         log.bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", file=sys.stderr, dynamic_ncols=True)
 
 
-@hookimpl
-def ddpx_batch_end(trainer, batch_index, loss, stepped):
-    log = trainer.metrics_log
-    log.batches += 1
-    if trainer.rank != 0:
-        return
-    if log.bar is not None:
-        log.bar.update(1)
-    if log.every_steps == 0:
-        return
-    loss = loss.detach()
-    log.loss_sum = loss if log.loss_sum is None else log.loss_sum + loss
-    log.loss_count += 1
-    if not stepped or log.every_steps == 0 or trainer.global_step % log.every_steps != 0:
-        return
-    now = time.perf_counter()
-    mean_loss = log.loss_sum.item() / log.loss_count  # the only host sync, every every_steps steps
-    samples_per_s = log.batches * log.samples_per_batch / max(now - log.mark, 1e-9)
-    log.loss_sum, log.loss_count = None, 0
-    log.mark, log.batches = now, 0
-    record = {
-        "kind": "step",
-        "step": trainer.global_step,
-        "epoch": trainer.epoch,
-        "loss": mean_loss,
-        "lr": trainer.optimizer.param_groups[0]["lr"],
-        "samples_per_s": samples_per_s,
-        "time": now - log.start,
-    }
-    log.write(record)
-    if log.bar is not None:
-        log.bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{samples_per_s:.0f}", refresh=False)
+class StepLog:
+    """The per-step hook, attached on rank 0 only, and only when there is a progress
+    bar or step lines (other ranks and ``progress: false, every_steps: 0`` do
+    nothing per step)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    @hookimpl
+    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
+        log = self.log
+        log.batches += 1
+        if log.bar is not None:
+            log.bar_pending += 1
+            if log.bar_pending >= BAR_EVERY:
+                log.flush_bar()
+        if log.every_steps == 0:
+            return
+        log.losses.append(loss.detach() if loss.requires_grad else loss)
+        if not stepped or trainer.global_step % log.every_steps != 0:
+            return
+        import torch
+
+        now = time.perf_counter()
+        mean_loss = torch.stack(log.losses).sum().item() / len(log.losses)  # the only host sync, every every_steps steps
+        samples_per_s = log.batches * log.samples_per_batch / max(now - log.mark, 1e-9)
+        log.losses = []
+        log.mark, log.batches = now, 0
+        record = {
+            "kind": "step",
+            "step": trainer.global_step,
+            "epoch": trainer.epoch,
+            "loss": mean_loss,
+            "lr": trainer.optimizer.param_groups[0]["lr"],
+            "samples_per_s": samples_per_s,
+            "time": now - log.start,
+        }
+        log.write(record)
+        if log.bar is not None:
+            log.flush_bar()
+            log.bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{samples_per_s:.0f}", refresh=False)
 
 
 @hookimpl(trylast=True)  # after other plugins added their entries to ``metrics``
@@ -197,6 +220,7 @@ def ddpx_epoch_end(trainer, epoch, metrics):
     if trainer.rank != 0:
         return
     if log.bar is not None:
+        log.flush_bar()
         log.bar.close()
         log.bar = None
     log.write({"kind": "epoch", "step": trainer.global_step, "epoch": epoch, **metrics})

@@ -16,6 +16,7 @@ tail of an epoch is divided across ranks instead of dropped). The loaders use
 """
 
 from ddpx import hookimpl
+from ddpx.plugin import attach
 
 
 @hookimpl
@@ -68,15 +69,27 @@ def _batch_sampler(trainer):
 @hookimpl(tryfirst=True)  # before anything reads len(train_loader) for this epoch
 def ddpx_epoch_start(trainer, epoch):
     sampler = _batch_sampler(trainer)
-    if sampler is not None:
-        sampler.set_epoch(epoch)
+    if sampler is None:
+        return
+    sampler.set_epoch(epoch)
+    pm = trainer.plugin_manager
+    attached = pm.get_plugin(STEPS)
+    if attached is None or attached.sampler is not sampler:  # found once: no lookup per step
+        attach(pm, SamplerSteps(sampler), STEPS)
 
 
-@hookimpl
-def ddpx_batch_end(trainer, batch_index, loss, stepped):
-    sampler = _batch_sampler(trainer)
-    if sampler is not None:
-        sampler.advance()
+STEPS = "sampler.steps"
+
+
+class SamplerSteps:
+    """The per-step hook: advance the position once the batch is trained on."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    @hookimpl
+    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
+        self.sampler.advance()
 
 
 @hookimpl

@@ -1,0 +1,89 @@
+"""The trainer's run lifecycle: max_steps and resume, stop signals, what a run leaves behind."""
+
+import logging
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpx.config import load_config
+from ddpx.trainer import Trainer, TrainingStopped
+
+# digits_split(test_fraction=0.2): 1437 training samples, 45 batches of 32 per epoch on one rank
+STEPS_PER_EPOCH = 45
+
+
+def make_config(tmp_path, *overrides):
+    return load_config(None, [f"run_dir={tmp_path}/run", "logging.progress=false", "model.args.hidden=16",
+                              "trainer.eval_every_epochs=0", *overrides])
+
+
+def saved_progress(tmp_path):
+    from ddpx.checkpoint import CheckpointDirectory
+
+    _, checkpoint = CheckpointDirectory(tmp_path / "run" / "checkpoints", keep=3).load_latest()
+    return checkpoint["replicated"]["progress"]
+
+
+def test_max_steps_mid_epoch_resumes_the_rest_of_that_epoch(tmp_path):
+    first = Trainer(make_config(tmp_path, "trainer.epochs=3", "trainer.max_steps=20")).run()
+    assert [(m["epoch"], m["step"]) for m in first] == [(0, 20)]
+    assert saved_progress(tmp_path) == {"epoch": 0, "global_step": 20}  # epoch 0 is not finished
+
+    resumed = Trainer(make_config(tmp_path, "trainer.epochs=2", "trainer.max_steps=100"))
+    metrics = resumed.run()
+    # The rest of epoch 0 (25 batches), then all of epoch 1, then stopped by max_steps in epoch 2's absence.
+    assert [(m["epoch"], m["step"]) for m in metrics] == [(0, STEPS_PER_EPOCH), (1, 2 * STEPS_PER_EPOCH)]
+    assert saved_progress(tmp_path) == {"epoch": 2, "global_step": 2 * STEPS_PER_EPOCH}
+
+
+def test_max_steps_on_the_last_batch_finishes_the_epoch(tmp_path):
+    Trainer(make_config(tmp_path, "trainer.epochs=3", f"trainer.max_steps={STEPS_PER_EPOCH}")).run()
+    assert saved_progress(tmp_path) == {"epoch": 1, "global_step": STEPS_PER_EPOCH}
+
+
+def test_a_run_restores_the_logger_and_signal_handlers(tmp_path):
+    logger = logging.getLogger("ddpx")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    Trainer(make_config(tmp_path, "trainer.epochs=1", "trainer.max_steps=2")).run()
+    assert (list(logger.handlers), logger.level, logger.propagate) == before
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+
+
+class SigtermAtBatch:
+    """Sends this process SIGTERM at the end of batch 2."""
+
+    from ddpx import hookimpl
+
+    @hookimpl
+    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
+        if batch_index == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_sigterm_stops_the_run_cleanly(tmp_path, checkpoint, capfd):
+    previous = signal.getsignal(signal.SIGTERM)
+    overrides = ["trainer.epochs=2", "plugins.enable=[tests.test_trainer_lifecycle.SigtermAtBatch]"]
+    overrides.append("checkpoint.stop_check_every=5" if checkpoint else "plugins.block=[checkpoint]")
+    trainer = None
+    with pytest.raises(TrainingStopped) as stopped:
+        trainer = Trainer(make_config(tmp_path, *overrides))
+        trainer.run()
+    assert stopped.value.signum == signal.SIGTERM
+    assert not dist.is_initialized()
+    assert signal.getsignal(signal.SIGTERM) == previous
+    if checkpoint:
+        # Agreed stop at the next check (step 5) with a final checkpoint.
+        assert trainer.global_step == 5
+        assert saved_progress(tmp_path)["global_step"] == 5
+        assert "stopping within 5 optimizer steps" in capfd.readouterr().err
+    else:
+        # No plugin can agree on a stop across ranks: the rank stops at once, saying why.
+        assert trainer.global_step == 3
+        assert "no plugin agrees on a stop across ranks" in str(stopped.value)
+        assert not (tmp_path / "run" / "checkpoints").exists()
+    assert torch.is_grad_enabled()
