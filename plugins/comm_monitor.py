@@ -9,8 +9,8 @@ accumulation or a larger batch (communicate less often), a compressing comm
 hook, and ``ddpx bench comm`` to measure which helps.
 
 Cost: between measurements, one integer comparison per micro-batch. A
-measurement is two allreduces of the gradient size (a warm-up and the timed
-one) plus a device synchronisation at both ends of the window, first at step
+measurement is four allreduces of the gradient size (a warm-up and the fastest
+of three timed) plus a device synchronisation at both ends of the window, first at step
 ``start_step`` after the start (or resume) and then every ``every_steps``.
 Every rank measures at the same steps, so the collectives line up.
 
@@ -106,7 +106,8 @@ def measure_share(trainer, step_s):
     from ddpx.doctor import measure_allreduce_seconds
 
     grad_bytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters() if p.requires_grad)
-    comm_s = measure_allreduce_seconds(grad_bytes, iters=1, device=trainer.device)
+    # the fastest of 3: what the link needs, without another process's burst on a shared CPU
+    comm_s = measure_allreduce_seconds(grad_bytes, iters=3, device=trainer.device, fastest=True)
     hook = getattr(trainer, "comm_hook", None)
     stats = hook.stats() if hook is not None and hasattr(hook, "stats") else None
     if stats and stats.get("wire_bytes") and stats.get("raw_bytes"):
