@@ -48,13 +48,21 @@ def _configs(names):
     import ddpx.hooks
 
     out = [("no hook", "none", None, None), ("torch fp16_compress_hook", "torch", "fp16", None)]
-    for name in ddpx.hooks.available():
-        if names and name not in names:
-            continue
-        out.append((f"ddpx {name} native", "ddpx", name, True))
-        out.append((f"ddpx {name} python", "ddpx", name, False))
+    for spec in names if names is not None else ddpx.hooks.available():
+        out.append((f"ddpx {spec} native", "ddpx", spec, True))
+        out.append((f"ddpx {spec} python", "ddpx", spec, False))
     out.append(("torch powerSGD rank 4", "torch", "powersgd", None))
     return out
+
+
+def _parse_spec(spec):
+    """'int8' or 'int8:block_size=128,compress_vectors=true' -> (name, options)."""
+    name, _, opts = spec.partition(":")
+    options = {}
+    for item in filter(None, opts.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    return name, options
 
 
 def _model():
@@ -119,11 +127,13 @@ def worker(args):
     for label, kind, name, native in _configs(args.hooks):
         entry = {"label": label, "kind": kind, "name": name, "native": native}
         results["results"].append(entry)
+        save()  # if this config kills the process, the parent knows which one it was
         ddp = DDP(_model())
         state = None
         try:
             if kind == "ddpx":
-                state = ddpx.hooks.register(ddp, name, native=native)
+                hook_name, options = _parse_spec(name)
+                state = ddpx.hooks.register(ddp, hook_name, native=native, **options)
                 entry["native"] = state.native
             elif kind == "torch" and name == "fp16":
                 ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -266,6 +276,19 @@ class Namespaces:
         self.created = []
 
 
+def _death_reason(tmp, hosts):
+    """The first fatal line a dead worker printed (e.g. gloo's enforce message)."""
+    for i in range(hosts):
+        try:
+            text = open(os.path.join(tmp, f"host{i}.log")).read()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if "what():" in line or "Error:" in line and "ChildFailedError" not in line:
+                return line.strip()[:240]
+    return "no message (see the worker logs)"
+
+
 def refuse_without_rights():
     if shutil.which("ip") is None or shutil.which("tc") is None:
         raise SystemExit("bench_comm: needs the `ip` and `tc` tools (iproute2) to build network namespaces; "
@@ -289,7 +312,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per hook (bucket rebuild, warm-up)")
     p.add_argument("--batch", type=int, default=8, help="samples per rank (small: communication-bound)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--hooks", nargs="*", default=None, help="ddpx hooks to time (default: all)")
+    p.add_argument("--hooks", nargs="*", default=None,
+                   help="ddpx hooks to time, NAME or NAME:opt=value,... (default: all available)")
     p.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
     p.add_argument("--collective-timeout", type=float, default=60)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -355,9 +379,10 @@ def main(argv=None):
         raise SystemExit(f"bench_comm: the workers produced no results; their output:\n{logs}")
     with open(out_file) as f:
         results = summarize(json.load(f), rate_bps)
+    died = _death_reason(tmp, args.hosts)
     for e in results["results"]:
         if "ms_per_step" not in e and "error" not in e:
-            e["error"] = "hung (killed at --timeout)" if hung else "did not finish"
+            e["error"] = "hung (killed at --timeout)" if hung else f"the worker process died: {died}"
     if failed or hung:
         results["worker_logs"] = tmp
     if args.json:
