@@ -405,3 +405,55 @@ def test_register_falls_back_to_python_and_says_why(caplog):
         state = ddpx.hooks.register(model, "fp16")
     assert model.registered == (state, ddpx.hooks.hook) and state.native is False
     assert "using the Python hook: NoReducer has no DDP reducer" in caplog.text
+
+
+# ------------------------------------------------------- netns benchmark
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_comm.py")
+
+
+def _netns_ok():
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    r = subprocess.run(["ip", "netns", "add", f"ddpxtest{os.getpid()}"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", f"ddpxtest{os.getpid()}"], capture_output=True)
+    return r.returncode == 0
+
+
+def _bench_namespaces(pid):
+    import subprocess
+
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.startswith(f"ddpxbench{pid}-")]
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.skipif(not _netns_ok(), reason="needs root and ip netns")
+def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
+    import json
+    import signal
+    import subprocess
+    import time
+
+    r = subprocess.run([sys.executable, BENCH, "--steps", "1", "--warmup", "1", "--hooks", "int8", "--rate", "10gbit",
+                        "--json"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    by = {e["label"]: e for e in res["results"]}
+    assert by["ddpx int8 native"]["native"] is True and by["ddpx int8 native"]["ms_per_step"] > 0
+    assert by["ddpx int8 native"]["wire_bytes"] < 0.3 * by["no hook"]["wire_bytes"]
+    assert "torch powerSGD rank 4" in by  # measured or reported as failed, never missing
+    # SIGTERM while the workers run: the namespaces still go away
+    p = subprocess.Popen([sys.executable, BENCH, "--steps", "50", "--hooks", "int8"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not _bench_namespaces(p.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _bench_namespaces(p.pid), "the benchmark never created its namespaces"
+    time.sleep(2)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=60)
+    assert _bench_namespaces(p.pid) == []
