@@ -223,7 +223,6 @@ def _hook_options(hooks, name) -> dict:
 
 def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5) -> Measurement:
     """Every rank: link, compute and per-hook step times for ``trainer``'s model and batch."""
-    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..doctor import measure_allreduce_seconds
