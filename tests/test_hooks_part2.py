@@ -96,7 +96,7 @@ def _scenarios(rank, world):
         res[name] = {"acc": run.accuracy(), "flat": run.flat(), "stats": run.state.stats(),
                      "buckets": len(run.state.layouts)}
 
-    # native C++ hook vs Python hook: the same numbers (powersgd: Python, with a logged reason).
+    # native C++ hook vs Python hook: the same numbers.
     # onebit_all compresses every parameter: one contiguous stretch, no packing copies
     for label, name, opts in NATIVE_CASES:
         py = Run(rank, world, name, opts, native=False)
@@ -196,11 +196,7 @@ def test_native_matches_python(results, label):
         assert got["stats"][0] == got["stats"][1]
         if label == "onebit_all":  # every bucket is compressed in place
             assert got["direct"] and all(d >= 0 for d in got["direct"]), got["direct"]
-        if label.startswith("onebit"):
-            assert got["is_native"] and got["warnings"] == []
-        else:  # documented fallback: the Python hook, and why
-            assert not got["is_native"]
-            assert any("using the Python hook" in m and "no native" in m for m in got["warnings"]), got["warnings"]
+        assert got["is_native"] and got["warnings"] == []
 
 
 @pytest.mark.slow

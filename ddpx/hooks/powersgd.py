@@ -27,8 +27,8 @@ fp32 elements instead of n m.
 
 Options: ``rank`` (the approximation rank r), ``warmup_steps`` (plain
 allreduce first, torch's ``start_powerSGD_iter``), ``min_numel`` (smaller
-matrices travel uncompressed), ``seed``. No native hook yet: ``register``
-uses the Python hook and logs so once.
+matrices travel uncompressed), ``seed``. The native C++ twin
+(csrc/hooks/powersgd.cpp) runs the same ATen calls on the same layout.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class PowerSGDState(LossyState):
     """Rank-r PowerSGD with error feedback and warm start."""
 
     name = "powersgd"
-    native_kind = None
+    native_kind = "powersgd"
     multi_phase = True
     options = {
         "rank": Option(int, 4, lambda v: None if v >= 1 else "must be >= 1", "approximation rank r"),
@@ -82,21 +82,22 @@ class PowerSGDState(LossyState):
     def build_layout(self, lay):
         dev = lay.params[0].device
         f32 = dict(dtype=torch.float32, device=dev)
-        lay.mats = []  # (key, bucket_offset, n, m, r, p_offset, q_offset, packed_offset)
+        mats = []  # (key, bucket_offset, n, m, r, p_offset, q_offset, packed_offset)
         p_total = q_total = 0
         off = 0
         for key, p, poff in zip(lay.keys, lay.params, lay.param_packed_offset):
             if poff is not None:
                 n, m = _matrix_shape(p)
                 r = self.r_of(p)
-                lay.mats.append((key, off, n, m, r, p_total, q_total, poff))
+                mats.append((key, off, n, m, r, p_total, q_total, poff))
                 p_total += n * r
                 q_total += m * r
             off += p.numel()
+        lay.matrices = torch.tensor(mats, dtype=torch.int64).reshape(-1, 8)  # also read by the C++ hook
         lay.pbuf = torch.zeros(lay.n_plain + p_total, **f32)  # [plain | P's]: one allreduce
         lay.q = torch.zeros(q_total, **f32)  # Q's: one allreduce, and the warm-start memory
         lay.error = torch.zeros(lay.n_comp, **f32)
-        for key, _, n, m, r, _, qoff, poff in lay.mats:
+        for key, _, n, m, r, _, qoff, poff in mats:
             self.adopt("error", key, lay.error.narrow(0, poff, n * m))
             q = lay.q.narrow(0, qoff, m * r)
             self.adopt("q", key, q)
@@ -129,7 +130,7 @@ class PowerSGDState(LossyState):
         inv = 1.0 / world
         ops.flatten(lay.runs(buf, False), inv, out=lay.pbuf)
         mats = []
-        for key, off, n, m, r, p_off, q_off, poff in lay.mats:
+        for key, off, n, m, r, p_off, q_off, poff in lay.matrices.tolist():
             mat = buf.narrow(0, off, n * m).view(n, m)
             error = lay.error.narrow(0, poff, n * m).view(n, m)
             p = lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r)
