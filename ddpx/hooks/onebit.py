@@ -28,11 +28,12 @@ later large gradients arrive. Chunks of 32-128 train like fp32 allreduce on
 the digits MLP (SGD momentum 0.9, 30 epochs); 256 and above lost 1-25 points.
 
 Warm-up. ``warmup_steps`` runs plain fp32 allreduce for the first N steps.
-Use it (a few hundred steps) when training from scratch with momentum
-optimizers at a high learning rate, where the first steps have large,
-fast-changing gradients whose compression error the momentum integrates
-(DeepSpeed's 1-bit Adam always warms up: its ``freeze_step``); with the
-default chunk size, SGD with momentum 0.9 on the digits MLP needed none.
+Error feedback repays the compression error over later steps, so 1-bit hurts
+most early in training from scratch and with momentum optimizers, whose state
+integrates the error first (DeepSpeed's 1-bit Adam always warms up: its
+``freeze_step``). Use a few hundred steps there if the early loss lags fp32;
+on the digits MLP (SGD momentum 0.9, or Adam) the default chunk size needed
+none, hence the default of 0.
 """
 
 from __future__ import annotations
