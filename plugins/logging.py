@@ -36,6 +36,7 @@ from ddpx.errors import DdpxError
 from ddpx.plugin import attach, rank_prefix
 
 LOGGER = "ddpx"
+FLUSH_EVERY_S = 1.0  # step lines: a flush (a system call) at most this often
 BAR_EVERY = 16  # batches per progress-bar update: tqdm's bookkeeping is not free every step
 
 
@@ -92,15 +93,19 @@ class MetricsLog:
         self.bar = None
         self.losses = []  # micro-batch losses since the last step line: stacked (one kernel) when logged
         self.bar_pending = 0  # batches not yet shown on the bar
+        self.flushed = 0.0  # perf_counter of the last flush of the metrics file
         self.batches = 0
         self.mark = time.perf_counter()
         self.start = self.mark
 
-    def write(self, record):
+    def write(self, record, flush=True):
         if self.file is None:
             return
         self.file.write(json.dumps(record, default=_plain) + "\n")
-        self.file.flush()
+        now = time.perf_counter()
+        if flush or now - self.flushed >= FLUSH_EVERY_S:
+            self.file.flush()
+            self.flushed = now
 
     def flush_bar(self):
         if self.bar_pending:
@@ -208,7 +213,7 @@ class StepLog:
             "samples_per_s": samples_per_s,
             "time": now - log.start,
         }
-        log.write(record)
+        log.write(record, flush=False)  # flushed at most once a second, and with every epoch line
         if log.bar is not None:
             log.flush_bar()
             log.bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{samples_per_s:.0f}", refresh=False)
