@@ -14,6 +14,7 @@ import errno
 import os
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -21,6 +22,7 @@ from typing import Optional, Sequence
 from .errors import DdpxError
 
 WORKER_MODULE = "ddpx.worker"
+DONE_DIR_ENV = "DDPX_DONE_DIR"  # each worker that finishes training writes a marker file here
 DEFAULT_RDZV_ID = "ddpx"
 RDZV_WAIT_ENV = "DDPX_RDZV_WAIT_S"  # how long a joining node waits for the rendezvous host
 DEFAULT_RDZV_WAIT_S = 60.0
@@ -186,13 +188,24 @@ def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOpt
 
 
 def run_torchrun(argv: Sequence[str]) -> int:
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(list(argv))
+    with tempfile.TemporaryDirectory(prefix="ddpx-done-") as done_dir:
+        os.environ[DONE_DIR_ENV] = done_dir  # inherited by the workers torchrun starts
+        try:
+            return _run_agent(run, args, done_dir)
+        finally:
+            os.environ.pop(DONE_DIR_ENV, None)
+
+
+def _run_agent(run, args, done_dir: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.run import parse_args, run
 
     try:
-        run(parse_args(list(argv)))
+        run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         others = len(exc.failures) - 1
@@ -201,8 +214,23 @@ def run_torchrun(argv: Sequence[str]) -> int:
         why = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         raise DdpxError(f"training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above") from None
     except RendezvousError as exc:
+        finished = len(os.listdir(done_dir))
+        if finished and finished >= _local_workers(args):
+            # Every local worker finished training; the agent lost the c10d store
+            # because the node hosting it exited first (a known torchrun race at
+            # shutdown). Nothing was lost, so this is not a failure.
+            print(f"ddpx: warning: training finished; torchrun's rendezvous shutdown failed: {exc}", file=sys.stderr)
+            return 0
         raise DdpxError(f"rendezvous failed: {type(exc).__name__}: {exc}") from None
     except SignalException as exc:
         print(f"ddpx: stopped by {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
+
+
+def _local_workers(args) -> int:
+    """Workers this agent starts (torchrun's --nproc-per-node; its aliases count GPUs/CPUs)."""
+    try:
+        return int(args.nproc_per_node)
+    except (TypeError, ValueError):
+        return 1

@@ -13,6 +13,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import load_config
 from .errors import DdpxError
+from .launch import DONE_DIR_ENV
 
 
 def parse_args(argv):
@@ -32,6 +33,7 @@ def main(argv=None) -> int:
         config = load_config(args.config, args.overrides)
         trainer = Trainer(config)
         trainer.run()
+        _mark_done(rank)
     except DdpxError as exc:
         print(f"ddpx: error: [rank{rank}] {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
@@ -39,6 +41,13 @@ def main(argv=None) -> int:
         print(f"ddpx: [rank{rank}] {exc}", file=sys.stderr, flush=True)
         return 128 + exc.signum
     return 0
+
+
+def _mark_done(rank: str) -> None:
+    """Tell ``ddpx train``'s launcher this rank finished (see launch.DONE_DIR_ENV)."""
+    done_dir = os.environ.get(DONE_DIR_ENV)
+    if done_dir and os.path.isdir(done_dir):
+        open(os.path.join(done_dir, f"rank-{rank}"), "w").close()
 
 
 if __name__ == "__main__":

@@ -39,3 +39,43 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
     # World size 2 across the two agents: 23 steps per epoch (1438 samples / (2 x 32)).
     assert [(e["epoch"], e["step"]) for e in epochs] == [(0, 23), (1, 46)]
     assert epochs[-1]["accuracy"] > 0.5
+
+
+def _fake_agent(markers):
+    """A torchrun `run` whose local workers wrote `markers` done-files, then lost the c10d store."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from ddpx import launch
+
+    def run(args):
+        for rank in range(markers):
+            open(os.path.join(os.environ[launch.DONE_DIR_ENV], f"rank-{rank}"), "w").close()
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    return run
+
+
+def test_store_lost_after_every_local_worker_finished_is_only_a_warning(monkeypatch, capsys):
+    import torch.distributed.run
+
+    from ddpx import launch
+
+    monkeypatch.setattr(torch.distributed.run, "run", _fake_agent(markers=2))
+    argv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
+            "-m", "ddpx.worker"]
+    assert launch.run_torchrun(argv) == 0
+    assert "training finished; torchrun's rendezvous shutdown failed" in capsys.readouterr().err
+    assert launch.DONE_DIR_ENV not in os.environ
+
+
+def test_store_lost_before_every_local_worker_finished_is_an_error(monkeypatch):
+    import torch.distributed.run
+
+    from ddpx import launch
+    from ddpx.errors import DdpxError
+
+    monkeypatch.setattr(torch.distributed.run, "run", _fake_agent(markers=1))
+    argv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
+            "-m", "ddpx.worker"]
+    with pytest.raises(DdpxError, match="rendezvous failed: RendezvousConnectionError"):
+        launch.run_torchrun(argv)
