@@ -66,6 +66,18 @@ def _restore_logger(log: logging.Logger, settings: tuple) -> None:
     log.propagate = propagate
 
 
+def _fan_out(impls) -> Any:
+    """Call plain (non-wrapper) hook implementations in pluggy's order (last
+    registered first, tryfirst/trylast respected), ignoring their results."""
+    calls = [(impl.function, impl.argnames) for impl in reversed(impls)]
+
+    def call(**kwargs):
+        for function, argnames in calls:
+            function(*[kwargs[name] for name in argnames])
+
+    return call
+
+
 def default_log_handler(log: logging.Logger, rank: int) -> None:
     """A ``[rankN]`` stderr handler, rank 0 INFO only, for when no plugin configured the logger."""
     handler = logging.StreamHandler(sys.stderr)
@@ -88,7 +100,9 @@ class Trainer:
     tensor of the last micro-batch), ``is_main`` (rank 0), ``log`` (rank-aware
     logger ``ddpx``), ``stop_requested`` (set through :meth:`request_stop`, e.g.
     by the checkpoint plugin's signal handling; the loop stops at the next
-    batch boundary and raises :class:`TrainingStopped`).
+    batch boundary and raises :class:`TrainingStopped`),
+    ``stop_signal_handler`` (a plugin's callable taking SIGTERM/SIGINT; see
+    "signals" below).
     """
 
     def __init__(self, config: Config, plugin_manager=None):
@@ -114,6 +128,7 @@ class Trainer:
         # once; the checkpoint plugin sets it to agree on a stop across ranks.
         self.stop_signal_handler = None
         self._callers: Optional[dict] = None  # the per-step hook callables of the running epoch
+        self._grad_clip = config.trainer.grad_clip  # read every step
         self._previous_signal_handlers: dict = {}
 
     @property
@@ -139,14 +154,14 @@ class Trainer:
             self._notify_exception(exc)
             raise
         finally:
+            self._restore_signal_handlers()  # first: a signal now acts as it did before the run
             try:
                 distributed.teardown()
             finally:
                 # After every plugin's last message: leave the process as it was
                 # (a later run or test in the same process sees its own settings).
-                self._restore_signal_handlers()
                 for plugin in set(self.plugin_manager.get_plugins()) - plugins_before:
-                    self.plugin_manager.unregister(plugin)  # per-run helpers plugins attached
+                    self.plugin_manager.unregister(plugin)  # per-run helper plugins attached
                 _restore_logger(self.log, saved_logger)
 
     # --- signals -----------------------------------------------------------------------
@@ -247,9 +262,11 @@ class Trainer:
     def _step_callers(self) -> dict:
         """The per-step hooks, each as the callable to use this epoch.
 
-        A hook that only the core implements is called as the core's method
-        directly (pluggy's dispatch costs microseconds per call, every step);
-        with tracing on, every call goes through pluggy so it is printed.
+        pluggy's dispatch costs microseconds per call, every step, so without
+        tracing: a hook only the core implements is called as the core's
+        method, and ``ddpx_batch_end`` (results unused) calls its plain
+        implementations in pluggy's order. With tracing on, every call goes
+        through pluggy so it is printed.
         """
         hook, core = self.hook, self.plugin_manager.get_plugin(CORE_PLUGIN)
         tracing = getattr(self.plugin_manager, "ddpx_tracing", False)
@@ -258,10 +275,14 @@ class Trainer:
                      "ddpx_batch_end"):
             caller = getattr(hook, name)
             impls = caller.get_hookimpls()
-            if not impls:
+            if tracing:
+                callers[name] = caller
+            elif not impls:
                 callers[name] = None  # nobody listens (ddpx_batch_end without plugins)
-            elif not tracing and len(impls) == 1 and impls[0].plugin is core:
+            elif len(impls) == 1 and impls[0].plugin is core:
                 callers[name] = getattr(core, name)
+            elif name == "ddpx_batch_end" and not any(impl.wrapper or impl.hookwrapper for impl in impls):
+                callers[name] = _fan_out(impls)
             else:
                 callers[name] = caller
         return callers
@@ -335,7 +356,7 @@ class Trainer:
 
     def clip_gradients(self) -> Optional[torch.Tensor]:
         """Clip the gradient norm to ``trainer.grad_clip`` (no-op when null); returns the norm."""
-        max_norm = self.config.trainer.grad_clip
+        max_norm = self._grad_clip
         if not max_norm:
             return None
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
