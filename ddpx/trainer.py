@@ -9,6 +9,7 @@ registered ``trylast`` so any plugin can take over.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import pathlib
@@ -156,6 +157,11 @@ class Trainer:
         finally:
             self._restore_signal_handlers()  # first: a signal now acts as it did before the run
             try:
+                # Free the DDP wrapper (its reducer holds the process group) before
+                # destroying the group: otherwise torch 2.13 + gloo aborts at exit
+                # now and then ("terminate called without an active exception").
+                self.model = None
+                gc.collect()
                 distributed.teardown()
             finally:
                 # After every plugin's last message: leave the process as it was
