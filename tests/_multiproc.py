@@ -10,12 +10,13 @@ the test with each rank's stderr instead of stalling the suite.
 from __future__ import annotations
 
 import datetime
-import time
+import gc
 import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -76,8 +77,17 @@ def _main(argv: list[str]) -> None:
     try:
         result = getattr(module, fn_name)(rank, world, *torch.load(args_file, weights_only=False))
         torch.save(result, out_file)
+        del result
     finally:
+        # DDP models and hook states hold the group: free them before destroying it,
+        # or torch 2.13 + gloo aborts now and then ("terminate called without an
+        # active exception").
+        gc.collect()
         dist.destroy_process_group()
+    # The result is saved; skip interpreter teardown, the other place that abort hits.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
