@@ -1,7 +1,5 @@
 // The ddpx._C Python module. Importing it registers the ddpx:: torch ops
 // (TORCH_LIBRARY in csrc/ops) and exposes the native comm-hook bindings.
-#include <torch/extension.h>
-
 #include "hooks/bindings.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,5 +1,6 @@
 #include "hooks/bindings.h"
 
+#include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include "hooks/native_hook.h"
