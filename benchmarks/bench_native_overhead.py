@@ -17,17 +17,12 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ddpx.launch import free_port
 
 
 def _run(rank, world, port, args, out_file):
@@ -106,7 +101,7 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         out_file = os.path.join(tmp, "r.json")
-        mp.start_processes(_entry, args=(2, _free_port(), args, out_file), nprocs=2, start_method="spawn")
+        mp.start_processes(_entry, args=(2, free_port(), args, out_file), nprocs=2, start_method="spawn")
         with open(out_file) as f:
             results = json.load(f)
     print(json.dumps(results, indent=2) if args.json else table(results))

@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional, Sequence
 
+from .launch import free_port
+
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 DEFAULT_MASTER_PORT = 29500  # torchrun's default
 SAFE_PORT_MIN = 20000  # well-known and registered services live below this
@@ -501,18 +503,12 @@ def run_checks(facts: Facts) -> list[Check]:
 COLLECTIVE_BYTES = 32 << 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_collectives(nproc: int, timeout_s: float = 120.0, nbytes: int = COLLECTIVE_BYTES,
                     hooks: Optional[Sequence[str]] = None) -> list[Check]:
     """Start ``nproc`` local gloo processes; run allreduce, barrier and every ddpx hook."""
     nproc = max(2, nproc)
     outdir = tempfile.mkdtemp(prefix="ddpx-doctor-")
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),

@@ -53,7 +53,8 @@ __all__ = [
 _ops = torch.ops.ddpx
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """Number of blocks of size ``b`` that hold ``a`` elements (the scale count of a kernel)."""
     return -(-a // b)
 
 
@@ -105,7 +106,7 @@ def int8_quantize(
     if out_q is None:
         out_q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)
     if out_scales is None:
-        out_scales = torch.empty(_ceil_div(x.numel(), max(int(block_size), 1)), dtype=torch.float32, device=x.device)
+        out_scales = torch.empty(ceil_div(x.numel(), max(int(block_size), 1)), dtype=torch.float32, device=x.device)
     _ops.int8_quantize_out(x, int(block_size), error, out_q, out_scales)
     return out_q, out_scales
 
@@ -147,9 +148,9 @@ def onebit_pack(
     if out_bits is None and out_scales is None:
         return _ops.onebit_pack(x, int(chunk_size), error)
     if out_bits is None:
-        out_bits = torch.empty(_ceil_div(x.numel(), 8), dtype=torch.uint8, device=x.device)
+        out_bits = torch.empty(ceil_div(x.numel(), 8), dtype=torch.uint8, device=x.device)
     if out_scales is None:
-        out_scales = torch.empty(_ceil_div(x.numel(), max(int(chunk_size), 1)), dtype=torch.float32, device=x.device)
+        out_scales = torch.empty(ceil_div(x.numel(), max(int(chunk_size), 1)), dtype=torch.float32, device=x.device)
     _ops.onebit_pack_out(x, int(chunk_size), error, out_bits, out_scales)
     return out_bits, out_scales
 

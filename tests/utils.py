@@ -5,16 +5,11 @@ stalling the suite.
 """
 
 import os
-import socket
 import subprocess
 import sys
 
 
-def free_port(host="127.0.0.1"):
-    """A TCP port that was free a moment ago (bind port 0 and read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from ddpx.launch import free_port  # noqa: F401  (tests import it from here)
 
 
 def run_cli(args, timeout=120, env=None, cwd=None, python=None):

@@ -32,9 +32,6 @@ from .allreduce import allreduce_average
 from .base import LossyState, Option, positive_multiple_of
 
 
-def _ceil_div(a, b):
-    return -(-a // b)
-
 
 class Int8State(LossyState):
     """Blockwise int8 with worker and server error feedback."""
@@ -53,9 +50,9 @@ class Int8State(LossyState):
         dev = lay.params[0].device
         f32 = dict(dtype=torch.float32, device=dev)
         # per-rank chunk sizes: compressed elements padded to whole blocks
-        lay.chunk = _ceil_div(_ceil_div(lay.n_comp, world), block) * block
+        lay.chunk = ops.ceil_div(ops.ceil_div(lay.n_comp, world), block) * block
         lay.blocks = lay.chunk // block
-        lay.plain_chunk = _ceil_div(lay.n_plain, world)
+        lay.plain_chunk = ops.ceil_div(lay.n_plain, world)
         lay.piece = 4 * lay.plain_chunk + 4 * lay.blocks + lay.chunk  # bytes per rank message
         lay.comp = torch.zeros(world * lay.chunk, **f32)  # packed compressed values (+ zero padding)
         lay.plain = torch.zeros(world * lay.plain_chunk, **f32)

@@ -48,9 +48,6 @@ from .allreduce import allreduce_average
 from .base import LossyState, Option, positive_multiple_of
 
 
-def _ceil_div(a, b):
-    return -(-a // b)
-
 
 class OnebitState(LossyState):
     """1-bit signs with a per-chunk scale, worker and server error feedback."""
@@ -89,10 +86,10 @@ class OnebitState(LossyState):
         # each rank's segment: whole chunks and whole 32-bit words, so every row of
         # the byte messages below keeps its fp32 fields 4-byte aligned
         align = chunk * 32 // math.gcd(chunk, 32)
-        lay.seg = _ceil_div(_ceil_div(lay.n_comp, world), align) * align
+        lay.seg = ops.ceil_div(ops.ceil_div(lay.n_comp, world), align) * align
         lay.lengths = [max(0, min(lay.seg, lay.n_comp - r * lay.seg)) for r in range(world)]
         lay.chunks = lay.seg // chunk
-        lay.plain_chunk = _ceil_div(lay.n_plain, world)
+        lay.plain_chunk = ops.ceil_div(lay.n_plain, world)
         lay.piece = 4 * lay.plain_chunk + 4 * lay.chunks + lay.seg // 8  # bytes per rank message
         # Otherwise, when every compressed parameter is a whole number of chunks, each
         # (segment, parameter) overlap is whole chunks too: pack straight from and decode
@@ -136,8 +133,8 @@ class OnebitState(LossyState):
         rows = rows.view(-1, lay.piece)
         e4, b4 = 4 * lay.plain_chunk, 4 * lay.chunks
         plain = rows[:, :e4].view(torch.float32)
-        scales = rows[:, e4:e4 + 4 * _ceil_div(m, self.chunk_size)].view(torch.float32)
-        bits = rows[:, e4 + b4:e4 + b4 + _ceil_div(m, 8)]
+        scales = rows[:, e4:e4 + 4 * ops.ceil_div(m, self.chunk_size)].view(torch.float32)
+        bits = rows[:, e4 + b4:e4 + b4 + ops.ceil_div(m, 8)]
         return plain, scales, bits
 
     def run_bucket(self, bucket):
