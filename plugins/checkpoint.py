@@ -42,8 +42,11 @@ Stopping. The trainer owns the SIGTERM/SIGINT handlers; from ``ddpx_setup``
 on, this plugin takes the signals through ``trainer.stop_signal_handler``: the
 first SIGTERM or SIGINT only sets a flag (the trainer restores the default
 handlers, so a second one acts at once).
-Every ``stop_check_every`` optimizer steps the ranks combine their flags with
-one ``all_reduce`` (MAX), so all of them stop after the same step: they write a
+At each stop check (every ``stop_check_every`` optimizer steps, or with 0
+about every ``stop_check_s`` seconds, see :func:`_agree_to_stop`) the ranks
+combine their flags with one asynchronous ``all_reduce`` (MAX), read at the
+next check (so no rank waits for the others), and all of them stop after the
+same step: they write a
 final checkpoint and call ``trainer.request_stop``; the loop ends at that
 boundary and the worker exits with 128 + the signal number once the write is
 on disk. ``torchrun`` forwards a SIGTERM/SIGINT it receives to every worker
@@ -55,7 +58,7 @@ checkpoint (the last periodic one is used on restart).
 Config section ``checkpoint``: ``enabled`` (true), ``every_steps`` (0),
 ``keep`` (3), ``dir`` (``checkpoints``, relative to ``run_dir``), ``resume``
 (true), ``async_write`` (true), ``lr_scaling`` (``none`` | ``linear``),
-``stop_timeout_s`` (20), ``stop_check_every`` (10).
+``stop_timeout_s`` (20), ``stop_check_every`` (0: auto), ``stop_check_s`` (1.0).
 """
 
 from __future__ import annotations
@@ -63,12 +66,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
 
 LR_SCALING = ("none", "linear")
+FIRST_STOP_CHECK = 10  # optimizer steps to the first stop check (auto), before any step time is known
+MAX_STOP_CHECK = 1000  # auto never checks less often than this
 
 
 class CheckpointSession:
@@ -89,6 +95,8 @@ class CheckpointSession:
         self.signal_received = 0
         self.trainer = None  # whose stop signals this session takes
         self.stop_deadline = None  # the timer that ends a stop no step boundary completes
+        self.stop_vote = None  # (work, tensor) of the all_reduce started at the last stop check
+        self.start_stop_checks(0)
 
     # --- signals ------------------------------------------------------------------------
 
@@ -102,9 +110,11 @@ class CheckpointSession:
         def on_signal(signum):
             self.signal_received = signum
             # os.write, not print/logging: a signal may interrupt a write to stderr
+            every = self.cfg["stop_check_every"]
+            within = f"{2 * every} optimizer steps" if every else f"about {2 * self.cfg['stop_check_s']:g} s"
             os.write(2, (
-                f"[rank{rank}] ddpx: received {signal.Signals(signum).name}: stopping within "
-                f"{self.cfg['stop_check_every']} optimizer steps with a final checkpoint "
+                f"[rank{rank}] ddpx: received {signal.Signals(signum).name}: stopping within {within} "
+                "with a final checkpoint "
                 "(send it again to exit now)\n"
             ).encode())
             self.arm_stop_deadline()
@@ -133,6 +143,31 @@ class CheckpointSession:
         if self.stop_deadline is not None:
             self.stop_deadline.cancel()
             self.stop_deadline = None
+
+    def collect_stop_vote(self):
+        """Wait for the stop all_reduce in flight (if any): (did any rank vote to
+        stop, the slowest rank's seconds per step or None)."""
+        vote, self.stop_vote = self.stop_vote, None
+        if vote is None:
+            return False, None
+        work, tensor = vote
+        work.wait()
+        flag, slowest_step_s = tensor.tolist()
+        return flag > 0, slowest_step_s
+
+    def stop_check_interval(self, slowest_step_s) -> int:
+        """Optimizer steps to the next stop check: the same on every rank (it
+        depends only on the config and the all-reduced step time)."""
+        every = self.cfg["stop_check_every"]
+        if every:
+            return every
+        if slowest_step_s is None:
+            return FIRST_STOP_CHECK
+        return max(1, min(MAX_STOP_CHECK, int(self.cfg["stop_check_s"] / max(slowest_step_s, 1e-9))))
+
+    def start_stop_checks(self, step):
+        self.stop_check_step, self.stop_check_time = step, time.perf_counter()
+        self.next_stop_check = step + self.stop_check_interval(None)
 
     def release_stop_signals(self):
         """Back to the trainer's own handling (stop at once) for the rest of the run."""
@@ -163,7 +198,8 @@ def ddpx_config_defaults():
             "async_write": True,
             "lr_scaling": "none",
             "stop_timeout_s": 20.0,
-            "stop_check_every": 10,
+            "stop_check_every": 0,
+            "stop_check_s": 1.0,
         }
     }
 
@@ -175,8 +211,11 @@ def ddpx_configure(config):
         raise DdpxError(f"checkpoint.every_steps must be >= 0 (0: only at epoch ends), got {cfg['every_steps']}")
     if cfg["keep"] < 1:
         raise DdpxError(f"checkpoint.keep must be >= 1, got {cfg['keep']}")
-    if cfg["stop_check_every"] < 1:
-        raise DdpxError(f"checkpoint.stop_check_every must be >= 1, got {cfg['stop_check_every']}")
+    if cfg["stop_check_every"] < 0:
+        raise DdpxError(f"checkpoint.stop_check_every must be >= 0 (0: about every stop_check_s seconds), "
+                        f"got {cfg['stop_check_every']}")
+    if cfg["stop_check_s"] <= 0:
+        raise DdpxError(f"checkpoint.stop_check_s must be > 0, got {cfg['stop_check_s']}")
     if cfg["stop_timeout_s"] <= 0:
         raise DdpxError(f"checkpoint.stop_timeout_s must be > 0, got {cfg['stop_timeout_s']}")
     if cfg["lr_scaling"] not in LR_SCALING:
@@ -197,6 +236,7 @@ def ddpx_train_start(trainer):
     if _session.enabled and _session.cfg["resume"]:
         _resume(trainer, _session)
     _session.boundary_step = trainer.global_step
+    _session.start_stop_checks(trainer.global_step)
 
 
 @hookimpl(trylast=True)  # after the sampler plugin has advanced its position
@@ -236,6 +276,7 @@ def ddpx_train_end(trainer):
         if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
             _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
         session.writer.wait()
+        session.collect_stop_vote()  # every rank started it: finish it before the group goes
     finally:
         session.release_stop_signals()
 
@@ -263,20 +304,34 @@ REPLICATED = ("model", "optimizer", "scheduler", "progress")
 def _agree_to_stop(trainer, session) -> bool:
     """True on every rank, at the same boundary, once any rank received a stop signal.
 
-    Every ``stop_check_every`` optimizer steps (counted by ``global_step``, so
-    the same steps on every rank) one all_reduce (MAX) combines the flags.
+    At each check each rank reads the all_reduce (MAX) of the flags it started
+    at the previous check and starts the next one asynchronously, so no rank
+    waits for the others. The checks fall on the same ``global_step`` on every
+    rank: every ``stop_check_every`` optimizer steps, or with 0 (auto) about
+    every ``stop_check_s`` seconds, the interval taken from the slowest rank's
+    step time, which travels in the same all_reduce. A signal takes effect
+    within two intervals.
     """
-    if trainer.global_step % session.cfg["stop_check_every"]:
+    step = trainer.global_step
+    if step < session.next_stop_check:
         return False
-    flag = 1 if session.signal_received else 0
-    if _world(trainer):
-        import torch
-        import torch.distributed as dist
+    flag = 1.0 if session.signal_received else 0.0
+    now = time.perf_counter()
+    step_s = (now - session.stop_check_time) / max(1, step - session.stop_check_step)
+    session.stop_check_time, session.stop_check_step = now, step
+    if not _world(trainer):  # no one to agree with
+        session.next_stop_check = step + session.stop_check_interval(step_s)
+        return bool(flag)
+    import torch
+    import torch.distributed as dist
 
-        tensor = torch.tensor([flag], dtype=torch.int32, device=trainer.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        flag = int(tensor.item())
-    return bool(flag)
+    agreed, slowest_step_s = session.collect_stop_vote()
+    if agreed:
+        return True
+    session.next_stop_check = step + session.stop_check_interval(slowest_step_s)
+    tensor = torch.tensor([flag, step_s], dtype=torch.float64, device=trainer.device)
+    session.stop_vote = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True), tensor)
+    return False
 
 
 def _epoch_exhausted(trainer) -> bool:

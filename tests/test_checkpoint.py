@@ -193,7 +193,8 @@ def test_linear_lr_scaling_scales_optimizer_and_scheduler_base():
     "key, value, message",
     [("every_steps", -1, "every_steps must be >= 0"), ("keep", 0, "keep must be >= 1"),
      ("lr_scaling", "sqrt", "lr_scaling must be one of none, linear"),
-     ("stop_timeout_s", 0.0, "stop_timeout_s must be > 0")],
+     ("stop_timeout_s", 0.0, "stop_timeout_s must be > 0"),
+     ("stop_check_every", -1, "stop_check_every must be >= 0"), ("stop_check_s", 0.0, "stop_check_s must be > 0")],
 )
 def test_bad_checkpoint_config_is_a_one_line_error(key, value, message):
     from types import SimpleNamespace
@@ -217,3 +218,59 @@ def test_consecutive_async_saves_reusing_buffers_keep_each_checkpoint_intact(tmp
     for step in (1, 2, 3):
         saved = torch.load(directory.path_for(step), weights_only=False)["w"]
         assert torch.equal(saved, torch.full((256, 256), float(step))), step
+
+
+def _stop_session(**cfg):
+    from types import SimpleNamespace
+
+    from ddpx_plugins.checkpoint import CheckpointSession, ddpx_config_defaults
+
+    session = object.__new__(CheckpointSession)  # only the stop-check state, no writer
+    session.cfg = {**ddpx_config_defaults()["checkpoint"], **cfg}
+    session.signal_received, session.stop_vote = 0, None
+    session.start_stop_checks(0)
+    return session, SimpleNamespace(global_step=0, world_size=1, device=torch.device("cpu"))
+
+
+def test_stop_check_interval_fixed_or_from_the_slowest_step():
+    session, _ = _stop_session(stop_check_every=7)
+    assert [session.stop_check_interval(s) for s in (None, 1e-4, 5.0)] == [7, 7, 7]
+    session, _ = _stop_session(stop_check_s=1.0)  # auto
+    assert session.stop_check_interval(None) == 10  # before any step time is known
+    assert session.stop_check_interval(0.01) == 100
+    assert session.stop_check_interval(3.0) == 1  # slow steps: every boundary
+    assert session.stop_check_interval(1e-7) == 1000  # capped
+
+
+def _stop_agreement_worker(rank, world_size, signal_at, step_s):
+    """Each rank runs boundaries at its own pace; one rank gets the signal."""
+    from ddpx_plugins.checkpoint import _agree_to_stop
+
+    session, trainer = _stop_session(stop_check_s=0.05)
+    trainer.world_size = world_size
+    checks = []
+    for step in range(1, 400):
+        time.sleep(step_s[rank])
+        trainer.global_step = step
+        if rank == 1 and step == signal_at:
+            session.signal_received = signal.SIGTERM
+        before = session.next_stop_check
+        if _agree_to_stop(trainer, session):
+            return {"stopped_at": step, "checks": checks}
+        if session.next_stop_check != before:
+            checks.append(step)
+    return {"stopped_at": None, "checks": checks}
+
+
+def test_ranks_agree_to_stop_at_the_same_step_with_intervals_from_the_slowest_rank():
+    from _multiproc import run_workers
+
+    # rank 0 takes 5 ms a step, rank 1 1 ms: auto checks every 0.05 s / 5 ms = 10 steps
+    r0, r1 = run_workers(_stop_agreement_worker, 2, args=(25, [0.005, 0.001]), timeout=120)
+    assert r0 == r1, (r0, r1)
+    assert r0["checks"][0] == 10  # the first interval, before any step time is known
+    gaps = [b - a for a, b in zip(r0["checks"], r0["checks"][1:])]
+    assert gaps and all(2 <= gap <= 10 for gap in gaps), gaps  # about 0.05 s / 5 ms: the slower rank's pace
+    # the signal (step 25) is voted at the next check and acted on at the one after
+    voted = next(step for step in r0["checks"] if step >= 25)
+    assert r0["checks"][-1] == voted and 2 <= r0["stopped_at"] - voted <= 10, r0

@@ -117,7 +117,7 @@ def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(tmp_path):
 def test_sigterm_stops_cleanly_and_resumes_with_another_world_size(tmp_path):
     at_step = STEPS_PER_EPOCH + 7
     code, log, _ = train(tmp_path, "first", "probe.action=term_agent", f"probe.at_step={at_step}",
-                         "probe.rank=0", "checkpoint.every_steps=0")
+                         "probe.rank=0", "checkpoint.every_steps=0", "checkpoint.stop_check_every=5")
     assert code == 128 + signal.SIGTERM, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     code, log, _ = train(tmp_path, "second", nproc=3)

@@ -80,7 +80,7 @@ def test_sigterm_stops_the_run_cleanly(tmp_path, checkpoint, capfd):
         # Agreed stop at the next check (step 5) with a final checkpoint.
         assert trainer.global_step == 5
         assert saved_progress(tmp_path)["global_step"] == 5
-        assert "stopping within 5 optimizer steps" in capfd.readouterr().err
+        assert "stopping within 10 optimizer steps" in capfd.readouterr().err
     else:
         # No plugin can agree on a stop across ranks: the rank stops at once, saying why.
         assert trainer.global_step == 3
