@@ -24,6 +24,7 @@ Usage: python benchmarks/bench_trainer_overhead.py [--epochs 6] [--repeats 3] [-
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -136,6 +137,8 @@ def hand_loop(epochs: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"epochs": timings, "train_start": train_start, "accuracy": correct / len(test_set)}, f)
+    del model  # the reducer before the group it holds (see interleaved)
+    gc.collect()
     dist.destroy_process_group()
 
 
@@ -191,6 +194,10 @@ def interleaved(rounds: int, overrides, out: str) -> None:
             json.dump({"ddpx": ddpx_times[1:], "hand": hand_times, "ddpx_cpu": ddpx_cpu[1:], "hand_cpu": hand_cpu}, f)
     import ddpx.distributed
 
+    # Free the DDP wrapper (its reducer holds the group) before destroying the group,
+    # as the trainer does: otherwise gloo aborts at exit now and then.
+    model = trainer.model = None
+    gc.collect()
     ddpx.distributed.teardown()
 
 

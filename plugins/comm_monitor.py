@@ -36,6 +36,9 @@ class CommMonitor:
         self.last_step = -1
         self.warned = False
         self.shares: list[float] = []  # every measured share, for tests and curious users
+        from ddpx.doctor import measure_allreduce_seconds  # imported here, not inside a timed window
+
+        self.measure_allreduce_seconds = measure_allreduce_seconds
 
 
 def _sync(trainer):
@@ -103,11 +106,9 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
 
 def measure_share(trainer, step_s):
     """(share of a step, communication seconds, gradient bytes): every rank, same collectives."""
-    from ddpx.doctor import measure_allreduce_seconds
-
     grad_bytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters() if p.requires_grad)
     # the fastest of 3: what the link needs, without another process's burst on a shared CPU
-    comm_s = measure_allreduce_seconds(grad_bytes, iters=3, device=trainer.device, fastest=True)
+    comm_s = trainer.comm_monitor.measure_allreduce_seconds(grad_bytes, iters=3, device=trainer.device, fastest=True)
     hook = getattr(trainer, "comm_hook", None)
     stats = hook.stats() if hook is not None and hasattr(hook, "stats") else None
     if stats and stats.get("wire_bytes") and stats.get("raw_bytes"):

@@ -1,6 +1,6 @@
 """Progress bar, rank-aware log messages and ``metrics.jsonl``.
 
-* Rank 0 shows a tqdm progress bar per epoch with the training loss and the
+* Rank 0 shows a tqdm progress bar (one for the whole run, labelled with the epoch) with the training loss and the
   throughput in samples/s (all ranks together: ``world_size * batch_size`` per
   micro-batch).
 * Log messages of the ``ddpx`` logger (``trainer.log``) carry a rank prefix
@@ -18,7 +18,7 @@
   the epoch end).
 
 Config section ``logging``: ``progress`` (true), ``all_ranks`` (false),
-``every_steps`` (10; 0 writes only per-epoch lines), ``metrics_file``
+``every_steps`` (50, as Lightning's ``log_every_n_steps``; 0 writes only per-epoch lines), ``metrics_file``
 (``metrics.jsonl``; relative to the run directory).
 
 Per-run state lives in ``trainer.metrics_log`` (a :class:`MetricsLog`).
@@ -107,6 +107,20 @@ class MetricsLog:
             self.file.flush()
             self.flushed = now
 
+    def start_bar(self, epoch, batches_left):
+        """One bar for the whole run, as the Hugging Face Trainer shows (a tqdm per
+        epoch costs about 100 us to build and draw, which short epochs feel). Its
+        total is re-estimated at each epoch start: the batches done plus this
+        epoch's batches times the epochs left."""
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=batches_left, desc=f"epoch {epoch}", unit="batch", file=sys.stderr,
+                            dynamic_ncols=True)
+        else:
+            self.bar.total = None if batches_left is None else self.bar.n + batches_left
+            self.bar.set_description(f"epoch {epoch}", refresh=False)
+
     def flush_bar(self):
         if self.bar_pending:
             self.bar.update(self.bar_pending)
@@ -131,7 +145,7 @@ def _plain(value):
 
 @hookimpl
 def ddpx_config_defaults():
-    return {"logging": {"progress": True, "all_ranks": False, "every_steps": 10, "metrics_file": "metrics.jsonl"}}
+    return {"logging": {"progress": True, "all_ranks": False, "every_steps": 50, "metrics_file": "metrics.jsonl"}}
 
 
 @hookimpl
@@ -170,10 +184,9 @@ def ddpx_epoch_start(trainer, epoch):
     log.batches = 0
     log.bar_pending = 0
     if trainer.rank == 0 and log.progress:
-        from tqdm import tqdm
-
-        total = len(trainer.train_loader) if hasattr(trainer.train_loader, "__len__") else None
-        log.bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", file=sys.stderr, dynamic_ncols=True)
+        epochs_left = trainer.config.trainer.epochs - epoch
+        has_len = hasattr(trainer.train_loader, "__len__")
+        log.start_bar(epoch, len(trainer.train_loader) * epochs_left if has_len else None)
 
 
 class StepLog:
@@ -226,8 +239,6 @@ def ddpx_epoch_end(trainer, epoch, metrics):
         return
     if log.bar is not None:
         log.flush_bar()
-        log.bar.close()
-        log.bar = None
     log.write({"kind": "epoch", "step": trainer.global_step, "epoch": epoch, **metrics})
     shown = "  ".join(f"{k} {_format(v)}" for k, v in metrics.items() if k not in ("epoch", "step"))
     trainer.log.info("epoch %d (step %d): %s", epoch, trainer.global_step, shown)

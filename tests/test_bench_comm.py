@@ -170,7 +170,8 @@ def test_slow_link_recommends_compression(two_hosts, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], tails
     report = json.loads(outputs[0][0])
     m, advice = report["measurement"], report["advice"]
-    assert m["link_bytes_per_s"] < 14e6  # the 100 Mbit/s (12.5 MB/s) link, not loopback
+    # the 100 Mbit/s (12.5 MB/s) link, not loopback (GB/s); tbf's 1 MB burst lets a short transfer beat the rate
+    assert m["link_bytes_per_s"] < 25e6
     assert advice["hook"] in ("fp16", "int8"), advice
     assert advice["speedup"] > 1.5
     assert advice["small_batch_trap"]

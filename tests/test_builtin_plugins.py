@@ -412,5 +412,5 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(tmp_path):
     assert f"[rank0] epoch {epochs - 1} (step" in errors[0]
     assert "recorder info" not in errors[1]
     assert "[rank1] recorder warning from rank 1" in errors[1]
-    assert "epoch 0: 100%" in errors[0] and "samples_s=" in errors[0]  # rank 0's progress bar
+    assert f"epoch {epochs - 1}: 100%" in errors[0] and "samples_s=" in errors[0]  # rank 0's progress bar
     assert "%|" not in errors[1]  # no bar on other ranks
