@@ -361,8 +361,14 @@ def main(argv=None):
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
         deadline = time.time() + args.timeout
+        stall_s = max(120.0, 2 * args.collective_timeout)
         while any(pr.poll() is None for pr in procs) and time.time() < deadline:
             time.sleep(0.5)
+            # rank 0 rewrites the results file when each config starts and ends: a config
+            # silent for longer than any step could take is hung (torch's PowerSGD on gloo
+            # can deadlock where gloo's own timeout never fires)
+            if os.path.exists(out_file) and time.time() - os.path.getmtime(out_file) > stall_s:
+                break
         hung = any(pr.poll() is None for pr in procs)
         failed = [i for i, pr in enumerate(procs) if pr.returncode not in (0, None)]
     finally:
@@ -382,7 +388,8 @@ def main(argv=None):
     died = _death_reason(tmp, args.hosts)
     for e in results["results"]:
         if "ms_per_step" not in e and "error" not in e:
-            e["error"] = "hung (killed at --timeout)" if hung else f"the worker process died: {died}"
+            e["error"] = "hung (no progress for 2 x --collective-timeout, at least 120 s: killed)" if hung \
+                else f"the worker process died: {died}"
     if failed or hung:
         results["worker_logs"] = tmp
     if args.json:
