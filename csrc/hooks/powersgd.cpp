@@ -59,12 +59,16 @@ class PowerSGD final : public NativeAlgorithm {
       std::vector<at::Tensor> tensors{pbuf};
       core.worker_group().allreduce(tensors)->wait();
     }
+    const at::Tensor& qt_buf = lay.tensor("qt");  // one matrix's Q^T (r x m), as the Python hook
+    auto qt_of = [&](const Mat& x) { return qt_buf.narrow(0, 0, x.q.numel()).view({x.q.size(1), x.q.size(0)}); };
     std::vector<bool> finite(mats.size());
     for (size_t i = 0; i < mats.size(); ++i) {
       Mat& x = mats[i];
       finite[i] = at::isfinite(x.p).all().item<bool>();  // p is identical on every rank
       if (finite[i]) x.p.copy_(std::get<0>(at::linalg_qr(x.p)));
-      at::matmul_out(x.q, x.mat.t(), x.p);
+      at::Tensor qt = qt_of(x);
+      at::matmul_out(qt, x.p.t(), x.mat);  // (P^T M)^T: reads M row by row, unlike M^T P
+      x.q.copy_(qt.t());
     }
     {
       std::vector<at::Tensor> tensors{qbuf};
@@ -74,8 +78,10 @@ class PowerSGD final : public NativeAlgorithm {
     for (size_t i = 0; i < mats.size(); ++i) {
       Mat& x = mats[i];
       if (finite[i]) {
-        at::addmm_out(x.error, x.mat, x.p, x.q.t(), 1.0, -1.0);  // error = M - P Q^T, one pass
-        at::matmul_out(x.mat, x.p, x.q.t());
+        at::Tensor qt = qt_of(x);
+        qt.copy_(x.q.t());
+        at::addmm_out(x.error, x.mat, x.p, qt, 1.0, -1.0);  // error = M - P Q^T, one pass
+        at::matmul_out(x.mat, x.p, qt);
       } else {
         x.mat.fill_(std::numeric_limits<float>::quiet_NaN());
         draw_q(x.key, x.q);

@@ -96,6 +96,8 @@ class PowerSGDState(LossyState):
         lay.matrices = torch.tensor(mats, dtype=torch.int64).reshape(-1, 8)  # also read by the C++ hook
         lay.pbuf = torch.zeros(lay.n_plain + p_total, **f32)  # [plain | P's]: one allreduce
         lay.q = torch.zeros(q_total, **f32)  # Q's: one allreduce, and the warm-start memory
+        # scratch for one matrix's Q^T (r x m): P^T M and P Q^T then read M row by row
+        lay.qt = torch.zeros(max([m * r for _, _, _, m, r, *_ in mats], default=0), **f32)
         lay.error = torch.zeros(lay.n_comp, **f32)
         for key, _, n, m, r, _, qoff, poff in mats:
             self.adopt("error", key, lay.error.narrow(0, poff, n * m))
@@ -145,13 +147,18 @@ class PowerSGDState(LossyState):
             finite.append(ok)
             if ok:
                 p.copy_(torch.linalg.qr(p).Q)
-            torch.matmul(mat.t(), p, out=q)
+            # Q = M^T P computed as (P^T M)^T: M^T P reads M column-wise, ~4x slower on a CPU
+            qt = lay.qt.narrow(0, 0, q.numel()).view(q.shape[1], q.shape[0])
+            torch.matmul(p.t(), mat, out=qt)
+            q.copy_(qt.t())
         dist.all_reduce(lay.q, group=group)
         lay.q.mul_(inv)
         for ok, (key, mat, error, p, q) in zip(finite, mats):
             if ok:
-                torch.addmm(mat, p, q.t(), alpha=-1.0, out=error)  # error = M - P Q^T, one pass
-                torch.matmul(p, q.t(), out=mat)
+                qt = lay.qt.narrow(0, 0, q.numel()).view(q.shape[1], q.shape[0])
+                qt.copy_(q.t())  # contiguous Q^T: the products below read M and write it row by row
+                torch.addmm(mat, p, qt, alpha=-1.0, out=error)  # error = M - P Q^T, one pass
+                torch.matmul(p, qt, out=mat)
             else:
                 mat.fill_(float("nan"))
                 self._draw_q(key, q)
