@@ -11,7 +11,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 class Onebit final : public NativeAlgorithm {
  public:
-  explicit Onebit(HookCore& core) : chunk_(core.int_option("chunk_size", 64)) {}
+  explicit Onebit(HookCore& core) : chunk_(core.int_option("chunk_size", 128)) {}
 
   FuturePtr run(HookCore& core, c10d::GradBucket& bucket) override {
     at::Tensor buf = bucket.getBuffer();
