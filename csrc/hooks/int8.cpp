@@ -1,6 +1,9 @@
 // Native twin of ddpx/hooks/int8.py: blockwise int8, all-to-all + local fp32
 // average + requantize + all-gather, worker and server error feedback,
-// pipelined across buckets in the same fixed order as the Python hook.
+// pipelined across buckets in the same fixed order as the Python hook
+// (A2A 0, A2A 1, AG 0, A2A 2, AG 1, ..., AG last).
+#include <deque>
+
 #include "hooks/native_hook.h"
 #include "ops/ops.h"
 
@@ -17,23 +20,31 @@ class Int8 final : public NativeAlgorithm {
     const bool last = bucket.isLast();
     core.count(buf.numel(), 2 * (core.world() - 1) * lay->integer("piece"), last);
     return core.submit_deferred(buf, [this, &core, buf, lay, last](const FuturePtr& fut) {
-      // worker job: start this bucket, finish the previous one (and this one if last)
-      auto prev = std::move(pending_);
-      pending_.reset();
-      c10::intrusive_ptr<c10d::Work> work;
+      // worker job, as Int8State._pipeline: start this bucket; reduce the previous one
+      // and start its all-gather; decode the one before (the last job: everything left)
+      std::unique_ptr<Pending> reducing = std::move(reducing_);
+      std::deque<Pending> decoding = std::move(decoding_);
+      decoding_.clear();
+      Pending started{buf, lay, nullptr, fut};
       try {
-        work = start(core, buf, *lay);
+        started.work = start(core, buf, *lay);
       } catch (...) {
-        if (prev) prev->fut->setError(std::current_exception());
+        if (reducing) reducing->fut->setError(std::current_exception());
+        for (auto& job : decoding) job.fut->setError(std::current_exception());
         throw;
       }
-      if (prev) finish(core, *prev);
-      Pending cur{buf, lay, work, fut};
+      if (reducing && reduce(core, *reducing)) decoding.push_back(std::move(*reducing));
       if (last) {
-        finish(core, cur);
+        if (reduce(core, started)) decoding.push_back(std::move(started));
       } else {
-        pending_ = std::make_unique<Pending>(std::move(cur));
+        reducing_ = std::make_unique<Pending>(std::move(started));
       }
+      const size_t keep = last ? 0 : 1;  // the all-gather just started: decoded by the next job
+      while (decoding.size() > keep) {
+        decode(core, decoding.front());
+        decoding.pop_front();
+      }
+      decoding_ = std::move(decoding);
     });
   }
 
@@ -74,37 +85,46 @@ class Int8 final : public NativeAlgorithm {
     return core.worker_group().alltoall_base(recv, send, equal_splits, equal_splits);
   }
 
-  // Phase 2: average this rank's chunk, requantize, all-gather, decode into the bucket.
-  void finish(HookCore& core, const Pending& p) const {
+  // Phase 2 start: average this rank's chunk, requantize, start the all-gather
+  // (p.work becomes it). False after an error, which the future carries.
+  bool reduce(HookCore& core, Pending& p) const {
     try {
       const Layout& lay = *p.lay;
       const int64_t world = core.world(), rank = core.rank();
       const Sizes z(lay);
       const double inv = 1.0 / static_cast<double>(world);
-      at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain"), reduced = lay.tensor("reduced");
+      at::Tensor reduced = lay.tensor("reduced");
       at::Tensor recv = lay.tensor("recv"), send2 = lay.tensor("send2"), recv2 = lay.tensor("recv2");
       const at::Tensor& server_error = lay.tensor("server_error");
-      auto views = [&](const at::Tensor& bytes) {
-        return piece_views(bytes, z.piece, z.plain_chunk, z.blocks, at::kChar);
-      };
       p.work->wait();
-      {
-        auto [plain, scales, q] = views(recv);
-        auto [plain2, scales2, q2] = views(send2);
-        at::Tensor p2 = plain2[0], s2 = scales2[0], qq2 = q2[0];
-        at::sum_out(p2, plain, {0}).mul_(inv);
-        ddpx::ops::int8_dequant_accumulate_(reduced, q, scales, block_, inv, false);
-        ddpx::ops::int8_quantize_out(reduced, block_, server_error.narrow(0, rank * z.c, z.c), qq2, s2);
+      auto [plain, scales, q] = piece_views(recv, z.piece, z.plain_chunk, z.blocks, at::kChar);
+      auto [plain2, scales2, q2] = piece_views(send2, z.piece, z.plain_chunk, z.blocks, at::kChar);
+      at::Tensor p2 = plain2[0], s2 = scales2[0], qq2 = q2[0];
+      at::sum_out(p2, plain, {0}).mul_(inv);
+      ddpx::ops::int8_dequant_accumulate_(reduced, q, scales, block_, inv, false);
+      ddpx::ops::int8_quantize_out(reduced, block_, server_error.narrow(0, rank * z.c, z.c), qq2, s2);
+      p.work = core.worker_group()._allgather_base(recv2, send2);
+    } catch (...) {  // surfaces in loss.backward() on this rank
+      p.fut->setError(std::current_exception());
+      return false;
+    }
+    return true;
+  }
+
+  // Phase 2 end: wait for the all-gather, decode every chunk into the bucket.
+  void decode(HookCore& core, const Pending& p) const {
+    try {
+      const Layout& lay = *p.lay;
+      const int64_t world = core.world();
+      const Sizes z(lay);
+      at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain"), recv2 = lay.tensor("recv2");
+      p.work->wait();
+      auto [plain, scales, q] = piece_views(recv2, z.piece, z.plain_chunk, z.blocks, at::kChar);
+      for (int64_t r = 0; r < world; ++r) {
+        at::Tensor out = comp.narrow(0, r * z.c, z.c);
+        ddpx::ops::int8_dequant_accumulate_(out, q[r], scales[r], block_, 1.0, false);
       }
-      core.worker_group()._allgather_base(recv2, send2)->wait();
-      {
-        auto [plain, scales, q] = views(recv2);
-        for (int64_t r = 0; r < world; ++r) {
-          at::Tensor out = comp.narrow(0, r * z.c, z.c);
-          ddpx::ops::int8_dequant_accumulate_(out, q[r], scales[r], block_, 1.0, false);
-        }
-        plain_buf.view({world, z.plain_chunk}).copy_(plain);
-      }
+      plain_buf.view({world, z.plain_chunk}).copy_(plain);
       ddpx::ops::unflatten_(comp, run_views(p.buf, lay.comp));
       ddpx::ops::unflatten_(plain_buf, run_views(p.buf, lay.plain));
     } catch (...) {  // surfaces in loss.backward() on this rank
@@ -114,7 +134,9 @@ class Int8 final : public NativeAlgorithm {
     p.fut->markCompleted(c10::IValue(p.buf));
   }
 
-  std::unique_ptr<Pending> pending_;  // touched only by the worker thread
+  // touched only by the worker thread
+  std::unique_ptr<Pending> reducing_;  // all-to-all started, not yet reduced
+  std::deque<Pending> decoding_;       // all-gather started, not yet decoded
   int64_t block_;
 };
 

@@ -11,8 +11,9 @@ int8 codes are not summable, so the bucket is reduced by hand in two phases:
    dequantized into the bucket.
 
 Buckets are pipelined on the worker: bucket i's quantize and all-to-all are
-issued before bucket i-1's reduce and all-gather, so the CPU codec of one
-bucket overlaps the wire time of its neighbour. The order is fixed (A2A 0,
+issued before bucket i-1's reduce and all-gather, and bucket i-2 is decoded
+only then, so the link always has the next collective queued while the CPU
+codes or decodes a neighbour (see ``_pipeline``). The order is fixed (A2A 0,
 A2A 1, AG 0, A2A 2, AG 1, ..., AG last), the same on every rank.
 
 Exempt parameters (small and 1-D by default) ride along as fp32 in the same
@@ -92,20 +93,36 @@ class Int8State(LossyState):
         return self.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
 
     def _pipeline(self, buf, lay, last, fut):
-        """Worker job: start this bucket, finish the previous one (and this one if last)."""
-        prev, self._pending = getattr(self, "_pending", None), None
+        """Worker job for one bucket: every collective starts as soon as its data is
+        ready and is waited for as late as possible, never while the link could be
+        busy with the next one (gloo runs a group's collectives one after another).
+
+        * this bucket: quantize, start its all-to-all;
+        * the previous bucket: wait for its all-to-all, reduce, start its all-gather;
+        * the one before: wait for its all-gather, decode into its bucket;
+        * the last bucket: also its own reduce and all-gather, then every decode left.
+
+        Issue order, the same on every rank: A2A 0, A2A 1, AG 0, A2A 2, AG 1, ..., AG last.
+        """
+        reducing, self._reducing = getattr(self, "_reducing", None), None
+        decoding = getattr(self, "_decoding", None) or []
+        self._decoding = []
         try:
-            work = self._start(buf, lay)
+            started = (buf, lay, self._start(buf, lay), fut)
         except BaseException as exc:
-            if prev is not None:
-                prev[3].set_exception(exc)
+            for job in ([reducing] if reducing else []) + decoding:
+                job[3].set_exception(exc)
             raise
-        if prev is not None:
-            self._finish(*prev)
-        if last:
-            self._finish(buf, lay, work, fut)
-        else:
-            self._pending = (buf, lay, work, fut)
+        for job in ([reducing] if reducing else []) + ([started] if last else []):
+            job = self._reduce(*job)
+            if job is not None:
+                decoding.append(job)
+        if not last:
+            self._reducing = started
+        keep = 0 if last else 1  # the all-gather just started: decoded by the next job
+        while len(decoding) > keep:
+            self._decode(*decoding.pop(0))
+        self._decoding = decoding
 
     def _start(self, buf, lay):
         """Phase 1: quantize each destination's chunk into its piece; start the exchange."""
@@ -120,8 +137,9 @@ class Int8State(LossyState):
                               out_q=q[r], out_scales=scales[r])
         return dist.all_to_all_single(lay.recv, lay.send, group=self.worker_group, async_op=True)
 
-    def _finish(self, buf, lay, work, fut):
-        """Phase 2: average this rank's chunk, requantize, all-gather, decode into the bucket."""
+    def _reduce(self, buf, lay, work, fut):
+        """Phase 2 start: average this rank's chunk, requantize, start the all-gather.
+        Returns the job to decode (None after an error, which the future carries)."""
         try:
             world, rank, block = self.world_size, self.rank, self.block_size
             c = lay.chunk
@@ -134,7 +152,18 @@ class Int8State(LossyState):
             ops.int8_quantize(lay.reduced, block, lay.server_error.narrow(0, rank * c, c),
                               out_q=q2[0], out_scales=scales2[0])
             # phase 2: everyone gets every averaged chunk
-            dist.all_gather_into_tensor(lay.recv2, lay.send2, group=self.worker_group)
+            gather = dist.all_gather_into_tensor(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
+        except BaseException as exc:  # surfaces in loss.backward() on this rank
+            fut.set_exception(exc)
+            return None
+        return buf, lay, gather, fut
+
+    def _decode(self, buf, lay, gather, fut):
+        """Phase 2 end: wait for the all-gather, decode every chunk into the bucket."""
+        try:
+            world, block = self.world_size, self.block_size
+            c = lay.chunk
+            gather.wait()
             plain, scales, q = self._views(lay, lay.recv2)
             for r in range(world):
                 ops.int8_dequant_accumulate_(lay.comp.narrow(0, r * c, c), q[r], scales[r], block)
