@@ -247,4 +247,53 @@ FuturePtr HookCore::submit_deferred(const at::Tensor& buf, std::function<void(co
 
 FuturePtr NativeHook::runHook(c10d::GradBucket& bucket) { return state_->run(bucket); }
 
+FuturePtr TwoPhaseAlgorithm::run(HookCore& core, c10d::GradBucket& bucket) {
+  at::Tensor buf = bucket.getBuffer();
+  auto lay = core.layout(bucket);
+  const bool last = bucket.isLast();
+  core.count(buf.numel(), 2 * (core.world() - 1) * lay->integer("piece"), last);
+  return core.submit_deferred(buf, [this, &core, buf, lay, last](const FuturePtr& fut) {
+    pipeline(core, Job{buf, lay, nullptr, fut}, last);
+  });
+}
+
+void TwoPhaseAlgorithm::pipeline(HookCore& core, Job started, bool last) {
+  std::unique_ptr<Job> reducing = std::move(reducing_);
+  std::deque<Job> decoding = std::move(decoding_);
+  decoding_.clear();
+  try {
+    started.work = start_exchange(core, started.buf, *started.lay);
+  } catch (...) {  // fail every bucket in flight: they surface in loss.backward()
+    if (reducing) reducing->fut->setError(std::current_exception());
+    for (auto& job : decoding) job.fut->setError(std::current_exception());
+    throw;
+  }
+  std::vector<Job*> to_reduce;
+  if (reducing) to_reduce.push_back(reducing.get());
+  if (last) to_reduce.push_back(&started);
+  for (Job* job : to_reduce) {
+    try {
+      job->work = reduce_and_gather(core, job->buf, *job->lay, *job->work);
+    } catch (...) {
+      job->fut->setError(std::current_exception());
+      continue;
+    }
+    decoding.push_back(std::move(*job));
+  }
+  if (!last) reducing_ = std::make_unique<Job>(std::move(started));
+  const size_t keep = last ? 0 : 1;  // the all-gather just started is decoded by the next job
+  while (decoding.size() > keep) {
+    Job job = std::move(decoding.front());
+    decoding.pop_front();
+    try {
+      decode(core, job.buf, *job.lay, *job.work);
+    } catch (...) {
+      job.fut->setError(std::current_exception());
+      continue;
+    }
+    job.fut->markCompleted(c10::IValue(job.buf));
+  }
+  decoding_ = std::move(decoding);
+}
+
 }  // namespace ddpx::hooks

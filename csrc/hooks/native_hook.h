@@ -88,6 +88,38 @@ class NativeAlgorithm {
   virtual FuturePtr run(HookCore& core, c10d::GradBucket& bucket) = 0;
 };
 
+// A hook that reduces a bucket by hand in two collectives (all-to-all, then
+// all-gather), pipelined across buckets as ddpx/hooks/twophase.py does: the job
+// of bucket i starts bucket i, reduces bucket i-1 (starting its all-gather) and
+// decodes bucket i-2; the last job finishes everything. Collective order, the
+// same on every rank: A2A 0, A2A 1, AG 0, A2A 2, AG 1, ..., AG last.
+class TwoPhaseAlgorithm : public NativeAlgorithm {
+ public:
+  FuturePtr run(HookCore& core, c10d::GradBucket& bucket) final;
+
+ protected:
+  using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+  // Encode the bucket into the layout's send buffer; return the started all-to-all.
+  virtual WorkPtr start_exchange(HookCore& core, const at::Tensor& buf, const Layout& lay) = 0;
+  // Wait for it, average this rank's segment into send2; return the started all-gather.
+  virtual WorkPtr reduce_and_gather(HookCore& core, const at::Tensor& buf, const Layout& lay,
+                                    c10d::Work& exchange) = 0;
+  // Wait for the all-gather, write every averaged segment into the bucket.
+  virtual void decode(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& gather) = 0;
+
+ private:
+  struct Job {
+    at::Tensor buf;
+    std::shared_ptr<const Layout> lay;
+    WorkPtr work;  // the collective in flight
+    FuturePtr fut;
+  };
+  void pipeline(HookCore& core, Job started, bool last);
+  // touched only by the worker thread
+  std::unique_ptr<Job> reducing_;  // all-to-all started, not yet reduced
+  std::deque<Job> decoding_;       // all-gather started, not yet decoded
+};
+
 using AlgorithmFactory = std::function<std::unique_ptr<NativeAlgorithm>(HookCore&)>;
 bool register_algorithm(const std::string& kind, AlgorithmFactory factory);
 std::vector<std::string> algorithm_kinds();

@@ -10,11 +10,11 @@ int8 codes are not summable, so the bucket is reduced by hand in two phases:
    ``all_gather_into_tensor`` gives every rank every averaged chunk, which is
    dequantized into the bucket.
 
-Buckets are pipelined on the worker: bucket i's quantize and all-to-all are
-issued before bucket i-1's reduce and all-gather, and bucket i-2 is decoded
-only then, so the link always has the next collective queued while the CPU
-codes or decodes a neighbour (see ``_pipeline``). The order is fixed (A2A 0,
-A2A 1, AG 0, A2A 2, AG 1, ..., AG last), the same on every rank.
+Buckets are pipelined on the worker (ddpx/hooks/twophase.py): bucket i's
+quantize and all-to-all start before bucket i-1's reduce and all-gather, and
+bucket i-2 is decoded only then, so the link has the next collective queued
+while the CPU codes a neighbour. The order is fixed (A2A 0, A2A 1, AG 0,
+A2A 2, AG 1, ..., AG last), the same on every rank.
 
 Exempt parameters (small and 1-D by default) ride along as fp32 in the same
 two messages: each rank's message is one byte buffer ``[plain fp32 | scales
@@ -29,17 +29,16 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .allreduce import allreduce_average
 from .base import LossyState, Option, positive_multiple_of
+from .twophase import TwoPhaseState
 
 
 
-class Int8State(LossyState):
+class Int8State(TwoPhaseState):
     """Blockwise int8 with worker and server error feedback."""
 
     name = "int8"
     native_kind = "int8"
-    multi_phase = True
     options = {
         **LossyState.options,
         "block_size": Option(int, 256, positive_multiple_of(4), "elements per fp32 scale"),
@@ -83,48 +82,7 @@ class Int8State(LossyState):
         q = m[:, e4 + b4:].view(torch.int8)
         return plain, scales, q
 
-    def run_bucket(self, bucket):
-        if self.warming_up():
-            return allreduce_average(self, bucket)
-        buf = bucket.buffer()
-        lay = self.layout(bucket.index(), bucket.parameters())
-        world, last = self.world_size, bucket.is_last()
-        self.count(buf.numel(), 2 * (world - 1) * lay.piece, last)
-        return self.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
-
-    def _pipeline(self, buf, lay, last, fut):
-        """Worker job for one bucket: every collective starts as soon as its data is
-        ready and is waited for as late as possible, never while the link could be
-        busy with the next one (gloo runs a group's collectives one after another).
-
-        * this bucket: quantize, start its all-to-all;
-        * the previous bucket: wait for its all-to-all, reduce, start its all-gather;
-        * the one before: wait for its all-gather, decode into its bucket;
-        * the last bucket: also its own reduce and all-gather, then every decode left.
-
-        Issue order, the same on every rank: A2A 0, A2A 1, AG 0, A2A 2, AG 1, ..., AG last.
-        """
-        reducing, self._reducing = getattr(self, "_reducing", None), None
-        decoding = getattr(self, "_decoding", None) or []
-        self._decoding = []
-        try:
-            started = (buf, lay, self._start(buf, lay), fut)
-        except BaseException as exc:
-            for job in ([reducing] if reducing else []) + decoding:
-                job[3].set_exception(exc)
-            raise
-        for job in ([reducing] if reducing else []) + ([started] if last else []):
-            job = self._reduce(*job)
-            if job is not None:
-                decoding.append(job)
-        if not last:
-            self._reducing = started
-        keep = 0 if last else 1  # the all-gather just started: decoded by the next job
-        while len(decoding) > keep:
-            self._decode(*decoding.pop(0))
-        self._decoding = decoding
-
-    def _start(self, buf, lay):
+    def start_exchange(self, buf, lay):
         """Phase 1: quantize each destination's chunk into its piece; start the exchange."""
         world, block = self.world_size, self.block_size
         c = lay.chunk
@@ -137,43 +95,30 @@ class Int8State(LossyState):
                               out_q=q[r], out_scales=scales[r])
         return dist.all_to_all_single(lay.recv, lay.send, group=self.worker_group, async_op=True)
 
-    def _reduce(self, buf, lay, work, fut):
-        """Phase 2 start: average this rank's chunk, requantize, start the all-gather.
-        Returns the job to decode (None after an error, which the future carries)."""
-        try:
-            world, rank, block = self.world_size, self.rank, self.block_size
-            c = lay.chunk
-            work.wait()
-            # local fp32 average of this rank's chunk, server error feedback, requantize
-            plain, scales, q = self._views(lay, lay.recv)
-            plain2, scales2, q2 = self._views(lay, lay.send2)
-            torch.sum(plain, dim=0, out=plain2[0]).mul_(1.0 / world)
-            ops.int8_dequant_accumulate_(lay.reduced, q, scales, block, 1.0 / world)
-            ops.int8_quantize(lay.reduced, block, lay.server_error.narrow(0, rank * c, c),
-                              out_q=q2[0], out_scales=scales2[0])
-            # phase 2: everyone gets every averaged chunk
-            gather = dist.all_gather_into_tensor(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
-        except BaseException as exc:  # surfaces in loss.backward() on this rank
-            fut.set_exception(exc)
-            return None
-        return buf, lay, gather, fut
+    def reduce_and_gather(self, buf, lay, exchange):
+        """Average this rank's chunk in fp32, server error feedback, requantize, start the all-gather."""
+        world, rank, block = self.world_size, self.rank, self.block_size
+        c = lay.chunk
+        exchange.wait()
+        plain, scales, q = self._views(lay, lay.recv)
+        plain2, scales2, q2 = self._views(lay, lay.send2)
+        torch.sum(plain, dim=0, out=plain2[0]).mul_(1.0 / world)
+        ops.int8_dequant_accumulate_(lay.reduced, q, scales, block, 1.0 / world)
+        ops.int8_quantize(lay.reduced, block, lay.server_error.narrow(0, rank * c, c),
+                          out_q=q2[0], out_scales=scales2[0])
+        return dist.all_gather_into_tensor(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
 
-    def _decode(self, buf, lay, gather, fut):
-        """Phase 2 end: wait for the all-gather, decode every chunk into the bucket."""
-        try:
-            world, block = self.world_size, self.block_size
-            c = lay.chunk
-            gather.wait()
-            plain, scales, q = self._views(lay, lay.recv2)
-            for r in range(world):
-                ops.int8_dequant_accumulate_(lay.comp.narrow(0, r * c, c), q[r], scales[r], block)
-            lay.plain.view(world, lay.plain_chunk).copy_(plain)
-            ops.unflatten_(lay.comp, lay.runs(buf, True))
-            ops.unflatten_(lay.plain, lay.runs(buf, False))
-        except BaseException as exc:  # surfaces in loss.backward() on this rank
-            fut.set_exception(exc)
-        else:
-            fut.set_result(buf)
+    def decode(self, buf, lay, gather):
+        """Dequantize every averaged chunk into the bucket."""
+        world, block = self.world_size, self.block_size
+        c = lay.chunk
+        gather.wait()
+        plain, scales, q = self._views(lay, lay.recv2)
+        for r in range(world):
+            ops.int8_dequant_accumulate_(lay.comp.narrow(0, r * c, c), q[r], scales[r], block)
+        lay.plain.view(world, lay.plain_chunk).copy_(plain)
+        ops.unflatten_(lay.comp, lay.runs(buf, True))
+        ops.unflatten_(lay.plain, lay.runs(buf, False))
 
 
 HOOKS = {"int8": Int8State}

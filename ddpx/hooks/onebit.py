@@ -13,6 +13,8 @@ server error feedback, DeepSpeed-style, for any optimizer.
    error updated), and an ``all_gather_into_tensor`` gives every rank every
    averaged segment, decoded into the bucket.
 
+Buckets are pipelined as int8's are (ddpx/hooks/twophase.py).
+
 Exempt parameters (small and 1-D by default) ride along as fp32 in the same two
 messages: each rank's message is one byte buffer ``[plain fp32 | scales fp32 |
 bits]``. A chunk holding NaN/Inf gets a NaN scale, so a non-finite gradient
@@ -44,17 +46,16 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .allreduce import allreduce_average
 from .base import LossyState, Option, positive_multiple_of
+from .twophase import TwoPhaseState
 
 
 
-class OnebitState(LossyState):
+class OnebitState(TwoPhaseState):
     """1-bit signs with a per-chunk scale, worker and server error feedback."""
 
     name = "onebit"
     native_kind = "onebit"
-    multi_phase = True
     options = {
         **LossyState.options,
         "chunk_size": Option(int, 128, positive_multiple_of(8), "elements per fp32 scale"),
@@ -137,30 +138,27 @@ class OnebitState(LossyState):
         bits = rows[:, e4 + b4:e4 + b4 + ops.ceil_div(m, 8)]
         return plain, scales, bits
 
-    def run_bucket(self, bucket):
-        if self.warming_up():
-            return allreduce_average(self, bucket)
-        buf = bucket.buffer()
-        lay = self.layout(bucket.index(), bucket.parameters())
-        world = self.world_size
-        self.count(buf.numel(), 2 * (world - 1) * lay.piece, bucket.is_last())
-        return self.worker().submit(lambda: self._reduce(buf, lay), buf.device)
-
-    def _reduce(self, buf, lay):
-        world, rank, chunk, group = self.world_size, self.rank, self.chunk_size, self.worker_group
-        s = lay.seg
-        spans = lay.spans.tolist()
-        comp_buf = comp = None
+    def _compressed(self, buf, lay):
+        """(the compressed values as one flat tensor or None when they go span by span,
+        the bucket slices to pack from and unpack into, or None): the bucket itself where
+        they are one contiguous stretch of it; else, where every compressed parameter is
+        whole chunks, none (``lay.spans``); else the packed ``lay.comp`` buffer."""
         if lay.direct_offset >= 0:
-            comp_buf = buf.narrow(0, lay.direct_offset, lay.n_comp)
-        elif not spans:
-            comp_buf, comp = lay.comp, [buf.narrow(0, off, n) for off, n in lay.comp_order.tolist()]
+            return buf.narrow(0, lay.direct_offset, lay.n_comp), None
+        if lay.spans.numel():
+            return None, None
+        return lay.comp, [buf.narrow(0, off, n) for off, n in lay.comp_order.tolist()]
+
+    def start_exchange(self, buf, lay):
+        """Phase 1: pack each destination's segment into its piece; start the exchange."""
+        world, chunk, s = self.world_size, self.chunk_size, lay.seg
+        comp_buf, comp = self._compressed(buf, lay)
+        if comp is not None:
             ops.flatten(comp, out=comp_buf)
-        # phase 1: pack each destination's segment into its piece, exchange
         ops.flatten(lay.runs(buf, False), out=lay.plain)
         self._views(lay, lay.send, 0)[0].copy_(lay.plain.view(world, -1))
-        if spans:
-            for r, boff, n, soff in spans:
+        if comp_buf is None:
+            for r, boff, n, soff in lay.spans.tolist():
                 _, scales, bits = self._views(lay, lay.send, lay.lengths[r])
                 ops.onebit_pack(buf.narrow(0, boff, n), chunk, lay.worker_error.narrow(0, r * s + soff, n),
                                 out_bits=bits[r, soff // 8:(soff + n) // 8],
@@ -170,20 +168,29 @@ class OnebitState(LossyState):
                 _, scales, bits = self._views(lay, lay.send, m)
                 ops.onebit_pack(comp_buf.narrow(0, r * s, m), chunk, lay.worker_error.narrow(0, r * s, m),
                                 out_bits=bits[r], out_scales=scales[r])
-        dist.all_to_all_single(lay.recv, lay.send, group=group)
-        # local fp32 average of this rank's segment, server error feedback, re-pack
+        return dist.all_to_all_single(lay.recv, lay.send, group=self.worker_group, async_op=True)
+
+    def reduce_and_gather(self, buf, lay, exchange):
+        """Average this rank's segment in fp32, server error feedback, re-pack, start the all-gather."""
+        world, rank, chunk = self.world_size, self.rank, self.chunk_size
+        exchange.wait()
         m = lay.lengths[rank]
         plain, scales, bits = self._views(lay, lay.recv, m)
         plain2, scales2, bits2 = self._views(lay, lay.send2, m)
         torch.sum(plain, dim=0, out=plain2[0]).mul_(1.0 / world)
         reduced = lay.reduced.narrow(0, 0, m)
         ops.onebit_unpack_accumulate_(reduced, bits, scales, chunk, 1.0 / world)
-        ops.onebit_pack(reduced, chunk, lay.server_error.narrow(0, rank * s, m), out_bits=bits2[0],
+        ops.onebit_pack(reduced, chunk, lay.server_error.narrow(0, rank * lay.seg, m), out_bits=bits2[0],
                         out_scales=scales2[0])
-        # phase 2: everyone gets every averaged segment
-        dist.all_gather_into_tensor(lay.recv2, lay.send2, group=group)
-        if spans:
-            for r, boff, n, soff in spans:
+        return dist.all_gather_into_tensor(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
+
+    def decode(self, buf, lay, gather):
+        """Unpack every averaged segment into the bucket."""
+        world, chunk, s = self.world_size, self.chunk_size, lay.seg
+        comp_buf, comp = self._compressed(buf, lay)
+        gather.wait()
+        if comp_buf is None:
+            for r, boff, n, soff in lay.spans.tolist():
                 _, scales, bits = self._views(lay, lay.recv2, lay.lengths[r])
                 ops.onebit_unpack_accumulate_(buf.narrow(0, boff, n), bits[r, soff // 8:(soff + n) // 8],
                                               scales[r, soff // chunk:(soff + n) // chunk], chunk)
@@ -195,7 +202,6 @@ class OnebitState(LossyState):
         if comp is not None:
             ops.unflatten_(comp_buf, comp)
         ops.unflatten_(lay.plain, lay.runs(buf, False))
-        return buf
 
 
 HOOKS = {"onebit": OnebitState}
