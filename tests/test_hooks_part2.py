@@ -246,3 +246,52 @@ def test_options_validated():
         ddpx.hooks.make("powersgd", compress_vectors=True)
     state, _ = ddpx.hooks.make("powersgd", rank=2)
     assert state.approx_rank == 2 and state.opts["rank"] == 2
+
+
+class _RecordingPipeline:
+    """TwoPhaseState's pipeline over fake collectives: records the issue order."""
+
+    def __new__(cls, fail_reduce_of=None):
+        from ddpx.hooks.twophase import TwoPhaseState
+
+        class Recording(TwoPhaseState):
+            def start_exchange(self, buf, lay):
+                self.log.append(f"A2A {lay}")
+                return f"a2a {lay}"
+
+            def reduce_and_gather(self, buf, lay, exchange):
+                assert exchange == f"a2a {lay}"
+                if lay == fail_reduce_of:
+                    raise RuntimeError(f"reduce {lay} failed")
+                self.log.append(f"AG {lay}")
+                return f"ag {lay}"
+
+            def decode(self, buf, lay, gather):
+                assert gather == f"ag {lay}"
+                self.log.append(f"decode {lay}")
+
+        state = object.__new__(Recording)  # only the pipeline: no group, no worker
+        state.log = []
+        return state
+
+
+def test_two_phase_pipeline_order_and_failures():
+    """Collectives start in one fixed order (A2A 0, A2A 1, AG 0, A2A 2, AG 1, AG 2), the
+    last job starts its own all-gather before decoding what is left, and a failed bucket
+    fails only its own future."""
+    state = _RecordingPipeline()
+    futures = [torch.futures.Future() for _ in range(3)]
+    for i, fut in enumerate(futures):
+        state._pipeline(torch.full((2,), float(i)), i, i == 2, fut)
+    assert state.log == ["A2A 0", "A2A 1", "AG 0", "A2A 2", "AG 1", "AG 2", "decode 0", "decode 1", "decode 2"]
+    assert [f.value()[0].item() for f in futures] == [0.0, 1.0, 2.0]
+
+    state = _RecordingPipeline(fail_reduce_of=1)
+    futures = [torch.futures.Future() for _ in range(3)]
+    for i, fut in enumerate(futures):
+        state._pipeline(torch.zeros(1), i, i == 2, fut)
+    assert all(f.done() for f in futures)
+    with pytest.raises(RuntimeError, match="reduce 1 failed"):
+        futures[1].wait()
+    assert futures[0].value() is not None and futures[2].value() is not None
+    assert state._reducing is None and state._decoding == []  # nothing left for the next step
