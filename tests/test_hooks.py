@@ -119,6 +119,31 @@ def equivalence_worker(rank, world):
     return out
 
 
+def spans_worker(rank, world):
+    """int8 coded straight from the bucket (every compressed run is whole blocks) and
+    through the packed buffer (what layouts with odd-sized parameters take)."""
+    from ddpx.hooks.int8 import Int8State
+
+    original = Int8State.build_layout
+    out, spans_seen = {}, []
+    for packed in (False, True):
+        def build(self, lay, packed=packed):
+            original(self, lay)
+            spans_seen.append((packed, lay.spans.shape[0]))
+            if packed:
+                lay.spans = lay.spans[:0]
+                lay.comp = torch.zeros(self.world_size * lay.chunk)
+
+        Int8State.build_layout = build
+        try:
+            for native in (False, True):  # block 8: every Net parameter is whole blocks
+                out[(packed, native)] = train("int8", native, rank=rank, block_size=8)
+        finally:
+            Int8State.build_layout = original
+    out["spans_seen"] = spans_seen
+    return out
+
+
 def modes_worker(rank, world):
     out = {}
     for mode in ("no_sync", "static_graph", "find_unused", "bucket_view"):
@@ -457,3 +482,13 @@ def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
     p.send_signal(signal.SIGTERM)
     p.communicate(timeout=60)
     assert _bench_namespaces(p.pid) == []
+
+
+def test_int8_straight_from_the_bucket_equals_the_packed_path():
+    results = run_workers(spans_worker, 2, timeout=120)
+    for out in results:
+        assert all(n > 0 for packed, n in out["spans_seen"] if not packed), out["spans_seen"]
+        ref = out[(True, False)]  # packed, Python
+        for key in ((False, False), (False, True), (True, True)):
+            assert equal_lists(out[key]["grads"][-1], ref["grads"][-1]), key
+            assert equal_lists(out[key]["params"], ref["params"]), key

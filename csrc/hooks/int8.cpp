@@ -33,14 +33,22 @@ class Int8 final : public TwoPhaseAlgorithm {
     at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain");
     at::Tensor send = lay.tensor("send"), recv = lay.tensor("recv");
     const at::Tensor& worker_error = lay.tensor("worker_error");
-    ddpx::ops::flatten_out(run_views(buf, lay.comp), 1.0, comp);
     ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0, plain_buf);
     auto [plain, scales, q] = views(send, z);
     plain.copy_(plain_buf.view({world, z.plain_chunk}));
-    for (int64_t r = 0; r < world; ++r) {
-      at::Tensor qr = q[r], sr = scales[r];
-      ddpx::ops::int8_quantize_out(comp.narrow(0, r * z.c, z.c), block_, worker_error.narrow(0, r * z.c, z.c), qr,
-                                   sr);
+    if (has_spans(lay)) {  // straight from the bucket, as Int8State.start_exchange
+      for_each_span(lay, [&](int64_t r, int64_t boff, int64_t n, int64_t soff) {
+        at::Tensor qr = q[r].narrow(0, soff, n), sr = scales[r].narrow(0, soff / block_, n / block_);
+        ddpx::ops::int8_quantize_out(buf.narrow(0, boff, n), block_, worker_error.narrow(0, r * z.c + soff, n), qr,
+                                     sr);
+      });
+    } else {
+      ddpx::ops::flatten_out(run_views(buf, lay.comp), 1.0, comp);
+      for (int64_t r = 0; r < world; ++r) {
+        at::Tensor qr = q[r], sr = scales[r];
+        ddpx::ops::int8_quantize_out(comp.narrow(0, r * z.c, z.c), block_, worker_error.narrow(0, r * z.c, z.c),
+                                     qr, sr);
+      }
     }
     std::vector<int64_t> equal_splits;
     return core.worker_group().alltoall_base(recv, send, equal_splits, equal_splits);
@@ -71,12 +79,20 @@ class Int8 final : public TwoPhaseAlgorithm {
     at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain"), recv2 = lay.tensor("recv2");
     gather.wait();
     auto [plain, scales, q] = views(recv2, z);
-    for (int64_t r = 0; r < world; ++r) {
-      at::Tensor out = comp.narrow(0, r * z.c, z.c);
-      ddpx::ops::int8_dequant_accumulate_(out, q[r], scales[r], block_, 1.0, false);
+    if (has_spans(lay)) {
+      for_each_span(lay, [&](int64_t r, int64_t boff, int64_t n, int64_t soff) {
+        at::Tensor out = buf.narrow(0, boff, n);
+        ddpx::ops::int8_dequant_accumulate_(out, q[r].narrow(0, soff, n), scales[r].narrow(0, soff / block_, n / block_),
+                                            block_, 1.0, false);
+      });
+    } else {
+      for (int64_t r = 0; r < world; ++r) {
+        at::Tensor out = comp.narrow(0, r * z.c, z.c);
+        ddpx::ops::int8_dequant_accumulate_(out, q[r], scales[r], block_, 1.0, false);
+      }
+      ddpx::ops::unflatten_(comp, run_views(buf, lay.comp));
     }
     plain_buf.view({world, z.plain_chunk}).copy_(plain);
-    ddpx::ops::unflatten_(comp, run_views(buf, lay.comp));
     ddpx::ops::unflatten_(plain_buf, run_views(buf, lay.plain));
   }
 

@@ -63,6 +63,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_views(const at::Tensor& byt
 
 int64_t ring_allreduce_bytes(int64_t nbytes, int64_t world);
 
+// The two-phase hooks' spans (`spans`, int64 [k, 4]: rank, bucket offset, numel,
+// offset in the rank's segment): compressed values coded straight from, and
+// decoded straight into, the bucket. f(rank, bucket offset, numel, segment offset).
+inline bool has_spans(const Layout& lay) { return lay.tensor("spans").size(0) > 0; }
+template <typename F>
+void for_each_span(const Layout& lay, F f) {
+  const at::Tensor& spans = lay.tensor("spans");
+  const int64_t* sp = spans.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < spans.size(0); ++i) f(sp[4 * i], sp[4 * i + 1], sp[4 * i + 2], sp[4 * i + 3]);
+}
+
 // Runs jobs one after another on one thread, in submission order, so every
 // rank issues the multi-phase collectives in DDP's bucket order.
 class SerialWorker {

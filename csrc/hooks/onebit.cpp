@@ -45,20 +45,12 @@ class Onebit final : public TwoPhaseAlgorithm {
   static Compressed compressed(const at::Tensor& buf, const Layout& lay) {
     const int64_t direct = lay.integer("direct_offset");
     if (direct >= 0) return {buf.narrow(0, direct, lay.n_comp), {}};
-    if (lay.tensor("spans").size(0) > 0) return {};
+    if (has_spans(lay)) return {};
     Compressed c{lay.tensor("comp"), {}};
     const at::Tensor& order = lay.tensor("comp_order");
     const int64_t* o = order.const_data_ptr<int64_t>();
     for (int64_t i = 0; i < order.size(0); ++i) c.packed.push_back(buf.narrow(0, o[2 * i], o[2 * i + 1]));
     return c;
-  }
-
-  // Calls f(rank, bucket offset, numel, segment offset) for every span.
-  template <typename F>
-  static void for_each_span(const Layout& lay, F f) {
-    const at::Tensor& spans_t = lay.tensor("spans");
-    const int64_t* sp = spans_t.const_data_ptr<int64_t>();
-    for (int64_t i = 0; i < spans_t.size(0); ++i) f(sp[4 * i], sp[4 * i + 1], sp[4 * i + 2], sp[4 * i + 3]);
   }
 
   // Phase 1: pack each destination's segment into its piece; start the exchange.

@@ -54,7 +54,22 @@ class Int8State(TwoPhaseState):
         lay.blocks = lay.chunk // block
         lay.plain_chunk = ops.ceil_div(lay.n_plain, world)
         lay.piece = 4 * lay.plain_chunk + 4 * lay.blocks + lay.chunk  # bytes per rank message
-        lay.comp = torch.zeros(world * lay.chunk, **f32)  # packed compressed values (+ zero padding)
+        # Spans: where every compressed run is whole blocks, each destination's chunk is
+        # quantized straight from the bucket and decoded straight into it, span by span
+        # (rank, bucket offset, numel, offset in the chunk), without the packing copies;
+        # the blocks, and so the results, are those of the packed buffer
+        spans = []
+        if all(n % block == 0 for _, n, _ in lay.comp_runs):
+            for boff, n, poff in lay.comp_runs:
+                pos, end = poff, poff + n
+                while pos < end:
+                    r = pos // lay.chunk
+                    stop = min(end, (r + 1) * lay.chunk)
+                    spans.append((r, boff + pos - poff, stop - pos, pos - r * lay.chunk))
+                    pos = stop
+        lay.spans = torch.tensor(spans, dtype=torch.int64).reshape(-1, 4)  # also read by the C++ hook
+        # packed compressed values (+ zero padding), when there are no spans
+        lay.comp = torch.zeros(0 if spans else world * lay.chunk, **f32)
         lay.plain = torch.zeros(world * lay.plain_chunk, **f32)
         lay.reduced = torch.zeros(lay.chunk, **f32)
         lay.worker_error = torch.zeros(world * lay.chunk, **f32)
@@ -86,13 +101,18 @@ class Int8State(TwoPhaseState):
         """Phase 1: quantize each destination's chunk into its piece; start the exchange."""
         world, block = self.world_size, self.block_size
         c = lay.chunk
-        ops.flatten(lay.runs(buf, True), out=lay.comp)
         ops.flatten(lay.runs(buf, False), out=lay.plain)
         plain, scales, q = self._views(lay, lay.send)
         plain.copy_(lay.plain.view(world, lay.plain_chunk))
-        for r in range(world):
-            ops.int8_quantize(lay.comp.narrow(0, r * c, c), block, lay.worker_error.narrow(0, r * c, c),
-                              out_q=q[r], out_scales=scales[r])
+        if lay.spans.numel():
+            for r, boff, n, soff in lay.spans.tolist():
+                ops.int8_quantize(buf.narrow(0, boff, n), block, lay.worker_error.narrow(0, r * c + soff, n),
+                                  out_q=q[r, soff:soff + n], out_scales=scales[r, soff // block:(soff + n) // block])
+        else:
+            ops.flatten(lay.runs(buf, True), out=lay.comp)
+            for r in range(world):
+                ops.int8_quantize(lay.comp.narrow(0, r * c, c), block, lay.worker_error.narrow(0, r * c, c),
+                                  out_q=q[r], out_scales=scales[r])
         return dist.all_to_all_single(lay.recv, lay.send, group=self.worker_group, async_op=True)
 
     def reduce_and_gather(self, buf, lay, exchange):
@@ -114,10 +134,15 @@ class Int8State(TwoPhaseState):
         c = lay.chunk
         gather.wait()
         plain, scales, q = self._views(lay, lay.recv2)
-        for r in range(world):
-            ops.int8_dequant_accumulate_(lay.comp.narrow(0, r * c, c), q[r], scales[r], block)
+        if lay.spans.numel():
+            for r, boff, n, soff in lay.spans.tolist():
+                ops.int8_dequant_accumulate_(buf.narrow(0, boff, n), q[r, soff:soff + n],
+                                             scales[r, soff // block:(soff + n) // block], block)
+        else:
+            for r in range(world):
+                ops.int8_dequant_accumulate_(lay.comp.narrow(0, r * c, c), q[r], scales[r], block)
+            ops.unflatten_(lay.comp, lay.runs(buf, True))
         lay.plain.view(world, lay.plain_chunk).copy_(plain)
-        ops.unflatten_(lay.comp, lay.runs(buf, True))
         ops.unflatten_(lay.plain, lay.runs(buf, False))
 
 
