@@ -48,6 +48,8 @@ __all__ = [
     "onebit_unpack_accumulate_",
     "flatten",
     "unflatten_",
+    "lowrank_project_",
+    "lowrank_reconstruct_",
 ]
 
 _ops = torch.ops.ddpx
@@ -199,3 +201,26 @@ def unflatten_(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float
     contiguous and of ``flat``'s dtype. ``flat`` may be longer than needed.
     """
     _ops.unflatten_(flat, list(tensors), float(scale))
+
+
+def lowrank_project_(m: torch.Tensor, error: torch.Tensor, qt: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """PowerSGD's first pass: ``m += error`` and ``p = m @ qt.T``, in one pass over ``m``.
+
+    ``m`` and ``error`` are fp32 ``[n, k]``, ``qt`` is Q transposed (``[r, k]``),
+    ``p`` is written (``[n, r]``); all contiguous. On CPU the dot products sum 8
+    lanes, then the lanes in order (the same bits on every CPU); other devices
+    run ``m.add_(error)`` and ``torch.matmul``. Returns ``p``.
+    """
+    _ops.lowrank_project_(m, error, qt, p)
+    return p
+
+
+def lowrank_reconstruct_(m: torch.Tensor, error: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
+    """PowerSGD's last pass: ``a = p @ qt``, ``error = m - a`` and ``m = a``, in one pass.
+
+    Shapes as in :func:`lowrank_project_`. On CPU ``a[i, j]`` sums ``p[i, c] *
+    qt[c, j]`` for c = 0, 1, ... in order, so ranks that hold the same ``p`` and
+    ``qt`` write the same ``m``. Returns ``m``.
+    """
+    _ops.lowrank_reconstruct_(m, error, p, qt)
+    return m

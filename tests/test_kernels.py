@@ -489,6 +489,44 @@ def test_bench_kernels_json_shape():
         assert op["gbps"] > 0 and op["torch_reference_gbps"] > 0
 
 
+# ----------------------------------------------------------------- low-rank (PowerSGD) passes
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 70), r=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_lowrank_passes_match_torch(n, k, r, seed):
+    g = torch.Generator().manual_seed(seed)
+    m, error = torch.randn(n, k, generator=g), torch.randn(n, k, generator=g)
+    qt, p = torch.randn(r, k, generator=g), torch.empty(n, r)
+    m_ref = m + error
+    p_ref = m_ref.double() @ qt.double().t()
+    ops.lowrank_project_(m, error, qt, p)
+    assert torch.equal(m, m_ref)  # the add is exact elementwise
+    torch.testing.assert_close(p.double(), p_ref, rtol=1e-5, atol=1e-5 * math.sqrt(k))
+    a_ref = p.double() @ qt.double()
+    e_ref = m.double() - a_ref
+    ops.lowrank_reconstruct_(m, error, p, qt)
+    torch.testing.assert_close(m.double(), a_ref, rtol=1e-5, atol=1e-5 * r)
+    torch.testing.assert_close(error.double(), e_ref, rtol=1e-5, atol=1e-5 * r)
+    # reconstruct's sum has a fixed order (c = 0, 1, ...): m == error-free recomputation, bit for bit
+    a = torch.zeros(n, k)
+    for c in range(r):
+        a += p[:, c:c + 1] * qt[c]
+    assert torch.equal(m, a)
+
+
+def test_lowrank_errors():
+    m, e, qt, p = torch.zeros(4, 6), torch.zeros(4, 6), torch.zeros(2, 6), torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="shapes must be m"):
+        ops.lowrank_project_(m, e, torch.zeros(2, 5), p)
+    with pytest.raises(ValueError, match="error must have m's shape"):
+        ops.lowrank_reconstruct_(m, torch.zeros(4, 5), p, qt)
+    with pytest.raises(TypeError, match="must be torch.float32"):
+        ops.lowrank_project_(m.double(), e, qt, p)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.lowrank_reconstruct_(torch.zeros(6, 4).t(), e, p, qt)
+
+
 # ----------------------------------------------------------------- CUDA == CPU
 
 

@@ -44,6 +44,8 @@ class PowerSGD final : public NativeAlgorithm {
       int64_t key;
       at::Tensor mat, error, p, q;
     };
+    const at::Tensor& qt_buf = lay.tensor("qt");  // one matrix's Q^T (r x m), as the Python hook
+    auto qt_of = [&](const Mat& x) { return qt_buf.narrow(0, 0, x.q.numel()).view({x.q.size(1), x.q.size(0)}); };
     std::vector<Mat> mats;
     mats.reserve(k);
     for (int64_t i = 0; i < k; ++i) {
@@ -51,16 +53,15 @@ class PowerSGD final : public NativeAlgorithm {
       const int64_t key = row[0], off = row[1], n = row[2], m = row[3], r = row[4];
       Mat x{key, buf.narrow(0, off, n * m).view({n, m}), error_buf.narrow(0, row[7], n * m).view({n, m}),
             pbuf.narrow(0, lay.n_plain + row[5], n * r).view({n, r}), qbuf.narrow(0, row[6], m * r).view({m, r})};
-      x.mat.add_(x.error);
-      at::matmul_out(x.p, x.mat, x.q);
+      at::Tensor qt = qt_of(x);
+      qt.copy_(x.q.t());
+      ddpx::ops::lowrank_project_(x.mat, x.error, qt, x.p);  // M += error; P = M Q, one pass over M
       mats.push_back(std::move(x));
     }
     {
       std::vector<at::Tensor> tensors{pbuf};
       core.worker_group().allreduce(tensors)->wait();
     }
-    const at::Tensor& qt_buf = lay.tensor("qt");  // one matrix's Q^T (r x m), as the Python hook
-    auto qt_of = [&](const Mat& x) { return qt_buf.narrow(0, 0, x.q.numel()).view({x.q.size(1), x.q.size(0)}); };
     std::vector<bool> finite(mats.size());
     for (size_t i = 0; i < mats.size(); ++i) {
       Mat& x = mats[i];
@@ -80,8 +81,7 @@ class PowerSGD final : public NativeAlgorithm {
       if (finite[i]) {
         at::Tensor qt = qt_of(x);
         qt.copy_(x.q.t());
-        at::addmm_out(x.error, x.mat, x.p, qt, 1.0, -1.0);  // error = M - P Q^T, one pass
-        at::matmul_out(x.mat, x.p, qt);
+        ddpx::ops::lowrank_reconstruct_(x.mat, x.error, x.p, qt);  // error = M - P Q^T; M = P Q^T, one pass
       } else {
         x.mat.fill_(std::numeric_limits<float>::quiet_NaN());
         draw_q(x.key, x.q);

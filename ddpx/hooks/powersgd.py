@@ -96,7 +96,7 @@ class PowerSGDState(LossyState):
         lay.matrices = torch.tensor(mats, dtype=torch.int64).reshape(-1, 8)  # also read by the C++ hook
         lay.pbuf = torch.zeros(lay.n_plain + p_total, **f32)  # [plain | P's]: one allreduce
         lay.q = torch.zeros(q_total, **f32)  # Q's: one allreduce, and the warm-start memory
-        # scratch for one matrix's Q^T (r x m): P^T M and P Q^T then read M row by row
+        # scratch for one matrix's Q^T (r x m): every pass then reads M row by row
         lay.qt = torch.zeros(max([m * r for _, _, _, m, r, *_ in mats], default=0), **f32)
         lay.error = torch.zeros(lay.n_comp, **f32)
         for key, _, n, m, r, _, qoff, poff in mats:
@@ -137,8 +137,9 @@ class PowerSGDState(LossyState):
             error = lay.error.narrow(0, poff, n * m).view(n, m)
             p = lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r)
             q = lay.q.narrow(0, q_off, m * r).view(m, r)
-            mat.add_(error)
-            torch.matmul(mat, q, out=p)
+            qt = lay.qt.narrow(0, 0, m * r).view(r, m)
+            qt.copy_(q.t())
+            ops.lowrank_project_(mat, error, qt, p)  # M += error; P = M Q, one pass over M
             mats.append((key, mat, error, p, q))
         dist.all_reduce(lay.pbuf, group=group)
         finite = []
@@ -156,9 +157,8 @@ class PowerSGDState(LossyState):
         for ok, (key, mat, error, p, q) in zip(finite, mats):
             if ok:
                 qt = lay.qt.narrow(0, 0, q.numel()).view(q.shape[1], q.shape[0])
-                qt.copy_(q.t())  # contiguous Q^T: the products below read M and write it row by row
-                torch.addmm(mat, p, qt, alpha=-1.0, out=error)  # error = M - P Q^T, one pass
-                torch.matmul(p, qt, out=mat)
+                qt.copy_(q.t())
+                ops.lowrank_reconstruct_(mat, error, p, qt)  # error = M - P Q^T; M = P Q^T, one pass
             else:
                 mat.fill_(float("nan"))
                 self._draw_q(key, q)
