@@ -255,20 +255,20 @@ class _RecordingPipeline:
         from ddpx.hooks.twophase import TwoPhaseState
 
         class Recording(TwoPhaseState):
-            def start_exchange(self, buf, lay):
+            def start_phase1(self, buf, lay):
                 self.log.append(f"A2A {lay}")
                 return f"a2a {lay}"
 
-            def reduce_and_gather(self, buf, lay, exchange):
+            def start_phase2(self, buf, lay, exchange):
                 assert exchange == f"a2a {lay}"
                 if lay == fail_reduce_of:
                     raise RuntimeError(f"reduce {lay} failed")
                 self.log.append(f"AG {lay}")
                 return f"ag {lay}"
 
-            def decode(self, buf, lay, gather):
+            def finish(self, buf, lay, gather):
                 assert gather == f"ag {lay}"
-                self.log.append(f"decode {lay}")
+                self.log.append(f"finish {lay}")
 
         state = object.__new__(Recording)  # only the pipeline: no group, no worker
         state.log = []
@@ -283,7 +283,7 @@ def test_two_phase_pipeline_order_and_failures():
     futures = [torch.futures.Future() for _ in range(3)]
     for i, fut in enumerate(futures):
         state._pipeline(torch.full((2,), float(i)), i, i == 2, fut)
-    assert state.log == ["A2A 0", "A2A 1", "AG 0", "A2A 2", "AG 1", "AG 2", "decode 0", "decode 1", "decode 2"]
+    assert state.log == ["A2A 0", "A2A 1", "AG 0", "A2A 2", "AG 1", "AG 2", "finish 0", "finish 1", "finish 2"]
     assert [f.value()[0].item() for f in futures] == [0.0, 1.0, 2.0]
 
     state = _RecordingPipeline(fail_reduce_of=1)
@@ -294,4 +294,4 @@ def test_two_phase_pipeline_order_and_failures():
     with pytest.raises(RuntimeError, match="reduce 1 failed"):
         futures[1].wait()
     assert futures[0].value() is not None and futures[2].value() is not None
-    assert state._reducing is None and state._decoding == []  # nothing left for the next step
+    assert state._advancing is None and state._finishing == []  # nothing left for the next step

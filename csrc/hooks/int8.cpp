@@ -27,7 +27,7 @@ class Int8 final : public TwoPhaseAlgorithm {
   }
 
   // Phase 1: quantize each destination's chunk into its piece; start the exchange.
-  WorkPtr start_exchange(HookCore& core, const at::Tensor& buf, const Layout& lay) override {
+  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay) override {
     const int64_t world = core.world();
     const Sizes z(lay);
     at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain");
@@ -36,7 +36,7 @@ class Int8 final : public TwoPhaseAlgorithm {
     ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0, plain_buf);
     auto [plain, scales, q] = views(send, z);
     plain.copy_(plain_buf.view({world, z.plain_chunk}));
-    if (has_spans(lay)) {  // straight from the bucket, as Int8State.start_exchange
+    if (has_spans(lay)) {  // straight from the bucket, as Int8State.start_phase1
       for_each_span(lay, [&](int64_t r, int64_t boff, int64_t n, int64_t soff) {
         at::Tensor qr = q[r].narrow(0, soff, n), sr = scales[r].narrow(0, soff / block_, n / block_);
         ddpx::ops::int8_quantize_out(buf.narrow(0, boff, n), block_, worker_error.narrow(0, r * z.c + soff, n), qr,
@@ -55,7 +55,7 @@ class Int8 final : public TwoPhaseAlgorithm {
   }
 
   // Phase 2 start: average this rank's chunk in fp32, server error feedback, requantize.
-  WorkPtr reduce_and_gather(HookCore& core, const at::Tensor&, const Layout& lay, c10d::Work& exchange) override {
+  WorkPtr start_phase2(HookCore& core, const at::Tensor&, const Layout& lay, c10d::Work& exchange) override {
     const int64_t world = core.world(), rank = core.rank();
     const Sizes z(lay);
     const double inv = 1.0 / static_cast<double>(world);
@@ -73,7 +73,7 @@ class Int8 final : public TwoPhaseAlgorithm {
   }
 
   // Phase 2 end: dequantize every averaged chunk into the bucket.
-  void decode(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& gather) override {
+  void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& gather) override {
     const int64_t world = core.world();
     const Sizes z(lay);
     at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain"), recv2 = lay.tensor("recv2");

@@ -247,53 +247,57 @@ FuturePtr HookCore::submit_deferred(const at::Tensor& buf, std::function<void(co
 
 FuturePtr NativeHook::runHook(c10d::GradBucket& bucket) { return state_->run(bucket); }
 
+int64_t TwoPhaseAlgorithm::wire_bytes(HookCore& core, const Layout& lay) const {
+  return 2 * (core.world() - 1) * lay.integer("piece");
+}
+
 FuturePtr TwoPhaseAlgorithm::run(HookCore& core, c10d::GradBucket& bucket) {
   at::Tensor buf = bucket.getBuffer();
   auto lay = core.layout(bucket);
   const bool last = bucket.isLast();
-  core.count(buf.numel(), 2 * (core.world() - 1) * lay->integer("piece"), last);
+  core.count(buf.numel(), wire_bytes(core, *lay), last);
   return core.submit_deferred(buf, [this, &core, buf, lay, last](const FuturePtr& fut) {
     pipeline(core, Job{buf, lay, nullptr, fut}, last);
   });
 }
 
 void TwoPhaseAlgorithm::pipeline(HookCore& core, Job started, bool last) {
-  std::unique_ptr<Job> reducing = std::move(reducing_);
-  std::deque<Job> decoding = std::move(decoding_);
-  decoding_.clear();
+  std::unique_ptr<Job> advancing = std::move(advancing_);
+  std::deque<Job> finishing = std::move(finishing_);
+  finishing_.clear();
   try {
-    started.work = start_exchange(core, started.buf, *started.lay);
+    started.work = start_phase1(core, started.buf, *started.lay);
   } catch (...) {  // fail every bucket in flight: they surface in loss.backward()
-    if (reducing) reducing->fut->setError(std::current_exception());
-    for (auto& job : decoding) job.fut->setError(std::current_exception());
+    if (advancing) advancing->fut->setError(std::current_exception());
+    for (auto& job : finishing) job.fut->setError(std::current_exception());
     throw;
   }
-  std::vector<Job*> to_reduce;
-  if (reducing) to_reduce.push_back(reducing.get());
-  if (last) to_reduce.push_back(&started);
-  for (Job* job : to_reduce) {
+  std::vector<Job*> to_advance;
+  if (advancing) to_advance.push_back(advancing.get());
+  if (last) to_advance.push_back(&started);
+  for (Job* job : to_advance) {
     try {
-      job->work = reduce_and_gather(core, job->buf, *job->lay, *job->work);
+      job->work = start_phase2(core, job->buf, *job->lay, *job->work);
     } catch (...) {
       job->fut->setError(std::current_exception());
       continue;
     }
-    decoding.push_back(std::move(*job));
+    finishing.push_back(std::move(*job));
   }
-  if (!last) reducing_ = std::make_unique<Job>(std::move(started));
-  const size_t keep = last ? 0 : 1;  // the all-gather just started is decoded by the next job
-  while (decoding.size() > keep) {
-    Job job = std::move(decoding.front());
-    decoding.pop_front();
+  if (!last) advancing_ = std::make_unique<Job>(std::move(started));
+  const size_t keep = last ? 0 : 1;  // the second collective just started: finished by the next job
+  while (finishing.size() > keep) {
+    Job job = std::move(finishing.front());
+    finishing.pop_front();
     try {
-      decode(core, job.buf, *job.lay, *job.work);
+      finish(core, job.buf, *job.lay, *job.work);
     } catch (...) {
       job.fut->setError(std::current_exception());
       continue;
     }
     job.fut->markCompleted(c10::IValue(job.buf));
   }
-  decoding_ = std::move(decoding);
+  finishing_ = std::move(finishing);
 }
 
 }  // namespace ddpx::hooks

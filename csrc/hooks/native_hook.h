@@ -99,24 +99,27 @@ class NativeAlgorithm {
   virtual FuturePtr run(HookCore& core, c10d::GradBucket& bucket) = 0;
 };
 
-// A hook that reduces a bucket by hand in two collectives (all-to-all, then
-// all-gather), pipelined across buckets as ddpx/hooks/twophase.py does: the job
-// of bucket i starts bucket i, reduces bucket i-1 (starting its all-gather) and
-// decodes bucket i-2; the last job finishes everything. Collective order, the
-// same on every rank: A2A 0, A2A 1, AG 0, A2A 2, AG 1, ..., AG last.
+// A hook with two dependent collectives per bucket (int8 and onebit: all-to-all,
+// local average, all-gather; powersgd: allreduce P, orthogonalize, allreduce Q),
+// pipelined across buckets as ddpx/hooks/twophase.py does: the job of bucket i
+// starts bucket i's first collective, advances bucket i-1 (starting its second)
+// and finishes bucket i-2; the last job finishes everything. Collective order,
+// the same on every rank: C1 0, C1 1, C2 0, C1 2, C2 1, ..., C2 last.
 class TwoPhaseAlgorithm : public NativeAlgorithm {
  public:
   FuturePtr run(HookCore& core, c10d::GradBucket& bucket) final;
 
  protected:
   using WorkPtr = c10::intrusive_ptr<c10d::Work>;
-  // Encode the bucket into the layout's send buffer; return the started all-to-all.
-  virtual WorkPtr start_exchange(HookCore& core, const at::Tensor& buf, const Layout& lay) = 0;
-  // Wait for it, average this rank's segment into send2; return the started all-gather.
-  virtual WorkPtr reduce_and_gather(HookCore& core, const at::Tensor& buf, const Layout& lay,
-                                    c10d::Work& exchange) = 0;
-  // Wait for the all-gather, write every averaged segment into the bucket.
-  virtual void decode(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& gather) = 0;
+  // Code the bucket; return its first collective, started.
+  virtual WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay) = 0;
+  // Wait for the first collective, compute; return the second, started.
+  virtual WorkPtr start_phase2(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& first) = 0;
+  // Wait for the second collective, write the result into the bucket.
+  virtual void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& second) = 0;
+  // Bytes this rank sends per step for the bucket (stats()): by default the
+  // all-to-all + all-gather message of R pieces, (R-1)/R of it twice.
+  virtual int64_t wire_bytes(HookCore& core, const Layout& lay) const;
 
  private:
   struct Job {
@@ -127,8 +130,8 @@ class TwoPhaseAlgorithm : public NativeAlgorithm {
   };
   void pipeline(HookCore& core, Job started, bool last);
   // touched only by the worker thread
-  std::unique_ptr<Job> reducing_;  // all-to-all started, not yet reduced
-  std::deque<Job> decoding_;       // all-gather started, not yet decoded
+  std::unique_ptr<Job> advancing_;  // first collective started
+  std::deque<Job> finishing_;       // second collective started
 };
 
 using AlgorithmFactory = std::function<std::unique_ptr<NativeAlgorithm>(HookCore&)>;

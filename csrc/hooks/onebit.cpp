@@ -54,7 +54,7 @@ class Onebit final : public TwoPhaseAlgorithm {
   }
 
   // Phase 1: pack each destination's segment into its piece; start the exchange.
-  WorkPtr start_exchange(HookCore& core, const at::Tensor& buf, const Layout& lay) override {
+  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay) override {
     const int64_t world = core.world(), s = lay.integer("seg");
     Compressed c = compressed(buf, lay);
     at::Tensor plain_buf = lay.tensor("plain"), send = lay.tensor("send"), recv = lay.tensor("recv");
@@ -81,7 +81,7 @@ class Onebit final : public TwoPhaseAlgorithm {
   }
 
   // Phase 2 start: average this rank's segment in fp32, server error feedback, re-pack.
-  WorkPtr reduce_and_gather(HookCore& core, const at::Tensor&, const Layout& lay, c10d::Work& exchange) override {
+  WorkPtr start_phase2(HookCore& core, const at::Tensor&, const Layout& lay, c10d::Work& exchange) override {
     const int64_t world = core.world(), rank = core.rank(), m = length(lay, rank);
     const double inv = 1.0 / static_cast<double>(world);
     at::Tensor reduced = lay.tensor("reduced"), recv = lay.tensor("recv");
@@ -99,7 +99,7 @@ class Onebit final : public TwoPhaseAlgorithm {
   }
 
   // Phase 2 end: unpack every averaged segment into the bucket.
-  void decode(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& gather) override {
+  void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& gather) override {
     const int64_t world = core.world(), s = lay.integer("seg");
     Compressed c = compressed(buf, lay);
     at::Tensor plain_buf = lay.tensor("plain"), recv2 = lay.tensor("recv2");

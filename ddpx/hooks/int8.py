@@ -97,7 +97,7 @@ class Int8State(TwoPhaseState):
         q = m[:, e4 + b4:].view(torch.int8)
         return plain, scales, q
 
-    def start_exchange(self, buf, lay):
+    def start_phase1(self, buf, lay):
         """Phase 1: quantize each destination's chunk into its piece; start the exchange."""
         world, block = self.world_size, self.block_size
         c = lay.chunk
@@ -115,7 +115,7 @@ class Int8State(TwoPhaseState):
                                   out_q=q[r], out_scales=scales[r])
         return dist.all_to_all_single(lay.recv, lay.send, group=self.worker_group, async_op=True)
 
-    def reduce_and_gather(self, buf, lay, exchange):
+    def start_phase2(self, buf, lay, exchange):
         """Average this rank's chunk in fp32, server error feedback, requantize, start the all-gather."""
         world, rank, block = self.world_size, self.rank, self.block_size
         c = lay.chunk
@@ -128,7 +128,7 @@ class Int8State(TwoPhaseState):
                           out_q=q2[0], out_scales=scales2[0])
         return dist.all_gather_into_tensor(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
 
-    def decode(self, buf, lay, gather):
+    def finish(self, buf, lay, gather):
         """Dequantize every averaged chunk into the bucket."""
         world, block = self.world_size, self.block_size
         c = lay.chunk

@@ -93,7 +93,7 @@ class OnebitState(TwoPhaseState):
         lay.plain_chunk = ops.ceil_div(lay.n_plain, world)
         lay.piece = 4 * lay.plain_chunk + 4 * lay.chunks + lay.seg // 8  # bytes per rank message
         # Otherwise, when every compressed parameter is a whole number of chunks, each
-        # (segment, parameter) overlap is whole chunks too: pack straight from and decode
+        # (segment, parameter) overlap is whole chunks too: pack straight from and finish
         # straight into the bucket, span by span (rank, bucket offset, numel, segment
         # offset), again without packing copies. Same chunks, same bits as packing first.
         spans = []
@@ -149,7 +149,7 @@ class OnebitState(TwoPhaseState):
             return None, None
         return lay.comp, [buf.narrow(0, off, n) for off, n in lay.comp_order.tolist()]
 
-    def start_exchange(self, buf, lay):
+    def start_phase1(self, buf, lay):
         """Phase 1: pack each destination's segment into its piece; start the exchange."""
         world, chunk, s = self.world_size, self.chunk_size, lay.seg
         comp_buf, comp = self._compressed(buf, lay)
@@ -170,7 +170,7 @@ class OnebitState(TwoPhaseState):
                                 out_bits=bits[r], out_scales=scales[r])
         return dist.all_to_all_single(lay.recv, lay.send, group=self.worker_group, async_op=True)
 
-    def reduce_and_gather(self, buf, lay, exchange):
+    def start_phase2(self, buf, lay, exchange):
         """Average this rank's segment in fp32, server error feedback, re-pack, start the all-gather."""
         world, rank, chunk = self.world_size, self.rank, self.chunk_size
         exchange.wait()
@@ -184,7 +184,7 @@ class OnebitState(TwoPhaseState):
                         out_scales=scales2[0])
         return dist.all_gather_into_tensor(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
 
-    def decode(self, buf, lay, gather):
+    def finish(self, buf, lay, gather):
         """Unpack every averaged segment into the bucket."""
         world, chunk, s = self.world_size, self.chunk_size, lay.seg
         comp_buf, comp = self._compressed(buf, lay)

@@ -20,9 +20,10 @@ gradient on some rank) comes out NaN, so GradScaler skips the step, and keeps
 its previous error and a fresh Q.
 
 The P and Q phases depend on each other, so they run on the state's FIFO worker
-thread: every rank issues P1, Q1, P2, Q2, ... in bucket order (torch 2.13's
-``powerSGD_hook`` issues the Q allreduce from a future callback, in completion
-order, and crashes on gloo with several buckets). Wire per matrix: r (n + m)
+thread, pipelined across buckets (ddpx/hooks/twophase.py): every rank issues
+P0, P1, Q0, P2, Q1, ..., Q last (torch 2.13's ``powerSGD_hook`` issues the Q
+allreduce from a future callback, in completion order, and crashes on gloo
+with several buckets). Wire per matrix: r (n + m)
 fp32 elements instead of n m.
 
 Options: ``rank`` (the approximation rank r), ``warmup_steps`` (plain
@@ -37,20 +38,19 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .allreduce import allreduce_average
 from .base import HookState, LossyState, Option, non_negative, ring_allreduce_bytes
+from .twophase import TwoPhaseState
 
 
 def _matrix_shape(p: torch.Tensor) -> tuple[int, int]:
     return p.shape[0], p.numel() // p.shape[0]
 
 
-class PowerSGDState(LossyState):
+class PowerSGDState(TwoPhaseState):
     """Rank-r PowerSGD with error feedback and warm start."""
 
     name = "powersgd"
     native_kind = "powersgd"
-    multi_phase = True
     options = {
         "rank": Option(int, 4, lambda v: None if v >= 1 else "must be >= 1", "approximation rank r"),
         "warmup_steps": LossyState.options["warmup_steps"],
@@ -117,53 +117,52 @@ class PowerSGDState(LossyState):
             if q.numel() and not q.any():
                 self._draw_q(key, q)
 
-    def run_bucket(self, bucket):
-        if self.warming_up():
-            return allreduce_average(self, bucket)
-        buf = bucket.buffer()
-        lay = self.layout(bucket.index(), bucket.parameters())
+    def wire_bytes(self, lay) -> int:
         world = self.world_size
-        wire = ring_allreduce_bytes(4 * lay.pbuf.numel(), world) + ring_allreduce_bytes(4 * lay.q.numel(), world)
-        self.count(buf.numel(), wire, bucket.is_last())
-        return self.worker().submit(lambda: self._reduce(buf, lay), buf.device)
+        return ring_allreduce_bytes(4 * lay.pbuf.numel(), world) + ring_allreduce_bytes(4 * lay.q.numel(), world)
 
-    def _reduce(self, buf, lay):
-        world, group = self.world_size, self.worker_group
-        inv = 1.0 / world
-        ops.flatten(lay.runs(buf, False), inv, out=lay.pbuf)
-        mats = []
+    def _matrices(self, buf, lay):
+        """(key, M, error, P, Q, Q^T scratch) views for every compressed matrix of the bucket."""
+        out = []
         for key, off, n, m, r, p_off, q_off, poff in lay.matrices.tolist():
-            mat = buf.narrow(0, off, n * m).view(n, m)
-            error = lay.error.narrow(0, poff, n * m).view(n, m)
-            p = lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r)
-            q = lay.q.narrow(0, q_off, m * r).view(m, r)
-            qt = lay.qt.narrow(0, 0, m * r).view(r, m)
+            out.append((key, buf.narrow(0, off, n * m).view(n, m), lay.error.narrow(0, poff, n * m).view(n, m),
+                        lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r),
+                        lay.q.narrow(0, q_off, m * r).view(m, r), lay.qt.narrow(0, 0, m * r).view(r, m)))
+        return out
+
+    def start_phase1(self, buf, lay):
+        """P = (M + error) Q for every matrix, with the exempt values, in one allreduce."""
+        ops.flatten(lay.runs(buf, False), 1.0 / self.world_size, out=lay.pbuf)
+        for key, mat, error, p, q, qt in self._matrices(buf, lay):
             qt.copy_(q.t())
             ops.lowrank_project_(mat, error, qt, p)  # M += error; P = M Q, one pass over M
-            mats.append((key, mat, error, p, q))
-        dist.all_reduce(lay.pbuf, group=group)
-        finite = []
-        for key, mat, error, p, q in mats:
+        return dist.all_reduce(lay.pbuf, group=self.worker_group, async_op=True)
+
+    def start_phase2(self, buf, lay, reduce_p):
+        """Orthogonalize every P, Q = M^T P, all in one allreduce."""
+        reduce_p.wait()
+        lay.finite = []
+        for key, mat, error, p, q, qt in self._matrices(buf, lay):
             ok = bool(torch.isfinite(p).all())  # p is identical on every rank: so is the decision
-            finite.append(ok)
+            lay.finite.append(ok)
             if ok:
                 p.copy_(torch.linalg.qr(p).Q)
-            # Q = M^T P computed as (P^T M)^T: M^T P reads M column-wise, ~4x slower on a CPU
-            qt = lay.qt.narrow(0, 0, q.numel()).view(q.shape[1], q.shape[0])
-            torch.matmul(p.t(), mat, out=qt)
+            torch.matmul(p.t(), mat, out=qt)  # (P^T M)^T: M^T P reads M column-wise, ~4x slower on a CPU
             q.copy_(qt.t())
-        dist.all_reduce(lay.q, group=group)
-        lay.q.mul_(inv)
-        for ok, (key, mat, error, p, q) in zip(finite, mats):
+        return dist.all_reduce(lay.q, group=self.worker_group, async_op=True)
+
+    def finish(self, buf, lay, reduce_q):
+        """M = P Q^T, error = M - P Q^T; the exempt values back into the bucket."""
+        reduce_q.wait()
+        lay.q.mul_(1.0 / self.world_size)
+        for ok, (key, mat, error, p, q, qt) in zip(lay.finite, self._matrices(buf, lay)):
             if ok:
-                qt = lay.qt.narrow(0, 0, q.numel()).view(q.shape[1], q.shape[0])
                 qt.copy_(q.t())
                 ops.lowrank_reconstruct_(mat, error, p, qt)  # error = M - P Q^T; M = P Q^T, one pass
             else:
                 mat.fill_(float("nan"))
                 self._draw_q(key, q)
         ops.unflatten_(lay.pbuf, lay.runs(buf, False))
-        return buf
 
 
 HOOKS = {"powersgd": PowerSGDState}

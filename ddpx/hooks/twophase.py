@@ -1,21 +1,20 @@
-"""The two-phase hooks' bucket pipeline (``int8``, ``onebit``).
+"""The bucket pipeline of the hooks that need two dependent collectives per
+bucket: ``int8`` and ``onebit`` (all-to-all of codes, local average, all-gather
+of the averages) and ``powersgd`` (allreduce P, orthogonalize, allreduce Q).
 
-Their codes are not summable, so a bucket is reduced by hand: an all-to-all
-sends every rank its segment (phase 1), each rank averages its segment and an
-all-gather hands the averages to everyone (phase 2). Gloo runs a group's
-collectives one after another, so a rank that waits for a bucket's all-gather
-before it starts the next bucket's all-to-all leaves the link idle while it
-codes. The worker job of bucket i therefore
+Gloo runs a group's collectives one after another, so a rank that waits for a
+bucket's second collective before it starts the next bucket's first leaves
+the link idle while it computes. The worker job of bucket i therefore
 
-* starts bucket i (encode, all-to-all),
-* reduces bucket i-1 (wait for its all-to-all, average, start its all-gather),
-* decodes bucket i-2 (wait for its all-gather, write the bucket),
+* starts bucket i (code it, start its first collective: ``start_phase1``),
+* advances bucket i-1 (wait for that, compute, start its second collective:
+  ``start_phase2``),
+* finishes bucket i-2 (wait for the second collective, write the bucket:
+  ``finish``),
 
-and the last bucket's job also reduces it and decodes everything left. Every
-rank issues A2A 0, A2A 1, AG 0, A2A 2, AG 1, ..., AG last, in that order.
-
-A subclass implements ``start_exchange``, ``reduce_and_gather`` and ``decode``
-(the C++ twin: ``TwoPhaseAlgorithm`` in csrc/hooks/native_hook.h).
+and the last bucket's job also advances it and finishes everything left. Every
+rank starts the collectives in one order: C1 0, C1 1, C2 0, C1 2, C2 1, ...,
+C2 last (the C++ twin: ``TwoPhaseAlgorithm`` in csrc/hooks/native_hook.h).
 """
 
 from __future__ import annotations
@@ -27,18 +26,22 @@ from .base import LossyState
 class TwoPhaseState(LossyState):
     multi_phase = True
 
-    def start_exchange(self, buf, lay):
-        """Encode the bucket into ``lay.send``; return the started all-to-all."""
+    def start_phase1(self, buf, lay):
+        """Code the bucket; return its first collective, started."""
         raise NotImplementedError
 
-    def reduce_and_gather(self, buf, lay, exchange):
-        """Wait for the all-to-all, average this rank's segment into ``lay.send2``;
-        return the started all-gather."""
+    def start_phase2(self, buf, lay, first):
+        """Wait for the first collective, compute; return the second, started."""
         raise NotImplementedError
 
-    def decode(self, buf, lay, gather):
-        """Wait for the all-gather, write every averaged segment into the bucket."""
+    def finish(self, buf, lay, second):
+        """Wait for the second collective, write the result into the bucket."""
         raise NotImplementedError
+
+    def wire_bytes(self, lay) -> int:
+        """Bytes this rank sends per step for the bucket (``stats()``); the all-to-all
+        + all-gather hooks send (R-1)/R of their R-piece message twice."""
+        return 2 * (self.world_size - 1) * lay.piece
 
     def run_bucket(self, bucket):
         if self.warming_up():
@@ -46,37 +49,37 @@ class TwoPhaseState(LossyState):
         buf = bucket.buffer()
         lay = self.layout(bucket.index(), bucket.parameters())
         last = bucket.is_last()
-        self.count(buf.numel(), 2 * (self.world_size - 1) * lay.piece, last)
+        self.count(buf.numel(), self.wire_bytes(lay), last)
         return self.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
 
     def _pipeline(self, buf, lay, last, fut):
         """The worker job of one bucket (see the module docstring). A job is
         [buf, layout, pending collective, future]; a failure completes that
         bucket's future with the exception (it surfaces in loss.backward())."""
-        reducing, self._reducing = getattr(self, "_reducing", None), None
-        decoding, self._decoding = getattr(self, "_decoding", None) or [], []
+        advancing, self._advancing = getattr(self, "_advancing", None), None
+        finishing, self._finishing = getattr(self, "_finishing", None) or [], []
         try:
-            started = [buf, lay, self.start_exchange(buf, lay), fut]
+            started = [buf, lay, self.start_phase1(buf, lay), fut]
         except BaseException as exc:
-            for job in ([reducing] if reducing else []) + decoding:
+            for job in ([advancing] if advancing else []) + finishing:
                 job[3].set_exception(exc)
             raise
-        for job in ([reducing] if reducing else []) + ([started] if last else []):
+        for job in ([advancing] if advancing else []) + ([started] if last else []):
             try:
-                job[2] = self.reduce_and_gather(job[0], job[1], job[2])
+                job[2] = self.start_phase2(job[0], job[1], job[2])
             except BaseException as exc:
                 job[3].set_exception(exc)
             else:
-                decoding.append(job)
+                finishing.append(job)
         if not last:
-            self._reducing = started
-        keep = 0 if last else 1  # the all-gather just started is decoded by the next job
-        while len(decoding) > keep:
-            job_buf, job_lay, gather, job_fut = decoding.pop(0)
+            self._advancing = started
+        keep = 0 if last else 1  # the second collective just started is finished by the next job
+        while len(finishing) > keep:
+            job_buf, job_lay, second, job_fut = finishing.pop(0)
             try:
-                self.decode(job_buf, job_lay, gather)
+                self.finish(job_buf, job_lay, second)
             except BaseException as exc:
                 job_fut.set_exception(exc)
             else:
                 job_fut.set_result(job_buf)
-        self._decoding = decoding
+        self._finishing = finishing
