@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .base import LossyState, Option, positive_multiple_of
-from .twophase import TwoPhaseState
+from .twophase import TwoPhaseState, segment_spans
 
 
 
@@ -54,19 +54,8 @@ class Int8State(TwoPhaseState):
         lay.blocks = lay.chunk // block
         lay.plain_chunk = ops.ceil_div(lay.n_plain, world)
         lay.piece = 4 * lay.plain_chunk + 4 * lay.blocks + lay.chunk  # bytes per rank message
-        # Spans: where every compressed run is whole blocks, each destination's chunk is
-        # quantized straight from the bucket and decoded straight into it, span by span
-        # (rank, bucket offset, numel, offset in the chunk), without the packing copies;
-        # the blocks, and so the results, are those of the packed buffer
-        spans = []
-        if all(n % block == 0 for _, n, _ in lay.comp_runs):
-            for boff, n, poff in lay.comp_runs:
-                pos, end = poff, poff + n
-                while pos < end:
-                    r = pos // lay.chunk
-                    stop = min(end, (r + 1) * lay.chunk)
-                    spans.append((r, boff + pos - poff, stop - pos, pos - r * lay.chunk))
-                    pos = stop
+        # where every compressed run is whole blocks: code straight from the bucket, span by span
+        spans = segment_spans([(boff, n) for boff, n, _ in lay.comp_runs], lay.chunk, block)
         lay.spans = torch.tensor(spans, dtype=torch.int64).reshape(-1, 4)  # also read by the C++ hook
         # packed compressed values (+ zero padding), when there are no spans
         lay.comp = torch.zeros(0 if spans else world * lay.chunk, **f32)

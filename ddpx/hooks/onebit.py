@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .base import LossyState, Option, positive_multiple_of
-from .twophase import TwoPhaseState
+from .twophase import TwoPhaseState, segment_spans
 
 
 
@@ -96,15 +96,7 @@ class OnebitState(TwoPhaseState):
         # (segment, parameter) overlap is whole chunks too: pack straight from and finish
         # straight into the bucket, span by span (rank, bucket offset, numel, segment
         # offset), again without packing copies. Same chunks, same bits as packing first.
-        spans = []
-        if lay.direct_offset < 0 and all(n % chunk == 0 for _, n in slices):
-            packed = 0
-            for boff, n in slices:
-                while n:
-                    r, soff = divmod(packed, lay.seg)
-                    take = min(n, lay.seg - soff)
-                    spans.append((r, boff, take, soff))
-                    boff, n, packed = boff + take, n - take, packed + take
+        spans = segment_spans(slices, lay.seg, chunk) if lay.direct_offset < 0 else []
         lay.spans = torch.tensor(spans, dtype=torch.int64).reshape(-1, 4)
         # packed compressed values (only the first n_comp elements are used)
         lay.comp = torch.zeros(lay.n_comp if lay.direct_offset < 0 and not spans else 0, **f32)

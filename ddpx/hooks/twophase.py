@@ -23,6 +23,25 @@ from .allreduce import allreduce_average
 from .base import LossyState
 
 
+def segment_spans(slices, seg: int, unit: int) -> list:
+    """Spans ``(rank, bucket offset, numel, segment offset)`` covering the compressed
+    values, packed in the order of ``slices`` (``[(bucket offset, numel)]``) and cut
+    into per-rank segments of ``seg`` elements, so a hook can code straight from and
+    finish straight into the bucket without packing copies. Empty unless every slice
+    is whole ``unit``s (blocks, chunks; ``seg`` is too): then every span is, and coding
+    span by span gives the packed buffer's bits."""
+    if not all(n % unit == 0 for _, n in slices):
+        return []
+    spans, packed = [], 0
+    for boff, n in slices:
+        while n:
+            r, soff = divmod(packed, seg)
+            take = min(n, seg - soff)
+            spans.append((r, boff, take, soff))
+            boff, n, packed = boff + take, n - take, packed + take
+    return spans
+
+
 class TwoPhaseState(LossyState):
     multi_phase = True
 
