@@ -1,8 +1,8 @@
 """Progress bar, rank-aware log messages and ``metrics.jsonl``.
 
-* Rank 0 shows a tqdm progress bar (one for the whole run, labelled with the epoch) with the training loss and the
-  throughput in samples/s (all ranks together: ``world_size * batch_size`` per
-  micro-batch).
+* Rank 0 shows a tqdm progress bar (one for the whole run, labelled with the
+  epoch) with the training loss and the throughput in samples/s (all ranks
+  together: ``world_size * batch_size`` per micro-batch).
 * Log messages of the ``ddpx`` logger (``trainer.log``) carry a rank prefix
   (``[rank1] ...``); by default only rank 0's info messages are shown (warnings
   and errors of every rank always are); ``all_ranks: true`` shows every rank's.
@@ -18,8 +18,9 @@
   the epoch end).
 
 Config section ``logging``: ``progress`` (true), ``all_ranks`` (false),
-``every_steps`` (50, as Lightning's ``log_every_n_steps``; 0 writes only per-epoch lines), ``metrics_file``
-(``metrics.jsonl``; relative to the run directory).
+``every_steps`` (50, as Lightning's ``log_every_n_steps``; 0 writes only
+per-epoch lines), ``metrics_file`` (``metrics.jsonl``; relative to the run
+directory).
 
 Per-run state lives in ``trainer.metrics_log`` (a :class:`MetricsLog`).
 """
