@@ -7,9 +7,11 @@ node per namespace (``GLOO_SOCKET_IFNAME`` set, master = the first host) and
 times DDP steps of a communication-bound model (12 x Linear(1024, 1024),
 about 50 MB of fp32 gradients) for: no hook, torch's fp16_compress_hook,
 torch's PowerSGD (its failure is reported if it fails), and every ddpx hook,
-native and Python.
+native and Python. DDP's buckets are torch's 25 MB, except for ddpx hooks
+with a preferred size (``ddpx.hooks.ddp_options``: 4 MB for int8), which the
+ddpx trainer uses too; ``--bucket-mb`` sets one size for every config.
 
-It reports ms/step, the speed-up over plain allreduce and over torch's fp16
+It reports the bucket size, ms/step, the speed-up over plain allreduce and over torch's fp16
 hook in the same run, the bytes each rank sends per step, and the step time
 the link allows: compute + wire bytes / rate.
 
@@ -43,6 +45,9 @@ PORT = 29513
 
 
 # ----------------------------------------------------------------- worker
+DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb
+
+
 def _configs(names):
     """(label, kind, name, native) in run order; torch's PowerSGD last (it may crash the group)."""
     import ddpx.hooks
@@ -128,7 +133,11 @@ def worker(args):
         entry = {"label": label, "kind": kind, "name": name, "native": native}
         results["results"].append(entry)
         save()  # if this config kills the process, the parent knows which one it was
-        ddp = DDP(_model())
+        bucket_mb = args.bucket_mb
+        if bucket_mb is None:  # each config as a user gets it: ddpx's hooks with their preferred size
+            bucket_mb = ddpx.hooks.ddp_options(_parse_spec(name)[0]).get("bucket_cap_mb") if kind == "ddpx" else None
+        entry["bucket_mb"] = DEFAULT_BUCKET_MB if bucket_mb is None else bucket_mb
+        ddp = DDP(_model(), bucket_cap_mb=bucket_mb)
         state = None
         try:
             if kind == "ddpx":
@@ -195,15 +204,16 @@ def summarize(results, rate_bps):
 
 
 def table(results):
-    rows = [("hook", "ms/step", "x allreduce", "x torch fp16", "wire MB/step", "link-bound ms", "/bound")]
+    rows = [("hook", "bucket MB", "ms/step", "x allreduce", "x torch fp16", "wire MB/step", "link-bound ms", "/bound")]
     notes = []
     for e in results["results"]:
         if "ms_per_step" not in e:
-            rows.append((e["label"], "FAILED", "", "", "", "", ""))
+            rows.append((e["label"], f"{e.get('bucket_mb', DEFAULT_BUCKET_MB):g}", "FAILED", "", "", "", "", ""))
             notes.append(f"{e['label']}: {e.get('error', 'did not finish')}")
             continue
         rows.append((
             e["label"] + ("" if e.get("native") in (None, e["label"].endswith("native")) else " (fell back)"),
+            f"{e.get('bucket_mb', DEFAULT_BUCKET_MB):g}",
             f"{e['ms_per_step']:.1f}",
             f"{e['speedup_vs_allreduce']:.2f}" if e.get("speedup_vs_allreduce") else "",
             f"{e['speedup_vs_torch_fp16']:.2f}" if e.get("speedup_vs_torch_fp16") else "",
@@ -312,6 +322,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per hook (bucket rebuild, warm-up)")
     p.add_argument("--batch", type=int, default=8, help="samples per rank (small: communication-bound)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="DDP bucket_cap_mb for every config (default: torch's 25, or a ddpx hook's preferred "
+                        "size from ddpx.hooks.ddp_options, as the ddpx trainer uses it)")
     p.add_argument("--hooks", nargs="*", default=None,
                    help="ddpx hooks to time, NAME or NAME:opt=value,... (default: all available)")
     p.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
@@ -354,6 +367,8 @@ def main(argv=None):
                    here, "--worker", "--rate-bps", str(rate_bps), "--out", out_file,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
                    "--threads", str(args.threads), "--collective-timeout", str(args.collective_timeout)]
+            if args.bucket_mb is not None:
+                cmd += ["--bucket-mb", str(args.bucket_mb)]
             if args.hooks is not None:
                 cmd += ["--hooks", *args.hooks]
             env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS=str(args.threads))

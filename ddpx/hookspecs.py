@@ -75,6 +75,15 @@ def ddpx_wrap_model(trainer: "Trainer", model: "torch.nn.Module") -> Optional["t
 
 
 @hookspec
+def ddpx_ddp_options(trainer: "Trainer") -> Optional[Mapping[str, Any]]:
+    """Keyword arguments this plugin wants passed to ``DistributedDataParallel``
+    by the core's ``ddpx_wrap_model`` (the comm hook plugin: its hook's
+    ``bucket_cap_mb``). The config's ``trainer.find_unused_parameters``,
+    ``static_graph`` and a non-null ``bucket_cap_mb`` win; two plugins asking
+    for different values of a key the config leaves open is an error."""
+
+
+@hookspec
 def ddpx_model_wrapped(trainer: "Trainer", model: "torch.nn.Module") -> None:
     """The wrapped model exists (``trainer.model``): register comm hooks here."""
 

@@ -398,12 +398,19 @@ class CorePlugin:
     def ddpx_wrap_model(self, trainer: Trainer, model: torch.nn.Module):
         cfg = trainer.config.trainer
         device_ids = [trainer.device] if trainer.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(
-            model,
-            device_ids=device_ids,
-            find_unused_parameters=cfg.find_unused_parameters,
-            static_graph=cfg.static_graph,
-        )
+        configured = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
+        if cfg.bucket_cap_mb is not None:
+            configured["bucket_cap_mb"] = cfg.bucket_cap_mb
+        asked: dict = {}  # what plugins ask for where the config leaves it open
+        for options in trainer.hook.ddpx_ddp_options(trainer=trainer):
+            for key, value in (options or {}).items():
+                if key in configured:
+                    continue
+                if asked.get(key, value) != value:
+                    raise DdpxError(f"plugins ask for different DistributedDataParallel {key}: {asked[key]!r} and "
+                                    f"{value!r}; set trainer.{key} in the config")
+                asked[key] = value
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **asked, **configured)
 
     @hookimpl(trylast=True)
     def ddpx_build_dataloaders(self, trainer: Trainer, train_set, eval_set):

@@ -7,7 +7,9 @@ nothing. Any other name is looked up in ``ddpx.hooks.available()`` (e.g.
 selects the C++ hook that runs without Python per bucket, where the algorithm
 has one. The hook's state (error feedback, warm starts) is saved in checkpoints
 (key ``"comm_hook"``). If ``ddpx.hooks`` cannot be imported, training falls
-back to DDP's all-reduce and says so once.
+back to DDP's all-reduce and says so once. The DDP bucket size the hook works
+best with (``ddpx.hooks.ddp_options``: 4 MB for ``int8``) is passed to the core's
+DDP wrap unless ``trainer.bucket_cap_mb`` sets one.
 
 Config section ``comm_hook``: ``name`` (``allreduce``), ``native`` (true),
 ``options`` (``{}``: keyword arguments of the hook, e.g. ``{rank: 4}``).
@@ -48,6 +50,13 @@ def ddpx_configure(config):
         choices = [BUILTIN, *(n for n in available if n != BUILTIN)]
         raise DdpxError(f"unknown comm_hook.name {cfg['name']!r}; choose one of: {', '.join(choices)}")
     hooks.make_state(cfg["name"], **cfg["options"])  # bad options fail here, before any worker starts
+
+
+@hookimpl
+def ddpx_ddp_options(trainer):
+    name = trainer.config.section("comm_hook")["name"]
+    hooks = _hooks_module()
+    return None if name == BUILTIN or hooks is None else hooks.ddp_options(name)
 
 
 @hookimpl

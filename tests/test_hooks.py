@@ -243,6 +243,13 @@ def test_available_names():
     assert {"allreduce", "fp16", "bf16", "int8"} <= set(ddpx.hooks.available())
 
 
+def test_ddp_options_per_hook():
+    assert ddpx.hooks.ddp_options("int8") == {"bucket_cap_mb": 4.0}  # wire starts a layer into backward
+    assert ddpx.hooks.ddp_options("fp16") == {} and ddpx.hooks.ddp_options("allreduce") == {}
+    with pytest.raises(DdpxError, match="unknown comm hook 'int9'; available: "):
+        ddpx.hooks.ddp_options("int9")
+
+
 @pytest.mark.parametrize(
     "name,opts,needle",
     [

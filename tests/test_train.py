@@ -92,3 +92,68 @@ def test_default_run_converges(tmp_path):
     assert epochs[-1]["accuracy"] > 0.9
     assert epochs[-1]["loss"] < epochs[0]["loss"]
     assert all(line["loss"] > 0 for line in lines)
+
+
+@pytest.mark.parametrize(
+    "overrides, bucket_mb",
+    [
+        ([], 25),  # DDP's default
+        (["comm_hook.name=fp16"], 25),  # no preference
+        (["comm_hook.name=int8"], 4),  # the hook's preferred size
+        (["comm_hook.name=int8", "trainer.bucket_cap_mb=8.0"], 8),  # the config wins
+    ],
+)
+def test_ddp_bucket_size_from_the_comm_hook_unless_the_config_sets_it(tmp_path, overrides, bucket_mb):
+    from ddpx import hookimpl
+    from ddpx_plugins import comm_hook
+
+    seen = {}
+
+    class Recorder:
+        @hookimpl
+        def ddpx_train_start(self, trainer):
+            seen["bytes"] = trainer.model.bucket_bytes_cap
+            seen["hook"] = type(trainer.comm_hook).__name__
+
+    pm = make_plugin_manager(None, entry_points=False)
+    pm.register(comm_hook, name="comm_hook")
+    pm.register(Recorder(), name="recorder")
+    config = load_config(None, [f"run_dir={tmp_path}/run", "trainer.max_steps=1", "trainer.eval_every_epochs=0",
+                                *overrides], plugin_manager=pm)
+    Trainer(config).run()
+    assert seen["bytes"] == bucket_mb * 2**20
+    assert seen["hook"] == ("NoneType" if not overrides else "Fp16State" if "fp16" in overrides[0] else "Int8State")
+
+
+def test_two_plugins_asking_for_different_ddp_options_is_an_error(tmp_path):
+    from ddpx import hookimpl
+    from ddpx.errors import DdpxError
+
+    class Asks:
+        def __init__(self, mb):
+            self.mb = mb
+
+        @hookimpl
+        def ddpx_ddp_options(self, trainer):
+            return {"bucket_cap_mb": self.mb}
+
+    pm = make_plugin_manager(None, entry_points=False)
+    pm.register(Asks(4.0), name="a")
+    pm.register(Asks(8.0), name="b")
+    config = load_config(None, [f"run_dir={tmp_path}/run", "trainer.max_steps=1"], plugin_manager=pm)
+    with pytest.raises(DdpxError, match="plugins ask for different DistributedDataParallel bucket_cap_mb: "):
+        Trainer(config).run()
+    assert not dist.is_initialized()
+    # the config settles it
+    seen = {}
+
+    class Recorder:
+        @hookimpl
+        def ddpx_model_wrapped(self, trainer, model):
+            seen["bytes"] = model.bucket_bytes_cap
+
+    pm.register(Recorder(), name="recorder")
+    config = load_config(None, [f"run_dir={tmp_path}/run2", "trainer.max_steps=1", "trainer.bucket_cap_mb=2.0"],
+                         plugin_manager=pm)
+    Trainer(config).run()
+    assert seen["bytes"] == 2 * 2**20

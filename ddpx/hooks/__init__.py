@@ -25,7 +25,7 @@ from .base import HookState, hook
 
 log = logging.getLogger("ddpx.hooks")
 
-__all__ = ["make", "register", "available", "HookState", "hook"]
+__all__ = ["make", "register", "available", "ddp_options", "HookState", "hook"]
 
 _REGISTRY: dict[str, type] | None = None
 _FALLBACK_LOGGED: set[str] = set()
@@ -47,6 +47,16 @@ def _registry() -> dict[str, type]:
 def available() -> list[str]:
     """Names accepted by :func:`make` and :func:`register`."""
     return list(_registry())
+
+
+def ddp_options(name: str) -> dict:
+    """``DistributedDataParallel`` keyword arguments hook `name` works best with,
+    e.g. ``DDP(model, **ddpx.hooks.ddp_options("int8"))`` (``{"bucket_cap_mb": 4.0}``);
+    empty where DDP's defaults suit it. The ddpx trainer applies them itself."""
+    cls = _registry().get(name)
+    if cls is None:
+        raise DdpxError(f"unknown comm hook {name!r}; available: {', '.join(available())}")
+    return {} if cls.bucket_cap_mb is None else {"bucket_cap_mb": cls.bucket_cap_mb}
 
 
 def make_state(name: str, process_group=None, **options) -> HookState:

@@ -208,6 +208,8 @@ class HookState:
     native_kind: str | None = None
     # collectives depend on earlier results: run on the worker, on worker_group
     multi_phase = False
+    # the DDP bucket size this hook works best with (None: DDP's default 25 MB); see ddp_options()
+    bucket_cap_mb: float | None = None
 
     def __init__(self, process_group=None, **opts):
         self.opts = self._validate(opts)
