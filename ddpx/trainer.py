@@ -79,6 +79,27 @@ def _fan_out(impls) -> Any:
     return call
 
 
+def ddp_options(config: Config, requests) -> dict:
+    """``DistributedDataParallel`` keyword arguments: what plugins ask for
+    (``ddpx_ddp_options`` results) where the config leaves it open, then the
+    config's ``trainer.find_unused_parameters``, ``static_graph`` and a
+    non-null ``bucket_cap_mb``."""
+    cfg = config.trainer
+    configured = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
+    if cfg.bucket_cap_mb is not None:
+        configured["bucket_cap_mb"] = cfg.bucket_cap_mb
+    asked: dict = {}
+    for options in requests:
+        for key, value in (options or {}).items():
+            if key in configured:
+                continue
+            if asked.get(key, value) != value:
+                raise DdpxError(f"plugins ask for different DistributedDataParallel {key}: {asked[key]!r} and "
+                                f"{value!r}; set trainer.{key} in the config")
+            asked[key] = value
+    return {**asked, **configured}
+
+
 def default_log_handler(log: logging.Logger, rank: int) -> None:
     """A ``[rankN]`` stderr handler, rank 0 INFO only, for when no plugin configured the logger."""
     handler = logging.StreamHandler(sys.stderr)
@@ -396,21 +417,9 @@ class CorePlugin:
 
     @hookimpl(trylast=True)
     def ddpx_wrap_model(self, trainer: Trainer, model: torch.nn.Module):
-        cfg = trainer.config.trainer
         device_ids = [trainer.device] if trainer.device.type == "cuda" else None
-        configured = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
-        if cfg.bucket_cap_mb is not None:
-            configured["bucket_cap_mb"] = cfg.bucket_cap_mb
-        asked: dict = {}  # what plugins ask for where the config leaves it open
-        for options in trainer.hook.ddpx_ddp_options(trainer=trainer):
-            for key, value in (options or {}).items():
-                if key in configured:
-                    continue
-                if asked.get(key, value) != value:
-                    raise DdpxError(f"plugins ask for different DistributedDataParallel {key}: {asked[key]!r} and "
-                                    f"{value!r}; set trainer.{key} in the config")
-                asked[key] = value
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **asked, **configured)
+        options = ddp_options(trainer.config, trainer.hook.ddpx_ddp_options(trainer=trainer))
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
 
     @hookimpl(trylast=True)
     def ddpx_build_dataloaders(self, trainer: Trainer, train_set, eval_set):

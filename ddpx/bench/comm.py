@@ -226,7 +226,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..doctor import measure_allreduce_seconds
-    from ..trainer import to_device
+    from ..trainer import ddp_options, to_device
 
     device, world = trainer.device, trainer.world_size
     if world < 2:
@@ -240,8 +240,9 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
     allreduce_s = measure_allreduce_seconds(grad_bytes, device=device)
     link = ring_bytes(grad_bytes, world) / allreduce_s if allreduce_s > 0 else 0.0
 
-    def fresh_ddp():
-        return DDP(copy.deepcopy(trainer.module), device_ids=device_ids)
+    def fresh_ddp(requests=()):  # wrapped as the trainer would with that hook
+        options = ddp_options(trainer.config, requests)
+        return DDP(copy.deepcopy(trainer.module), device_ids=device_ids, **options)
 
     baseline = fresh_ddp()
     compute_s = _time_steps(_step_fn(baseline, trainer.loss_fn, batch, accumulation, False), steps, device)
@@ -261,7 +262,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
     for name in names:
         if name == BASELINE:
             continue
-        ddp = fresh_ddp()
+        ddp = fresh_ddp([hooks.ddp_options(name)] if name in hooks.available() else [])  # else: fails below
         step = _step_fn(ddp, trainer.loss_fn, batch, accumulation, True)
         try:  # a hook that fails here fails the same way on every rank
             state = hooks.register(ddp, name, native=native, **_hook_options(hooks, name))
