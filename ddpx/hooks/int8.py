@@ -7,7 +7,7 @@ int8 codes are not summable, so the bucket is reduced by hand in two phases:
    and sends chunk r to rank r with one ``all_to_all_single``.
 2. Rank r sums the R received copies of its chunk in fp32 and averages
    (``int8_dequant_accumulate_``), adds its server error, requantizes, and an
-   ``all_gather_into_tensor`` gives every rank every averaged chunk, which is
+   ``all_gather_single`` gives every rank every averaged chunk, which is
    dequantized into the bucket.
 
 Buckets are pipelined on the worker (ddpx/hooks/twophase.py): bucket i's
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .base import LossyState, Option, positive_multiple_of
-from .twophase import TwoPhaseState, segment_spans
+from .twophase import TwoPhaseState, all_gather_single, segment_spans
 
 
 
@@ -120,7 +120,7 @@ class Int8State(TwoPhaseState):
         ops.int8_dequant_accumulate_(lay.reduced, q, scales, block, 1.0 / world)
         ops.int8_quantize(lay.reduced, block, lay.server_error.narrow(0, rank * c, c),
                           out_q=q2[0], out_scales=scales2[0])
-        return dist.all_gather_into_tensor(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
+        return all_gather_single(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
 
     def finish(self, buf, lay, gather):
         """Dequantize every averaged chunk into the bucket."""

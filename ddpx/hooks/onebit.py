@@ -10,7 +10,7 @@ server error feedback, DeepSpeed-style, for any optimizer.
    r to rank r with one ``all_to_all_single``.
 2. Rank r decodes and averages the R received copies of its segment in fp32
    (``onebit_unpack_accumulate_``), adds its server error, packs again (server
-   error updated), and an ``all_gather_into_tensor`` gives every rank every
+   error updated), and an ``all_gather_single`` gives every rank every
    averaged segment, decoded into the bucket.
 
 Buckets are pipelined as int8's are (ddpx/hooks/twophase.py).
@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .base import LossyState, Option, positive_multiple_of
-from .twophase import TwoPhaseState, segment_spans
+from .twophase import TwoPhaseState, all_gather_single, segment_spans
 
 
 
@@ -174,7 +174,7 @@ class OnebitState(TwoPhaseState):
         ops.onebit_unpack_accumulate_(reduced, bits, scales, chunk, 1.0 / world)
         ops.onebit_pack(reduced, chunk, lay.server_error.narrow(0, rank * lay.seg, m), out_bits=bits2[0],
                         out_scales=scales2[0])
-        return dist.all_gather_into_tensor(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
+        return all_gather_single(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
 
     def finish(self, buf, lay, gather):
         """Unpack every averaged segment into the bucket."""

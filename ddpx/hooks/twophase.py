@@ -19,8 +19,13 @@ C2 last (the C++ twin: ``TwoPhaseAlgorithm`` in csrc/hooks/native_hook.h).
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from .allreduce import allreduce_average
 from .base import LossyState
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there, with a warning on every call)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def segment_spans(slices, seg: int, unit: int) -> list:
