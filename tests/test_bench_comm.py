@@ -8,18 +8,16 @@ compressing hook, and the small-batch trap)."""
 import importlib.metadata
 import json
 import os
-import random
-import shutil
 import subprocess
 import sys
 import time
 import types
-import uuid
 
 import pytest
 
 from ddpx.bench import comm
 from ddpx.bench.comm import BASELINE, HookTiming, Measurement, recommend
+from tests import utils
 from tests.utils import free_port, run_cli
 
 pytestmark = pytest.mark.timeout(240)
@@ -102,44 +100,15 @@ def test_loopback_recommends_no_compression():
     assert "no compression" in report["advice"]["lines"][0]
 
 
-def _netns_ok():
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        return False
-    name = f"ddpxprobe{uuid.uuid4().hex[:6]}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
-
-
 @pytest.fixture
 def two_hosts():
-    """Namespaces A and B joined by a veth pair shaped to 100 Mbit/s in both directions."""
-    tag = uuid.uuid4().hex[:6]
-    subnet = f"10.214.{random.randint(1, 250)}"
-    hosts = [(f"ddpxbA{tag}", f"vbA{tag}", f"{subnet}.1"), (f"ddpxbB{tag}", f"vbB{tag}", f"{subnet}.2")]
-
-    def sh(*cmd):
-        subprocess.run(cmd, check=True, capture_output=True)
-
-    try:
-        for ns, _, _ in hosts:
-            sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
-        for ns, iface, addr in hosts:
-            sh("ip", "link", "set", iface, "netns", ns)
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{addr}/24", "dev", iface)
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", iface, "up")
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, "root", "tbf",
-               "rate", "100mbit", "burst", "1mb", "latency", "100ms")
+    """Two namespaces joined by a veth pair shaped to 100 Mbit/s in both directions."""
+    with utils.two_hosts(rate="100mbit") as hosts:
         yield hosts
-    finally:
-        for ns, _, _ in hosts:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # deletes the veth pair too
 
 
 @pytest.mark.netns
-@pytest.mark.skipif(not _netns_ok(), reason="needs root, ip netns and tc")
+@pytest.mark.skipif(not utils.netns_available(tc=True), reason="needs root, ip netns and tc")
 def test_slow_link_recommends_compression(two_hosts, tmp_path):
     endpoint = f"{two_hosts[0][2]}:{free_port()}"
     procs = []

@@ -4,16 +4,15 @@ and (root only) a network namespace for an unreachable master and a loopback hos
 import json
 import os
 import random
-import shutil
 import socket
 import subprocess
 import sys
-import uuid
 
 import pytest
 
 from ddpx import doctor
 from ddpx.doctor import FAIL, OK, WARN
+from tests import utils
 from tests.utils import run_cli
 
 PROC_NET_ROUTE = """Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT
@@ -191,39 +190,14 @@ def test_collectives_run_allreduce_barrier_and_report_bandwidth():
 # --- network namespaces (root only) -----------------------------------------------------
 
 
-def _netns_available():
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        return False
-    name = f"ddpxprobe{uuid.uuid4().hex[:6]}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
-
-
-netns = pytest.mark.skipif(not _netns_available(), reason="needs root and ip netns")
+netns = pytest.mark.skipif(not utils.netns_available(), reason="needs root and ip netns")
 
 
 @pytest.fixture
 def namespace():
-    """A namespace ``ns`` with lo up and a veth end ``vd<id>`` at 10.213.<n>.2/24 (peer 10.213.<n>.1)."""
-    tag = uuid.uuid4().hex[:6]
-    ns, host_if, ns_if = f"ddpxdoc{tag}", f"vh{tag}", f"vd{tag}"
-    subnet = random.randint(1, 250)
-
-    def sh(*cmd):
-        subprocess.run(cmd, check=True, capture_output=True)
-
-    sh("ip", "netns", "add", ns)
-    try:
-        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        sh("ip", "link", "set", ns_if, "netns", ns)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"10.213.{subnet}.2/24", "dev", ns_if)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up")
-        yield ns, ns_if, f"10.213.{subnet}"
-    finally:
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    """``(namespace, interface, address)``: one end of a veth pair, lo up, its peer in another namespace."""
+    with utils.two_hosts() as hosts:
+        yield hosts[0]
 
 
 def _doctor_in(ns, *args):
@@ -246,9 +220,9 @@ def test_unreachable_master_in_a_namespace(namespace):
 @netns
 @pytest.mark.netns
 def test_loopback_hostname_in_a_namespace_names_the_route_interface(namespace):
-    ns, ns_if, prefix = namespace
+    ns, ns_if, address = namespace
     host_addresses, _ = doctor.resolve(socket.gethostname())
-    rc, checks = _doctor_in(ns, "--master-addr", f"{prefix}.2", "--master-port", 29500)
+    rc, checks = _doctor_in(ns, "--master-addr", address, "--master-port", 29500)
     gloo = checks["gloo iface"]
     if host_addresses and all(doctor.is_loopback(a) for a in host_addresses):
         # a multi-host master address and gloo would bind 127.0.0.1: a failure naming the interface

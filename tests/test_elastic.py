@@ -9,7 +9,6 @@ does not count (its records are dropped).
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import utils
 from utils import run_cli
 
 TESTS = Path(__file__).resolve().parent
@@ -154,41 +154,15 @@ def test_a_hanging_rank_is_cut_short_by_the_steady_state_timeout(tmp_path):
     assert "[rank1] ddpx: no optimizer step boundary for" in log, log[-3000:]
 
 
-def _netns_available():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return False
-    name = f"ddpxprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return ok
-
-
 @pytest.fixture
 def two_hosts():
-    """Namespaces ``hosts[0]`` (10.216.<n>.1) and ``hosts[1]`` (10.216.<n>.2) joined by a veth pair."""
-    tag = f"{os.getpid() % 100000}"
-    hosts = [f"ddpxe{tag}a", f"ddpxe{tag}b"]
-    links = [f"ve{tag}a", f"ve{tag}b"]
-    subnet = os.getpid() % 250
-    sh = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True)  # noqa: E731
-    try:
-        for ns in hosts:
-            sh("ip", "netns", "add", ns)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1])
-        for i, (ns, link) in enumerate(zip(hosts, links)):
-            sh("ip", "link", "set", link, "netns", ns)
-            sh("ip", "-n", ns, "addr", "add", f"10.216.{subnet}.{i + 1}/24", "dev", link)
-            sh("ip", "-n", ns, "link", "set", link, "up")
-        yield [(ns, link, f"10.216.{subnet}.{i + 1}") for i, (ns, link) in enumerate(zip(hosts, links))]
-    finally:
-        for ns in hosts:  # deleting a namespace deletes its end of the veth pair too
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    with utils.two_hosts() as hosts:
+        yield hosts
 
 
 @pytest.mark.netns
 @pytest.mark.timeout(280)
-@pytest.mark.skipif(not _netns_available(), reason="needs root and ip netns")
+@pytest.mark.skipif(not utils.netns_available(), reason="needs root and ip netns")
 def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(tmp_path, two_hosts):
     """Two one-worker "hosts" (static rendezvous, --max-restarts 0): host 1's agent
     and worker are SIGKILLed mid epoch 1. Configured not to restart, host 0 must

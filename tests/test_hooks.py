@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _multiproc import run_workers  # noqa: E402
+import utils  # noqa: E402
 
 import ddpx.hooks  # noqa: E402
 from ddpx.errors import DdpxError  # noqa: E402
@@ -443,17 +444,6 @@ def test_register_falls_back_to_python_and_says_why(caplog):
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_comm.py")
 
 
-def _netns_ok():
-    import shutil
-    import subprocess
-
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        return False
-    r = subprocess.run(["ip", "netns", "add", f"ddpxtest{os.getpid()}"], capture_output=True)
-    subprocess.run(["ip", "netns", "del", f"ddpxtest{os.getpid()}"], capture_output=True)
-    return r.returncode == 0
-
-
 def _bench_namespaces(pid):
     import subprocess
 
@@ -463,7 +453,7 @@ def _bench_namespaces(pid):
 
 @pytest.mark.netns
 @pytest.mark.slow
-@pytest.mark.skipif(not _netns_ok(), reason="needs root and ip netns")
+@pytest.mark.skipif(not utils.netns_available(tc=True), reason="needs root and ip netns")
 def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
     import json
     import signal

@@ -1,12 +1,17 @@
-"""Shared helpers for multi-process tests: free ports and the ``ddpx`` CLI in a subprocess.
+"""Shared helpers for multi-process tests: free ports, the ``ddpx`` CLI in a
+subprocess, and two simulated hosts (network namespaces, root only).
 
 Every helper has a hard timeout so a hung collective fails the test instead of
 stalling the suite.
 """
 
+import contextlib
 import os
+import random
+import shutil
 import subprocess
 import sys
+import uuid
 
 
 from ddpx.launch import free_port  # noqa: F401  (tests import it from here)
@@ -42,3 +47,43 @@ def run_cli(args, timeout=120, env=None, cwd=None, python=None):
             f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}"
         )
     return proc.returncode, out, err
+
+
+def netns_available(tc: bool = False) -> bool:
+    """Whether this process may create network namespaces (root, iproute2; ``tc`` too if asked)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or (tc and shutil.which("tc") is None):
+        return False
+    name = f"ddpxprobe{uuid.uuid4().hex[:6]}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+@contextlib.contextmanager
+def two_hosts(rate=None):
+    """Two namespaces joined by a veth pair: yields ``[(namespace, interface, address)] * 2``
+    at 10.213.<n>.1 and .2 (/24), lo up in both. ``rate`` (tc syntax, e.g. ``"100mbit"``)
+    shapes both directions with tbf. Removed on exit, whatever happened."""
+    tag = uuid.uuid4().hex[:6]
+    subnet = f"10.213.{random.randint(1, 250)}"
+    hosts = [(f"ddpxt{tag}{end}", f"vt{tag}{end}", f"{subnet}.{i + 1}") for i, end in enumerate("ab")]
+
+    def sh(*cmd):
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    try:
+        for ns, _, _ in hosts:
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+        for ns, iface, addr in hosts:
+            sh("ip", "link", "set", iface, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", iface)
+            sh("ip", "-n", ns, "link", "set", iface, "up")
+            if rate:
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, "root", "tbf",
+                   "rate", rate, "burst", "1mb", "latency", "100ms")
+        yield hosts
+    finally:
+        for ns, _, _ in hosts:  # deleting a namespace deletes its end of the veth pair too
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
