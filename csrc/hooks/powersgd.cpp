@@ -83,7 +83,10 @@ class PowerSGD final : public TwoPhaseAlgorithm {
   void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& reduce_q) override {
     reduce_q.wait();
     lay.tensor("q").mul_(1.0 / static_cast<double>(core.world()));
-    const std::vector<bool>& finite = finite_.at(&lay);
+    auto entry = finite_.find(&lay);
+    TORCH_CHECK(entry != finite_.end(), "ddpx powersgd: a bucket finished before its phase 2");
+    const std::vector<bool> finite = std::move(entry->second);
+    finite_.erase(entry);  // no entry outlives its step, so none is left behind by DDP's bucket rebuild
     auto mats = matrices(buf, lay);
     for (size_t i = 0; i < mats.size(); ++i) {
       Mat& x = mats[i];
@@ -99,7 +102,7 @@ class PowerSGD final : public TwoPhaseAlgorithm {
   }
 
   int64_t seed_;
-  // per layout: which matrices had a finite P this step (phase 2 -> finish); worker thread only
+  // per layout in flight: which matrices had a finite P (set in phase 2, taken by finish); worker thread only
   std::unordered_map<const Layout*, std::vector<bool>> finite_;
 };
 
