@@ -78,7 +78,8 @@ def ddpx_model_wrapped(trainer, model):
         return
     trainer.comm_hook = hooks.register(model, cfg["name"], native=cfg["native"], **cfg["options"])
     kind = "native C++" if getattr(trainer.comm_hook, "native", False) else "Python"
-    trainer.log.info("comm hook %s installed (%s hook)", cfg["name"], kind)
+    bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
+    trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB)", cfg["name"], kind, bucket_mb)
 
 
 @hookimpl
