@@ -46,6 +46,7 @@ __all__ = [
     "int8_dequant_accumulate_",
     "onebit_pack",
     "onebit_unpack_accumulate_",
+    "onebit_average_repack",
     "flatten",
     "unflatten_",
     "lowrank_project_",
@@ -172,6 +173,24 @@ def onebit_unpack_accumulate_(
     """
     _ops.onebit_unpack_accumulate_(out, bits, scales, int(chunk_size), float(alpha), bool(accumulate))
     return out
+
+
+def onebit_average_repack(
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    chunk_size: int,
+    alpha: float,
+    error: torch.Tensor,
+    out_bits: torch.Tensor,
+    out_scales: torch.Tensor,
+) -> None:
+    """The 1-bit hook's phase 2 in one pass: ``v = alpha * sum_r decoded(bits[r], scales[r])``
+    (``n = error.numel()``), then ``onebit_pack(v, chunk_size, error, out_bits=..., out_scales=...)``.
+
+    Bit-identical to :func:`onebit_unpack_accumulate_` into a temporary followed by
+    :func:`onebit_pack`; on CPU the average never goes to memory.
+    """
+    _ops.onebit_average_repack(bits, scales, int(chunk_size), float(alpha), error, out_bits, out_scales)
 
 
 def flatten(

@@ -320,6 +320,32 @@ def test_onebit_unpack_accumulate_matches_reference(n, chunk, ranks, alpha, accu
     same(out, expected)
 
 
+@fast
+@given(
+    n=st.one_of(st.sampled_from(SIZES), st.integers(0, 3000)),
+    chunk=chunks,
+    ranks=st.integers(0, 4),
+    special=st.sampled_from([None, "nan", "inf"]),
+    seed=st.integers(0, 2**31),
+)
+def test_onebit_average_repack_equals_unpack_then_pack(n, chunk, ranks, special, seed):
+    """The fused phase 2 is bit for bit the two ops it replaces, NaN scales included."""
+    g = torch.Generator().manual_seed(seed)
+    nbytes, nc = -(-n // 8), -(-n // chunk)
+    bits = torch.randint(0, 256, (ranks, nbytes + 4), generator=g, dtype=torch.uint8)[:, 1 : 1 + nbytes]
+    scales = (torch.rand(ranks, nc + 2, generator=g) * 3)[:, :nc]
+    if special and ranks and nc:
+        scales[ranks - 1, nc // 2] = float(special)
+    error = torch.randn(n, generator=g)
+    fused_error, fused_bits, fused_scales = error.clone(), torch.empty(nbytes, dtype=torch.uint8), torch.empty(nc)
+    ops.onebit_average_repack(bits, scales, chunk, 1 / max(ranks, 1), fused_error, fused_bits, fused_scales)
+    average = ops.onebit_unpack_accumulate_(torch.empty(n), bits, scales, chunk, 1 / max(ranks, 1))
+    expected_bits, expected_scales = ops.onebit_pack(average, chunk, error)
+    assert torch.equal(fused_bits, expected_bits)
+    same(fused_scales, expected_scales)
+    same(fused_error, error)
+
+
 def test_onebit_errors():
     x = torch.randn(20)
     with pytest.raises(ValueError, match="chunk_size must be a multiple of 8"):

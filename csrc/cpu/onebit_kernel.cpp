@@ -3,11 +3,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <ATen/ops/zeros.h>
+
 #include <algorithm>
 #include <array>
+#include <vector>
 
 #include "cpu/simd.h"
 #include "ops/common.h"
+#include "ops/ops.h"
 
 namespace ddpx::cpu {
 namespace {
@@ -129,41 +133,66 @@ struct SignTable {
 };
 const SignTable kSigns;
 
-// out = (accumulate ? out : 0) + alpha * (dec[0] + dec[1] + ...), rows added
-// in order; 64 elements at a time are summed in registers over all rows.
+// Chunk c (elements [c * chunk, chunk_end), rows >= 1) into dst[0, ...):
+// dst = (accumulate ? dst : 0) + alpha * (dec[0] + dec[1] + ...), rows added in
+// order; 64 elements at a time are summed in registers over all rows.
+DDPX_INLINE void decode_chunk(float* dst, const uint8_t* bits, int64_t b_row_stride, const float* scales,
+                              int64_t s_row_stride, int64_t rows, int64_t c, int64_t chunk, int64_t chunk_end,
+                              float alpha, bool accumulate) {
+  const int64_t first = c * chunk;
+  int64_t lo = first;
+  for (; lo + kStep <= chunk_end; lo += kStep) {
+    f32x8 acc[kStep / 8];
+    {
+      const uint8_t* br = bits + lo / 8;
+      const float s = scales[c];
+      for (int k = 0; k < kStep / 8; ++k) acc[k] = load8(kSigns.v[br[k]]) * s;
+    }
+    for (int64_t r = 1; r < rows; ++r) {
+      const uint8_t* br = bits + r * b_row_stride + lo / 8;
+      const float s = scales[r * s_row_stride + c];
+      for (int k = 0; k < kStep / 8; ++k) acc[k] = acc[k] + load8(kSigns.v[br[k]]) * s;
+    }
+    float* o = dst + (lo - first);
+    for (int k = 0; k < kStep / 8; ++k) {
+      const f32x8 add = alpha * acc[k];
+      const f32x8 res = accumulate ? load8(o + 8 * k) + add : add;
+      std::memcpy(o + 8 * k, &res, sizeof res);
+    }
+  }
+  for (int64_t i = lo; i < chunk_end; ++i) {  // the tensor's last partial step
+    float sum = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float d = kSigns.v[bits[r * b_row_stride + i / 8]][i % 8] * scales[r * s_row_stride + c];
+      sum = r == 0 ? d : sum + d;
+    }
+    float& o = dst[i - first];
+    o = accumulate ? o + alpha * sum : alpha * sum;
+  }
+}
+
 DDPX_CPU_CLONES void unpack_chunks(float* out, const uint8_t* bits, int64_t b_row_stride, const float* scales,
                                    int64_t s_row_stride, int64_t rows, int64_t n, int64_t chunk, float alpha,
                                    bool accumulate, int64_t c0, int64_t c1) {
   for (int64_t c = c0; c < c1; ++c) {
-    const int64_t chunk_end = std::min(n, (c + 1) * chunk);
-    int64_t lo = c * chunk;
-    for (; lo + kStep <= chunk_end; lo += kStep) {
-      f32x8 acc[kStep / 8];
-      {
-        const uint8_t* br = bits + lo / 8;
-        const float s = scales[c];
-        for (int k = 0; k < kStep / 8; ++k) acc[k] = load8(kSigns.v[br[k]]) * s;
-      }
-      for (int64_t r = 1; r < rows; ++r) {
-        const uint8_t* br = bits + r * b_row_stride + lo / 8;
-        const float s = scales[r * s_row_stride + c];
-        for (int k = 0; k < kStep / 8; ++k) acc[k] = acc[k] + load8(kSigns.v[br[k]]) * s;
-      }
-      float* o = out + lo;
-      for (int k = 0; k < kStep / 8; ++k) {
-        const f32x8 add = alpha * acc[k];
-        const f32x8 res = accumulate ? load8(o + 8 * k) + add : add;
-        std::memcpy(o + 8 * k, &res, sizeof res);
-      }
-    }
-    for (int64_t i = lo; i < chunk_end; ++i) {  // the tensor's last partial step
-      float sum = 0.0f;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float d = kSigns.v[bits[r * b_row_stride + i / 8]][i % 8] * scales[r * s_row_stride + c];
-        sum = r == 0 ? d : sum + d;
-      }
-      out[i] = accumulate ? out[i] + alpha * sum : alpha * sum;
-    }
+    decode_chunk(out + c * chunk, bits, b_row_stride, scales, s_row_stride, rows, c, chunk,
+                 std::min(n, (c + 1) * chunk), alpha, accumulate);
+  }
+}
+
+// Phase 2 of the 1-bit hook per chunk: decode the average into an L1-sized
+// buffer and pack it with the server error from there, never writing the
+// average to memory. Same arithmetic as unpack_chunks then pack_chunks.
+DDPX_CPU_CLONES void average_repack_chunks(const uint8_t* bits, int64_t b_row_stride, const float* scales,
+                                           int64_t s_row_stride, int64_t rows, float alpha, float* err,
+                                           uint8_t* out_bits, float* out_scales, int64_t n, int64_t chunk,
+                                           int64_t c0, int64_t c1) {
+  std::vector<float> average(static_cast<size_t>(chunk));
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t lo = c * chunk, len = std::min(chunk, n - lo);
+    decode_chunk(average.data(), bits, b_row_stride, scales, s_row_stride, rows, c, chunk, lo + len, alpha,
+                 false);
+    pack_chunks<true>(average.data(), err + lo, out_bits + lo / 8, out_scales + c, len, chunk, 0, 1);
   }
 }
 
@@ -189,10 +218,35 @@ void onebit_unpack_accumulate_(at::Tensor& out, const at::Tensor& bits_in, const
   });
 }
 
+void onebit_average_repack(const at::Tensor& bits_in, const at::Tensor& scales_in, int64_t chunk, double alpha,
+                           at::Tensor& error, at::Tensor& out_bits, at::Tensor& out_scales) {
+  auto [bits, scales] = ops::detail::check_onebit_unpack(error, bits_in, scales_in, chunk);
+  ops::detail::check_onebit_pack(error, chunk, error, out_bits, out_scales);
+  const int64_t n = error.numel(), rows = bits.size(0);
+  if (n == 0) return;
+  if (rows == 0) {  // an average of nothing: zeros, packed
+    ops::onebit_pack_out(at::zeros({n}, error.options()), chunk, error, out_bits, out_scales);
+    return;
+  }
+  const uint8_t* bp = bits.const_data_ptr<uint8_t>();
+  const float* sp = scales.const_data_ptr<float>();
+  float* ep = error.mutable_data_ptr<float>();
+  uint8_t* obp = out_bits.mutable_data_ptr<uint8_t>();
+  float* osp = out_scales.mutable_data_ptr<float>();
+  const int64_t bs = bits.stride(0), ss = scales.stride(0);
+  const int64_t nchunks = ops::detail::ceil_div(n, chunk);
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / chunk);
+  const float a = static_cast<float>(alpha);
+  at::parallel_for(0, nchunks, grain, [&](int64_t c0, int64_t c1) {
+    average_repack_chunks(bp, bs, sp, ss, rows, a, ep, obp, osp, n, chunk, c0, c1);
+  });
+}
+
 }  // namespace
 }  // namespace ddpx::cpu
 
 TORCH_LIBRARY_IMPL(ddpx, CPU, m) {
+  m.impl("onebit_average_repack", &ddpx::cpu::onebit_average_repack);
   m.impl("onebit_pack_out", &ddpx::cpu::onebit_pack_out);
   m.impl("onebit_unpack_accumulate_", &ddpx::cpu::onebit_unpack_accumulate_);
 }

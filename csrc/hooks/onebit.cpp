@@ -84,7 +84,7 @@ class Onebit final : public TwoPhaseAlgorithm {
   WorkPtr start_phase2(HookCore& core, const at::Tensor&, const Layout& lay, c10d::Work& exchange) override {
     const int64_t world = core.world(), rank = core.rank(), m = length(lay, rank);
     const double inv = 1.0 / static_cast<double>(world);
-    at::Tensor reduced = lay.tensor("reduced"), recv = lay.tensor("recv");
+    at::Tensor recv = lay.tensor("recv");
     at::Tensor send2 = lay.tensor("send2"), recv2 = lay.tensor("recv2");
     const at::Tensor& server_error = lay.tensor("server_error");
     exchange.wait();
@@ -92,9 +92,8 @@ class Onebit final : public TwoPhaseAlgorithm {
     auto [plain2, scales2, bits2] = views(send2, lay, m);
     at::Tensor p2 = plain2[0], s2 = scales2[0], b2 = bits2[0];
     at::sum_out(p2, plain, {0}).mul_(inv);
-    at::Tensor mine = reduced.narrow(0, 0, m);
-    ddpx::ops::onebit_unpack_accumulate_(mine, bits, scales, chunk_, inv, false);
-    ddpx::ops::onebit_pack_out(mine, chunk_, server_error.narrow(0, rank * lay.integer("seg"), m), b2, s2);
+    at::Tensor mine_error = server_error.narrow(0, rank * lay.integer("seg"), m);
+    ddpx::ops::onebit_average_repack(bits, scales, chunk_, inv, mine_error, b2, s2);
     return core.worker_group()._allgather_base(recv2, send2);
   }
 

@@ -97,9 +97,32 @@ at::Tensor& onebit_unpack_accumulate_(at::Tensor& out, const at::Tensor& bits, c
   return out;
 }
 
+void onebit_average_repack(const at::Tensor& bits, const at::Tensor& scales, int64_t chunk, double alpha,
+                           at::Tensor& error, at::Tensor& out_bits, at::Tensor& out_scales) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ddpx::onebit_average_repack", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, int64_t, double, at::Tensor&, at::Tensor&,
+                                   at::Tensor&)>();
+  op.call(bits, scales, chunk, alpha, error, out_bits, out_scales);
+}
+
+namespace {
+
+// Every device without a fused kernel: the two ops it fuses, through a temporary.
+void onebit_average_repack_composite(const at::Tensor& bits, const at::Tensor& scales, int64_t chunk, double alpha,
+                                     at::Tensor& error, at::Tensor& out_bits, at::Tensor& out_scales) {
+  at::Tensor average = at::empty({error.numel()}, error.options());
+  onebit_unpack_accumulate_(average, bits, scales, chunk, alpha, false);
+  onebit_pack_out(average, chunk, error, out_bits, out_scales);
+}
+
+}  // namespace
 }  // namespace ddpx::ops
 
 TORCH_LIBRARY_FRAGMENT(ddpx, m) {
+  m.def(
+      "onebit_average_repack(Tensor bits, Tensor scales, int chunk_size, float alpha, Tensor(a!) error, "
+      "Tensor(b!) out_bits, Tensor(c!) out_scales) -> ()");
   m.def("onebit_pack(Tensor x, int chunk_size, Tensor(a!)? error=None) -> (Tensor, Tensor)");
   m.def("onebit_pack_out(Tensor x, int chunk_size, Tensor(a!)? error, Tensor(b!) bits, Tensor(c!) scales) -> ()");
   m.def(
@@ -109,4 +132,8 @@ TORCH_LIBRARY_FRAGMENT(ddpx, m) {
 
 TORCH_LIBRARY_IMPL(ddpx, CompositeImplicitAutograd, m) {
   m.impl("onebit_pack", &ddpx::ops::onebit_pack_alloc);
+}
+
+TORCH_LIBRARY_IMPL(ddpx, CompositeExplicitAutograd, m) {
+  m.impl("onebit_average_repack", &ddpx::ops::onebit_average_repack_composite);
 }

@@ -49,6 +49,11 @@ void onebit_pack_out(const at::Tensor& x, int64_t chunk, const std::optional<at:
 at::Tensor& onebit_unpack_accumulate_(at::Tensor& out, const at::Tensor& bits, const at::Tensor& scales,
                                       int64_t chunk, double alpha = 1.0, bool accumulate = false);
 
+// 1-bit phase 2 in one pass: v = alpha * sum_r decoded[r] (n = error.numel()), then
+// onebit_pack_out(v, chunk, error, out_bits, out_scales); bit-identical to those two ops.
+void onebit_average_repack(const at::Tensor& bits, const at::Tensor& scales, int64_t chunk, double alpha,
+                           at::Tensor& error, at::Tensor& out_bits, at::Tensor& out_scales);
+
 // Concatenate (times scale) same-dtype tensors of any shape/strides into one flat buffer.
 at::Tensor flatten(at::TensorList tensors, double scale = 1.0);
 at::Tensor& flatten_out(at::TensorList tensors, double scale, at::Tensor& out);

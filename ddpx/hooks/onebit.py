@@ -8,10 +8,11 @@ server error feedback, DeepSpeed-style, for any optimizer.
    into bits with one fp32 scale (mean |v|) per ``chunk_size`` elements
    (``ddpx.ops.onebit_pack``, error updated in the same pass) and sends segment
    r to rank r with one ``all_to_all_single``.
-2. Rank r decodes and averages the R received copies of its segment in fp32
-   (``onebit_unpack_accumulate_``), adds its server error, packs again (server
-   error updated), and an ``all_gather_single`` gives every rank every
-   averaged segment, decoded into the bucket.
+2. Rank r decodes and averages the R received copies of its segment in fp32,
+   adds its server error and packs again (server error updated), all in one
+   pass (``ddpx.ops.onebit_average_repack``: the average never goes to memory),
+   and an ``all_gather_single`` gives every rank every averaged segment, decoded
+   into the bucket.
 
 Buckets are pipelined as int8's are (ddpx/hooks/twophase.py).
 
@@ -101,7 +102,6 @@ class OnebitState(TwoPhaseState):
         # packed compressed values (only the first n_comp elements are used)
         lay.comp = torch.zeros(lay.n_comp if lay.direct_offset < 0 and not spans else 0, **f32)
         lay.plain = torch.zeros(world * lay.plain_chunk, **f32)
-        lay.reduced = torch.zeros(lay.seg, **f32)
         lay.worker_error = torch.zeros(world * lay.seg, **f32)
         lay.server_error = torch.zeros(world * lay.seg, **f32)  # only this rank's segment is used
         lay.send = torch.zeros(world * lay.piece, dtype=torch.uint8, device=dev)
@@ -170,10 +170,8 @@ class OnebitState(TwoPhaseState):
         plain, scales, bits = self._views(lay, lay.recv, m)
         plain2, scales2, bits2 = self._views(lay, lay.send2, m)
         torch.sum(plain, dim=0, out=plain2[0]).mul_(1.0 / world)
-        reduced = lay.reduced.narrow(0, 0, m)
-        ops.onebit_unpack_accumulate_(reduced, bits, scales, chunk, 1.0 / world)
-        ops.onebit_pack(reduced, chunk, lay.server_error.narrow(0, rank * lay.seg, m), out_bits=bits2[0],
-                        out_scales=scales2[0])
+        ops.onebit_average_repack(bits, scales, chunk, 1.0 / world, lay.server_error.narrow(0, rank * lay.seg, m),
+                                  out_bits=bits2[0], out_scales=scales2[0])
         return all_gather_single(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
 
     def finish(self, buf, lay, gather):
