@@ -282,6 +282,14 @@ class Namespaces:
 
     def close(self):
         for ns in reversed(self.created):
+            # torchrun starts its workers in sessions of their own, so killing a host's
+            # process group can leave a hung worker behind: kill all that runs in the namespace
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.created = []
 

@@ -478,9 +478,16 @@ def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
         time.sleep(0.2)
     assert _bench_namespaces(p.pid), "the benchmark never created its namespaces"
     time.sleep(2)
+    inside = [int(pid) for ns in _bench_namespaces(p.pid)
+              for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+    assert inside, "no process runs in the namespaces"
     p.send_signal(signal.SIGTERM)
     p.communicate(timeout=60)
     assert _bench_namespaces(p.pid) == []
+    time.sleep(1)
+    alive = [pid for pid in inside if os.path.exists(f"/proc/{pid}") and "zombie" not in
+             open(f"/proc/{pid}/status").read().lower()]
+    assert alive == [], f"processes left running: {alive}"  # torchrun's workers too, in their own sessions
 
 
 def test_int8_straight_from_the_bucket_equals_the_packed_path():
