@@ -49,21 +49,23 @@ def available() -> list[str]:
     return list(_registry())
 
 
+def _state_class(name: str) -> type:
+    cls = _registry().get(name)
+    if cls is None:
+        raise DdpxError(f"unknown comm hook {name!r}; available: {', '.join(available())}")
+    return cls
+
+
 def ddp_options(name: str) -> dict:
     """``DistributedDataParallel`` keyword arguments hook `name` works best with,
     e.g. ``DDP(model, **ddpx.hooks.ddp_options("int8"))`` (``{"bucket_cap_mb": 4.0}``);
     empty where DDP's defaults suit it. The ddpx trainer applies them itself."""
-    cls = _registry().get(name)
-    if cls is None:
-        raise DdpxError(f"unknown comm hook {name!r}; available: {', '.join(available())}")
+    cls = _state_class(name)
     return {} if cls.bucket_cap_mb is None else {"bucket_cap_mb": cls.bucket_cap_mb}
 
 
 def make_state(name: str, process_group=None, **options) -> HookState:
-    cls = _registry().get(name)
-    if cls is None:
-        raise DdpxError(f"unknown comm hook {name!r}; available: {', '.join(available())}")
-    return cls(process_group=process_group, **options)
+    return _state_class(name)(process_group=process_group, **options)
 
 
 def make(name: str, process_group=None, **options):
