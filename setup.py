@@ -112,8 +112,10 @@ setup(
     package_data={"ddpx": ["data/*.csv.gz", "configs/*.yaml"]},
     ext_modules=_extensions(),
     cmdclass=_cmdclass(),
-    install_requires=["torch>=2.4", "pybind11", "ninja", "pluggy>=1.2", "pyyaml", "tqdm"],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "numpy"]},
+    # numpy: torch's object collectives (all_gather_object, broadcast_object_list), which
+    # every run uses at start-up, need it, and the torch wheel does not require it
+    install_requires=["torch>=2.4", "pybind11", "ninja", "pluggy>=1.2", "pyyaml", "tqdm", "numpy"],
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"]},
     entry_points={
         "console_scripts": ["ddpx = ddpx.cli:main"],
         "ddpx": BUILTIN_PLUGINS,
