@@ -7,13 +7,15 @@ node per namespace (``GLOO_SOCKET_IFNAME`` set, master = the first host) and
 times DDP steps of a communication-bound model (12 x Linear(1024, 1024),
 about 50 MB of fp32 gradients) for: no hook, torch's fp16_compress_hook,
 torch's PowerSGD (its failure is reported if it fails), and every ddpx hook,
-native and Python. DDP's buckets are torch's 25 MB, except for ddpx hooks
-with a preferred size (``ddpx.hooks.ddp_options``: 4 MB for int8), which the
-ddpx trainer uses too; ``--bucket-mb`` sets one size for every config.
+native and Python. torch's configs get DDP's defaults (25 MB buckets); ddpx
+hooks get the DDP options they ask for (``ddpx.hooks.ddp_options``:
+gradients as bucket views, 4 MB buckets for int8), as the ddpx trainer
+applies them; ``--bucket-mb`` sets one size for every config.
 
 It reports the bucket size, ms/step, the speed-up over plain allreduce and over torch's fp16
 hook in the same run, the bytes each rank sends per step, and the step time
-the link allows: compute + wire bytes / rate.
+the link allows: compute + wire bytes / rate, where compute is the median
+forward + backward step without DDP, measured just before each config.
 
     sudo python benchmarks/bench_comm.py                  # 2 hosts, 1 Gbit/s
     sudo python benchmarks/bench_comm.py --hosts 3 --rate 500mbit --json
@@ -117,27 +119,36 @@ def worker(args):
                 json.dump(results, f)
             os.replace(args.out + ".tmp", args.out)
 
-    # compute alone: forward + backward of the same model, no communication
     net = _model()
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
+
+    def compute_alone_ms():
+        """Median step of forward + backward of the same model without DDP: no communication."""
+        times = []
+        for _ in range(args.warmup + args.steps):
+            dist.barrier()
             t0 = time.perf_counter()
-        net.zero_grad()
-        net(x).square().mean().backward()
-    results["compute_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
+            net.zero_grad()
+            net(x).square().mean().backward()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[args.warmup:]) * 1e3
+
+    # The host's speed drifts during a run, so every config's bound uses the
+    # compute time measured just before it (the header shows the range).
+    results["compute_ms"] = compute_alone_ms()
     n_params = sum(p.numel() for p in net.parameters())
     results["grad_bytes"] = 4 * n_params
     save()
 
     for label, kind, name, native in _configs(args.hooks):
-        entry = {"label": label, "kind": kind, "name": name, "native": native}
+        entry = {"label": label, "kind": kind, "name": name, "native": native, "compute_ms": compute_alone_ms()}
         results["results"].append(entry)
         save()  # if this config kills the process, the parent knows which one it was
-        bucket_mb = args.bucket_mb
-        if bucket_mb is None:  # each config as a user gets it: ddpx's hooks with their preferred size
-            bucket_mb = ddpx.hooks.ddp_options(_parse_spec(name)[0]).get("bucket_cap_mb") if kind == "ddpx" else None
-        entry["bucket_mb"] = DEFAULT_BUCKET_MB if bucket_mb is None else bucket_mb
-        ddp = DDP(_model(), bucket_cap_mb=bucket_mb)
+        # each config as a user gets it: ddpx's hooks with the DDP options they ask for
+        options = ddpx.hooks.ddp_options(_parse_spec(name)[0]) if kind == "ddpx" else {}
+        if args.bucket_mb is not None:
+            options["bucket_cap_mb"] = args.bucket_mb
+        entry["bucket_mb"] = options.get("bucket_cap_mb", DEFAULT_BUCKET_MB)
+        ddp = DDP(_model(), **options)
         state = None
         try:
             if kind == "ddpx":
@@ -198,7 +209,7 @@ def summarize(results, rate_bps):
         e["speedup_vs_allreduce"] = plain / ms if plain else None
         e["speedup_vs_torch_fp16"] = tfp16 / ms if tfp16 else None
         if rate_bps and "wire_bytes" in e:
-            e["link_bound_ms"] = results["compute_ms"] + e["wire_bytes"] * 8 / rate_bps * 1e3
+            e["link_bound_ms"] = e.get("compute_ms", results["compute_ms"]) + e["wire_bytes"] * 8 / rate_bps * 1e3
             e["vs_link_bound"] = ms / e["link_bound_ms"]
     return results
 
@@ -225,9 +236,16 @@ def table(results):
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     head = (f"{results['world_size']} ranks, {results['rate_bps'] / 1e9:g} Gbit/s links, "
-            f"compute alone {results['compute_ms']:.1f} ms/step, gradients {results['grad_bytes'] / 1e6:.1f} MB, "
+            f"compute alone {_compute_range(results)} ms/step, gradients {results['grad_bytes'] / 1e6:.1f} MB, "
             f"median of {results['steps']} steps")
     return head + "\n" + "\n".join(lines + notes)
+
+
+def _compute_range(results):
+    """'31.2' or '29.8-33.1': compute alone as measured before each config."""
+    times = [e["compute_ms"] for e in results["results"] if "compute_ms" in e] or [results["compute_ms"]]
+    low, high = min(times), max(times)
+    return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}-{high:.1f}"
 
 
 # ------------------------------------------------------------- namespaces

@@ -83,11 +83,12 @@ def ddp_options(config: Config, requests) -> dict:
     """``DistributedDataParallel`` keyword arguments: what plugins ask for
     (``ddpx_ddp_options`` results) where the config leaves it open, then the
     config's ``trainer.find_unused_parameters``, ``static_graph`` and a
-    non-null ``bucket_cap_mb``."""
+    non-null ``bucket_cap_mb`` and ``gradient_as_bucket_view``."""
     cfg = config.trainer
     configured = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
-    if cfg.bucket_cap_mb is not None:
-        configured["bucket_cap_mb"] = cfg.bucket_cap_mb
+    for key in ("bucket_cap_mb", "gradient_as_bucket_view"):
+        if cfg[key] is not None:
+            configured[key] = cfg[key]
     asked: dict = {}
     for options in requests:
         for key, value in (options or {}).items():

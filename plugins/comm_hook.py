@@ -9,7 +9,9 @@ has one. The hook's state (error feedback, warm starts) is saved in checkpoints
 (key ``"comm_hook"``). If ``ddpx.hooks`` cannot be imported, training falls
 back to DDP's all-reduce and says so once. The DDP bucket size the hook works
 best with (``ddpx.hooks.ddp_options``: 4 MB for ``int8``) is passed to the core's
-DDP wrap unless ``trainer.bucket_cap_mb`` sets one.
+DDP wrap unless ``trainer.bucket_cap_mb`` sets one, and so is
+``gradient_as_bucket_view=True`` (the hook writes into the bucket, so DDP's copy
+back into ``.grad`` is saved).
 
 Config section ``comm_hook``: ``name`` (``allreduce``), ``native`` (true),
 ``options`` (``{}``: keyword arguments of the hook, e.g. ``{rank: 4}``).
@@ -79,7 +81,8 @@ def ddpx_model_wrapped(trainer, model):
     trainer.comm_hook = hooks.register(model, cfg["name"], native=cfg["native"], **cfg["options"])
     kind = "native C++" if getattr(trainer.comm_hook, "native", False) else "Python"
     bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
-    trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB)", cfg["name"], kind, bucket_mb)
+    views = ", gradients as bucket views" if getattr(model, "gradient_as_bucket_view", False) else ""
+    trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)", cfg["name"], kind, bucket_mb, views)
 
 
 @hookimpl

@@ -152,6 +152,9 @@ def modes_worker(rank, world):
         out[(mode, "none")] = train(None, rank=rank, mode=mode)
         for hook in ("fp16", "int8"):
             out[(mode, hook)] = train(hook, True, rank=rank, mode=mode)
+    # what ddp_options asks for: .grad as views of the buckets must not change a bit
+    for hook in ALL + PART2:
+        out[("grads_in_buckets", hook)] = (train(hook, True, rank=rank), train(hook, True, rank=rank, mode="bucket_view"))
     # non-finite gradients: step 1, rank 1, one element of fc2.weight
     for hook in ALL + PART2:
         for value in ("inf", "nan"):
@@ -246,8 +249,11 @@ def test_available_names():
 
 
 def test_ddp_options_per_hook():
-    assert ddpx.hooks.ddp_options("int8") == {"bucket_cap_mb": 4.0}  # wire starts a layer into backward
-    assert ddpx.hooks.ddp_options("fp16") == {} and ddpx.hooks.ddp_options("allreduce") == {}
+    # int8: the wire starts a layer into the backward pass; every hook writes into the
+    # bucket, so DDP's copy of the bucket back into .grad is skipped
+    assert ddpx.hooks.ddp_options("int8") == {"gradient_as_bucket_view": True, "bucket_cap_mb": 4.0}
+    for name in ("fp16", "allreduce", "onebit", "powersgd"):
+        assert ddpx.hooks.ddp_options(name) == {"gradient_as_bucket_view": True}
     with pytest.raises(DdpxError, match="unknown comm hook 'int9'; available: "):
         ddpx.hooks.ddp_options("int9")
 
@@ -356,6 +362,14 @@ def test_warmup_steps_use_exact_allreduce(equivalence):
     got = equivalence[0][("int8-warmup", True)]
     assert equal_lists(got["grads"][0], ref["grads"][0]) and equal_lists(got["grads"][1], ref["grads"][1])
     assert not equal_lists(got["grads"][2], ref["grads"][2])
+
+
+@pytest.mark.parametrize("hook", ALL + PART2)
+def test_gradient_as_bucket_view_gives_the_same_bits(modes, hook):
+    for rank_out in modes:
+        plain, views = rank_out[("grads_in_buckets", hook)]
+        assert all(equal_lists(a, b) for a, b in zip(plain["grads"], views["grads"]))
+        assert equal_lists(plain["params"], views["params"])
 
 
 @pytest.mark.parametrize("mode", ["no_sync", "static_graph", "find_unused", "bucket_view"])

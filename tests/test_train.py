@@ -101,9 +101,10 @@ def test_default_run_converges(tmp_path):
         (["comm_hook.name=fp16"], 25),  # no preference
         (["comm_hook.name=int8"], 4),  # the hook's preferred size
         (["comm_hook.name=int8", "trainer.bucket_cap_mb=8.0"], 8),  # the config wins
+        (["comm_hook.name=int8", "trainer.gradient_as_bucket_view=false"], 4),
     ],
 )
-def test_ddp_bucket_size_from_the_comm_hook_unless_the_config_sets_it(tmp_path, overrides, bucket_mb):
+def test_ddp_options_from_the_comm_hook_unless_the_config_sets_them(tmp_path, overrides, bucket_mb):
     from ddpx import hookimpl
     from ddpx_plugins import comm_hook
 
@@ -113,6 +114,7 @@ def test_ddp_bucket_size_from_the_comm_hook_unless_the_config_sets_it(tmp_path, 
         @hookimpl
         def ddpx_train_start(self, trainer):
             seen["bytes"] = trainer.model.bucket_bytes_cap
+            seen["views"] = trainer.model.gradient_as_bucket_view
             seen["hook"] = type(trainer.comm_hook).__name__
 
     pm = make_plugin_manager(None, entry_points=False)
@@ -122,6 +124,8 @@ def test_ddp_bucket_size_from_the_comm_hook_unless_the_config_sets_it(tmp_path, 
                                 *overrides], plugin_manager=pm)
     Trainer(config).run()
     assert seen["bytes"] == bucket_mb * 2**20
+    # every ddpx hook asks for .grad as bucket views, unless the config says no
+    assert seen["views"] == (bool(overrides) and "trainer.gradient_as_bucket_view=false" not in overrides)
     assert seen["hook"] == ("NoneType" if not overrides else "Fp16State" if "fp16" in overrides[0] else "Int8State")
 
 

@@ -58,10 +58,14 @@ def _state_class(name: str) -> type:
 
 def ddp_options(name: str) -> dict:
     """``DistributedDataParallel`` keyword arguments hook `name` works best with,
-    e.g. ``DDP(model, **ddpx.hooks.ddp_options("int8"))`` (``{"bucket_cap_mb": 4.0}``);
-    empty where DDP's defaults suit it. The ddpx trainer applies them itself."""
+    e.g. ``DDP(model, **ddpx.hooks.ddp_options("int8"))``
+    (``{"gradient_as_bucket_view": True, "bucket_cap_mb": 4.0}``). The ddpx
+    trainer applies them itself."""
     cls = _state_class(name)
-    return {} if cls.bucket_cap_mb is None else {"bucket_cap_mb": cls.bucket_cap_mb}
+    options = {"gradient_as_bucket_view": cls.gradient_as_bucket_view}
+    if cls.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = cls.bucket_cap_mb
+    return options
 
 
 def make_state(name: str, process_group=None, **options) -> HookState:

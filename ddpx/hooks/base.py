@@ -210,6 +210,10 @@ class HookState:
     multi_phase = False
     # the DDP bucket size this hook works best with (None: DDP's default 25 MB); see ddp_options()
     bucket_cap_mb: float | None = None
+    # .grad as views of the buckets: a hook writes its result into the bucket, so
+    # DDP's copy of every bucket back into .grad is a pass over the gradients saved
+    # (and their memory); see ddp_options()
+    gradient_as_bucket_view = True
 
     def __init__(self, process_group=None, **opts):
         self.opts = self._validate(opts)
