@@ -17,6 +17,7 @@ import json
 import sys
 
 from ddpx.bench import kernels
+from ddpx.errors import DdpxError
 
 
 def main(argv=None):
@@ -25,7 +26,11 @@ def main(argv=None):
     parser.add_argument("--out", help="also write the JSON object to this file")
     parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     args = parser.parse_args(argv)
-    result = kernels.measure_from_args(args)
+    try:
+        result = kernels.measure_from_args(args)
+    except DdpxError as exc:  # bad arguments: one line, as `ddpx bench kernels` says it
+        print(f"bench_kernels: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     result["missed_targets"] = kernels.missed_targets(result)
     text = json.dumps(result, indent=2)
     print(text)

@@ -6,6 +6,7 @@ tolerance is the 1-bit mean|v| scale, whose summation order differs.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -513,6 +514,17 @@ def test_bench_kernels_json_shape():
     assert len(names) == len(set(names)) >= 8
     for op in result["ops"]:
         assert op["gbps"] > 0 and op["torch_reference_gbps"] > 0
+
+
+@pytest.mark.skipif(CUDA, reason="needs a machine without CUDA")
+def test_bench_kernels_script_bad_device_is_one_line():
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_kernels.py")
+    proc = subprocess.run([sys.executable, script, "--device", "cuda"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "bench_kernels: error: --device cuda but torch sees no CUDA device; run with --device cpu"
 
 
 # ----------------------------------------------------------------- low-rank (PowerSGD) passes
