@@ -271,6 +271,7 @@ class _RecordingPipeline:
                 self.log.append(f"finish {lay}")
 
         state = object.__new__(Recording)  # only the pipeline: no group, no worker
+        state._advancing, state._finishing = None, []  # what TwoPhaseState.__init__ sets
         state.log = []
         return state
 

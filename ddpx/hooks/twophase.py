@@ -50,6 +50,11 @@ def segment_spans(slices, seg: int, unit: int) -> list:
 class TwoPhaseState(LossyState):
     multi_phase = True
 
+    def __init__(self, process_group=None, **opts):
+        super().__init__(process_group, **opts)
+        self._advancing = None  # the job whose second collective the next job starts
+        self._finishing: list = []  # jobs whose second collective is in flight
+
     def start_phase1(self, buf, lay):
         """Code the bucket; return its first collective, started."""
         raise NotImplementedError
@@ -80,8 +85,8 @@ class TwoPhaseState(LossyState):
         """The worker job of one bucket (see the module docstring). A job is
         [buf, layout, pending collective, future]; a failure completes that
         bucket's future with the exception (it surfaces in loss.backward())."""
-        advancing, self._advancing = getattr(self, "_advancing", None), None
-        finishing, self._finishing = getattr(self, "_finishing", None) or [], []
+        advancing, self._advancing = self._advancing, None
+        finishing, self._finishing = self._finishing, []
         try:
             started = [buf, lay, self.start_phase1(buf, lay), fut]
         except BaseException as exc:
