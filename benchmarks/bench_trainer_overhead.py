@@ -100,6 +100,21 @@ def mean_over_ranks(losses) -> float:
     return (totals[0] / totals[1]).item()
 
 
+def hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn) -> int:
+    """One epoch of the hand-written loop (the README's comparison); returns its steps."""
+    sampler.set_epoch(epoch)
+    losses = []
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sampler.advance()
+        losses.append(loss.detach())
+    mean_over_ranks(losses)  # the epoch's training loss, as ddpx reports it
+    return len(losses)
+
+
 def hand_loop(epochs: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -124,17 +139,8 @@ def hand_loop(epochs: int, out: str) -> None:
     train_start = time.time()
     for epoch in range(epochs):
         start = time.perf_counter()
-        sampler.set_epoch(epoch)
-        losses = []
-        for x, y in loader:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sampler.advance()
-            losses.append(loss.detach())
-        mean_over_ranks(losses)  # the epoch's training loss, as ddpx reports it
-        timings.append({"seconds": time.perf_counter() - start, "steps": len(losses)})
+        steps = hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn)
+        timings.append({"seconds": time.perf_counter() - start, "steps": steps})
         model.eval()
         with torch.no_grad():  # evaluation like ddpx's (not timed)
             correct = sum((model.module(x).argmax(1) == y).sum().item() for x, y in test_loader)
@@ -181,18 +187,9 @@ def interleaved(rounds: int, overrides, out: str) -> None:
             ddpx_cpu.append(cpu / steps)
         else:
             start, cpu_start = time.perf_counter(), time.thread_time()
-            sampler.set_epoch(epoch)
-            losses = []
-            for x, y in loader:
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                sampler.advance()
-                losses.append(loss.detach())
-            mean_over_ranks(losses)
-            hand_times.append((time.perf_counter() - start) / len(losses))
-            hand_cpu.append((time.thread_time() - cpu_start) / len(losses))
+            steps = hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn)
+            hand_times.append((time.perf_counter() - start) / steps)
+            hand_cpu.append((time.thread_time() - cpu_start) / steps)
     dispatch_us = own_work_us(trainer, rounds)
     trainer.hook.ddpx_train_end(trainer=trainer)
     if trainer.rank == 0:
