@@ -484,6 +484,10 @@ def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
     assert by["ddpx int8 native"]["native"] is True and by["ddpx int8 native"]["ms_per_step"] > 0
     assert by["ddpx int8 native"]["wire_bytes"] < 0.3 * by["no hook"]["wire_bytes"]
     assert "torch powerSGD rank 4" in by  # measured or reported as failed, never missing
+    # each config's bound: the compute alone measured just before it, plus its wire time at 10 Gbit/s
+    int8 = by["ddpx int8 native"]
+    assert all(e["compute_ms"] > 0 for e in res["results"])
+    assert int8["link_bound_ms"] == pytest.approx(int8["compute_ms"] + int8["wire_bytes"] * 8 / 10e9 * 1e3)
     # SIGTERM while the workers run: the namespaces still go away
     p = subprocess.Popen([sys.executable, BENCH, "--steps", "50", "--hooks", "int8"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
