@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one prepared run (device time is short, so nothing
 # here is interactive): build the CUDA extension against the machine's own torch,
-# run the CUDA tests, then the kernel benchmark on the GPU and on the CPU. Logs and
+# run the CUDA tests (kernels against the CPU, every comm hook over NCCL), then the
+# kernel benchmark on the GPU and on the CPU. Logs and
 # JSON go to $OUT (the device tool's output folder; ./device-out elsewhere).
 #   bash scripts/device_check.sh
 # Each step runs even if an earlier one failed; the exit status is the first failure.
@@ -26,7 +27,7 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember the first 
 step env bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'"
 # The machine's torch is not this project's pin: build against it, in place, no install.
 step build env DDPX_CUDA=1 MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace
-step tests_cuda "$PY" -m pytest -q -m cuda tests/test_kernels.py
+step tests_cuda "$PY" -m pytest -q -rs -m cuda tests/test_kernels.py tests/test_hooks_cuda.py
 step tests_kernels "$PY" -m pytest -q tests/test_kernels.py
 step bench_kernels_cuda "$PY" benchmarks/bench_kernels.py --device cuda --json --out "$OUT/bench_kernels_cuda.json"
 step bench_kernels_cpu "$PY" benchmarks/bench_kernels.py --device cpu --json --out "$OUT/bench_kernels_cpu.json"
