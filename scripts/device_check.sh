@@ -12,6 +12,7 @@ OUT=${OUT:-device-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # built in place, not installed: tests' worker processes import ./ddpx
 status=0
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember the first failure
     local name=$1; shift
