@@ -132,14 +132,13 @@ def worker(args):
             times.append(time.perf_counter() - t0)
         return statistics.median(times[args.warmup:]) * 1e3
 
-    # The host's speed drifts during a run, so every config's bound uses the
-    # compute time measured just before it (the header shows the range).
-    results["compute_ms"] = compute_alone_ms()
     n_params = sum(p.numel() for p in net.parameters())
     results["grad_bytes"] = 4 * n_params
     save()
 
     for label, kind, name, native in _configs(args.hooks):
+        # The host's speed drifts during a run, so every config's bound uses the
+        # compute time measured just before it (the header shows the range).
         entry = {"label": label, "kind": kind, "name": name, "native": native, "compute_ms": compute_alone_ms()}
         results["results"].append(entry)
         save()  # if this config kills the process, the parent knows which one it was
@@ -209,7 +208,7 @@ def summarize(results, rate_bps):
         e["speedup_vs_allreduce"] = plain / ms if plain else None
         e["speedup_vs_torch_fp16"] = tfp16 / ms if tfp16 else None
         if rate_bps and "wire_bytes" in e:
-            e["link_bound_ms"] = e.get("compute_ms", results["compute_ms"]) + e["wire_bytes"] * 8 / rate_bps * 1e3
+            e["link_bound_ms"] = e["compute_ms"] + e["wire_bytes"] * 8 / rate_bps * 1e3
             e["vs_link_bound"] = ms / e["link_bound_ms"]
     return results
 
@@ -243,7 +242,9 @@ def table(results):
 
 def _compute_range(results):
     """'31.2' or '29.8-33.1': compute alone as measured before each config."""
-    times = [e["compute_ms"] for e in results["results"] if "compute_ms" in e] or [results["compute_ms"]]
+    times = [e["compute_ms"] for e in results["results"]]
+    if not times:
+        return "not measured"
     low, high = min(times), max(times)
     return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}-{high:.1f}"
 
