@@ -50,6 +50,7 @@ __all__ = [
     "flatten",
     "unflatten_",
     "lowrank_project_",
+    "lowrank_transpose_project_",
     "lowrank_reconstruct_",
 ]
 
@@ -232,6 +233,17 @@ def lowrank_project_(m: torch.Tensor, error: torch.Tensor, qt: torch.Tensor, p: 
     """
     _ops.lowrank_project_(m, error, qt, p)
     return p
+
+
+def lowrank_transpose_project_(m: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
+    """PowerSGD's middle pass: ``qt = p.T @ m`` (Q = M^T P, written transposed), one pass over ``m``.
+
+    Shapes as in :func:`lowrank_project_`. On CPU ``qt[c, j]`` sums ``p[i, c] *
+    m[i, j]`` over i = 0, 1, ... in order, so any thread count gives the same
+    bits; other devices run ``torch.matmul``. Returns ``qt``.
+    """
+    _ops.lowrank_transpose_project_(m, p, qt)
+    return qt
 
 
 def lowrank_reconstruct_(m: torch.Tensor, error: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:

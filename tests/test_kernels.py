@@ -541,6 +541,14 @@ def test_lowrank_passes_match_torch(n, k, r, seed):
     ops.lowrank_project_(m, error, qt, p)
     assert torch.equal(m, m_ref)  # the add is exact elementwise
     torch.testing.assert_close(p.double(), p_ref, rtol=1e-5, atol=1e-5 * math.sqrt(k))
+    qt_back = torch.full((r, k), float("nan"))  # every element must be written
+    ops.lowrank_transpose_project_(m, p, qt_back)
+    torch.testing.assert_close(qt_back.double(), p.double().t() @ m.double(), rtol=1e-5, atol=1e-5 * math.sqrt(n))
+    # its sum runs over the rows in order from 0: bit for bit the row-by-row recomputation
+    acc = torch.zeros(r, k)
+    for i in range(n):
+        acc += p[i].unsqueeze(1) * m[i]
+    assert torch.equal(qt_back, acc)
     a_ref = p.double() @ qt.double()
     e_ref = m.double() - a_ref
     ops.lowrank_reconstruct_(m, error, p, qt)
@@ -553,6 +561,20 @@ def test_lowrank_passes_match_torch(n, k, r, seed):
     assert torch.equal(m, a)
 
 
+def test_lowrank_transpose_project_same_bits_on_any_thread_count():
+    g = torch.Generator().manual_seed(3)
+    m, p = torch.randn(300, 2051, generator=g), torch.randn(300, 4, generator=g)
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(ops.lowrank_transpose_project_(m, p, torch.empty(4, 2051)))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_lowrank_errors():
     m, e, qt, p = torch.zeros(4, 6), torch.zeros(4, 6), torch.zeros(2, 6), torch.zeros(4, 2)
     with pytest.raises(ValueError, match="shapes must be m"):
@@ -563,6 +585,10 @@ def test_lowrank_errors():
         ops.lowrank_project_(m.double(), e, qt, p)
     with pytest.raises(ValueError, match="contiguous"):
         ops.lowrank_reconstruct_(torch.zeros(6, 4).t(), e, p, qt)
+    with pytest.raises(ValueError, match="shapes must be m"):
+        ops.lowrank_transpose_project_(m, torch.zeros(5, 2), qt)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.lowrank_transpose_project_(m, p, torch.zeros(6, 2).t())
 
 
 # ----------------------------------------------------------------- CUDA == CPU

@@ -61,6 +61,8 @@ DDPX_INLINE f32x8 load8(const float* p) {
   return v;
 }
 
+DDPX_INLINE void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+
 DDPX_INLINE i32x8 abs_bits8(f32x8 v) {
   i32x8 u;
   std::memcpy(&u, &v, sizeof u);

@@ -72,7 +72,7 @@ class PowerSGD final : public TwoPhaseAlgorithm {
       const bool ok = at::isfinite(x.p).all().item<bool>();  // p is identical on every rank
       finite.push_back(ok);
       if (ok) x.p.copy_(std::get<0>(at::linalg_qr(x.p)));
-      at::matmul_out(x.qt, x.p.t(), x.mat);  // (P^T M)^T: reads M row by row, unlike M^T P
+      ddpx::ops::lowrank_transpose_project_(x.mat, x.p, x.qt);  // Q^T = P^T M, reading M row by row
       x.q.copy_(x.qt.t());
     }
     std::vector<at::Tensor> tensors{lay.tensor("q")};

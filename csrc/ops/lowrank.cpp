@@ -1,6 +1,7 @@
 // Low-rank (PowerSGD) passes over a gradient matrix M [n, k] and its error
 // memory E, with Q^T [r, k] and P [n, r]:
 //   lowrank_project_:     M += E; P = M Q           (one pass over M and E)
+//   lowrank_transpose_project_: Q^T = P^T M  (Q = M^T P; one pass over M)
 //   lowrank_reconstruct_: A = P Q^T; E = M - A; M = A  (one pass)
 // The CPU kernels (csrc/cpu/lowrank_kernel.cpp) stream M row by row; other
 // devices use the composite ATen version below (cuBLAS does these well).
@@ -15,17 +16,18 @@
 namespace ddpx::ops {
 namespace detail {
 
-void check_lowrank(const char* op, const at::Tensor& m, const at::Tensor& error, const at::Tensor& p,
+void check_lowrank(const char* op, const at::Tensor& m, const at::Tensor* error, const at::Tensor& p,
                    const at::Tensor& qt) {
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"m", &m}, {"error", &error}, {"p", &p},
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"m", &m}, {"error", error}, {"p", &p},
                          {"qt", &qt}}) {
+    if (t == nullptr) continue;
     check_dtype(op, name, *t, at::kFloat);
     check_same_device(op, name, *t, m);
     TORCH_CHECK_VALUE(t->dim() == 2, "ddpx.ops.", op, ": ", name, " must be 2-D, got ", t->dim(), "-D");
     check_contiguous_output(op, name, *t);
   }
-  TORCH_CHECK_VALUE(error.sizes() == m.sizes(), "ddpx.ops.", op, ": error must have m's shape ", m.sizes(),
-                    ", got ", error.sizes());
+  TORCH_CHECK_VALUE(error == nullptr || error->sizes() == m.sizes(), "ddpx.ops.", op, ": error must have m's shape ",
+                    m.sizes(), ", got ", error->sizes());
   TORCH_CHECK_VALUE(p.size(0) == m.size(0) && qt.size(1) == m.size(1) && p.size(1) == qt.size(0), "ddpx.ops.",
                     op, ": shapes must be m [n, k], p [n, r], qt [r, k]; got m ", m.sizes(), ", p ", p.sizes(),
                     ", qt ", qt.sizes());
@@ -36,13 +38,18 @@ void check_lowrank(const char* op, const at::Tensor& m, const at::Tensor& error,
 namespace {
 
 void lowrank_project_composite(at::Tensor& m, const at::Tensor& error, const at::Tensor& qt, at::Tensor& p) {
-  detail::check_lowrank("lowrank_project_", m, error, p, qt);
+  detail::check_lowrank("lowrank_project_", m, &error, p, qt);
   m.add_(error);
   at::matmul_out(p, m, qt.t());
 }
 
+void lowrank_transpose_project_composite(const at::Tensor& m, const at::Tensor& p, at::Tensor& qt) {
+  detail::check_lowrank("lowrank_transpose_project_", m, nullptr, p, qt);
+  at::matmul_out(qt, p.t(), m);
+}
+
 void lowrank_reconstruct_composite(at::Tensor& m, at::Tensor& error, const at::Tensor& p, const at::Tensor& qt) {
-  detail::check_lowrank("lowrank_reconstruct_", m, error, p, qt);
+  detail::check_lowrank("lowrank_reconstruct_", m, &error, p, qt);
   at::addmm_out(error, m, p, qt, 1.0, -1.0);
   at::matmul_out(m, p, qt);
 }
@@ -56,6 +63,13 @@ void lowrank_project_(at::Tensor& m, const at::Tensor& error, const at::Tensor& 
   op.call(m, error, qt, p);
 }
 
+void lowrank_transpose_project_(const at::Tensor& m, const at::Tensor& p, at::Tensor& qt) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ddpx::lowrank_transpose_project_", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&)>();
+  op.call(m, p, qt);
+}
+
 void lowrank_reconstruct_(at::Tensor& m, at::Tensor& error, const at::Tensor& p, const at::Tensor& qt) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("ddpx::lowrank_reconstruct_", "")
@@ -67,10 +81,12 @@ void lowrank_reconstruct_(at::Tensor& m, at::Tensor& error, const at::Tensor& p,
 
 TORCH_LIBRARY_FRAGMENT(ddpx, m) {
   m.def("lowrank_project_(Tensor(a!) m, Tensor error, Tensor qt, Tensor(b!) p) -> ()");
+  m.def("lowrank_transpose_project_(Tensor m, Tensor p, Tensor(a!) qt) -> ()");
   m.def("lowrank_reconstruct_(Tensor(a!) m, Tensor(b!) error, Tensor p, Tensor qt) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ddpx, CompositeExplicitAutograd, m) {
   m.impl("lowrank_project_", &ddpx::ops::lowrank_project_composite);
+  m.impl("lowrank_transpose_project_", &ddpx::ops::lowrank_transpose_project_composite);
   m.impl("lowrank_reconstruct_", &ddpx::ops::lowrank_reconstruct_composite);
 }

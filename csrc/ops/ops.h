@@ -65,6 +65,8 @@ void unflatten_(const at::Tensor& flat, at::TensorList tensors, double scale = 1
 // p [n, r] and qt [r, k] (Q transposed), all fp32 and contiguous:
 // lowrank_project_: m += error; p = m qt^T.
 void lowrank_project_(at::Tensor& m, const at::Tensor& error, const at::Tensor& qt, at::Tensor& p);
+// lowrank_transpose_project_: qt = p^T m (Q = M^T P, written transposed).
+void lowrank_transpose_project_(const at::Tensor& m, const at::Tensor& p, at::Tensor& qt);
 // lowrank_reconstruct_: a = p qt; error = m - a; m = a.
 void lowrank_reconstruct_(at::Tensor& m, at::Tensor& error, const at::Tensor& p, const at::Tensor& qt);
 

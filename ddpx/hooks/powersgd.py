@@ -147,7 +147,7 @@ class PowerSGDState(TwoPhaseState):
             lay.finite.append(ok)
             if ok:
                 p.copy_(torch.linalg.qr(p).Q)
-            torch.matmul(p.t(), mat, out=qt)  # (P^T M)^T: M^T P reads M column-wise, ~4x slower on a CPU
+            ops.lowrank_transpose_project_(mat, p, qt)  # Q^T = P^T M, reading M row by row
             q.copy_(qt.t())
         return dist.all_reduce(lay.q, group=self.worker_group, async_op=True)
 
