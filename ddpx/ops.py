@@ -223,15 +223,22 @@ def unflatten_(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float
     _ops.unflatten_(flat, list(tensors), float(scale))
 
 
-def lowrank_project_(m: torch.Tensor, error: torch.Tensor, qt: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """PowerSGD's first pass: ``m += error`` and ``p = m @ qt.T``, in one pass over ``m``.
+def lowrank_project_(
+    m: torch.Tensor, error: torch.Tensor, p_prev: torch.Tensor, qt: torch.Tensor, p: torch.Tensor
+) -> torch.Tensor:
+    """PowerSGD's first pass: ``error = (m + error) - p_prev @ qt`` and ``p = error @ qt.T``,
+    in one pass over ``m`` and ``error``; ``m`` is only read.
 
-    ``m`` and ``error`` are fp32 ``[n, k]``, ``qt`` is Q transposed (``[r, k]``),
-    ``p`` is written (``[n, r]``); all contiguous. On CPU the dot products sum 8
-    lanes, then the lanes in order (the same bits on every CPU); other devices
-    run ``m.add_(error)`` and ``torch.matmul``. Returns ``p``.
+    ``error`` holds the previous step's full sum and ``p_prev`` that step's P, so
+    the subtraction applies the previous step's approximation lazily; ``error``
+    comes out as this step's full sum (gradient plus error feedback). ``m`` and
+    ``error`` are fp32 ``[n, k]``, ``qt`` is Q transposed (``[r, k]``), ``p`` and
+    ``p_prev`` are ``[n, r]``; all contiguous. On CPU ``p_prev @ qt`` sums over
+    c = 0, 1, ... in order and each dot product sums 8 lanes, then the lanes in
+    order (the same bits on every CPU); other devices run ``add_``, ``addmm_``
+    and ``torch.matmul``. Returns ``p``.
     """
-    _ops.lowrank_project_(m, error, qt, p)
+    _ops.lowrank_project_(m, error, p_prev, qt, p)
     return p
 
 
@@ -246,12 +253,12 @@ def lowrank_transpose_project_(m: torch.Tensor, p: torch.Tensor, qt: torch.Tenso
     return qt
 
 
-def lowrank_reconstruct_(m: torch.Tensor, error: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
-    """PowerSGD's last pass: ``a = p @ qt``, ``error = m - a`` and ``m = a``, in one pass.
+def lowrank_reconstruct_(m: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
+    """PowerSGD's last pass: ``m = p @ qt``, one write pass.
 
-    Shapes as in :func:`lowrank_project_`. On CPU ``a[i, j]`` sums ``p[i, c] *
+    Shapes as in :func:`lowrank_project_`. On CPU ``m[i, j]`` sums ``p[i, c] *
     qt[c, j]`` for c = 0, 1, ... in order, so ranks that hold the same ``p`` and
     ``qt`` write the same ``m``. Returns ``m``.
     """
-    _ops.lowrank_reconstruct_(m, error, p, qt)
+    _ops.lowrank_reconstruct_(m, p, qt)
     return m

@@ -164,6 +164,87 @@ def _many_buckets(rank, world, use_torch):
     return {"grads": grads, "buckets": None if use_torch else len(ddp.reducer._get_zeros_like_grad_buckets())}
 
 
+def _powersgd_steps(rank, world):
+    """Five steps of the powersgd hook (rank 2, weights fixed, a new batch each step), with
+    every rank's raw gradients (an identical model without DDP, all-gathered) for the
+    reference below, and each compressed matrix's seeded starting Q."""
+    out = {}
+    x_all, y_all = digits_split()[0].tensors
+    for native in (False, True):
+        model = _model()
+        plain = copy.deepcopy(model)
+        ddp = DDP(model, bucket_cap_mb=0.005)
+        state = ddpx.hooks.register(ddp, "powersgd", native=native, rank=2)
+        hooked, raw = [], []
+        for t in range(5):
+            lo = (t * world + rank) * 16
+            xb, yb = x_all[lo:lo + 16], y_all[lo:lo + 16]
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(xb), yb).backward()
+            hooked.append([p.grad.clone() for p in model.parameters()])
+            plain.zero_grad()
+            torch.nn.functional.cross_entropy(plain(xb), yb).backward()
+            step = []
+            for p in plain.parameters():
+                parts = [torch.empty_like(p.grad) for _ in range(world)]
+                dist.all_gather(parts, p.grad)
+                step.append(parts)
+            raw.append(step)
+        q0 = {}
+        for i, p in enumerate(model.parameters()):
+            if state.compressible(p):
+                q0[i] = torch.empty(p.shape[1] * state.r_of(p))
+                state._draw_q(state.key_of(p), q0[i])
+        sd = state.state_dict()
+        del sd["memory"]["p"]  # as saved before the hook kept P: its "error" is the error itself
+        state.load_state_dict(sd)
+        p_after_old_format = all(not t.any() for t in state.memory["p"].values())
+        sd["memory"] = {}  # no memory saved: the live memory stays as it is, consistently
+        some_p = next(iter(state.memory["p"].values()))
+        some_p.fill_(1.0)
+        state.load_state_dict(sd)
+        out[native] = {"hooked": hooked, "raw": raw, "q0": q0, "p_after_old_format": p_after_old_format,
+                       "p_kept": bool((some_p == 1.0).all())}
+    return out
+
+
+def _powersgd_reference(raw, q0, world):
+    """PowerSGD as in the paper, fp64, the error written every step: per matrix,
+    M = G + E on each rank; P = orthogonalize(sum M Q); Q = mean M^T P; out = P Q^T;
+    E = M - out; Q warm-starts the next step. Everything else is averaged."""
+    errors, qs, outs = {}, {i: q.double().view(-1, 2) for i, q in q0.items()}, []  # rank 2: Q is m x 2
+    for step in raw:
+        cur = []
+        for i, parts in enumerate(step):
+            if i not in qs:
+                cur.append(sum(g.double() for g in parts) / world)
+                continue
+            ms = [g.double() + errors.get((i, w), 0) for w, g in enumerate(parts)]
+            p = torch.linalg.qr(sum(m @ qs[i] for m in ms)).Q
+            qs[i] = sum(m.t() @ p for m in ms) / world
+            approx = p @ qs[i].t()
+            for w, m in enumerate(ms):
+                errors[(i, w)] = m - approx
+            cur.append(approx)
+        outs.append(cur)
+    return outs
+
+
+def test_powersgd_matches_the_reference_algorithm():
+    """The hook's lazy error (E keeps M; the next step subtracts P' Q'^T) and its
+    kernels give PowerSGD's numbers: every step, every parameter, both ranks, both paths."""
+    results = run_workers(_powersgd_steps, world_size=2, timeout=120)
+    for native in (False, True):
+        ref = _powersgd_reference(results[0][native]["raw"], results[0][native]["q0"], 2)
+        assert len(results[0][native]["q0"]) == 3  # all three weight matrices are compressed
+        assert results[0][native]["p_after_old_format"] and results[0][native]["p_kept"]
+        for r in results:
+            for t, (got, want) in enumerate(zip(r[native]["hooked"], ref)):
+                for i, (g, w) in enumerate(zip(got, want)):
+                    err = (g.double() - w).abs().max().item() / w.abs().max().item()
+                    assert err < 1e-4, (native, t, i, err)
+
+
 @pytest.fixture(scope="module")
 def results():
     return run_workers(_scenarios, world_size=2, timeout=240)

@@ -530,35 +530,43 @@ def test_bench_kernels_script_bad_device_is_one_line():
 # ----------------------------------------------------------------- low-rank (PowerSGD) passes
 
 
+def ordered_product(p, qt):
+    """p @ qt summed over c = 0, 1, ... in order from 0: what the CPU kernels promise, bit for bit."""
+    a = torch.zeros(p.shape[0], qt.shape[1])
+    for c in range(p.shape[1]):
+        a += p[:, c:c + 1] * qt[c]
+    return a
+
+
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 70), k=st.integers(1, 70), r=st.integers(1, 5), seed=st.integers(0, 2**16))
+@given(n=st.integers(1, 70), k=st.integers(1, 70), r=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_lowrank_passes_match_torch(n, k, r, seed):
     g = torch.Generator().manual_seed(seed)
     m, error = torch.randn(n, k, generator=g), torch.randn(n, k, generator=g)
-    qt, p = torch.randn(r, k, generator=g), torch.empty(n, r)
-    m_ref = m + error
-    p_ref = m_ref.double() @ qt.double().t()
-    ops.lowrank_project_(m, error, qt, p)
-    assert torch.equal(m, m_ref)  # the add is exact elementwise
-    torch.testing.assert_close(p.double(), p_ref, rtol=1e-5, atol=1e-5 * math.sqrt(k))
+    p_prev, qt, p = torch.randn(n, r, generator=g), torch.randn(r, k, generator=g), torch.empty(n, r)
+    m_before = m.clone()
+    full_ref = (m + error) - ordered_product(p_prev, qt)
+    ops.lowrank_project_(m, error, p_prev, qt, p)
+    assert torch.equal(m, m_before)  # the gradient is only read
+    assert torch.equal(error, full_ref)  # elementwise, sums over c in order: exact
+    torch.testing.assert_close(p.double(), error.double() @ qt.double().t(), rtol=1e-5, atol=1e-5 * math.sqrt(k))
     qt_back = torch.full((r, k), float("nan"))  # every element must be written
-    ops.lowrank_transpose_project_(m, p, qt_back)
-    torch.testing.assert_close(qt_back.double(), p.double().t() @ m.double(), rtol=1e-5, atol=1e-5 * math.sqrt(n))
+    ops.lowrank_transpose_project_(error, p, qt_back)
+    torch.testing.assert_close(qt_back.double(), p.double().t() @ error.double(), rtol=1e-5,
+                               atol=1e-5 * math.sqrt(n))
     # its sum runs over the rows in order from 0: bit for bit the row-by-row recomputation
     acc = torch.zeros(r, k)
     for i in range(n):
-        acc += p[i].unsqueeze(1) * m[i]
+        acc += p[i].unsqueeze(1) * error[i]
     assert torch.equal(qt_back, acc)
-    a_ref = p.double() @ qt.double()
-    e_ref = m.double() - a_ref
-    ops.lowrank_reconstruct_(m, error, p, qt)
-    torch.testing.assert_close(m.double(), a_ref, rtol=1e-5, atol=1e-5 * r)
-    torch.testing.assert_close(error.double(), e_ref, rtol=1e-5, atol=1e-5 * r)
-    # reconstruct's sum has a fixed order (c = 0, 1, ...): m == error-free recomputation, bit for bit
-    a = torch.zeros(n, k)
-    for c in range(r):
-        a += p[:, c:c + 1] * qt[c]
-    assert torch.equal(m, a)
+    ops.lowrank_reconstruct_(m, p, qt)
+    torch.testing.assert_close(m.double(), p.double() @ qt.double(), rtol=1e-5, atol=1e-5 * r)
+    assert torch.equal(m, ordered_product(p, qt))
+    # with no previous P, the first pass is a plain add (the first step, or a reset memory)
+    error2 = torch.randn(n, k, generator=g)
+    expected = m + error2
+    ops.lowrank_project_(m, error2, torch.zeros(n, r), qt, p)
+    assert torch.equal(error2, expected)
 
 
 def test_lowrank_transpose_project_same_bits_on_any_thread_count():
@@ -578,13 +586,15 @@ def test_lowrank_transpose_project_same_bits_on_any_thread_count():
 def test_lowrank_errors():
     m, e, qt, p = torch.zeros(4, 6), torch.zeros(4, 6), torch.zeros(2, 6), torch.zeros(4, 2)
     with pytest.raises(ValueError, match="shapes must be m"):
-        ops.lowrank_project_(m, e, torch.zeros(2, 5), p)
+        ops.lowrank_project_(m, e, p, torch.zeros(2, 5), p)
     with pytest.raises(ValueError, match="error must have m's shape"):
-        ops.lowrank_reconstruct_(m, torch.zeros(4, 5), p, qt)
+        ops.lowrank_project_(m, torch.zeros(4, 5), p, qt, p)
+    with pytest.raises(ValueError, match="p_prev must have p's shape"):
+        ops.lowrank_project_(m, e, torch.zeros(4, 3), qt, p)
     with pytest.raises(TypeError, match="must be torch.float32"):
-        ops.lowrank_project_(m.double(), e, qt, p)
+        ops.lowrank_project_(m.double(), e, p, qt, p)
     with pytest.raises(ValueError, match="contiguous"):
-        ops.lowrank_reconstruct_(torch.zeros(6, 4).t(), e, p, qt)
+        ops.lowrank_reconstruct_(torch.zeros(6, 4).t(), p, qt)
     with pytest.raises(ValueError, match="shapes must be m"):
         ops.lowrank_transpose_project_(m, torch.zeros(5, 2), qt)
     with pytest.raises(ValueError, match="contiguous"):

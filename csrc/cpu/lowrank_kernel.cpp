@@ -1,5 +1,5 @@
 // CPU kernels of the low-rank passes (see csrc/ops/lowrank.cpp): one streaming
-// pass over M (and E) per call, the row and Q^T staying in cache.
+// pass over M and E per call, the row and Q^T staying in cache.
 // Every sum has a fixed order (8 lanes, then the lanes in order), so the AVX2
 // clone and the portable build give the same bits.
 #include <ATen/Parallel.h>
@@ -12,82 +12,110 @@
 
 namespace ddpx::ops::detail {
 void check_lowrank(const char* op, const at::Tensor& m, const at::Tensor* error, const at::Tensor& p,
-                   const at::Tensor& qt);
+                   const at::Tensor& qt, const at::Tensor* p_prev = nullptr);
 }
 
 namespace ddpx::cpu {
 namespace {
 
-// Dot products of x [k] with NC rows of qt, NC independent accumulators in one
-// pass over x (one accumulator at a time would wait on every add's latency);
-// with ERR, x += err first, in the same pass. Each sum: 8 lanes over j, then
-// the lanes in order, then the tail in order.
-template <int NC, bool ERR>
-DDPX_INLINE void dot_rows(float* __restrict__ x, const float* __restrict__ err, const float* __restrict__ qt,
+// sum_c p[c] * qt[c][j..j+8) for c < r, from 0 in order: one row of P Q^T.
+template <int R>
+DDPX_INLINE f32x8 approx8(const float* __restrict__ p, const float* __restrict__ qt, int64_t k, int64_t j,
+                          int64_t r) {
+  const int64_t rr = R > 0 ? R : r;
+  f32x8 a = {};
+  for (int64_t c = 0; c < rr; ++c) a += p[c] * load8(qt + c * k + j);
+  return a;
+}
+
+template <int R>
+DDPX_INLINE float approx1(const float* __restrict__ p, const float* __restrict__ qt, int64_t k, int64_t j,
+                          int64_t r) {
+  const int64_t rr = R > 0 ? R : r;
+  float a = 0.0f;
+  for (int64_t c = 0; c < rr; ++c) a += p[c] * qt[c * k + j];
+  return a;
+}
+
+// Dot products of x [k] with the NC rows of qg, NC independent accumulators
+// in one pass over x (one at a time would wait on every add's latency). With
+// FULL, x = (g + x) - p_prev Q^T (the row of the step's full sum) is computed
+// and stored first, in the same pass. Each sum: 8 lanes over j, then the lanes
+// in order, then the tail in order.
+template <int NC, int R, bool FULL>
+DDPX_INLINE void dot_rows(const float* __restrict__ g, float* __restrict__ x, const float* __restrict__ p_prev,
+                          const float* __restrict__ qt, int64_t r, const float* __restrict__ qg,
                           float* __restrict__ p, int64_t k) {
   const int64_t k8 = k - k % 8;
   f32x8 acc[NC] = {};
   for (int64_t j = 0; j < k8; j += 8) {
-    f32x8 v = load8(x + j);
-    if constexpr (ERR) {
-      v += load8(err + j);
+    f32x8 v;
+    if constexpr (FULL) {
+      v = (load8(g + j) + load8(x + j)) - approx8<R>(p_prev, qt, k, j, r);
       store8(x + j, v);
+    } else {
+      v = load8(x + j);
     }
-    for (int c = 0; c < NC; ++c) acc[c] += v * load8(qt + c * k + j);
+    for (int c = 0; c < NC; ++c) acc[c] += v * load8(qg + c * k + j);
   }
-  if constexpr (ERR) {
-    for (int64_t j = k8; j < k; ++j) x[j] += err[j];
+  if constexpr (FULL) {
+    for (int64_t j = k8; j < k; ++j) x[j] = (g[j] + x[j]) - approx1<R>(p_prev, qt, k, j, r);
   }
   for (int c = 0; c < NC; ++c) {
     float s = 0.0f;
     for (int l = 0; l < 8; ++l) s += acc[c][l];
-    for (int64_t j = k8; j < k; ++j) s += x[j] * qt[c * k + j];
+    for (int64_t j = k8; j < k; ++j) s += x[j] * qg[c * k + j];
     p[c] = s;
   }
 }
 
-template <bool ERR>
-DDPX_INLINE void dot_group(float* row, const float* err, const float* qt, float* p, int64_t k, int64_t nc) {
+template <int R, bool FULL>
+DDPX_INLINE void dot_group(const float* g, float* x, const float* p_prev, const float* qt, int64_t r,
+                           const float* qg, float* p, int64_t k, int64_t nc) {
   switch (nc) {
-    case 4: dot_rows<4, ERR>(row, err, qt, p, k); break;
-    case 3: dot_rows<3, ERR>(row, err, qt, p, k); break;
-    case 2: dot_rows<2, ERR>(row, err, qt, p, k); break;
-    default: dot_rows<1, ERR>(row, err, qt, p, k); break;
+    case 4: dot_rows<4, R, FULL>(g, x, p_prev, qt, r, qg, p, k); break;
+    case 3: dot_rows<3, R, FULL>(g, x, p_prev, qt, r, qg, p, k); break;
+    case 2: dot_rows<2, R, FULL>(g, x, p_prev, qt, r, qg, p, k); break;
+    default: dot_rows<1, R, FULL>(g, x, p_prev, qt, r, qg, p, k); break;
   }
 }
 
-// row += err; then p[c] = sum_j row[j] * qt[c][j] for c < r, four c at a time.
-DDPX_CPU_CLONES void project_row(float* row, const float* err, const float* qt, float* p, int64_t k, int64_t r) {
-  dot_group<true>(row, err, qt, p, k, std::min<int64_t>(4, r));
-  for (int64_t c = 4; c < r; c += 4) dot_group<false>(row, nullptr, qt + c * k, p + c, k, std::min<int64_t>(4, r - c));
-}
-
-// a = sum_c p[c] * qt[c] (from 0, c in order); err = row - a; row = a. One pass.
+// err = (row + err) - p_prev Q^T; p[c] = sum_j err[j] * qt[c][j] for c < r,
+// four c at a time (the first four in the same pass).
 template <int R>
-DDPX_INLINE void reconstruct_row_r(float* __restrict__ row, float* __restrict__ err, const float* __restrict__ p,
-                                   const float* __restrict__ qt, int64_t k, int64_t r) {
+DDPX_INLINE void project_row_r(const float* row, float* err, const float* p_prev, const float* qt, float* p,
+                               int64_t k, int64_t r) {
   const int64_t rr = R > 0 ? R : r;
-  const int64_t k8 = k - k % 8;
-  for (int64_t j = 0; j < k8; j += 8) {
-    f32x8 a = {};
-    for (int64_t c = 0; c < rr; ++c) a += p[c] * load8(qt + c * k + j);
-    store8(err + j, load8(row + j) - a);
-    store8(row + j, a);
-  }
-  for (int64_t j = k8; j < k; ++j) {
-    float a = 0.0f;
-    for (int64_t c = 0; c < rr; ++c) a += p[c] * qt[c * k + j];
-    err[j] = row[j] - a;
-    row[j] = a;
+  dot_group<R, true>(row, err, p_prev, qt, rr, qt, p, k, std::min<int64_t>(4, rr));
+  for (int64_t c = 4; c < rr; c += 4)
+    dot_group<R, false>(nullptr, err, nullptr, qt, rr, qt + c * k, p + c, k, std::min<int64_t>(4, rr - c));
+}
+
+DDPX_CPU_CLONES void project_row(const float* row, float* err, const float* p_prev, const float* qt, float* p,
+                                 int64_t k, int64_t r) {
+  switch (r) {  // the usual ranks unrolled
+    case 1: project_row_r<1>(row, err, p_prev, qt, p, k, r); break;
+    case 2: project_row_r<2>(row, err, p_prev, qt, p, k, r); break;
+    case 4: project_row_r<4>(row, err, p_prev, qt, p, k, r); break;
+    default: project_row_r<0>(row, err, p_prev, qt, p, k, r); break;
   }
 }
 
-DDPX_CPU_CLONES void reconstruct_row(float* row, float* err, const float* p, const float* qt, int64_t k, int64_t r) {
-  switch (r) {  // the usual ranks unrolled
-    case 1: reconstruct_row_r<1>(row, err, p, qt, k, r); break;
-    case 2: reconstruct_row_r<2>(row, err, p, qt, k, r); break;
-    case 4: reconstruct_row_r<4>(row, err, p, qt, k, r); break;
-    default: reconstruct_row_r<0>(row, err, p, qt, k, r); break;
+// row = sum_c p[c] * qt[c] (from 0, c in order). One write pass.
+template <int R>
+DDPX_INLINE void reconstruct_row_r(float* __restrict__ row, const float* __restrict__ p,
+                                   const float* __restrict__ qt, int64_t k, int64_t r) {
+  const int64_t k8 = k - k % 8;
+  for (int64_t j = 0; j < k8; j += 8) store8(row + j, approx8<R>(p, qt, k, j, r));
+  for (int64_t j = k8; j < k; ++j) row[j] = approx1<R>(p, qt, k, j, r);
+}
+
+DDPX_CPU_CLONES void reconstruct_row(float* row, const float* p, const float* qt, int64_t k, int64_t r) {
+  switch (r) {
+    case 1: reconstruct_row_r<1>(row, p, qt, k, r); break;
+    case 2: reconstruct_row_r<2>(row, p, qt, k, r); break;
+    case 4: reconstruct_row_r<4>(row, p, qt, k, r); break;
+    default: reconstruct_row_r<0>(row, p, qt, k, r); break;
   }
 }
 
@@ -150,15 +178,17 @@ DDPX_CPU_CLONES void transpose_project_cols(const float* m, const float* p, floa
 
 int64_t grain_rows(int64_t k) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(k, 1)); }
 
-void lowrank_project_(at::Tensor& m, const at::Tensor& error, const at::Tensor& qt, at::Tensor& p) {
-  ops::detail::check_lowrank("lowrank_project_", m, &error, p, qt);
+void lowrank_project_(const at::Tensor& m, at::Tensor& error, const at::Tensor& p_prev, const at::Tensor& qt,
+                      at::Tensor& p) {
+  ops::detail::check_lowrank("lowrank_project_", m, &error, p, qt, &p_prev);
   const int64_t n = m.size(0), k = m.size(1), r = qt.size(0);
-  float* mp = m.mutable_data_ptr<float>();
-  const float* ep = error.const_data_ptr<float>();
+  const float* mp = m.const_data_ptr<float>();
+  float* ep = error.mutable_data_ptr<float>();
+  const float* pprev = p_prev.const_data_ptr<float>();
   const float* qp = qt.const_data_ptr<float>();
   float* pp = p.mutable_data_ptr<float>();
   at::parallel_for(0, n, grain_rows(k), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) project_row(mp + i * k, ep + i * k, qp, pp + i * r, k, r);
+    for (int64_t i = i0; i < i1; ++i) project_row(mp + i * k, ep + i * k, pprev + i * r, qp, pp + i * r, k, r);
   });
 }
 
@@ -179,15 +209,14 @@ void lowrank_transpose_project_(const at::Tensor& m, const at::Tensor& p, at::Te
   });
 }
 
-void lowrank_reconstruct_(at::Tensor& m, at::Tensor& error, const at::Tensor& p, const at::Tensor& qt) {
-  ops::detail::check_lowrank("lowrank_reconstruct_", m, &error, p, qt);
+void lowrank_reconstruct_(at::Tensor& m, const at::Tensor& p, const at::Tensor& qt) {
+  ops::detail::check_lowrank("lowrank_reconstruct_", m, nullptr, p, qt);
   const int64_t n = m.size(0), k = m.size(1), r = qt.size(0);
   float* mp = m.mutable_data_ptr<float>();
-  float* ep = error.mutable_data_ptr<float>();
   const float* pp = p.const_data_ptr<float>();
   const float* qp = qt.const_data_ptr<float>();
   at::parallel_for(0, n, grain_rows(k), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) reconstruct_row(mp + i * k, ep + i * k, pp + i * r, qp, k, r);
+    for (int64_t i = i0; i < i1; ++i) reconstruct_row(mp + i * k, pp + i * r, qp, k, r);
   });
 }
 

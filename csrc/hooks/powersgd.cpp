@@ -1,6 +1,8 @@
 // Native twin of ddpx/hooks/powersgd.py: rank-r PowerSGD with error feedback and
 // warm start, pipelined across buckets by TwoPhaseAlgorithm. Same layout
-// objects, same tensors, same calls, same results.
+// objects, same tensors, same calls, same results. The "error" memory holds
+// the last step's full sum M and "p" its P; the error M - P Q^T is applied
+// lazily by the next step's lowrank_project_.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -19,7 +21,7 @@ class PowerSGD final : public TwoPhaseAlgorithm {
  private:
   struct Mat {
     int64_t key;
-    at::Tensor mat, error, p, q, qt;  // qt: the layout's Q^T scratch (r x m)
+    at::Tensor grad, error, p, p_prev, q, qt;  // qt: the layout's Q^T scratch (r x m)
   };
 
   // The seeded start of a parameter's Q, as PowerSGDState._draw_q.
@@ -31,7 +33,7 @@ class PowerSGD final : public TwoPhaseAlgorithm {
   // Views of every compressed matrix of the bucket, as PowerSGDState._matrices.
   static std::vector<Mat> matrices(const at::Tensor& buf, const Layout& lay) {
     const at::Tensor &pbuf = lay.tensor("pbuf"), &qbuf = lay.tensor("q");
-    const at::Tensor &error_buf = lay.tensor("error"), &qt_buf = lay.tensor("qt");
+    const at::Tensor &error_buf = lay.tensor("error"), &qt_buf = lay.tensor("qt"), &p_prev = lay.tensor("p_prev");
     const at::Tensor& table = lay.tensor("matrices");  // int64 [k, 8]
     const int64_t* t = table.const_data_ptr<int64_t>();
     std::vector<Mat> mats;
@@ -41,7 +43,7 @@ class PowerSGD final : public TwoPhaseAlgorithm {
       const int64_t key = row[0], off = row[1], n = row[2], m = row[3], r = row[4];
       mats.push_back({key, buf.narrow(0, off, n * m).view({n, m}), error_buf.narrow(0, row[7], n * m).view({n, m}),
                       pbuf.narrow(0, lay.n_plain + row[5], n * r).view({n, r}),
-                      qbuf.narrow(0, row[6], m * r).view({m, r}), qt_buf.narrow(0, 0, m * r).view({r, m})});
+                      p_prev.narrow(0, row[5], n * r).view({n, r}), qbuf.narrow(0, row[6], m * r).view({m, r}), qt_buf.narrow(0, 0, m * r).view({r, m})});
     }
     return mats;
   }
@@ -51,13 +53,13 @@ class PowerSGD final : public TwoPhaseAlgorithm {
            ring_allreduce_bytes(4 * lay.tensor("q").numel(), core.world());
   }
 
-  // P = (M + error) Q for every matrix, with the exempt values, in one allreduce.
+  // M = G + error feedback, P = M Q for every matrix, with the exempt values, in one allreduce.
   WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay) override {
     at::Tensor pbuf = lay.tensor("pbuf");
     ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0 / static_cast<double>(core.world()), pbuf);
     for (Mat& x : matrices(buf, lay)) {
       x.qt.copy_(x.q.t());
-      ddpx::ops::lowrank_project_(x.mat, x.error, x.qt, x.p);  // M += error; P = M Q, one pass over M
+      ddpx::ops::lowrank_project_(x.grad, x.error, x.p_prev, x.qt, x.p);  // error = (G + error) - P' Q'^T = M; P = M Q
     }
     std::vector<at::Tensor> tensors{pbuf};
     return core.worker_group().allreduce(tensors);
@@ -72,14 +74,14 @@ class PowerSGD final : public TwoPhaseAlgorithm {
       const bool ok = at::isfinite(x.p).all().item<bool>();  // p is identical on every rank
       finite.push_back(ok);
       if (ok) x.p.copy_(std::get<0>(at::linalg_qr(x.p)));
-      ddpx::ops::lowrank_transpose_project_(x.mat, x.p, x.qt);  // Q^T = P^T M, reading M row by row
+      ddpx::ops::lowrank_transpose_project_(x.error, x.p, x.qt);  // Q^T = P^T M, reading M row by row
       x.q.copy_(x.qt.t());
     }
     std::vector<at::Tensor> tensors{lay.tensor("q")};
     return core.worker_group().allreduce(tensors);
   }
 
-  // M = P Q^T, error = M - P Q^T; the exempt values back into the bucket.
+  // P Q^T into the bucket, P kept for the next step; the exempt values back into the bucket.
   void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& reduce_q) override {
     reduce_q.wait();
     lay.tensor("q").mul_(1.0 / static_cast<double>(core.world()));
@@ -92,9 +94,12 @@ class PowerSGD final : public TwoPhaseAlgorithm {
       Mat& x = mats[i];
       if (finite[i]) {
         x.qt.copy_(x.q.t());
-        ddpx::ops::lowrank_reconstruct_(x.mat, x.error, x.p, x.qt);  // error = M - P Q^T; M = P Q^T, one pass
-      } else {
-        x.mat.fill_(std::numeric_limits<float>::quiet_NaN());
+        ddpx::ops::lowrank_reconstruct_(x.grad, x.p, x.qt);
+        x.p_prev.copy_(x.p);
+      } else {  // a skipped step: back to the previous error, M - G (NaN/Inf elements restart at 0)
+        x.error.sub_(x.grad).nan_to_num_(0.0, 0.0, 0.0);
+        x.p_prev.zero_();
+        x.grad.fill_(std::numeric_limits<float>::quiet_NaN());
         draw_q(x.key, x.q);
       }
     }

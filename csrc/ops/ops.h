@@ -61,13 +61,15 @@ at::Tensor& flatten_out(at::TensorList tensors, double scale, at::Tensor& out);
 // Copy consecutive slices of flat (times scale) back into contiguous tensors.
 void unflatten_(const at::Tensor& flat, at::TensorList tensors, double scale = 1.0);
 
-// PowerSGD's passes over a gradient matrix m [n, k] and its error [n, k], with
-// p [n, r] and qt [r, k] (Q transposed), all fp32 and contiguous:
-// lowrank_project_: m += error; p = m qt^T.
-void lowrank_project_(at::Tensor& m, const at::Tensor& error, const at::Tensor& qt, at::Tensor& p);
+// PowerSGD's passes over a gradient matrix m [n, k] and its memory error [n, k]
+// (the previous step's full sum), with p, p_prev [n, r] and qt [r, k] (Q
+// transposed), all fp32 and contiguous:
+// lowrank_project_: error = (m + error) - p_prev qt; p = error qt^T.
+void lowrank_project_(const at::Tensor& m, at::Tensor& error, const at::Tensor& p_prev, const at::Tensor& qt,
+                      at::Tensor& p);
 // lowrank_transpose_project_: qt = p^T m (Q = M^T P, written transposed).
 void lowrank_transpose_project_(const at::Tensor& m, const at::Tensor& p, at::Tensor& qt);
-// lowrank_reconstruct_: a = p qt; error = m - a; m = a.
-void lowrank_reconstruct_(at::Tensor& m, at::Tensor& error, const at::Tensor& p, const at::Tensor& qt);
+// lowrank_reconstruct_: m = p qt.
+void lowrank_reconstruct_(at::Tensor& m, const at::Tensor& p, const at::Tensor& qt);
 
 }  // namespace ddpx::ops

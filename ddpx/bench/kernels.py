@@ -142,12 +142,12 @@ def _cases(n: int, device: str, block: int, ranks: int) -> List[Dict]:
     b_out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=device)
     tensors = [t.clone() for t in torch.split(x, _split_sizes(n))]
     flat = torch.empty_like(x)
-    # PowerSGD's passes: the input as a [rows, 1024] matrix and its error memory, rank 4
+    # PowerSGD's passes: the input as a [rows, 1024] gradient matrix, its error memory, rank 4
     cols, rank = min(n, 1024), 4
     mat = x[: n // cols * cols].view(-1, cols).clone()
     mat_err = torch.zeros_like(mat)
-    p_mat, qt_mat = torch.randn(mat.shape[0], rank, generator=gen).to(device), torch.empty(rank, cols, device=device)
-    qt_mat.copy_(torch.randn(rank, cols, generator=gen))
+    p_mat, p_prev = (torch.randn(mat.shape[0], rank, generator=gen).to(device) for _ in range(2))
+    qt_mat = torch.randn(rank, cols, generator=gen).to(device)
     m4 = 4 * mat.numel()
 
     f4, b1, s4 = 4 * n, n, 4 * nblocks
@@ -183,16 +183,16 @@ def _cases(n: int, device: str, block: int, ranks: int) -> List[Dict]:
              fused=lambda: ops.onebit_average_repack(bit_rows, q_scales, block, 1 / ranks, err_fused, b_out, s_out),
              torch=lambda: ref.onebit_pack(ref.onebit_unpack_accumulate_(out, bit_rows, q_scales, block, 1 / ranks),
                                            block, err_ref)),
+        # torch: error += M; error -= P' Q'^T; P = error Q (3 passes) -- the fused kernel does it in one
         dict(name="lowrank_project_rank4", bytes=3 * m4,
-             fused=lambda: ops.lowrank_project_(mat, mat_err, qt_mat, p_mat),
-             torch=lambda: torch.matmul(mat.add_(mat_err), qt_mat.t(), out=p_mat)),
+             fused=lambda: ops.lowrank_project_(mat, mat_err, p_prev, qt_mat, p_mat),
+             torch=lambda: torch.matmul(mat_err.add_(mat).addmm_(p_prev, qt_mat, alpha=-1), qt_mat.t(), out=p_mat)),
         dict(name="lowrank_transpose_project_rank4", bytes=m4,
-             fused=lambda: ops.lowrank_transpose_project_(mat, p_mat, qt_mat),
-             torch=lambda: torch.matmul(p_mat.t(), mat, out=qt_mat)),
-        dict(name="lowrank_reconstruct_rank4", bytes=3 * m4,
-             fused=lambda: ops.lowrank_reconstruct_(mat, mat_err, p_mat, qt_mat),
-             torch=lambda: (torch.addmm(mat, p_mat, qt_mat, alpha=-1, out=mat_err),
-                            torch.matmul(p_mat, qt_mat, out=mat))),
+             fused=lambda: ops.lowrank_transpose_project_(mat_err, p_mat, qt_mat),
+             torch=lambda: torch.matmul(p_mat.t(), mat_err, out=qt_mat)),
+        dict(name="lowrank_reconstruct_rank4", bytes=m4,
+             fused=lambda: ops.lowrank_reconstruct_(mat, p_mat, qt_mat),
+             torch=lambda: torch.matmul(p_mat, qt_mat, out=mat)),
         dict(name=f"flatten_{len(tensors)}tensors", bytes=2 * f4,
              fused=lambda: ops.flatten(tensors, out=flat),
              torch=lambda: torch.cat(tensors, out=flat)),

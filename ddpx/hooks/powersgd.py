@@ -1,23 +1,28 @@
 """``powersgd``: rank-r PowerSGD (Vogels et al., 2019) with error feedback and
 warm start, on gloo and NCCL, with several buckets in flight.
 
-Per bucket, every matrix-shaped gradient M (n x m, higher dims flattened to
-n x prod(rest), plus its error memory) is approximated as P Q^T:
+Per bucket, every matrix-shaped gradient G (n x m, higher dims flattened to
+n x prod(rest)) plus its error feedback, M, is approximated as P Q^T:
 
-1. P = M Q for every matrix; all P's of the bucket and the uncompressed
-   parameters (vectors, small tensors; fp32, pre-divided by world) go in one
-   buffer and one allreduce.
+1. M = G + (the previous step's M - P' Q'^T), P = M Q for every matrix; all
+   P's of the bucket and the uncompressed parameters (vectors, small tensors;
+   fp32, pre-divided by world) go in one buffer and one allreduce.
 2. Orthogonalize each P (``torch.linalg.qr``), Q = M^T P; all Q's in one
    allreduce, divided by world.
-3. M ~ P Q^T is written into the bucket; the local error M - P Q^T is kept for
-   the next step, and the averaged Q is the next step's starting Q (warm start).
+3. P Q^T is written into the bucket. The averaged Q is the next step's
+   starting Q (warm start).
+
+The error M - P Q^T is never written: the "error" memory keeps M itself and
+the "p" memory keeps P, and step 1 of the next step subtracts P' Q'^T (Q' is
+the warm-start Q) in the same pass that adds the gradient. That makes five
+memory passes over each matrix per step instead of seven.
 
 Q starts from a seeded normal draw per parameter (``seed`` + the parameter's
 ordinal), identical on every rank. Error and Q memory are per parameter, so
 they survive DDP's bucket rebuild and ``state_dict()``; a world-size change on
-load resets both (Q redrawn). A matrix whose P is non-finite (a NaN/Inf
-gradient on some rank) comes out NaN, so GradScaler skips the step, and keeps
-its previous error and a fresh Q.
+load resets them (Q redrawn). A matrix whose P is non-finite (a NaN/Inf
+gradient on some rank) comes out NaN, so GradScaler skips the step; it keeps
+its previous error (M - G, where that is finite, else 0) and draws a fresh Q.
 
 The P and Q phases depend on each other, so they run on the state's FIFO worker
 thread, pipelined across buckets (ddpx/hooks/twophase.py): every rank issues
@@ -57,7 +62,7 @@ class PowerSGDState(TwoPhaseState):
         "min_numel": LossyState.options["min_numel"],
         "seed": Option(int, 0, non_negative, "seed of the initial Q (identical on every rank)"),
     }
-    memories = ("error", "q")
+    memories = ("error", "q", "p")  # error: the last step's M (see above); p: its P
 
     # HookState.rank is the process rank; the option of the same name (the
     # user-facing spelling, as in the paper) is stored as `approx_rank`.
@@ -98,9 +103,11 @@ class PowerSGDState(TwoPhaseState):
         lay.q = torch.zeros(q_total, **f32)  # Q's: one allreduce, and the warm-start memory
         # scratch for one matrix's Q^T (r x m): every pass then reads M row by row
         lay.qt = torch.zeros(max([m * r for _, _, _, m, r, *_ in mats], default=0), **f32)
+        lay.p_prev = torch.zeros(p_total, **f32)  # the last step's P's (not overwritten by the allreduce)
         lay.error = torch.zeros(lay.n_comp, **f32)
-        for key, _, n, m, r, _, qoff, poff in mats:
+        for key, _, n, m, r, p_off, qoff, poff in mats:
             self.adopt("error", key, lay.error.narrow(0, poff, n * m))
+            self.adopt("p", key, lay.p_prev.narrow(0, p_off, n * r))
             q = lay.q.narrow(0, qoff, m * r)
             self.adopt("q", key, q)
             if not q.any():  # new parameter, or memory reset: start from the seeded draw
@@ -112,6 +119,10 @@ class PowerSGDState(TwoPhaseState):
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
+        saved = sd.get("memory", {})
+        if "error" in saved and "p" not in saved:  # saved before P was kept: its "error" is the error itself
+            for t in self.memory["p"].values():
+                t.zero_()
         # a reset (world-size change) zeroes the memory; Q must start random again
         for key, q in self.memory["q"].items():
             if q.numel() and not q.any():
@@ -122,45 +133,49 @@ class PowerSGDState(TwoPhaseState):
         return ring_allreduce_bytes(4 * lay.pbuf.numel(), world) + ring_allreduce_bytes(4 * lay.q.numel(), world)
 
     def _matrices(self, buf, lay):
-        """(key, M, error, P, Q, Q^T scratch) views for every compressed matrix of the bucket."""
+        """(key, gradient, error, P, previous P, Q, Q^T scratch) views for every compressed matrix of the bucket."""
         out = []
         for key, off, n, m, r, p_off, q_off, poff in lay.matrices.tolist():
             out.append((key, buf.narrow(0, off, n * m).view(n, m), lay.error.narrow(0, poff, n * m).view(n, m),
                         lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r),
+                        lay.p_prev.narrow(0, p_off, n * r).view(n, r),
                         lay.q.narrow(0, q_off, m * r).view(m, r), lay.qt.narrow(0, 0, m * r).view(r, m)))
         return out
 
     def start_phase1(self, buf, lay):
-        """P = (M + error) Q for every matrix, with the exempt values, in one allreduce."""
+        """M = G + error feedback, P = M Q for every matrix, with the exempt values, in one allreduce."""
         ops.flatten(lay.runs(buf, False), 1.0 / self.world_size, out=lay.pbuf)
-        for key, mat, error, p, q, qt in self._matrices(buf, lay):
+        for key, grad, error, p, p_prev, q, qt in self._matrices(buf, lay):
             qt.copy_(q.t())
-            ops.lowrank_project_(mat, error, qt, p)  # M += error; P = M Q, one pass over M
+            ops.lowrank_project_(grad, error, p_prev, qt, p)  # error = (G + error) - P' Q'^T = M; P = M Q
         return dist.all_reduce(lay.pbuf, group=self.worker_group, async_op=True)
 
     def start_phase2(self, buf, lay, reduce_p):
         """Orthogonalize every P, Q = M^T P, all in one allreduce."""
         reduce_p.wait()
         lay.finite = []
-        for key, mat, error, p, q, qt in self._matrices(buf, lay):
+        for key, grad, error, p, p_prev, q, qt in self._matrices(buf, lay):
             ok = bool(torch.isfinite(p).all())  # p is identical on every rank: so is the decision
             lay.finite.append(ok)
             if ok:
                 p.copy_(torch.linalg.qr(p).Q)
-            ops.lowrank_transpose_project_(mat, p, qt)  # Q^T = P^T M, reading M row by row
+            ops.lowrank_transpose_project_(error, p, qt)  # Q^T = P^T M, reading M row by row
             q.copy_(qt.t())
         return dist.all_reduce(lay.q, group=self.worker_group, async_op=True)
 
     def finish(self, buf, lay, reduce_q):
-        """M = P Q^T, error = M - P Q^T; the exempt values back into the bucket."""
+        """P Q^T into the bucket, P kept for the next step; the exempt values back into the bucket."""
         reduce_q.wait()
         lay.q.mul_(1.0 / self.world_size)
-        for ok, (key, mat, error, p, q, qt) in zip(lay.finite, self._matrices(buf, lay)):
+        for ok, (key, grad, error, p, p_prev, q, qt) in zip(lay.finite, self._matrices(buf, lay)):
             if ok:
                 qt.copy_(q.t())
-                ops.lowrank_reconstruct_(mat, error, p, qt)  # error = M - P Q^T; M = P Q^T, one pass
-            else:
-                mat.fill_(float("nan"))
+                ops.lowrank_reconstruct_(grad, p, qt)
+                p_prev.copy_(p)
+            else:  # a skipped step: back to the previous error, M - G (its rank's NaN/Inf elements restart at 0)
+                error.sub_(grad).nan_to_num_(0.0, 0.0, 0.0)
+                p_prev.zero_()
+                grad.fill_(float("nan"))
                 self._draw_q(key, q)
         ops.unflatten_(lay.pbuf, lay.runs(buf, False))
 
