@@ -530,6 +530,13 @@ def test_bench_kernels_script_bad_device_is_one_line():
 # ----------------------------------------------------------------- low-rank (PowerSGD) passes
 
 
+def assert_within_sum_bound(got, a, b):
+    """got ~ a @ b within float32's bound for a sum of k products: |err| <= k * 2u * (|a| @ |b|)."""
+    a, b = a.double(), b.double()
+    bound = a.shape[1] * 2 * 2.0**-24 * (a.abs() @ b.abs())
+    assert bool(((got.double() - a @ b).abs() <= bound).all()), (got.double() - a @ b).abs().max()
+
+
 def ordered_product(p, qt):
     """p @ qt summed over c = 0, 1, ... in order from 0: what the CPU kernels promise, bit for bit."""
     a = torch.zeros(p.shape[0], qt.shape[1])
@@ -549,18 +556,17 @@ def test_lowrank_passes_match_torch(n, k, r, seed):
     ops.lowrank_project_(m, error, p_prev, qt, p)
     assert torch.equal(m, m_before)  # the gradient is only read
     assert torch.equal(error, full_ref)  # elementwise, sums over c in order: exact
-    torch.testing.assert_close(p.double(), error.double() @ qt.double().t(), rtol=1e-5, atol=1e-5 * math.sqrt(k))
+    assert_within_sum_bound(p, error, qt.t())
     qt_back = torch.full((r, k), float("nan"))  # every element must be written
     ops.lowrank_transpose_project_(error, p, qt_back)
-    torch.testing.assert_close(qt_back.double(), p.double().t() @ error.double(), rtol=1e-5,
-                               atol=1e-5 * math.sqrt(n))
+    assert_within_sum_bound(qt_back, p.t(), error)
     # its sum runs over the rows in order from 0: bit for bit the row-by-row recomputation
     acc = torch.zeros(r, k)
     for i in range(n):
         acc += p[i].unsqueeze(1) * error[i]
     assert torch.equal(qt_back, acc)
     ops.lowrank_reconstruct_(m, p, qt)
-    torch.testing.assert_close(m.double(), p.double() @ qt.double(), rtol=1e-5, atol=1e-5 * r)
+    assert_within_sum_bound(m, p, qt)
     assert torch.equal(m, ordered_product(p, qt))
     # with no previous P, the first pass is a plain add (the first step, or a reset memory)
     error2 = torch.randn(n, k, generator=g)
@@ -655,6 +661,30 @@ def test_cuda_flatten_matches_cpu(dtype):
     ops.unflatten_(flat, expected, 2.0 if scale != 1.0 else 1.0)
     for d, e in zip(dests, expected):
         same(d.cpu(), e)
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k,r", [(1, 1, 1), (70, 33, 4), (1024, 1024, 4), (300, 2051, 9)])
+def test_cuda_lowrank_passes_match_cpu(n, k, r):
+    """The composite (cuBLAS) path against the CPU kernels: same math, other rounding."""
+    g = torch.Generator().manual_seed(n + k + r)
+    m, error = torch.randn(n, k, generator=g), torch.randn(n, k, generator=g)
+    p_prev, qt = torch.randn(n, r, generator=g), torch.randn(r, k, generator=g)
+    cpu = [m.clone(), error.clone(), p_prev, qt, torch.empty(n, r)]
+    dev = [t.cuda() for t in cpu]
+    for t in (cpu, dev):
+        ops.lowrank_project_(*t)
+    tol = dict(rtol=1e-4, atol=1e-4 * math.sqrt(k))
+    torch.testing.assert_close(dev[1].cpu(), cpu[1], **tol)  # the full sum
+    torch.testing.assert_close(dev[4].cpu(), cpu[4], **tol)  # P
+    q_cpu, q_dev = torch.empty(r, k), torch.empty(r, k, device="cuda")
+    ops.lowrank_transpose_project_(cpu[1], cpu[4], q_cpu)
+    ops.lowrank_transpose_project_(dev[1], cpu[4].cuda(), q_dev)
+    torch.testing.assert_close(q_dev.cpu(), q_cpu, rtol=1e-4, atol=1e-4 * math.sqrt(n))
+    ops.lowrank_reconstruct_(cpu[0], cpu[4], qt)
+    ops.lowrank_reconstruct_(dev[0], cpu[4].cuda(), qt.cuda())
+    torch.testing.assert_close(dev[0].cpu(), cpu[0], **tol)
 
 
 # ----------------------------------------------------------------- several threads

@@ -43,7 +43,8 @@ class PowerSGD final : public TwoPhaseAlgorithm {
       const int64_t key = row[0], off = row[1], n = row[2], m = row[3], r = row[4];
       mats.push_back({key, buf.narrow(0, off, n * m).view({n, m}), error_buf.narrow(0, row[7], n * m).view({n, m}),
                       pbuf.narrow(0, lay.n_plain + row[5], n * r).view({n, r}),
-                      p_prev.narrow(0, row[5], n * r).view({n, r}), qbuf.narrow(0, row[6], m * r).view({m, r}), qt_buf.narrow(0, 0, m * r).view({r, m})});
+                      p_prev.narrow(0, row[5], n * r).view({n, r}), qbuf.narrow(0, row[6], m * r).view({m, r}),
+                      qt_buf.narrow(0, 0, m * r).view({r, m})});
     }
     return mats;
   }
