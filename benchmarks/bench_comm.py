@@ -5,7 +5,9 @@ builds N "hosts" as Linux network namespaces joined by a bridge, shapes every
 link with ``tc qdisc ... tbf rate RATE`` (both directions), runs one torchrun
 node per namespace (``GLOO_SOCKET_IFNAME`` set, master = the first host) and
 times DDP steps of a communication-bound model (12 x Linear(1024, 1024),
-about 50 MB of fp32 gradients) for: no hook, torch's fp16_compress_hook,
+about 50 MB of fp32 gradients) for: no hook, a hook that does nothing (no
+communication, no work: what DDP alone costs over the compute, the floor of
+every hook's /bound; its gradients are not averaged), torch's fp16_compress_hook,
 torch's PowerSGD (its failure is reported if it fails), and every ddpx hook,
 native and Python. torch's configs get DDP's defaults (25 MB buckets); ddpx
 hooks get the DDP options they ask for (``ddpx.hooks.ddp_options``:
@@ -15,7 +17,9 @@ applies them; ``--bucket-mb`` sets one size for every config.
 It reports the bucket size, ms/step, the speed-up over plain allreduce and over torch's fp16
 hook in the same run, the bytes each rank sends per step, and the step time
 the link allows: compute + wire bytes / rate, where compute is the median
-forward + backward step without DDP, measured just before each config.
+forward + backward step without DDP, measured in blocks of 5 steps that
+alternate with the config's timed steps (so both see the same machine; a
+block, not single steps, so that each keeps its caches warm).
 
     sudo python benchmarks/bench_comm.py                  # 2 hosts, 1 Gbit/s
     sudo python benchmarks/bench_comm.py --hosts 3 --rate 500mbit --json
@@ -48,13 +52,15 @@ PORT = 29513
 
 # ----------------------------------------------------------------- worker
 DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb
+BLOCK_STEPS = 5  # timed steps per block; blocks with and without DDP alternate
 
 
 def _configs(names):
     """(label, kind, name, native) in run order; torch's PowerSGD last (it may crash the group)."""
     import ddpx.hooks
 
-    out = [("no hook", "none", None, None), ("torch fp16_compress_hook", "torch", "fp16", None)]
+    out = [("no hook", "none", None, None), ("DDP only: no-op hook", "noop", None, None),
+           ("torch fp16_compress_hook", "torch", "fp16", None)]
     for spec in names if names is not None else ddpx.hooks.available():
         out.append((f"ddpx {spec} native", "ddpx", spec, True))
         out.append((f"ddpx {spec} python", "ddpx", spec, False))
@@ -97,6 +103,15 @@ def _torch_wire_bytes(name, model, world, rank=4):
     return _ring(total, world)
 
 
+def _noop_hook(_, bucket):
+    """Leaves the bucket as it is: DDP's own cost, without communication."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def worker(args):
     import datetime
 
@@ -121,29 +136,28 @@ def worker(args):
 
     net = _model()
 
-    def compute_alone_ms():
-        """Median step of forward + backward of the same model without DDP: no communication."""
-        times = []
-        for _ in range(args.warmup + args.steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            net.zero_grad()
-            net(x).square().mean().backward()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[args.warmup:]) * 1e3
+    def timed_step(model):
+        dist.barrier()
+        t0 = time.perf_counter()
+        model.zero_grad()
+        model(x).square().mean().backward()
+        return time.perf_counter() - t0
 
     n_params = sum(p.numel() for p in net.parameters())
     results["grad_bytes"] = 4 * n_params
     save()
+    timed_step(net)  # untimed: the first step allocates
 
     for label, kind, name, native in _configs(args.hooks):
         # The host's speed drifts during a run, so every config's bound uses the
-        # compute time measured just before it (the header shows the range).
-        entry = {"label": label, "kind": kind, "name": name, "native": native, "compute_ms": compute_alone_ms()}
+        # compute time measured in step with it (the header shows the range).
+        entry = {"label": label, "kind": kind, "name": name, "native": native}
         results["results"].append(entry)
         save()  # if this config kills the process, the parent knows which one it was
         # each config as a user gets it: ddpx's hooks with the DDP options they ask for
         options = ddpx.hooks.ddp_options(_parse_spec(name)[0]) if kind == "ddpx" else {}
+        if kind == "noop":
+            options = {"gradient_as_bucket_view": True}  # what every ddpx hook asks for
         if args.bucket_mb is not None:
             options["bucket_cap_mb"] = args.bucket_mb
         entry["bucket_mb"] = options.get("bucket_cap_mb", DEFAULT_BUCKET_MB)
@@ -154,22 +168,23 @@ def worker(args):
                 hook_name, options = _parse_spec(name)
                 state = ddpx.hooks.register(ddp, hook_name, native=native, **options)
                 entry["native"] = state.native
+            elif kind == "noop":
+                ddp.register_comm_hook(None, _noop_hook)
             elif kind == "torch" and name == "fp16":
                 ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
             elif kind == "torch" and name == "powersgd":
                 ps = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                                  start_powerSGD_iter=2, warm_start=True)
                 ddp.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
-            times = []
-            for i in range(args.warmup + args.steps):
-                if i == args.warmup and state is not None:
-                    before = state.stats()
-                dist.barrier()
-                t0 = time.perf_counter()
-                ddp.zero_grad()
-                ddp(x).square().mean().backward()
-                times.append(time.perf_counter() - t0)
-            times = times[args.warmup:]
+            for _ in range(args.warmup):  # DDP's bucket rebuild, the hooks' warm-up
+                timed_step(ddp)
+            before = state.stats() if state is not None else None
+            times, alone = [], []
+            while len(times) < args.steps:
+                block = min(BLOCK_STEPS, args.steps - len(times))
+                alone += [timed_step(net) for _ in range(block)]  # the same model without DDP
+                times += [timed_step(ddp) for _ in range(block)]
+            entry["compute_ms"] = statistics.median(alone) * 1e3
             entry["ms_per_step"] = statistics.median(times) * 1e3
             entry["ms_mean"] = statistics.mean(times) * 1e3
             if state is not None:
@@ -177,6 +192,8 @@ def worker(args):
                 entry["wire_bytes"] = (after["wire_bytes"] - before["wire_bytes"]) / args.steps
             elif kind == "none":
                 entry["wire_bytes"] = _ring(4 * n_params, world)
+            elif kind == "noop":
+                entry["wire_bytes"] = 0
             else:
                 entry["wire_bytes"] = _torch_wire_bytes(name, ddp.module, world)
         except Exception as exc:  # noqa: BLE001 - reported in the table
@@ -241,8 +258,8 @@ def table(results):
 
 
 def _compute_range(results):
-    """'31.2' or '29.8-33.1': compute alone as measured before each config."""
-    times = [e["compute_ms"] for e in results["results"]]
+    """'31.2' or '29.8-33.1': compute alone as measured with each config."""
+    times = [e["compute_ms"] for e in results["results"] if "compute_ms" in e]
     if not times:
         return "not measured"
     low, high = min(times), max(times)

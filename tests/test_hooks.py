@@ -484,6 +484,8 @@ def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
     assert by["ddpx int8 native"]["native"] is True and by["ddpx int8 native"]["ms_per_step"] > 0
     assert by["ddpx int8 native"]["wire_bytes"] < 0.3 * by["no hook"]["wire_bytes"]
     assert "torch powerSGD rank 4" in by  # measured or reported as failed, never missing
+    floor = by["DDP only: no-op hook"]  # DDP's own cost: no wire, so its bound is the compute alone
+    assert floor["wire_bytes"] == 0 and floor["link_bound_ms"] == floor["compute_ms"] and floor["ms_per_step"] > 0
     # each config's bound: the compute alone measured just before it, plus its wire time at 10 Gbit/s
     int8 = by["ddpx int8 native"]
     assert all(e["compute_ms"] > 0 for e in res["results"])
