@@ -4,7 +4,10 @@ Workers join through an explicit client ``TCPStore`` on
 ``MASTER_ADDR:MASTER_PORT`` (the store torchrun's agent serves) wrapped in a
 ``PrefixStore`` keyed on ``TORCHELASTIC_RESTART_COUNT``: without the prefix,
 workers restarted by torchrun read the previous attempt's gloo addresses and
-hang or fail (see DESIGN.md, "Elastic restarts"). The first collective may wait
+hang or fail (see DESIGN.md, "Elastic restarts"). Started by anything else
+that sets the variables (srun, mpirun, a script), rank 0 serves the store, as
+torch's ``env://`` does; without that nobody would, and every rank would wait
+for the whole first timeout. The first collective may wait
 for slow ranks (``trainer.first_timeout_s``); afterwards a hang is cut short by
 ``trainer.timeout_s``.
 """
@@ -73,13 +76,9 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
     bound = choose_device(device, backend, local_rank)
     timeout = datetime.timedelta(seconds=first_timeout_s)
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        client = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
+        client = _tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank,
+                            serve=rank == 0 and not agent_store, timeout=timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"ddpx/attempt{attempt}/", client)
     elif world_size == 1:
@@ -91,6 +90,25 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
         kwargs["device_id"] = bound  # binds NCCL communicators eagerly to this rank's GPU
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     return DistInfo(rank, world_size, local_rank, local_world_size, backend, bound)
+
+
+def _tcp_store(addr: str, port: int, rank: int, serve: bool, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store on addr:port, served here when ``serve``; a failure is one clear line."""
+    try:
+        return dist.TCPStore(addr, port, is_master=serve, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+        if serve:
+            raise DdpxError(f"rank 0 cannot serve the rendezvous store on MASTER_PORT={port} ({_first_line(exc)}); "
+                            "set MASTER_PORT to a free port") from None
+        raise DdpxError(f"rank {rank}: no rendezvous store answered at MASTER_ADDR={addr} MASTER_PORT={port} within "
+                        f"{timeout.total_seconds():g} s ({_first_line(exc)}); is rank 0 (or torchrun's agent) "
+                        "running, and is that address reachable from this host? (trainer.first_timeout_s sets "
+                        "the wait)") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:200] if lines else type(exc).__name__
 
 
 def set_timeout(seconds: float) -> None:

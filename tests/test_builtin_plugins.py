@@ -21,6 +21,7 @@ import torch.distributed as dist
 import yaml
 
 from ddpx import hookimpl
+from ddpx.launch import free_port
 from ddpx.data import digits_split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,8 +111,11 @@ def ddpx_train_end(trainer):
 # --- running 2 ranks -----------------------------------------------------------------------
 
 
-def run_ranks(tmp_path, config, timeout=120):
-    """Train ``config`` on WORLD gloo ranks; return (records, stderr per rank, run_dir)."""
+def run_ranks(tmp_path, config, timeout=120, agent_store=True):
+    """Train ``config`` on WORLD gloo ranks; return (records, stderr per rank, run_dir).
+
+    ``agent_store``: this process serves the rendezvous store, as torchrun's agent
+    does; otherwise the ranks start as srun or mpirun would start them (rank 0 serves it)."""
     run_dir = tmp_path / "run"
     config = dict(config, run_dir=str(run_dir))
     config.setdefault("plugins", {})["enable"] = ["tests.test_builtin_plugins"]
@@ -119,11 +123,12 @@ def run_ranks(tmp_path, config, timeout=120):
     config.setdefault("trainer", {}).update(backend="gloo", device="cpu", timeout_s=60, first_timeout_s=60)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if agent_store else None
     env = dict(
-        os.environ,
+        {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")},
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port),
+        MASTER_PORT=str(store.port if agent_store else free_port()),
+        TORCHELASTIC_USE_AGENT_STORE=str(agent_store),
         WORLD_SIZE=str(WORLD),
         LOCAL_WORLD_SIZE=str(WORLD),
         OMP_NUM_THREADS="1",
@@ -162,6 +167,42 @@ def run_ranks(tmp_path, config, timeout=120):
         raise AssertionError("\n".join(f"rank {rank} {what}:\n{outputs[rank][-3000:]}" for rank, what in failed))
     records = [torch.load(run_dir / f"record{rank}.pt", weights_only=False) for rank in range(WORLD)]
     return records, outputs, run_dir
+
+
+def test_ranks_started_without_torchrun_rendezvous_through_rank_0(tmp_path):
+    """srun, mpirun or a script set RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and start
+    the workers themselves: nobody else serves the store, so rank 0 must (it used to wait
+    as a client for trainer.first_timeout_s, 15 minutes by default, and every rank with it)."""
+    config = {
+        "model": {"target": "ddpx.models.DigitsMLP", "args": {"hidden": 32}},
+        "data": {"target": "tests.test_builtin_plugins.indexed_digits", "args": {}},
+        "trainer": {"epochs": 2, "batch_size": 32},
+        "logging": {"progress": False},
+    }
+    records, _, _ = run_ranks(tmp_path, config, timeout=60, agent_store=False)
+    assert [rec["global_step"] for rec in records] == [records[0]["global_step"]] * WORLD
+    assert records[0]["global_step"] > 0 and records[0]["metrics"][-1]["accuracy"] > 0.5  # it trains (chance: 0.1)
+
+
+def test_rendezvous_store_failures_are_one_line(monkeypatch):
+    import datetime
+    import socket
+
+    from ddpx import distributed
+    from ddpx.errors import DdpxError
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(DdpxError, match=f"rank 0 cannot serve the rendezvous store on MASTER_PORT={port} "
+                                            r"\(.*address already in use.*\); set MASTER_PORT to a free port"):
+            distributed._tcp_store("127.0.0.1", port, 0, serve=True, timeout=datetime.timedelta(seconds=2))
+    start = time.monotonic()
+    with pytest.raises(DdpxError, match=r"rank 1: no rendezvous store answered at MASTER_ADDR=127.0.0.1 "
+                                        r"MASTER_PORT=\d+ within 1 s .*trainer.first_timeout_s"):
+        distributed._tcp_store("127.0.0.1", free_port(), 1, serve=False, timeout=datetime.timedelta(seconds=1))
+    assert time.monotonic() - start < 30  # bounded by the timeout (torch retries once), not a hang
 
 
 def epoch_order(num_samples, seed, epoch):
