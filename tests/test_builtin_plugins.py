@@ -184,7 +184,7 @@ def test_ranks_started_without_torchrun_rendezvous_through_rank_0(tmp_path):
     assert records[0]["global_step"] > 0 and records[0]["metrics"][-1]["accuracy"] > 0.5  # it trains (chance: 0.1)
 
 
-def test_rendezvous_store_failures_are_one_line(monkeypatch):
+def test_rendezvous_store_failures_are_one_line():
     import datetime
     import socket
 

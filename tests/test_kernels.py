@@ -537,12 +537,12 @@ def assert_within_sum_bound(got, a, b):
     assert bool(((got.double() - a @ b).abs() <= bound).all()), (got.double() - a @ b).abs().max()
 
 
-def ordered_product(p, qt):
-    """p @ qt summed over c = 0, 1, ... in order from 0: what the CPU kernels promise, bit for bit."""
-    a = torch.zeros(p.shape[0], qt.shape[1])
-    for c in range(p.shape[1]):
-        a += p[:, c:c + 1] * qt[c]
-    return a
+def ordered_product(a, b):
+    """a @ b summed over the inner index 0, 1, ... in order from 0: what the CPU kernels promise, bit for bit."""
+    out = torch.zeros(a.shape[0], b.shape[1])
+    for c in range(a.shape[1]):
+        out += a[:, c:c + 1] * b[c]
+    return out
 
 
 @settings(max_examples=25, deadline=None)
@@ -560,11 +560,7 @@ def test_lowrank_passes_match_torch(n, k, r, seed):
     qt_back = torch.full((r, k), float("nan"))  # every element must be written
     ops.lowrank_transpose_project_(error, p, qt_back)
     assert_within_sum_bound(qt_back, p.t(), error)
-    # its sum runs over the rows in order from 0: bit for bit the row-by-row recomputation
-    acc = torch.zeros(r, k)
-    for i in range(n):
-        acc += p[i].unsqueeze(1) * error[i]
-    assert torch.equal(qt_back, acc)
+    assert torch.equal(qt_back, ordered_product(p.t(), error))  # its sum runs over the rows in order from 0
     ops.lowrank_reconstruct_(m, p, qt)
     assert_within_sum_bound(m, p, qt)
     assert torch.equal(m, ordered_product(p, qt))

@@ -10,11 +10,6 @@
 #include "cpu/simd.h"
 #include "ops/common.h"
 
-namespace ddpx::ops::detail {
-void check_lowrank(const char* op, const at::Tensor& m, const at::Tensor* error, const at::Tensor& p,
-                   const at::Tensor& qt, const at::Tensor* p_prev = nullptr);
-}
-
 namespace ddpx::cpu {
 namespace {
 

@@ -94,5 +94,9 @@ std::pair<at::Tensor, at::Tensor> check_onebit_unpack(const at::Tensor& out, con
 // Returns the total element count.
 int64_t check_flatten(at::TensorList tensors, double scale, const at::Tensor& out);
 int64_t check_unflatten(const at::Tensor& flat, at::TensorList tensors, double scale);
+// The low-rank passes: m [n, k], p [n, r], qt [r, k]; error (like m) and p_prev
+// (like p) where the op takes them.
+void check_lowrank(const char* op, const at::Tensor& m, const at::Tensor* error, const at::Tensor& p,
+                   const at::Tensor& qt, const at::Tensor* p_prev = nullptr);
 
 }  // namespace ddpx::ops::detail

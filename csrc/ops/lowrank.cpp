@@ -8,7 +8,6 @@
 // The CPU kernels (csrc/cpu/lowrank_kernel.cpp) stream M row by row; other
 // devices use the composite ATen version below (cuBLAS does these well).
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/addmm.h>
 #include <ATen/ops/matmul.h>
 #include <torch/library.h>
 
@@ -19,7 +18,7 @@ namespace ddpx::ops {
 namespace detail {
 
 void check_lowrank(const char* op, const at::Tensor& m, const at::Tensor* error, const at::Tensor& p,
-                   const at::Tensor& qt, const at::Tensor* p_prev = nullptr) {
+                   const at::Tensor& qt, const at::Tensor* p_prev) {
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"m", &m}, {"error", error}, {"p", &p},
                          {"qt", &qt}, {"p_prev", p_prev}}) {
     if (t == nullptr) continue;
