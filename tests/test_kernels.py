@@ -159,12 +159,15 @@ def test_int8_special_blocks():
     assert torch.all(out[4:12].isnan()) and torch.all(out[:4] == 0) and out[14] == 254.0
 
 
-def test_int8_rounds_half_to_even():
+@pytest.mark.parametrize("repeat", [1, 16])  # 8 elements: the portable loop; 128: the 64-element (AVX2) steps
+def test_int8_rounds_half_to_even(repeat):
     # scale = 127 / 127 = 1: v / scale lands exactly on .5 ties
-    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])
-    q, scales = ops.int8_quantize(x, 8)
+    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5] * repeat)
+    error = torch.zeros_like(x)
+    q, scales = ops.int8_quantize(x, x.numel(), error)
     assert scales.item() == 1.0
-    assert q.tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    assert q.tolist() == [127, 0, 2, 2, 0, -2, -2, 126] * repeat
+    assert error.tolist() == [0.0, 0.5, -0.5, 0.5, -0.5, 0.5, -0.5, 0.5] * repeat
 
 
 @pytest.mark.parametrize("n", [0, 5])

@@ -10,8 +10,14 @@
 // No "fma" in the clone: a fused multiply-add would round differently from the
 // torch reference (and from the CUDA kernels, which use explicit __fmul/__fsub).
 #define DDPX_CPU_CLONES __attribute__((target_clones("avx2", "default")))
+// Hand-written AVX2 steps, for what gcc does not vectorize well; called only
+// where cpu_has_avx2() says so.
+#define DDPX_AVX2_STEPS 1
+#define DDPX_TARGET_AVX2 __attribute__((target("avx2")))
+#include <immintrin.h>
 #else
 #define DDPX_CPU_CLONES
+#define DDPX_AVX2_STEPS 0
 #endif
 
 #define DDPX_INLINE inline __attribute__((always_inline))
@@ -40,6 +46,15 @@ DDPX_INLINE float bits_float(uint32_t u) {
 constexpr int32_t kNonFiniteAbsBits = 0x7f800000;
 
 DDPX_INLINE int32_t abs_bits(float f) { return static_cast<int32_t>(float_bits(f) & 0x7fffffffu); }
+
+inline bool cpu_has_avx2() {
+#if DDPX_AVX2_STEPS
+  static const bool has = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
+  return has;
+#else
+  return false;
+#endif
+}
 
 // round-half-to-even for |y| < 2^22 under the default rounding mode: adding
 // 1.5 * 2^23 leaves no fraction bits, so the FPU rounds y to an integer.
