@@ -153,9 +153,11 @@ def hand_loop(epochs: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def interleaved(rounds: int, overrides, out: str) -> None:
+def interleaved(rounds: int, overrides, out: str, noise_floor: bool = False) -> None:
     """Both loops in the same torchrun workers, one epoch each in turn, on the same
-    model, optimizer and data: the most direct per-step comparison."""
+    model, optimizer and data: the most direct per-step comparison. With
+    ``noise_floor`` the hand-written loop runs in both slots: the ratio the
+    machine's noise alone gives."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -179,7 +181,12 @@ def interleaved(rounds: int, overrides, out: str) -> None:
     ddpx_times, hand_times, ddpx_cpu, hand_cpu = [], [], [], []
     trainer.hook.ddpx_train_start(trainer=trainer)
     for epoch in range(2 * rounds + 1):
-        if epoch % 2 == 0:  # ddpx epochs: 0, 2, 4, ...; the first warms up
+        if epoch % 2 == 0 and noise_floor:
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            steps = hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn)
+            ddpx_times.append((time.perf_counter() - start) / steps)
+            ddpx_cpu.append((time.thread_time() - cpu_start) / steps)
+        elif epoch % 2 == 0:  # ddpx epochs: 0, 2, 4, ...; the first warms up
             trainer.train_epoch(epoch)
             seconds, steps, cpu = epochs_log[-1]
             steps -= epochs_log[-2][1] if len(epochs_log) > 1 else 0
@@ -190,7 +197,7 @@ def interleaved(rounds: int, overrides, out: str) -> None:
             steps = hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn)
             hand_times.append((time.perf_counter() - start) / steps)
             hand_cpu.append((time.thread_time() - cpu_start) / steps)
-    dispatch_us = own_work_us(trainer, rounds)
+    dispatch_us = None if noise_floor else own_work_us(trainer, rounds)
     trainer.hook.ddpx_train_end(trainer=trainer)
     if trainer.rank == 0:
         with open(out, "w") as f:
@@ -267,12 +274,13 @@ def run_hand(epochs: int, nproc: int, workdir: str, index: int) -> dict:
     return record
 
 
-def run_interleaved(rounds: int, nproc: int, workdir: str, overrides) -> dict:
+def run_interleaved(rounds: int, nproc: int, workdir: str, overrides, noise_floor: bool = False) -> dict:
     out = os.path.join(workdir, "interleaved.json")
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
-           os.path.abspath(__file__), "--interleaved-worker", "--rounds", str(rounds), "--out", out, *overrides]
+           os.path.abspath(__file__), "--interleaved-worker", "--rounds", str(rounds), "--out", out,
+           *(["--noise-floor"] if noise_floor else []), *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=workdir)
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if "batch/s" not in line]
@@ -293,6 +301,9 @@ def main(argv=None) -> int:
     parser.add_argument("--interleaved-launches", type=int, default=5,
                         help="separate launches of the interleaved comparison (median over them)")
     parser.add_argument("--skip-launch", action="store_true", help="only the interleaved comparison")
+    parser.add_argument("--noise-floor", action="store_true",
+                        help="the hand-written loop in both slots of the interleaved comparison (implies "
+                             "--skip-launch): how far from 1.0 this machine's noise alone moves the ratios")
     parser.add_argument("--hand-loop", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--interleaved-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -301,16 +312,16 @@ def main(argv=None) -> int:
         hand_loop(args.epochs, args.out)
         return 0
     if args.interleaved_worker:
-        interleaved(args.rounds, args.overrides, args.out)
+        interleaved(args.rounds, args.overrides, args.out, args.noise_floor)
         return 0
 
     result = {"benchmark": "trainer_overhead", "nproc": args.nproc, "overrides": args.overrides,
-              "target_ratio": 1.03}
+              "target_ratio": 1.03, "noise_floor": args.noise_floor}
     with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir:
         # One launch's ratio carries that launch's own luck (memory layout, where the
         # scheduler puts the ranks: a few percent either way), so the headline is the
         # median over several launches, each with its own ratio shown.
-        launches = [run_interleaved(args.rounds, args.nproc, workdir, args.overrides)
+        launches = [run_interleaved(args.rounds, args.nproc, workdir, args.overrides, args.noise_floor)
                     for _ in range(args.interleaved_launches)]
         per_launch = []
         for pair in launches:
@@ -327,10 +338,11 @@ def main(argv=None) -> int:
             "launches": len(launches), "rounds": args.rounds,
             "ddpx_cpu_us": middle("ddpx_cpu_us"), "hand_cpu_us": middle("hand_cpu_us"),
             "cpu_ratio": middle("cpu_ratio"), "launch_cpu_ratios": [r["cpu_ratio"] for r in per_launch],
-            "own_work_us": middle("own_work_us"),
         }
-        result["interleaved"]["own_work_share"] = result["interleaved"]["own_work_us"] / result["interleaved"]["hand_cpu_us"]
-        if not args.skip_launch:
+        if not args.noise_floor:
+            result["interleaved"]["own_work_us"] = middle("own_work_us")
+            result["interleaved"]["own_work_share"] = middle("own_work_us") / result["interleaved"]["hand_cpu_us"]
+        if not (args.skip_launch or args.noise_floor):
             ddpx_runs, hand_runs = [], []
             for i in range(args.repeats):
                 ddpx_runs.append(run_ddpx(args.epochs, args.nproc, workdir, i, args.overrides))
@@ -346,7 +358,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    titles = {"interleaved": "same workers, alternating epochs",
+    titles = {"interleaved": "noise floor: the hand-written loop in both slots (labelled ddpx below)"
+              if args.noise_floor else "same workers, alternating epochs",
               "launch": "`ddpx train` vs a torchrun'd hand-written script"}
     for key in ("interleaved", "launch"):
         if key not in result:
