@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -94,16 +96,40 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
 
 def _tcp_store(addr: str, port: int, rank: int, serve: bool, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store on addr:port, served here when ``serve``; a failure is one clear line."""
-    try:
-        return dist.TCPStore(addr, port, is_master=serve, timeout=timeout, wait_for_workers=False)
-    except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
-        if serve:
-            raise DdpxError(f"rank 0 cannot serve the rendezvous store on MASTER_PORT={port} ({_first_line(exc)}); "
-                            "set MASTER_PORT to a free port") from None
-        raise DdpxError(f"rank {rank}: no rendezvous store answered at MASTER_ADDR={addr} MASTER_PORT={port} within "
-                        f"{timeout.total_seconds():g} s ({_first_line(exc)}); is rank 0 (or torchrun's agent) "
-                        "running, and is that address reachable from this host? (trainer.first_timeout_s sets "
-                        "the wait)") from None
+    deadline = time.monotonic() + timeout.total_seconds()
+    # torch's TCPStore client prints a C++ stack trace for every failed connect, so
+    # wait for a listener with plain connects first: a missing store stays one line.
+    unreachable = None if serve else _wait_for_listener(addr, port, deadline)
+    if unreachable is None:
+        try:
+            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 5.0))
+            return dist.TCPStore(addr, port, is_master=serve, timeout=timeout if serve else left,
+                                 wait_for_workers=False)
+        except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+            if serve:
+                raise DdpxError(f"rank 0 cannot serve the rendezvous store on MASTER_PORT={port} "
+                                f"({_first_line(exc)}); set MASTER_PORT to a free port") from None
+            unreachable = _first_line(exc)
+    raise DdpxError(f"rank {rank}: no rendezvous store answered at MASTER_ADDR={addr} MASTER_PORT={port} within "
+                    f"{timeout.total_seconds():g} s ({unreachable}); is rank 0 (or torchrun's agent) "
+                    "running, and is that address reachable from this host? (trainer.first_timeout_s sets "
+                    "the wait)")
+
+
+def _wait_for_listener(addr: str, port: int, deadline: float) -> Optional[str]:
+    """Connect to addr:port until something accepts or the deadline (time.monotonic) passes:
+    None once something listens, else the last connect error."""
+    delay = 0.05
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(min(deadline - time.monotonic(), 5.0), 0.1)):
+                return None
+        except OSError as exc:  # refused, timed out, unknown host
+            last = str(exc) or type(exc).__name__
+        if time.monotonic() >= deadline:
+            return last
+        time.sleep(max(min(delay, deadline - time.monotonic()), 0.0))
+        delay = min(2 * delay, 1.0)
 
 
 def _first_line(exc: BaseException) -> str:
