@@ -25,7 +25,7 @@ constexpr int64_t kStep = 64;  // elements per prefetch step
 template <bool kError>
 DDPX_TARGET_AVX2 void quantize_step_avx2(const float* x, float* err, int8_t* q, float scale) {
   static_assert(kStep == 64, "two 32-element packs per step");
-  const __m256 s = _mm256_set1_ps(scale), magic = _mm256_set1_ps(12582912.0f);  // round_half_even's
+  const __m256 s = _mm256_set1_ps(scale), magic = _mm256_set1_ps(kRoundMagic);  // round_half_even
   const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' 128-bit lane split
   __m256i ints[8];

@@ -58,10 +58,8 @@ inline bool cpu_has_avx2() {
 
 // round-half-to-even for |y| < 2^22 under the default rounding mode: adding
 // 1.5 * 2^23 leaves no fraction bits, so the FPU rounds y to an integer.
-DDPX_INLINE float round_half_even(float y) {
-  constexpr float kMagic = 12582912.0f;
-  return (y + kMagic) - kMagic;
-}
+constexpr float kRoundMagic = 12582912.0f;
+DDPX_INLINE float round_half_even(float y) { return (y + kRoundMagic) - kRoundMagic; }
 
 // 8-lane vectors (GCC/clang vector extensions): explicit lanes where the
 // order of a float sum matters, lowered to AVX2 or pairs of SSE registers.
