@@ -157,7 +157,7 @@ def worker(args):
         # each config as a user gets it: ddpx's hooks with the DDP options they ask for
         options = ddpx.hooks.ddp_options(_parse_spec(name)[0]) if kind == "ddpx" else {}
         if kind == "noop":
-            options = {"gradient_as_bucket_view": True}  # what every ddpx hook asks for
+            options = ddpx.hooks.ddp_options("allreduce")  # the DDP options of ddpx's plainest hook
         if args.bucket_mb is not None:
             options["bucket_cap_mb"] = args.bucket_mb
         entry["bucket_mb"] = options.get("bucket_cap_mb", DEFAULT_BUCKET_MB)

@@ -181,22 +181,18 @@ def interleaved(rounds: int, overrides, out: str, noise_floor: bool = False) -> 
     ddpx_times, hand_times, ddpx_cpu, hand_cpu = [], [], [], []
     trainer.hook.ddpx_train_start(trainer=trainer)
     for epoch in range(2 * rounds + 1):
-        if epoch % 2 == 0 and noise_floor:
-            start, cpu_start = time.perf_counter(), time.thread_time()
-            steps = hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn)
-            ddpx_times.append((time.perf_counter() - start) / steps)
-            ddpx_cpu.append((time.thread_time() - cpu_start) / steps)
-        elif epoch % 2 == 0:  # ddpx epochs: 0, 2, 4, ...; the first warms up
+        if epoch % 2 == 0 and not noise_floor:  # ddpx epochs: 0, 2, 4, ...; the first warms up
             trainer.train_epoch(epoch)
             seconds, steps, cpu = epochs_log[-1]
             steps -= epochs_log[-2][1] if len(epochs_log) > 1 else 0
             ddpx_times.append(seconds / steps)
             ddpx_cpu.append(cpu / steps)
-        else:
+        else:  # the hand-written loop; in the ddpx slot too with noise_floor
             start, cpu_start = time.perf_counter(), time.thread_time()
             steps = hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn)
-            hand_times.append((time.perf_counter() - start) / steps)
-            hand_cpu.append((time.thread_time() - cpu_start) / steps)
+            times, cpu_times = (ddpx_times, ddpx_cpu) if epoch % 2 == 0 else (hand_times, hand_cpu)
+            times.append((time.perf_counter() - start) / steps)
+            cpu_times.append((time.thread_time() - cpu_start) / steps)
     dispatch_us = None if noise_floor else own_work_us(trainer, rounds)
     trainer.hook.ddpx_train_end(trainer=trainer)
     if trainer.rank == 0:
