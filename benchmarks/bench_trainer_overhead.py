@@ -223,8 +223,8 @@ def own_work_us(trainer, rounds: int) -> float:
         total_steps += steps
         for batch_index in range(steps):
             trainer.global_step += 1
-            if batch_end is not None:
-                batch_end(trainer=trainer, batch_index=batch_index, loss=trainer.last_loss, stepped=True)
+            for call in batch_end:
+                call(trainer, batch_index, trainer.last_loss, True)
         cpu += time.thread_time() - start
     return cpu / total_steps * 1e6
 

@@ -67,16 +67,24 @@ def _restore_logger(log: logging.Logger, settings: tuple) -> None:
     log.propagate = propagate
 
 
-def _fan_out(impls) -> Any:
-    """Call plain (non-wrapper) hook implementations in pluggy's order (last
-    registered first, tryfirst/trylast respected), ignoring their results."""
-    calls = [(impl.function, impl.argnames) for impl in reversed(impls)]
+# The hooks called every step; the trainer calls them positionally, in their
+# hookspecs' argument order.
+STEP_HOOKS = ("ddpx_should_step", "ddpx_micro_step", "ddpx_forward", "ddpx_backward", "ddpx_optimizer_step",
+              "ddpx_batch_end")
 
-    def call(**kwargs):
-        for function, argnames in calls:
-            function(*[kwargs[name] for name in argnames])
 
-    return call
+def _positional(function, argnames, spec_args) -> Any:
+    """``function`` (taking ``argnames``, a subset of ``spec_args`` by name) as a
+    callable taking every one of ``spec_args`` positionally."""
+    if tuple(argnames) == spec_args:
+        return function
+    positions = [spec_args.index(name) for name in argnames]
+    return lambda *args: function(*[args[i] for i in positions])
+
+
+def _through_pluggy(caller, spec_args) -> Any:
+    """A hook caller (keyword arguments only) as a positional callable."""
+    return lambda *args: caller(**dict(zip(spec_args, args)))
 
 
 def ddp_options(config: Config, requests) -> dict:
@@ -288,31 +296,33 @@ class Trainer:
         return max_steps is not None and self.global_step >= max_steps
 
     def _step_callers(self) -> dict:
-        """The per-step hooks, each as the callable to use this epoch.
+        """The per-step hooks, each as the callable to use this epoch, taking the
+        hookspec's arguments positionally, in the hookspec's order.
 
         pluggy's dispatch costs microseconds per call, every step, so without
         tracing: a hook only the core implements is called as the core's
-        method, and ``ddpx_batch_end`` (results unused) calls its plain
-        implementations in pluggy's order. With tracing on, every call goes
-        through pluggy so it is printed.
+        method, and ``ddpx_batch_end`` (results unused) becomes a tuple of its
+        plain implementations, called one after the other in pluggy's order
+        (last registered first, tryfirst/trylast respected). Everything else,
+        and everything while tracing (so it is printed), goes through pluggy.
         """
         hook, core = self.hook, self.plugin_manager.get_plugin(CORE_PLUGIN)
         tracing = getattr(self.plugin_manager, "ddpx_tracing", False)
-        callers = {}
-        for name in ("ddpx_should_step", "ddpx_micro_step", "ddpx_forward", "ddpx_backward", "ddpx_optimizer_step",
-                     "ddpx_batch_end"):
+        callers: dict = {}
+        for name in STEP_HOOKS:
             caller = getattr(hook, name)
+            spec_args = tuple(caller.spec.argnames)
             impls = caller.get_hookimpls()
-            if tracing:
-                callers[name] = caller
-            elif not impls:
-                callers[name] = None  # nobody listens (ddpx_batch_end without plugins)
-            elif len(impls) == 1 and impls[0].plugin is core:
-                callers[name] = getattr(core, name)
-            elif name == "ddpx_batch_end" and not any(impl.wrapper or impl.hookwrapper for impl in impls):
-                callers[name] = _fan_out(impls)
+            if name == "ddpx_batch_end":
+                if tracing or any(impl.wrapper or impl.hookwrapper for impl in impls):
+                    callers[name] = (_through_pluggy(caller, spec_args),)
+                else:
+                    callers[name] = tuple(_positional(impl.function, impl.argnames, spec_args)
+                                          for impl in reversed(impls))
+            elif not tracing and len(impls) == 1 and impls[0].plugin is core:
+                callers[name] = _positional(impls[0].function, impls[0].argnames, spec_args)
             else:
-                callers[name] = caller
+                callers[name] = _through_pluggy(caller, spec_args)
         return callers
 
     def train_epoch(self, epoch: int) -> dict:
@@ -337,11 +347,11 @@ class Trainer:
             self.batch_index = batch_index
             if move:
                 batch = to_device(batch, self.device)
-            sync = True if always_step else should_step(trainer=self, batch_index=batch_index, num_batches=num_batches)
-            loss = micro_step(trainer=self, batch=batch, sync=sync)
+            sync = True if always_step else should_step(self, batch_index, num_batches)
+            loss = micro_step(self, batch, sync)
             stepped = False
             if sync:
-                stepped = bool(optimizer_step(trainer=self))
+                stepped = bool(optimizer_step(self))
                 optimizer.zero_grad(set_to_none=True)
                 if stepped and scheduler is not None:
                     scheduler.step()
@@ -351,8 +361,8 @@ class Trainer:
             if len(losses) == 4096:  # bound the memory of very long epochs
                 losses = [torch.stack(losses).sum()]
                 partial_batches += 4095
-            if batch_end is not None:
-                batch_end(trainer=self, batch_index=batch_index, loss=loss, stepped=stepped)
+            for call in batch_end:
+                call(self, batch_index, loss, stepped)
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
             if max_steps is not None and sync and self.global_step >= max_steps:
@@ -442,8 +452,8 @@ class CorePlugin:
     @hookimpl(trylast=True)
     def ddpx_micro_step(self, trainer: Trainer, batch, sync: bool):
         callers = trainer._callers or trainer._step_callers()  # resolved once per epoch in the loop
-        loss = callers["ddpx_forward"](trainer=trainer, batch=batch)
-        callers["ddpx_backward"](trainer=trainer, loss=loss)
+        loss = callers["ddpx_forward"](trainer, batch)
+        callers["ddpx_backward"](trainer, loss)
         return loss.detach()
 
     @hookimpl(trylast=True)

@@ -1,5 +1,6 @@
 """The trainer's run lifecycle: max_steps and resume, stop signals, what a run leaves behind."""
 
+import importlib
 import logging
 import os
 import signal
@@ -87,3 +88,53 @@ def test_sigterm_stops_the_run_cleanly(tmp_path, checkpoint, capfd):
         assert "no plugin agrees on a stop across ranks" in str(stopped.value)
         assert not (tmp_path / "run" / "checkpoints").exists()
     assert torch.is_grad_enabled()
+
+
+# Batch-end implementations in pluggy's three orderings, two of them taking a
+# subset of the hook's arguments in another order than the hookspec's.
+BATCH_END_CALLS: list = []
+
+
+class FirstAtBatchEnd:
+    from ddpx import hookimpl
+
+    @hookimpl(tryfirst=True)
+    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
+        BATCH_END_CALLS.append(("first", batch_index, stepped, trainer.global_step, round(float(loss), 6)))
+
+
+class SubsetAtBatchEnd:
+    from ddpx import hookimpl
+
+    @hookimpl
+    def ddpx_batch_end(self, stepped, trainer):
+        BATCH_END_CALLS.append(("subset", stepped, trainer.global_step))
+
+
+class LastAtBatchEnd:
+    from ddpx import hookimpl
+
+    @hookimpl(trylast=True)
+    def ddpx_batch_end(self, loss, batch_index):
+        BATCH_END_CALLS.append(("last", batch_index, round(float(loss), 6)))
+
+
+def test_batch_end_fast_path_calls_what_pluggy_calls(tmp_path):
+    """Without tracing the trainer calls batch-end implementations itself; with
+    tracing, through pluggy. Both must call the same functions, in the same
+    order, with the same arguments."""
+    plugins = "plugins.enable=[tests.test_trainer_lifecycle.LastAtBatchEnd,tests.test_trainer_lifecycle." \
+              "SubsetAtBatchEnd,tests.test_trainer_lifecycle.FirstAtBatchEnd]"
+    recorded = importlib.import_module("tests.test_trainer_lifecycle").BATCH_END_CALLS  # the plugins' module
+    sequences = {}
+    for trace in (False, True):
+        recorded.clear()
+        Trainer(make_config(tmp_path / str(trace), "trainer.epochs=1", "trainer.max_steps=3", "accumulation.steps=2",
+                            "checkpoint.enabled=false", plugins, f"plugins.trace={str(trace).lower()}")).run()
+        sequences[trace] = list(recorded)
+    assert sequences[False] == sequences[True]
+    calls = sequences[False]
+    assert [call[0] for call in calls] == ["first", "subset", "last"] * 6  # 3 steps of 2 micro-batches
+    assert [call[1:3] for call in calls[:6:3]] == [(0, False), (1, True)]  # batch index, stepped
+    assert calls[1] == ("subset", False, 0) and calls[4] == ("subset", True, 1)
+    assert calls[0][4] == calls[2][2]  # the same loss reaches both
