@@ -22,8 +22,17 @@ The interleaved comparison runs in several launches (``--interleaved-launches``,
 5): one launch's ratio moves by a few percent with that launch's luck, so the
 headline is the median over launches of each launch's median ratio.
 
+``--instructions`` counts instead of timing: each loop runs alone in one
+process (world size 1) under valgrind for ``--epochs`` and twice as many
+epochs, and the difference gives instructions per step, set-up cancelling.
+The count is exact where time is noisy, but it is blind to cache misses, and
+under valgrind a step takes about 50 times longer, so work that runs every so
+many seconds (the progress bar's redraws, the checkpoint plugin's stop checks)
+weighs about 50 times more per step than it does outside.
+
 Usage: python benchmarks/bench_trainer_overhead.py [--epochs 20] [--rounds 60] [--interleaved-launches 5]
        [--repeats 3] [--nproc 2] [--json] [KEY=VALUE ...]
+       python benchmarks/bench_trainer_overhead.py --instructions [--epochs 10] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -158,7 +168,53 @@ def interleaved(rounds: int, overrides, out: str, noise_floor: bool = False) -> 
     model, optimizer and data: the most direct per-step comparison. With
     ``noise_floor`` the hand-written loop runs in both slots: the ratio the
     machine's noise alone gives."""
-    import torch
+    trainer, hand = both_loops(overrides)
+    # The plugin instance of this file (imported by name, not this __main__).
+    epochs_log = sys.modules["bench_trainer_overhead"]._epochs
+    ddpx_times, hand_times, ddpx_cpu, hand_cpu = [], [], [], []
+    for epoch in range(2 * rounds + 1):
+        if epoch % 2 == 0 and not noise_floor:  # ddpx epochs: 0, 2, 4, ...; the first warms up
+            trainer.train_epoch(epoch)
+            seconds, steps, cpu = epochs_log[-1]
+            steps -= epochs_log[-2][1] if len(epochs_log) > 1 else 0
+            ddpx_times.append(seconds / steps)
+            ddpx_cpu.append(cpu / steps)
+        else:  # the hand-written loop; in the ddpx slot too with noise_floor
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            steps = hand(epoch)
+            times, cpu_times = (ddpx_times, ddpx_cpu) if epoch % 2 == 0 else (hand_times, hand_cpu)
+            times.append((time.perf_counter() - start) / steps)
+            cpu_times.append((time.thread_time() - cpu_start) / steps)
+    dispatch_us = None if noise_floor else own_work_us(trainer, rounds)
+    if trainer.rank == 0:
+        with open(out, "w") as f:
+            json.dump({"ddpx": ddpx_times[1:], "hand": hand_times, "ddpx_cpu": ddpx_cpu[1:], "hand_cpu": hand_cpu,
+                       "own_work_us": dispatch_us}, f)
+    del hand  # it holds the DDP model, freed before the group
+    end_both_loops(trainer)
+
+
+def count_worker(loop: str, epochs: int, overrides, out: str) -> None:
+    """``epochs`` epochs of one loop, world size 1 (run under valgrind by
+    :func:`count_instructions`); writes the steps taken."""
+    trainer, hand = both_loops(overrides)
+
+    def ddpx(epoch):
+        before = trainer.global_step
+        trainer.train_epoch(epoch)
+        return trainer.global_step - before
+
+    run = hand if loop == "hand" else ddpx
+    steps = sum(run(epoch) for epoch in range(epochs))
+    with open(out, "w") as f:
+        json.dump({"steps": steps}, f)
+    del hand, run  # they hold the DDP model, freed before the group
+    end_both_loops(trainer)
+
+
+def both_loops(overrides):
+    """A set-up ddpx trainer (train start called) and the hand-written loop's
+    epoch function over the same model, optimizer and data, in this process."""
     from torch.utils.data import DataLoader
 
     from ddpx.config import load_config
@@ -172,38 +228,21 @@ def interleaved(rounds: int, overrides, out: str, noise_floor: bool = False) -> 
         config = load_config(None, [*settings, "checkpoint.enabled=false"])
     trainer = Trainer(config)
     trainer.setup()
-    # The plugin instance of this file (imported by name, not this __main__).
-    epochs_log = sys.modules["bench_trainer_overhead"]._epochs
     model, optimizer, loss_fn = trainer.model, trainer.optimizer, trainer.loss_fn
     sampler = ResumableDistributedBatchSampler(len(trainer.train_set), config.trainer.batch_size,
                                                trainer.rank, trainer.world_size, shuffle=True, seed=0)
     loader = DataLoader(trainer.train_set, batch_sampler=sampler)
-    ddpx_times, hand_times, ddpx_cpu, hand_cpu = [], [], [], []
     trainer.hook.ddpx_train_start(trainer=trainer)
-    for epoch in range(2 * rounds + 1):
-        if epoch % 2 == 0 and not noise_floor:  # ddpx epochs: 0, 2, 4, ...; the first warms up
-            trainer.train_epoch(epoch)
-            seconds, steps, cpu = epochs_log[-1]
-            steps -= epochs_log[-2][1] if len(epochs_log) > 1 else 0
-            ddpx_times.append(seconds / steps)
-            ddpx_cpu.append(cpu / steps)
-        else:  # the hand-written loop; in the ddpx slot too with noise_floor
-            start, cpu_start = time.perf_counter(), time.thread_time()
-            steps = hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn)
-            times, cpu_times = (ddpx_times, ddpx_cpu) if epoch % 2 == 0 else (hand_times, hand_cpu)
-            times.append((time.perf_counter() - start) / steps)
-            cpu_times.append((time.thread_time() - cpu_start) / steps)
-    dispatch_us = None if noise_floor else own_work_us(trainer, rounds)
-    trainer.hook.ddpx_train_end(trainer=trainer)
-    if trainer.rank == 0:
-        with open(out, "w") as f:
-            json.dump({"ddpx": ddpx_times[1:], "hand": hand_times, "ddpx_cpu": ddpx_cpu[1:], "hand_cpu": hand_cpu,
-                       "own_work_us": dispatch_us}, f)
+    return trainer, lambda epoch: hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn)
+
+
+def end_both_loops(trainer) -> None:
     import ddpx.distributed
 
+    trainer.hook.ddpx_train_end(trainer=trainer)
     # Free the DDP wrapper (its reducer holds the group) before destroying the group,
     # as the trainer does: otherwise gloo aborts at exit now and then.
-    model = trainer.model = None
+    trainer.model = None
     gc.collect()
     ddpx.distributed.teardown()
 
@@ -270,6 +309,55 @@ def run_hand(epochs: int, nproc: int, workdir: str, index: int) -> dict:
     return record
 
 
+def count_instructions(loop: str, epochs: int, workdir: str, overrides) -> tuple[int, int]:
+    """(instructions, steps) of a whole process running ``epochs`` epochs of
+    ``loop`` under valgrind (Ir only: no cache simulation). The same process
+    with twice the epochs gives the per-step count by difference, set-up and
+    teardown cancelling."""
+    from ddpx.launch import free_port
+
+    out = os.path.join(workdir, f"count-{loop}-{epochs}.json")
+    port = free_port()  # world size 1: the gloo group needs a port of its own
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+               LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", sys.executable,
+           os.path.abspath(__file__), "--count-worker", loop, "--epochs", str(epochs), "--out", out, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=workdir)
+    if proc.returncode != 0:
+        raise SystemExit(f"valgrind run of the {loop} loop failed:\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        steps = json.load(f)["steps"]
+    return valgrind_instructions(proc.stderr), steps
+
+
+def valgrind_instructions(stderr: str) -> int:
+    """The ``I refs`` total from valgrind's summary."""
+    import re
+
+    match = re.search(r"I\s+refs:\s+([\d,]+)", stderr)
+    if match is None:
+        raise SystemExit("no 'I refs' line in valgrind's output:\n" + stderr[-2000:])
+    return int(match.group(1).replace(",", ""))
+
+
+def instructions_per_step(epochs: int, workdir: str, overrides) -> dict:
+    """Instructions per step of each loop, by difference of two runs (``epochs``
+    and ``2 * epochs``); the runs go two at a time, one per core."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(loop, n) for loop in ("ddpx", "hand") for n in (epochs, 2 * epochs)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        counts = dict(zip(jobs, pool.map(lambda job: count_instructions(*job, workdir, overrides), jobs)))
+    result = {}
+    for loop in ("ddpx", "hand"):
+        (short, short_steps), (long, long_steps) = counts[(loop, epochs)], counts[(loop, 2 * epochs)]
+        result[f"{loop}_instructions_per_step"] = (long - short) / (long_steps - short_steps)
+    result["ratio"] = result["ddpx_instructions_per_step"] / result["hand_instructions_per_step"]
+    result["epochs"] = epochs
+    return result
+
+
 def run_interleaved(rounds: int, nproc: int, workdir: str, overrides, noise_floor: bool = False) -> dict:
     out = os.path.join(workdir, "interleaved.json")
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -287,7 +375,8 @@ def run_interleaved(rounds: int, nproc: int, workdir: str, overrides, noise_floo
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20, help="epochs per run (the first is not timed)")
+    parser.add_argument("--epochs", type=int, help="epochs per run: 20 for the separate launches (the first is "
+                                                    "not timed), 10 (and twice that) for --instructions")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternating")
     parser.add_argument("--nproc", type=int, default=2, help="processes per run")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -300,15 +389,38 @@ def main(argv=None) -> int:
     parser.add_argument("--noise-floor", action="store_true",
                         help="the hand-written loop in both slots of the interleaved comparison (implies "
                              "--skip-launch): how far from 1.0 this machine's noise alone moves the ratios")
+    parser.add_argument("--instructions", action="store_true",
+                        help="instead of timing, count the instructions per step of each loop under valgrind "
+                             "(one process, world size 1): exact where time is noisy, but blind to cache misses")
     parser.add_argument("--hand-loop", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--count-worker", choices=("ddpx", "hand"), help=argparse.SUPPRESS)
     parser.add_argument("--interleaved-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.epochs is None:
+        args.epochs = 10 if args.instructions else 20
     if args.hand_loop:
         hand_loop(args.epochs, args.out)
         return 0
     if args.interleaved_worker:
         interleaved(args.rounds, args.overrides, args.out, args.noise_floor)
+        return 0
+    if args.count_worker:
+        count_worker(args.count_worker, args.epochs, args.overrides, args.out)
+        return 0
+    if args.instructions:
+        if shutil.which("valgrind") is None:
+            raise SystemExit("--instructions needs valgrind on PATH (e.g. apt install valgrind)")
+        with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir:
+            counts = instructions_per_step(args.epochs, workdir, args.overrides)
+        result = {"benchmark": "trainer_overhead_instructions", "overrides": args.overrides, **counts}
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print(f"[instructions per step, one process, {args.epochs} vs {2 * args.epochs} epochs under valgrind]")
+            print(f"  hand-written DDP loop: {counts['hand_instructions_per_step']:,.0f}")
+            print(f"  ddpx:                  {counts['ddpx_instructions_per_step']:,.0f}")
+            print(f"  ratio ddpx/hand:       {counts['ratio']:.4f}")
         return 0
 
     result = {"benchmark": "trainer_overhead", "nproc": args.nproc, "overrides": args.overrides,

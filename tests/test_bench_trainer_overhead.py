@@ -32,3 +32,38 @@ def test_interleaved_comparison_reports_its_ratios(mode, tmp_path):
         assert "own_work_us" not in r  # no ddpx loop ran
     else:
         assert 0 < r["own_work_us"] < 0.5 * r["hand_cpu_us"]
+
+
+# --- --instructions: the counting worker and the arithmetic (valgrind itself takes minutes) ---------------
+
+
+@pytest.mark.parametrize("loop,epochs", [("hand", 1), ("ddpx", 2)])
+def test_count_worker_runs_the_asked_epochs_of_one_loop(loop, epochs, tmp_path):
+    from ddpx.launch import free_port
+
+    port = free_port()
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "count.json"
+    proc = subprocess.run([sys.executable, BENCH, "--count-worker", loop, "--epochs", str(epochs), "--out", str(out),
+                           "logging.progress=false"], capture_output=True, text=True, timeout=200, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text()) == {"steps": 45 * epochs}  # 1437 digits, batches of 32, one rank
+
+
+def test_instructions_per_step_is_the_difference_of_two_runs(monkeypatch):
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import bench_trainer_overhead as bench
+    finally:
+        sys.path.pop(0)
+    per_step, set_up = {"ddpx": 3_300_000, "hand": 3_200_000}, {"ddpx": 7e9, "hand": 6e9}
+    monkeypatch.setattr(bench, "count_instructions",
+                        lambda loop, epochs, workdir, overrides: (set_up[loop] + per_step[loop] * 45 * epochs, 45 * epochs))
+    result = bench.instructions_per_step(3, "/nonexistent", [])
+    assert result["ddpx_instructions_per_step"] == 3_300_000 and result["hand_instructions_per_step"] == 3_200_000
+    assert result["ratio"] == pytest.approx(33 / 32)
+    stderr = "==1== Command: python x.py\n==1== \n==1== I   refs:      5,291,915,649\n"
+    assert bench.valgrind_instructions(stderr) == 5_291_915_649
+    with pytest.raises(SystemExit, match="no 'I refs' line"):
+        bench.valgrind_instructions("==1== killed\n")
