@@ -67,8 +67,7 @@ def _restore_logger(log: logging.Logger, settings: tuple) -> None:
     log.propagate = propagate
 
 
-# The hooks called every step; the trainer calls them positionally, in their
-# hookspecs' argument order.
+# The hooks called every step (see Trainer._step_callers).
 STEP_HOOKS = ("ddpx_should_step", "ddpx_micro_step", "ddpx_forward", "ddpx_backward", "ddpx_optimizer_step",
               "ddpx_batch_end")
 
@@ -296,33 +295,34 @@ class Trainer:
         return max_steps is not None and self.global_step >= max_steps
 
     def _step_callers(self) -> dict:
-        """The per-step hooks, each as the callable to use this epoch, taking the
-        hookspec's arguments positionally, in the hookspec's order.
+        """The per-step hooks, each as the callable to use this epoch.
 
         pluggy's dispatch costs microseconds per call, every step, so without
         tracing: a hook only the core implements is called as the core's
         method, and ``ddpx_batch_end`` (results unused) becomes a tuple of its
-        plain implementations, called one after the other in pluggy's order
-        (last registered first, tryfirst/trylast respected). Everything else,
-        and everything while tracing (so it is printed), goes through pluggy.
+        plain implementations, each taking the hookspec's arguments
+        positionally, called one after the other in pluggy's order (last
+        registered first, tryfirst/trylast respected). Everything else, and
+        everything while tracing (so it is printed), goes through pluggy,
+        called with keywords.
         """
         hook, core = self.hook, self.plugin_manager.get_plugin(CORE_PLUGIN)
         tracing = getattr(self.plugin_manager, "ddpx_tracing", False)
         callers: dict = {}
         for name in STEP_HOOKS:
             caller = getattr(hook, name)
-            spec_args = tuple(caller.spec.argnames)
             impls = caller.get_hookimpls()
             if name == "ddpx_batch_end":
+                spec_args = tuple(caller.spec.argnames)
                 if tracing or any(impl.wrapper or impl.hookwrapper for impl in impls):
                     callers[name] = (_through_pluggy(caller, spec_args),)
                 else:
                     callers[name] = tuple(_positional(impl.function, impl.argnames, spec_args)
                                           for impl in reversed(impls))
             elif not tracing and len(impls) == 1 and impls[0].plugin is core:
-                callers[name] = _positional(impls[0].function, impls[0].argnames, spec_args)
+                callers[name] = getattr(core, name)
             else:
-                callers[name] = _through_pluggy(caller, spec_args)
+                callers[name] = caller
         return callers
 
     def train_epoch(self, epoch: int) -> dict:
@@ -347,11 +347,11 @@ class Trainer:
             self.batch_index = batch_index
             if move:
                 batch = to_device(batch, self.device)
-            sync = True if always_step else should_step(self, batch_index, num_batches)
-            loss = micro_step(self, batch, sync)
+            sync = True if always_step else should_step(trainer=self, batch_index=batch_index, num_batches=num_batches)
+            loss = micro_step(trainer=self, batch=batch, sync=sync)
             stepped = False
             if sync:
-                stepped = bool(optimizer_step(self))
+                stepped = bool(optimizer_step(trainer=self))
                 optimizer.zero_grad(set_to_none=True)
                 if stepped and scheduler is not None:
                     scheduler.step()
@@ -452,8 +452,8 @@ class CorePlugin:
     @hookimpl(trylast=True)
     def ddpx_micro_step(self, trainer: Trainer, batch, sync: bool):
         callers = trainer._callers or trainer._step_callers()  # resolved once per epoch in the loop
-        loss = callers["ddpx_forward"](trainer, batch)
-        callers["ddpx_backward"](trainer, loss)
+        loss = callers["ddpx_forward"](trainer=trainer, batch=batch)
+        callers["ddpx_backward"](trainer=trainer, loss=loss)
         return loss.detach()
 
     @hookimpl(trylast=True)
