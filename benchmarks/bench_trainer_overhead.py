@@ -51,6 +51,21 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMING_FILE = "bench_timing.json"
 
+
+def worker_env(**extra) -> dict:
+    """The environment of a benchmark process: this file importable (the ddpx runs
+    load it as a plugin by name), plus ``extra``."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), **extra)
+
+
+def one_rank_env() -> dict:
+    """torchrun's variables for a world of one process, on a free port."""
+    from ddpx.launch import free_port
+
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+
+
 # --- the timing plugin (registered in the ddpx run) ----------------------------------------
 
 try:
@@ -281,7 +296,7 @@ def epoch_step_times(record: dict) -> list[float]:
 
 def run_ddpx(epochs: int, nproc: int, workdir: str, index: int, overrides=()) -> dict:
     run_dir = os.path.join(workdir, f"ddpx{index}")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = worker_env()
     launched = time.time()
     cmd = [sys.executable, "-m", "ddpx", "train", f"trainer.epochs={epochs}", f"run_dir={run_dir}",
            "plugins.enable=[bench_trainer_overhead]", *overrides, "--nproc-per-node", str(nproc)]
@@ -314,13 +329,8 @@ def count_instructions(loop: str, epochs: int, workdir: str, overrides) -> tuple
     ``loop`` under valgrind (Ir only: no cache simulation). The same process
     with twice the epochs gives the per-step count by difference, set-up and
     teardown cancelling."""
-    from ddpx.launch import free_port
-
     out = os.path.join(workdir, f"count-{loop}-{epochs}.json")
-    port = free_port()  # world size 1: the gloo group needs a port of its own
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = worker_env(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", **one_rank_env())
     cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", sys.executable,
            os.path.abspath(__file__), "--count-worker", loop, "--epochs", str(epochs), "--out", out, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=workdir)
@@ -360,8 +370,7 @@ def instructions_per_step(epochs: int, workdir: str, overrides) -> dict:
 
 def run_interleaved(rounds: int, nproc: int, workdir: str, overrides, noise_floor: bool = False) -> dict:
     out = os.path.join(workdir, "interleaved.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = worker_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
            os.path.abspath(__file__), "--interleaved-worker", "--rounds", str(rounds), "--out", out,
            *(["--noise-floor"] if noise_floor else []), *overrides]

@@ -37,13 +37,19 @@ def test_interleaved_comparison_reports_its_ratios(mode, tmp_path):
 # --- --instructions: the counting worker and the arithmetic (valgrind itself takes minutes) ---------------
 
 
+def import_bench():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    try:
+        import bench_trainer_overhead
+    finally:
+        sys.path.pop(0)
+    return bench_trainer_overhead
+
+
 @pytest.mark.parametrize("loop,epochs", [("hand", 1), ("ddpx", 2)])
 def test_count_worker_runs_the_asked_epochs_of_one_loop(loop, epochs, tmp_path):
-    from ddpx.launch import free_port
-
-    port = free_port()
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join([os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")]))
+    bench = import_bench()
+    env = bench.worker_env(**bench.one_rank_env())
     out = tmp_path / "count.json"
     proc = subprocess.run([sys.executable, BENCH, "--count-worker", loop, "--epochs", str(epochs), "--out", str(out),
                            "logging.progress=false"], capture_output=True, text=True, timeout=200, cwd=tmp_path, env=env)
@@ -52,11 +58,7 @@ def test_count_worker_runs_the_asked_epochs_of_one_loop(loop, epochs, tmp_path):
 
 
 def test_instructions_per_step_is_the_difference_of_two_runs(monkeypatch):
-    sys.path.insert(0, os.path.dirname(BENCH))
-    try:
-        import bench_trainer_overhead as bench
-    finally:
-        sys.path.pop(0)
+    bench = import_bench()
     per_step, set_up = {"ddpx": 3_300_000, "hand": 3_200_000}, {"ddpx": 7e9, "hand": 6e9}
     monkeypatch.setattr(bench, "count_instructions",
                         lambda loop, epochs, workdir, overrides: (set_up[loop] + per_step[loop] * 45 * epochs, 45 * epochs))
