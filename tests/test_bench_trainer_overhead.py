@@ -28,10 +28,30 @@ def test_interleaved_comparison_reports_its_ratios(mode, tmp_path):
     assert r["ratio_median"] == pytest.approx(r["ddpx_step_ms_median"] / r["hand_step_ms_median"])
     assert r["cpu_ratio"] == pytest.approx(r["ddpx_cpu_us"] / r["hand_cpu_us"])
     assert 0.1 < r["hand_step_ms"] < 1000 and 0.1 < r["ddpx_step_ms"] < 1000  # ms per step of a small MLP
+    for prefix in ("", "cpu_"):
+        low, high = r[f"{prefix}paired_ratio_interval"]
+        assert 0 < low <= r[f"{prefix}paired_ratio"] <= high
     if mode == "--noise-floor":
         assert "own_work_us" not in r  # no ddpx loop ran
     else:
         assert 0 < r["own_work_us"] < 0.5 * r["hand_cpu_us"]
+
+
+def test_paired_ratio_interval_widens_with_launch_to_launch_differences():
+    bench = import_bench()
+    assert bench.paired_ratios([2.0, 3.3], [2.0, 3.0]) == pytest.approx([1.0, 1.1])
+    assert bench.median_with_interval([[1.02] * 50, [1.02] * 50]) == pytest.approx((1.02, 1.02, 1.02))
+    # Two launches whose pairs agree within each launch but not with each other: the
+    # pooled median lies between them and the interval reaches towards both.
+    spread = [0.001 * (i % 5) for i in range(60)]
+    apart = [[1.00 + x for x in spread], [1.06 + x for x in spread]]
+    ratio, low, high = bench.median_with_interval(apart)
+    assert 1.004 < ratio < 1.06 and low <= 1.004 and high >= 1.06
+    ratio, low, high = bench.median_with_interval([[1.00 + x for x in spread]])  # one launch: its pairs only
+    assert (ratio, low, high) == pytest.approx((1.002, 1.002, 1.002), abs=0.0011)
+    assert bench.verdict(1.01, 1.025, 1.03).startswith("within")
+    assert bench.verdict(1.031, 1.05, 1.03).startswith("over")
+    assert bench.verdict(1.02, 1.04, 1.03).startswith("not resolved")
 
 
 # --- --instructions: the counting worker and the arithmetic (valgrind itself takes minutes) ---------------
