@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import random
@@ -196,33 +197,26 @@ def interleaved(rounds: int, overrides, out: str, noise_floor: bool = False) -> 
     trainer, hand = both_loops(overrides)
     # The plugin instance of this file (imported by name, not this __main__).
     epochs_log = sys.modules["bench_trainer_overhead"]._epochs
-    epoch = 0
 
-    def ddpx_slot() -> tuple[float, float]:
-        """(seconds, main-thread CPU seconds) per step of one epoch in the ddpx slot."""
-        nonlocal epoch
-        epoch += 1
-        if noise_floor:
-            return hand_slot(advance=False)
-        before = trainer.global_step
-        trainer.train_epoch(epoch)
-        seconds, _, cpu = epochs_log[-1]
-        steps = trainer.global_step - before
-        return seconds / steps, cpu / steps
-
-    def hand_slot(advance: bool = True) -> tuple[float, float]:
-        nonlocal epoch
-        epoch += advance
+    def hand_slot(epoch: int) -> tuple[float, float]:
+        """(seconds, main-thread CPU seconds) per step of one hand-written epoch."""
         start, cpu_start = time.perf_counter(), time.thread_time()
         steps = hand(epoch)
         return (time.perf_counter() - start) / steps, (time.thread_time() - cpu_start) / steps
 
-    ddpx_slot(), hand_slot()  # warm-up
+    def ddpx_slot(epoch: int) -> tuple[float, float]:
+        if noise_floor:
+            return hand_slot(epoch)
+        steps = ddpx_epoch(trainer, epoch)
+        seconds, _, cpu = epochs_log[-1]  # the timing plugin's marks
+        return seconds / steps, cpu / steps
+
+    epochs = itertools.count()
+    ddpx_slot(next(epochs)), hand_slot(next(epochs))  # warm-up
     slots = {"ddpx": [], "hand": []}
     for r in range(rounds):
-        order = ("hand", "ddpx") if r % 2 == 0 else ("ddpx", "hand")
-        for name in order:
-            slots[name].append(ddpx_slot() if name == "ddpx" else hand_slot())
+        for name in ("hand", "ddpx") if r % 2 == 0 else ("ddpx", "hand"):
+            slots[name].append((ddpx_slot if name == "ddpx" else hand_slot)(next(epochs)))
     dispatch_us = None if noise_floor else own_work_us(trainer, rounds)
     if trainer.rank == 0:
         with open(out, "w") as f:
@@ -237,18 +231,19 @@ def count_worker(loop: str, epochs: int, overrides, out: str) -> None:
     """``epochs`` epochs of one loop, world size 1 (run under valgrind by
     :func:`count_instructions`); writes the steps taken."""
     trainer, hand = both_loops(overrides)
-
-    def ddpx(epoch):
-        before = trainer.global_step
-        trainer.train_epoch(epoch)
-        return trainer.global_step - before
-
-    run = hand if loop == "hand" else ddpx
+    run = hand if loop == "hand" else lambda epoch: ddpx_epoch(trainer, epoch)
     steps = sum(run(epoch) for epoch in range(epochs))
     with open(out, "w") as f:
         json.dump({"steps": steps}, f)
     del hand, run  # they hold the DDP model, freed before the group
     end_both_loops(trainer)
+
+
+def ddpx_epoch(trainer, epoch: int) -> int:
+    """One epoch of the ddpx trainer; returns its optimizer steps."""
+    before = trainer.global_step
+    trainer.train_epoch(epoch)
+    return trainer.global_step - before
 
 
 def both_loops(overrides):
