@@ -212,13 +212,17 @@ def _run_agent(run, args, done_dir: str) -> int:
         more = f" (and {others} more rank{'s' if others > 1 else ''})" if others > 0 else ""
         code = failure.exitcode
         why = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if _every_local_worker_finished(args, done_dir):
+            # Every local worker finished training (process group destroyed, checkpoints
+            # written) before one died while Python shut down: torch + gloo can abort
+            # there ("terminate called without an active exception"). Nothing was lost.
+            print(f"ddpx: warning: training finished; rank {rank} then {why} while exiting{more}", file=sys.stderr)
+            return 0
         raise DdpxError(f"training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above") from None
     except RendezvousError as exc:
-        finished = len(os.listdir(done_dir))
-        if finished and finished >= _local_workers(args):
-            # Every local worker finished training; the agent lost the c10d store
-            # because the node hosting it exited first (a known torchrun race at
-            # shutdown). Nothing was lost, so this is not a failure.
+        if _every_local_worker_finished(args, done_dir):
+            # The agent lost the c10d store because the node hosting it exited first
+            # (a known torchrun race at shutdown). Nothing was lost.
             print(f"ddpx: warning: training finished; torchrun's rendezvous shutdown failed: {exc}", file=sys.stderr)
             return 0
         raise DdpxError(f"rendezvous failed: {type(exc).__name__}: {exc}") from None
@@ -226,6 +230,13 @@ def _run_agent(run, args, done_dir: str) -> int:
         print(f"ddpx: stopped by {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
+
+
+def _every_local_worker_finished(args, done_dir: str) -> bool:
+    """Whether each worker this agent started wrote its done marker (after its run
+    returned and its process group was destroyed)."""
+    finished = len(os.listdir(done_dir))
+    return finished > 0 and finished >= _local_workers(args)
 
 
 def _local_workers(args) -> int:

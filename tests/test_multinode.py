@@ -79,3 +79,38 @@ def test_store_lost_before_every_local_worker_finished_is_an_error(monkeypatch):
             "-m", "ddpx.worker"]
     with pytest.raises(DdpxError, match="rendezvous failed: RendezvousConnectionError"):
         launch.run_torchrun(argv)
+
+
+def _agent_with_a_rank_aborting(markers):
+    """A torchrun `run` whose local workers wrote `markers` done-files, then rank 1 died of SIGABRT."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ddpx import launch
+
+    def run(args):
+        for rank in range(markers):
+            open(os.path.join(os.environ[launch.DONE_DIR_ENV], f"rank-{rank}"), "w").close()
+        raise ChildFailedError("ddpx.worker", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=-6, error_file="")})
+
+    return run
+
+
+def test_a_rank_dying_at_exit_after_every_local_worker_finished_is_only_a_warning(monkeypatch, capsys):
+    import torch.distributed.run
+
+    from ddpx import launch
+
+    monkeypatch.setattr(torch.distributed.run, "run", _agent_with_a_rank_aborting(markers=2))
+    assert launch.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "ddpx.worker"]) == 0
+    assert "ddpx: warning: training finished; rank 1 then was killed by signal 6 while exiting" in capsys.readouterr().err
+
+
+def test_a_rank_dying_before_every_local_worker_finished_is_an_error(monkeypatch):
+    import torch.distributed.run
+
+    from ddpx import launch
+    from ddpx.errors import DdpxError
+
+    monkeypatch.setattr(torch.distributed.run, "run", _agent_with_a_rank_aborting(markers=1))
+    with pytest.raises(DdpxError, match=r"training failed: rank 1 \(pid 4242\) was killed by signal 6; its error"):
+        launch.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "ddpx.worker"])
