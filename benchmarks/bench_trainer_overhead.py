@@ -284,9 +284,13 @@ def end_both_loops(trainer) -> None:
 def own_work_us(trainer, rounds: int) -> float:
     """Main-thread CPU microseconds per step of ddpx's own work, without the model:
     the epoch-start hooks, resolving the step callables, and the per-step
-    batch-end hooks of every loaded plugin, as the loop calls them. The
-    interleaved ratio is this plus noise; here there is no noise to hide in."""
+    batch-end hooks and scheduled calls of every loaded plugin, as the loop
+    calls them. The interleaved ratio is this plus noise; here there is no
+    noise to hide in."""
+    from ddpx.trainer import LOSS_FOLD
+
     cpu, total_steps = 0.0, 0
+    losses, loss = trainer._losses, trainer.last_loss
     for r in range(rounds):
         epoch = 10_000 + r
         start = time.thread_time()
@@ -296,8 +300,13 @@ def own_work_us(trainer, rounds: int) -> float:
         total_steps += steps
         for batch_index in range(steps):
             trainer.global_step += 1
+            losses.append(loss)
+            if len(losses) == LOSS_FOLD:
+                trainer._fold_losses()
             for call in batch_end:
-                call(trainer, batch_index, trainer.last_loss, True)
+                call(trainer, batch_index, loss, True)
+            if trainer.global_step >= trainer._next_due:
+                trainer._run_due()
         cpu += time.thread_time() - start
     return cpu / total_steps * 1e6
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import gc
+import heapq
+import itertools
 import logging
 import os
 import pathlib
@@ -25,10 +27,12 @@ from torch.utils.data import DataLoader
 from . import distributed
 from .config import Config, instantiate
 from .errors import DdpxError
-from .plugin import CORE_PLUGIN, hookimpl, plugin_signature
+from .plugin import CORE_PLUGIN, hookimpl, plugin_signature, rank_prefix
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+NEVER = sys.maxsize  # the next due step when nothing is scheduled
+LOSS_FOLD = 4096  # micro-batch losses kept as tensors before they are summed into one
 
 
 class TrainingStopped(Exception):
@@ -117,6 +121,41 @@ def default_log_handler(log: logging.Logger, rank: int) -> None:
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
+class LossWindow:
+    """The micro-batch losses since the previous :meth:`take` (or since the window
+    was opened by :meth:`Trainer.open_loss_window`), across epochs, summed
+    exactly on the device: no host sync, no per-step work."""
+
+    def __init__(self, trainer: "Trainer"):
+        self._trainer = trainer
+        self._sum: Optional[torch.Tensor] = None  # losses already folded out of the trainer's list
+        self._count = 0
+        self._start = len(trainer._losses)  # first entry of the trainer's list that belongs here
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches in the window so far (no tensor work)."""
+        return self._count + len(self._trainer._losses) - self._start
+
+    def _fold(self, losses: list) -> None:
+        """The trainer is about to clear ``losses``: keep this window's part as a sum."""
+        if self._start < len(losses):
+            part = torch.stack(losses[self._start:]).double().sum()
+            self._sum = part if self._sum is None else self._sum + part
+            self._count += len(losses) - self._start
+        self._start = 0
+
+    def take(self) -> tuple[Optional[torch.Tensor], int]:
+        """``(sum of the losses as a float64 tensor, or None, number of micro-batches)``
+        since the previous take; the window then starts again, empty."""
+        losses = self._trainer._losses
+        self._fold(losses)
+        self._start = len(losses)
+        taken = self._sum, self._count
+        self._sum, self._count = None, 0
+        return taken
+
+
 class Trainer:
     """One rank's training run. Public attributes (plugins may read them):
 
@@ -133,6 +172,11 @@ class Trainer:
     batch boundary and raises :class:`TrainingStopped`),
     ``stop_signal_handler`` (a plugin's callable taking SIGTERM/SIGINT; see
     "signals" below).
+
+    Plugins that act only now and then (a save every N steps, a log line, a
+    timing window) schedule a call with :meth:`call_at_step` instead of
+    implementing ``ddpx_batch_end``, which runs every micro-batch; a window of
+    the micro-batch losses comes from :meth:`open_loss_window`.
     """
 
     def __init__(self, config: Config, plugin_manager=None):
@@ -158,6 +202,13 @@ class Trainer:
         # once; the checkpoint plugin sets it to agree on a stop across ranks.
         self.stop_signal_handler = None
         self._callers: Optional[dict] = None  # the per-step hook callables of the running epoch
+        self._due: list = []  # heap of (step, order, callback): see call_at_step
+        self._due_order = itertools.count()  # same-step calls run in the order they were scheduled
+        self._next_due = NEVER
+        self._losses: list = []  # detached losses of this epoch's micro-batches not yet folded
+        self._epoch_loss: Optional[torch.Tensor] = None  # the epoch's folded losses, summed
+        self._epoch_batches = 0  # micro-batches folded into _epoch_loss
+        self._loss_windows: list[LossWindow] = []
         self._grad_clip = config.trainer.grad_clip  # read every step
         self._previous_signal_handlers: dict = {}
 
@@ -339,8 +390,9 @@ class Trainer:
         num_batches = len(loader)
         move = self.device.type != "cpu"
         max_steps = self.config.trainer.max_steps
-        losses: list = []  # summed at the epoch end: no per-step host sync, no per-step kernel
-        partial_batches = 0  # batches folded into losses[0]
+        # Summed at the epoch end: no per-step host sync, no per-step kernel.
+        losses = self._losses
+        self._epoch_loss, self._epoch_batches = None, 0
         optimizer, scheduler = self.optimizer, self.scheduler
         batch_index = -1
         for batch_index, batch in enumerate(loader):
@@ -358,11 +410,12 @@ class Trainer:
                 self.global_step += 1
             self.last_loss = loss
             losses.append(loss)
-            if len(losses) == 4096:  # bound the memory of very long epochs
-                losses = [torch.stack(losses).sum()]
-                partial_batches += 4095
+            if len(losses) == LOSS_FOLD:  # bound the memory of very long epochs
+                self._fold_losses()
             for call in batch_end:
                 call(self, batch_index, loss, stepped)
+            if sync and self.global_step >= self._next_due:
+                self._run_due()
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
             if max_steps is not None and sync and self.global_step >= max_steps:
@@ -372,8 +425,9 @@ class Trainer:
         if batch_index + 1 >= num_batches:  # max_steps hit on the epoch's last batch: finished too
             self._epoch_finished = True
 
-        batches = partial_batches + len(losses)
-        loss_sum = torch.stack(losses).double().sum() if losses else torch.zeros((), dtype=torch.float64, device=self.device)
+        self._fold_losses()
+        batches = self._epoch_batches
+        loss_sum = self._epoch_loss if batches else torch.zeros((), dtype=torch.float64, device=self.device)
         totals = torch.stack([loss_sum.to(self.device), torch.tensor(float(batches), dtype=torch.float64, device=self.device)])
         dist.all_reduce(totals)  # one collective per epoch for the train loss
         metrics: dict = {"epoch": epoch, "step": self.global_step}
@@ -417,6 +471,55 @@ class Trainer:
         (the checkpoint plugin agrees on that with one all_reduce)."""
         self.stop_requested = True
         self._stop_signal = signum
+
+    # --- scheduled calls and loss windows ------------------------------------------------
+
+    def call_at_step(self, step: int, callback) -> None:
+        """Call ``callback(trainer)`` once, at the first optimizer-step boundary with
+        ``global_step >= step``, after that micro-batch's ``ddpx_batch_end``
+        hooks. Calls due at the same boundary run in the order they were
+        scheduled; a call scheduled while those run, for a step already
+        reached, runs at the next boundary. The loop pays one integer
+        comparison per step for this, however many calls wait.
+
+        A callback that communicates must be scheduled for the same steps, in
+        the same order, on every rank (compute the steps from the config,
+        ``global_step`` and all-reduced values only).
+        """
+        heapq.heappush(self._due, (int(step), next(self._due_order), callback))
+        self._next_due = self._due[0][0]
+
+    def _run_due(self) -> None:
+        step, due = self.global_step, []
+        while self._due and self._due[0][0] <= step:
+            due.append(heapq.heappop(self._due)[2])
+        self._next_due = self._due[0][0] if self._due else NEVER
+        tracing = getattr(self.plugin_manager, "ddpx_tracing", False)
+        for callback in due:
+            if tracing:
+                name = getattr(callback, "__qualname__", repr(callback))
+                print(f"{rank_prefix()}call at step {step}: {callback.__module__}.{name}", file=sys.stderr,
+                      flush=True)
+            callback(self)
+
+    def open_loss_window(self) -> LossWindow:
+        """A :class:`LossWindow` over the micro-batch losses from now on (the step
+        lines of the logging plugin use one)."""
+        window = LossWindow(self)
+        self._loss_windows.append(window)
+        return window
+
+    def _fold_losses(self) -> None:
+        """Sum the kept losses into the epoch total and every open window, then drop them."""
+        losses = self._losses
+        if not losses:
+            return
+        for window in self._loss_windows:
+            window._fold(losses)
+        part = torch.stack(losses).double().sum()
+        self._epoch_loss = part if self._epoch_loss is None else self._epoch_loss + part
+        self._epoch_batches += len(losses)
+        losses.clear()
 
 
 class CorePlugin:

@@ -91,10 +91,9 @@ class CheckpointSession:
         self.directory = CheckpointDirectory(directory, keep=cfg["keep"])
         self.writer = AsyncCheckpointWriter(self.directory, async_write=cfg["async_write"])
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
-        self.boundary_step = 0  # global_step at the last optimizer-step boundary seen
         self.signal_received = 0
         self.trainer = None  # whose stop signals this session takes
-        self.stop_deadline = None  # the timer that ends a stop no step boundary completes
+        self.stop_deadline = None  # set() ends the watchdog that ends a stop no step boundary completes
         self.stop_vote = None  # (work, tensor) of the all_reduce started at the last stop check
         self.start_stop_checks(0)
 
@@ -133,15 +132,27 @@ class CheckpointSession:
 
     def arm_stop_deadline(self):
         """(Re)start the watchdog: torchrun also SIGTERMs the survivors of a failed
-        rank; they make no progress, so do not let them wait for torchrun's SIGKILL."""
+        rank; they make no progress, so do not let them wait for torchrun's SIGKILL.
+        It gives up once ``global_step`` has not moved for ``stop_timeout_s``
+        (read from its own thread: the loop does nothing per step for it)."""
         self.stop_agreed()
-        self.stop_deadline = threading.Timer(self.cfg["stop_timeout_s"], self.give_up, args=(self.signal_received,))
-        self.stop_deadline.daemon = True
-        self.stop_deadline.start()
+        trainer, timeout, signum = self.trainer, self.cfg["stop_timeout_s"], self.signal_received
+        ended = self.stop_deadline = threading.Event()
+
+        def watch():
+            step, since = trainer.global_step, time.monotonic()
+            while not ended.wait(min(1.0, timeout / 10)):
+                if trainer.global_step != step:
+                    step, since = trainer.global_step, time.monotonic()
+                elif time.monotonic() - since >= timeout:
+                    self.give_up(signum)
+                    return
+
+        threading.Thread(target=watch, name="ddpx-stop-deadline", daemon=True).start()
 
     def stop_agreed(self):
         if self.stop_deadline is not None:
-            self.stop_deadline.cancel()
+            self.stop_deadline.set()
             self.stop_deadline = None
 
     def collect_stop_vote(self):
@@ -168,6 +179,31 @@ class CheckpointSession:
     def start_stop_checks(self, step):
         self.stop_check_step, self.stop_check_time = step, time.perf_counter()
         self.next_stop_check = step + self.stop_check_interval(None)
+
+    def schedule(self, trainer):
+        """Be called at the next stop check or periodic save, whichever comes first
+        (the same step on every rank: both depend on the config, global_step
+        and the all-reduced step time only)."""
+        due = self.next_stop_check
+        every = self.cfg["every_steps"]
+        if every:
+            due = min(due, (trainer.global_step // every + 1) * every)
+        trainer.call_at_step(due, self.at_step)
+
+    def at_step(self, trainer):
+        """A stop check and/or a periodic save, at an optimizer-step boundary (also
+        one whose step AMP skipped: the core counts both in global_step)."""
+        stop = _agree_to_stop(trainer, self)
+        self.schedule(trainer)  # after the check: it moves next_stop_check
+        if stop:
+            self.stop_agreed()  # the final save is bounded by trainer.timeout_s
+        every = self.cfg["every_steps"]
+        # The epoch's last step is saved by the epoch end (which also runs the evaluation).
+        periodic = every and trainer.global_step % every == 0 and not _epoch_exhausted(trainer)
+        if self.enabled and (periodic or stop):
+            _save(trainer, self, at_epoch_end=False)
+        if stop:
+            trainer.request_stop(self.signal_received or signal.SIGTERM)
 
     def release_stop_signals(self):
         """Back to the trainer's own handling (stop at once) for the rest of the run."""
@@ -235,30 +271,8 @@ def ddpx_train_start(trainer):
         return
     if _session.enabled and _session.cfg["resume"]:
         _resume(trainer, _session)
-    _session.boundary_step = trainer.global_step
     _session.start_stop_checks(trainer.global_step)
-
-
-@hookimpl(trylast=True)  # after the sampler plugin has advanced its position
-def ddpx_batch_end(trainer, batch_index, loss, stepped):
-    session = _session
-    # A step boundary is the end of an accumulation window, also one whose step
-    # AMP skipped (``stepped`` is False then): the core counts both in global_step.
-    if session is None or trainer.global_step == session.boundary_step:
-        return
-    session.boundary_step = trainer.global_step
-    stop = _agree_to_stop(trainer, session)
-    if stop:
-        session.stop_agreed()  # the final save is bounded by trainer.timeout_s
-    elif session.stop_deadline is not None:
-        session.arm_stop_deadline()  # progress: wait for the next check
-    every = session.cfg["every_steps"]
-    # The epoch's last step is saved by the epoch end (which also runs the evaluation).
-    periodic = every and trainer.global_step % every == 0 and not _epoch_exhausted(trainer)
-    if session.enabled and (periodic or stop):
-        _save(trainer, session, at_epoch_end=False)
-    if stop:
-        trainer.request_stop(session.signal_received or signal.SIGTERM)
+    _session.schedule(trainer)  # called after the sampler's batch-end hook has advanced its position
 
 
 @hookimpl(trylast=True)

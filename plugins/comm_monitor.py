@@ -8,7 +8,8 @@ time. Above ``threshold``, rank 0 warns once, naming the options: gradient
 accumulation or a larger batch (communicate less often), a compressing comm
 hook, and ``ddpx bench comm`` to measure which helps.
 
-Cost: between measurements, one integer comparison per micro-batch. A
+Cost: between measurements, nothing (the windows are scheduled with
+``trainer.call_at_step``). A
 measurement is four allreduces of the gradient size (a warm-up and the fastest
 of three timed) plus a device synchronisation at both ends of the window, first at step
 ``start_step`` after the start (or resume) and then every ``every_steps``.
@@ -31,14 +32,31 @@ from ddpx.errors import DdpxError
 class CommMonitor:
     def __init__(self, cfg):
         self.cfg = cfg
-        self.next_start = None  # global step at which the next timing window opens
         self.window_start = None  # (global step, perf_counter) of the open window
-        self.last_step = -1
         self.warned = False
         self.shares: list[float] = []  # every measured share, for tests and curious users
         from ddpx.doctor import measure_allreduce_seconds  # imported here, not inside a timed window
 
         self.measure_allreduce_seconds = measure_allreduce_seconds
+
+    def open_window(self, trainer):
+        _sync(trainer)
+        self.window_start = (trainer.global_step, time.perf_counter())
+        trainer.call_at_step(trainer.global_step + self.cfg["window_steps"], self.close_window)
+
+    def close_window(self, trainer):
+        _sync(trainer)
+        first, started = self.window_start
+        step = trainer.global_step
+        step_s = (time.perf_counter() - started) / (step - first)
+        self.window_start = None
+        trainer.call_at_step(step + self.cfg["every_steps"], self.open_window)
+        share, comm_s, grad_bytes = measure_share(trainer, step_s)
+        self.shares.append(share)
+        if share > self.cfg["threshold"] and not self.warned:
+            self.warned = True
+            if trainer.is_main:
+                trainer.log.warning(warning_text(trainer, share, comm_s, step_s, grad_bytes))
 
 
 def _sync(trainer):
@@ -73,35 +91,8 @@ def ddpx_setup(trainer):
 @hookimpl
 def ddpx_train_start(trainer):
     monitor = getattr(trainer, "comm_monitor", None)
-    if monitor is not None:
-        monitor.next_start = trainer.global_step + monitor.cfg["start_step"]
-        monitor.last_step = trainer.global_step
-
-
-@hookimpl
-def ddpx_batch_end(trainer, batch_index, loss, stepped):
-    monitor = getattr(trainer, "comm_monitor", None)
-    if monitor is None or trainer.global_step == monitor.last_step:
-        return  # not an optimizer-step boundary (inside an accumulation window)
-    monitor.last_step = step = trainer.global_step
-    if monitor.window_start is None:
-        if step >= monitor.next_start:
-            _sync(trainer)
-            monitor.window_start = (step, time.perf_counter())
-        return
-    first, started = monitor.window_start
-    if step - first < monitor.cfg["window_steps"]:
-        return
-    _sync(trainer)
-    step_s = (time.perf_counter() - started) / (step - first)
-    monitor.window_start = None
-    monitor.next_start = step + monitor.cfg["every_steps"]
-    share, comm_s, grad_bytes = measure_share(trainer, step_s)
-    monitor.shares.append(share)
-    if share > monitor.cfg["threshold"] and not monitor.warned:
-        monitor.warned = True
-        if trainer.is_main:
-            trainer.log.warning(warning_text(trainer, share, comm_s, step_s, grad_bytes))
+    if monitor is not None:  # every rank: the measurement's collectives line up
+        trainer.call_at_step(trainer.global_step + monitor.cfg["start_step"], monitor.open_window)
 
 
 def measure_share(trainer, step_s):

@@ -11,11 +11,13 @@
   = rank 0's mean micro-batch loss since the previous line, ``lr``,
   ``samples_per_s``, ``time``) and one per epoch (``kind: "epoch"``: ``step``,
   ``epoch`` and the epoch's metrics, e.g. ``loss``, ``accuracy``). The
-  micro-batch losses are kept as device tensors and summed and read (one
+  micro-batch losses come from a loss window of the trainer
+  (``trainer.open_loss_window``): device tensors, summed and read (one
   ``.item()``) only on logged steps.
-* The per-step hook is attached on rank 0 only, when there is a bar or step
-  lines; the bar advances every ``BAR_EVERY`` batches (and at logged steps and
-  the epoch end).
+* Nothing runs per step: on rank 0, when there is a bar or step lines, the
+  plugin is called (``trainer.call_at_step``) at logged steps and, for the
+  bar, about every ``BAR_SECONDS`` (the number of steps adapts to the step
+  time); the bar also advances at the epoch end.
 
 Config section ``logging``: ``progress`` (true), ``all_ranks`` (false),
 ``every_steps`` (50, as Lightning's ``log_every_n_steps``; 0 writes only
@@ -34,11 +36,12 @@ import time
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
-from ddpx.plugin import attach, rank_prefix
+from ddpx.plugin import rank_prefix
 
 LOGGER = "ddpx"
 FLUSH_EVERY_S = 1.0  # step lines: a flush (a system call) at most this often
-BAR_EVERY = 16  # batches per progress-bar update: tqdm's bookkeeping is not free every step
+BAR_SECONDS = 0.1  # the bar advances about this often (tqdm redraws at most every 0.1 s anyway)
+MAX_BAR_STEPS = 1000  # and at least every this many optimizer steps
 
 
 class _RankFilter(logging.Filter):
@@ -83,7 +86,8 @@ def configure_logger(rank, all_ranks, level=logging.INFO):
 
 
 class MetricsLog:
-    """What one run of the logging plugin holds (rank 0 writes, other ranks only count)."""
+    """What one run of the logging plugin holds. Rank 0 shows the bar and writes
+    the file; other ranks do nothing per step."""
 
     def __init__(self, path, every_steps, progress, samples_per_batch):
         self.path = path
@@ -92,11 +96,13 @@ class MetricsLog:
         self.samples_per_batch = samples_per_batch
         self.file = None
         self.bar = None
-        self.losses = []  # micro-batch losses since the last step line: stacked (one kernel) when logged
-        self.bar_pending = 0  # batches not yet shown on the bar
+        self.window = None  # the trainer's LossWindow since the last step line (rank 0)
+        self.bar_shown = 0  # micro-batches of the window already shown on the bar
+        self.epoch_base = 0  # micro-batches of the window from before this epoch: not in the throughput
+        self.bar_steps = 1  # optimizer steps between bar updates, adapted to the step time
+        self.last_call = (0, 0.0)  # (global_step, perf_counter) of the last scheduled call
         self.flushed = 0.0  # perf_counter of the last flush of the metrics file
-        self.batches = 0
-        self.mark = time.perf_counter()
+        self.mark = time.perf_counter()  # start of the throughput's time span
         self.start = self.mark
 
     def write(self, record, flush=True):
@@ -122,14 +128,59 @@ class MetricsLog:
             self.bar.total = None if batches_left is None else self.bar.n + batches_left
             self.bar.set_description(f"epoch {epoch}", refresh=False)
 
-    def flush_bar(self):
-        if self.bar_pending:
-            self.bar.update(self.bar_pending)
-            self.bar_pending = 0
+    def advance_bar(self):
+        if self.bar is not None and self.window is not None:
+            pending = self.window.pending
+            if pending > self.bar_shown:
+                self.bar.update(pending - self.bar_shown)
+            self.bar_shown = pending
+
+    # --- scheduled on rank 0: nothing per step -------------------------------------------
+
+    def schedule(self, trainer):
+        step = trainer.global_step
+        due = step + self.bar_steps if self.progress else None
+        if self.every_steps:
+            line = (step // self.every_steps + 1) * self.every_steps
+            due = line if due is None else min(due, line)
+        if due is not None:
+            trainer.call_at_step(due, self.at_step)
+
+    def at_step(self, trainer):
+        now, step = time.perf_counter(), trainer.global_step
+        last_step, last_time = self.last_call
+        self.last_call = (step, now)
+        if self.bar is not None:
+            self.advance_bar()
+            step_s = (now - last_time) / max(1, step - last_step)
+            self.bar_steps = max(1, min(MAX_BAR_STEPS, int(BAR_SECONDS / max(step_s, 1e-9))))
+        if self.every_steps and step % self.every_steps == 0:
+            self.write_step_line(trainer, now)
+        self.schedule(trainer)
+
+    def write_step_line(self, trainer, now):
+        loss_sum, count = self.window.take()
+        self.bar_shown = 0
+        batches, self.epoch_base = count - self.epoch_base, 0
+        mean_loss = loss_sum.item() / count if count else math.nan  # the only host sync, every every_steps steps
+        samples_per_s = batches * self.samples_per_batch / max(now - self.mark, 1e-9)
+        self.mark = now
+        record = {
+            "kind": "step",
+            "step": trainer.global_step,
+            "epoch": trainer.epoch,
+            "loss": mean_loss,
+            "lr": trainer.optimizer.param_groups[0]["lr"],
+            "samples_per_s": samples_per_s,
+            "time": now - self.start,
+        }
+        self.write(record, flush=False)  # flushed at most once a second, and with every epoch line
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{samples_per_s:.0f}", refresh=False)
 
     def close(self):
         if self.bar is not None:
-            self.flush_bar()
+            self.advance_bar()
             self.bar.close()
             self.bar = None
         if self.file is not None:
@@ -165,72 +216,33 @@ def ddpx_setup(trainer):
     path = os.path.join(str(trainer.run_dir), cfg["metrics_file"])
     samples_per_batch = trainer.world_size * trainer.config.trainer.batch_size
     trainer.metrics_log = MetricsLog(path, cfg["every_steps"], cfg["progress"], samples_per_batch)
-    if trainer.rank == 0 and (cfg["progress"] or cfg["every_steps"] > 0):
-        attach(trainer.plugin_manager, StepLog(trainer.metrics_log), "logging.steps")
 
 
 @hookimpl
 def ddpx_train_start(trainer):
     log = trainer.metrics_log
-    if trainer.rank == 0:
-        os.makedirs(os.path.dirname(log.path) or ".", exist_ok=True)
-        log.file = open(log.path, "a")  # a resumed run continues the same file
-    log.start = time.perf_counter()
+    log.start = log.mark = time.perf_counter()
+    if trainer.rank != 0:
+        return
+    os.makedirs(os.path.dirname(log.path) or ".", exist_ok=True)
+    log.file = open(log.path, "a")  # a resumed run continues the same file
+    if log.progress or log.every_steps > 0:
+        log.window = trainer.open_loss_window()
+        log.last_call = (trainer.global_step, log.start)
+        log.schedule(trainer)
 
 
 @hookimpl(trylast=True)  # after the sampler has set the epoch: len(train_loader) is this epoch's
 def ddpx_epoch_start(trainer, epoch):
     log = trainer.metrics_log
     log.mark = time.perf_counter()
-    log.batches = 0
-    log.bar_pending = 0
-    if trainer.rank == 0 and log.progress:
+    if log.window is None:
+        return
+    log.epoch_base = log.window.pending
+    if log.progress:
         epochs_left = trainer.config.trainer.epochs - epoch
         has_len = hasattr(trainer.train_loader, "__len__")
         log.start_bar(epoch, len(trainer.train_loader) * epochs_left if has_len else None)
-
-
-class StepLog:
-    """The per-step hook, attached on rank 0 only, and only when there is a progress
-    bar or step lines (other ranks and ``progress: false, every_steps: 0`` do
-    nothing per step)."""
-
-    def __init__(self, log):
-        self.log = log
-
-    @hookimpl
-    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
-        log = self.log
-        log.batches += 1
-        if log.bar is not None:
-            log.bar_pending += 1
-            if log.bar_pending >= BAR_EVERY:
-                log.flush_bar()
-        if log.every_steps == 0:
-            return
-        log.losses.append(loss.detach() if loss.requires_grad else loss)
-        if not stepped or trainer.global_step % log.every_steps != 0:
-            return
-        import torch
-
-        now = time.perf_counter()
-        mean_loss = torch.stack(log.losses).sum().item() / len(log.losses)  # the only host sync, every every_steps steps
-        samples_per_s = log.batches * log.samples_per_batch / max(now - log.mark, 1e-9)
-        log.losses = []
-        log.mark, log.batches = now, 0
-        record = {
-            "kind": "step",
-            "step": trainer.global_step,
-            "epoch": trainer.epoch,
-            "loss": mean_loss,
-            "lr": trainer.optimizer.param_groups[0]["lr"],
-            "samples_per_s": samples_per_s,
-            "time": now - log.start,
-        }
-        log.write(record, flush=False)  # flushed at most once a second, and with every epoch line
-        if log.bar is not None:
-            log.flush_bar()
-            log.bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{samples_per_s:.0f}", refresh=False)
 
 
 @hookimpl(trylast=True)  # after other plugins added their entries to ``metrics``
@@ -238,8 +250,7 @@ def ddpx_epoch_end(trainer, epoch, metrics):
     log = trainer.metrics_log
     if trainer.rank != 0:
         return
-    if log.bar is not None:
-        log.flush_bar()
+    log.advance_bar()
     log.write({"kind": "epoch", "step": trainer.global_step, "epoch": epoch, **metrics})
     shown = "  ".join(f"{k} {_format(v)}" for k, v in metrics.items() if k not in ("epoch", "step"))
     trainer.log.info("epoch %d (step %d): %s", epoch, trainer.global_step, shown)

@@ -6,6 +6,7 @@ network namespaces joined by a 100 Mbit/s link (communication-bound: a
 compressing hook, and the small-batch trap)."""
 
 import importlib.metadata
+import itertools
 import json
 import os
 import subprocess
@@ -154,10 +155,16 @@ def test_slow_link_recommends_compression(two_hosts, tmp_path):
 
 
 def _fake_trainer(cfg, world_size=2):
+    """Enough of a trainer for the comm monitor, with the real trainer's scheduled calls."""
+    from ddpx.trainer import NEVER, Trainer
+
     trainer = types.SimpleNamespace(world_size=world_size, global_step=0, is_main=True, warnings=[],
-                                    device=types.SimpleNamespace(type="cpu"))
+                                    device=types.SimpleNamespace(type="cpu"), plugin_manager=None,
+                                    _due=[], _due_order=itertools.count(), _next_due=NEVER)
     trainer.config = types.SimpleNamespace(section=lambda name: dict(cfg))
     trainer.log = types.SimpleNamespace(warning=trainer.warnings.append)
+    trainer.call_at_step = types.MethodType(Trainer.call_at_step, trainer)
+    trainer.run_due = types.MethodType(Trainer._run_due, trainer)
     return trainer
 
 
@@ -176,10 +183,10 @@ def test_comm_monitor_measures_occasionally_and_warns_once(monkeypatch):
     trainer = _fake_trainer(cfg)
     comm_monitor.ddpx_setup(trainer)
     comm_monitor.ddpx_train_start(trainer)
-    for micro in range(40):  # accumulation of 2: a step boundary every other micro-batch
-        if micro % 2 == 1:
-            trainer.global_step += 1
-        comm_monitor.ddpx_batch_end(trainer, micro, None, micro % 2 == 1)
+    for step in range(1, 21):  # the trainer's loop at each optimizer-step boundary
+        trainer.global_step = step
+        if step >= trainer._next_due:
+            trainer.run_due()
     # window opens at step 3, closes at 5 (measure); next opens at 10, closes at 12; then 17 -> 19
     assert calls == [5, 12, 19]
     assert trainer.warnings == ["communication dominates"]  # once

@@ -274,3 +274,28 @@ def test_ranks_agree_to_stop_at_the_same_step_with_intervals_from_the_slowest_ra
     # the signal (step 25) is voted at the next check and acted on at the one after
     voted = next(step for step in r0["checks"] if step >= 25)
     assert r0["checks"][-1] == voted and 2 <= r0["stopped_at"] - voted <= 10, r0
+
+
+def test_stop_watchdog_waits_while_steps_advance_and_gives_up_once_they_stop():
+    session, trainer = _stop_session(stop_timeout_s=0.5)
+    gave_up = []
+    session.give_up = lambda signum: gave_up.append((signum, time.monotonic()))
+    session.trainer, session.stop_deadline = trainer, None
+    session.signal_received = signal.SIGTERM
+    session.arm_stop_deadline()
+    start = time.monotonic()
+    while time.monotonic() - start < 1.5:  # three timeouts of steady progress
+        trainer.global_step += 1
+        time.sleep(0.05)
+    assert not gave_up
+    stalled = time.monotonic()
+    while not gave_up and time.monotonic() < stalled + 5:
+        time.sleep(0.01)
+    assert gave_up and gave_up[0][0] == signal.SIGTERM
+    assert 0.4 <= gave_up[0][1] - stalled <= 1.5  # the timeout after the last step, give or take a poll
+
+    gave_up.clear()
+    session.arm_stop_deadline()
+    session.stop_agreed()  # a stop agreed in time ends the watchdog
+    time.sleep(1.0)
+    assert not gave_up

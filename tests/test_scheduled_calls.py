@@ -1,0 +1,97 @@
+"""Calls scheduled with ``trainer.call_at_step`` and the trainer's loss windows:
+the way plugins act now and then without a per-step hook."""
+
+import importlib
+import json
+
+import pytest
+
+from ddpx.trainer import Trainer
+from tests.test_trainer_lifecycle import make_config
+
+EVENTS: list = []  # what the plugins below saw, in order
+
+
+def _events():
+    return importlib.import_module("tests.test_scheduled_calls").EVENTS  # the plugins' module
+
+
+class Scheduler:
+    """Schedules calls at train start; records them and every batch end."""
+
+    from ddpx import hookimpl
+
+    @hookimpl
+    def ddpx_train_start(self, trainer):
+        events = _events()
+
+        def call(name, again_at=None):
+            def callback(t):
+                events.append(("call", name, t.global_step, t.batch_index))
+                if again_at is not None:
+                    t.call_at_step(again_at(t), call(name + "-again"))
+            return callback
+
+        trainer.call_at_step(3, call("b"))
+        trainer.call_at_step(1, call("c"))
+        trainer.call_at_step(3, call("a", again_at=lambda t: t.global_step))  # a step already reached
+        trainer.call_at_step(7, call("late"))
+        trainer.call_at_step(100, call("never"))  # after max_steps
+
+    @hookimpl
+    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
+        _events().append(("batch_end", batch_index, trainer.global_step))
+
+
+def test_calls_run_at_optimizer_step_boundaries_in_the_order_scheduled(tmp_path):
+    events = _events()
+    events.clear()
+    Trainer(make_config(tmp_path, "trainer.epochs=1", "trainer.max_steps=8", "accumulation.steps=2",
+                        "checkpoint.enabled=false", "plugins.enable=[tests.test_scheduled_calls.Scheduler]")).run()
+    calls = [event[1:] for event in events if event[0] == "call"]
+    # (name, global_step, batch index): steps end on odd batches with 2 micro-batches per step
+    assert calls == [("c", 1, 1), ("b", 3, 5), ("a", 3, 5), ("a-again", 4, 7), ("late", 7, 13)]
+    # each call runs after its micro-batch's batch-end hooks, before the next micro-batch
+    at = events.index(("call", "b", 3, 5))
+    assert events[at - 1] == ("batch_end", 5, 3) and events[at + 2] == ("batch_end", 6, 3)
+
+
+class LossRecorder:
+    from ddpx import hookimpl
+
+    @hookimpl
+    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
+        _events().append((trainer.epoch, trainer.global_step, stepped, loss.item()))
+
+
+@pytest.mark.parametrize("fold", [4096, 4])  # 4: the trainer folds kept losses many times an epoch
+def test_step_lines_and_epoch_losses_are_exact_means_of_the_micro_batch_losses(tmp_path, monkeypatch, capfd, fold):
+    import ddpx.trainer
+
+    monkeypatch.setattr(ddpx.trainer, "LOSS_FOLD", fold)
+    events = _events()
+    events.clear()
+    # 45 micro-batches an epoch, 3 per step: 15 steps an epoch; a step line every 4 steps spans epochs
+    metrics = Trainer(make_config(tmp_path, "trainer.epochs=2", "accumulation.steps=3", "logging.every_steps=4",
+                                  "logging.progress=true", "checkpoint.enabled=false",
+                                  "plugins.enable=[tests.test_scheduled_calls.LossRecorder]")).run()
+    assert len(events) == 90 and sum(stepped for _, _, stepped, _ in events) == 30
+
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step_lines = [line for line in lines if line["kind"] == "step"]
+    assert [line["step"] for line in step_lines] == [4, 8, 12, 16, 20, 24, 28]
+    assert [line["epoch"] for line in step_lines] == [0, 0, 0, 1, 1, 1, 1]
+    window = []
+    expected = []
+    for epoch, step, stepped, loss in events:
+        window.append(loss)
+        if stepped and step % 4 == 0:
+            expected.append(sum(window) / len(window))
+            window = []
+    assert [line["loss"] for line in step_lines] == pytest.approx(expected, rel=1e-12)
+    assert all(line["samples_per_s"] > 0 for line in step_lines)
+
+    for epoch in (0, 1):
+        losses = [loss for e, _, _, loss in events if e == epoch]
+        assert metrics[epoch]["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-12)
+    assert "90/90" in capfd.readouterr().err  # the bar counted every micro-batch once
