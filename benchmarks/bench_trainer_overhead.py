@@ -143,7 +143,6 @@ def hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn) -> int:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sampler.advance()
         losses.append(loss.detach())
     mean_over_ranks(losses)  # the epoch's training loss, as ddpx reports it
     return len(losses)

@@ -165,6 +165,9 @@ class Trainer:
     ``eval_set``, ``train_loader``, ``eval_loader``, ``epoch`` (0-based, the
     epoch running or about to run), ``global_step`` (optimizer-step
     boundaries so far), ``batch_index`` (micro-batch in the epoch),
+    ``num_batches`` (micro-batches of the running epoch on this rank, from
+    ``len(train_loader)`` at its start), ``epoch_batches`` (micro-batches of it
+    trained so far by this run),
     ``run_dir`` (pathlib.Path, exists on every rank), ``last_loss`` (detached
     tensor of the last micro-batch), ``is_main`` (rank 0), ``log`` (rank-aware
     logger ``ddpx``), ``stop_requested`` (set through :meth:`request_stop`, e.g.
@@ -191,6 +194,7 @@ class Trainer:
         self.epoch = 0
         self.global_step = 0
         self.batch_index = 0
+        self.num_batches = 0
         self.run_dir: Optional[pathlib.Path] = None
         self.last_loss: Optional[torch.Tensor] = None
         self.stop_requested = False
@@ -215,6 +219,11 @@ class Trainer:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def epoch_batches(self) -> int:
+        """Micro-batches of the running (or just finished) epoch trained so far by this run."""
+        return self._epoch_batches + len(self._losses)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -379,6 +388,7 @@ class Trainer:
     def train_epoch(self, epoch: int) -> dict:
         hook = self.hook
         self._epoch_finished = False
+        self._epoch_loss, self._epoch_batches = None, 0  # _losses is empty: folded at the last epoch end
         hook.ddpx_epoch_start(trainer=self, epoch=epoch)
         callers = self._step_callers()  # after epoch start: a plugin may attach step hooks there
         self._callers = callers  # read by the core's micro step
@@ -387,12 +397,11 @@ class Trainer:
         always_step = getattr(should_step, "__self__", None) is self.plugin_manager.get_plugin(CORE_PLUGIN)
         self.module.train()
         loader = self.train_loader
-        num_batches = len(loader)
+        num_batches = self.num_batches = len(loader)
         move = self.device.type != "cpu"
         max_steps = self.config.trainer.max_steps
         # Summed at the epoch end: no per-step host sync, no per-step kernel.
         losses = self._losses
-        self._epoch_loss, self._epoch_batches = None, 0
         optimizer, scheduler = self.optimizer, self.scheduler
         batch_index = -1
         for batch_index, batch in enumerate(loader):

@@ -349,12 +349,8 @@ def _agree_to_stop(trainer, session) -> bool:
 
 
 def _epoch_exhausted(trainer) -> bool:
-    """The step just taken was the epoch's last (the sampler has nothing left)."""
-    sampler = getattr(trainer.train_loader, "batch_sampler", None)
-    try:
-        return len(sampler) == 0
-    except TypeError:
-        return False
+    """The step just taken was the epoch's last."""
+    return trainer.epoch_batches >= trainer.num_batches
 
 
 def _save(trainer, session, at_epoch_end):

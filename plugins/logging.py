@@ -239,6 +239,9 @@ def ddpx_epoch_start(trainer, epoch):
     if log.window is None:
         return
     log.epoch_base = log.window.pending
+    # The bar's step time is measured within epochs: evaluation (or anything
+    # else between epochs) would make it look slow and the bar update every step.
+    log.last_call = (trainer.global_step, log.mark)
     if log.progress:
         epochs_left = trainer.config.trainer.epochs - epoch
         has_len = hasattr(trainer.train_loader, "__len__")

@@ -4,9 +4,10 @@ The training set is read through a
 :class:`~ddpx.data.sampler.ResumableDistributedBatchSampler` (each rank gets a
 disjoint part of every global batch; all ranks agree on the epoch's shuffle).
 This plugin calls ``set_epoch(epoch)`` at every epoch start, so a user cannot
-forget it, and advances the position only when a batch has been trained on, so
-a checkpoint (key ``"sampler"``) resumes exactly after the last trained batch,
-even with a different number of ranks. Evaluation data is split into
+forget it. The position counts only batches trained on (not those the loader
+prefetched): it is brought up to ``trainer.epoch_batches`` when a checkpoint
+reads it, not every step, so a checkpoint (key ``"sampler"``) resumes exactly
+after the last trained batch, even with a different number of ranks. Evaluation data is split into
 contiguous shards without padding, so no sample is counted twice.
 
 Config section ``sampler``: ``shuffle`` (true), ``drop_last`` (false: the short
@@ -16,7 +17,6 @@ tail of an epoch is divided across ranks instead of dropped). The loaders use
 """
 
 from ddpx import hookimpl
-from ddpx.plugin import attach
 
 
 @hookimpl
@@ -71,30 +71,27 @@ def ddpx_epoch_start(trainer, epoch):
     sampler = _batch_sampler(trainer)
     if sampler is None:
         return
-    sampler.set_epoch(epoch)
-    pm = trainer.plugin_manager
-    attached = pm.get_plugin(STEPS)
-    if attached is None or attached.sampler is not sampler:  # found once: no lookup per step
-        attach(pm, SamplerSteps(sampler), STEPS)
+    sampler.set_epoch(epoch)  # the same epoch again (a resumed run) keeps the position
+    trainer.sampler_synced = 0  # batches of trainer.epoch_batches already in the position
 
 
-STEPS = "sampler.steps"
-
-
-class SamplerSteps:
-    """The per-step hook: advance the position once the batch is trained on."""
-
-    def __init__(self, sampler):
-        self.sampler = sampler
-
-    @hookimpl
-    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
-        self.sampler.advance()
+def synced_sampler(trainer):
+    """The training sampler, its position advanced over the batches trained since
+    the last call (or None if another plugin built the loader)."""
+    sampler = _batch_sampler(trainer)
+    if sampler is None:
+        return None
+    done = trainer.epoch_batches
+    behind = done - getattr(trainer, "sampler_synced", done)
+    if behind > 0:
+        sampler.advance(behind)
+        trainer.sampler_synced = done
+    return sampler
 
 
 @hookimpl
 def ddpx_state_dict(trainer):
-    sampler = _batch_sampler(trainer)
+    sampler = synced_sampler(trainer)
     return None if sampler is None else {"sampler": sampler.state_dict()}
 
 

@@ -21,17 +21,22 @@ def make_config(tmp_path, *overrides):
                               "trainer.eval_every_epochs=0", *overrides])
 
 
-def saved_progress(tmp_path):
+def saved_checkpoint(tmp_path):
     from ddpx.checkpoint import CheckpointDirectory
 
-    _, checkpoint = CheckpointDirectory(tmp_path / "run" / "checkpoints", keep=3).load_latest()
-    return checkpoint["replicated"]["progress"]
+    return CheckpointDirectory(tmp_path / "run" / "checkpoints", keep=3).load_latest()[1]
+
+
+def saved_progress(tmp_path):
+    return saved_checkpoint(tmp_path)["replicated"]["progress"]
 
 
 def test_max_steps_mid_epoch_resumes_the_rest_of_that_epoch(tmp_path):
     first = Trainer(make_config(tmp_path, "trainer.epochs=3", "trainer.max_steps=20")).run()
     assert [(m["epoch"], m["step"]) for m in first] == [(0, 20)]
     assert saved_progress(tmp_path) == {"epoch": 0, "global_step": 20}  # epoch 0 is not finished
+    sampler = saved_checkpoint(tmp_path)["ranks"][0]["plugins"]["sampler"]
+    assert (sampler["epoch"], sampler["consumed"]) == (0, 20 * 32)  # the batches trained, not those prefetched
 
     resumed = Trainer(make_config(tmp_path, "trainer.epochs=2", "trainer.max_steps=100"))
     metrics = resumed.run()
