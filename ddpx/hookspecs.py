@@ -150,7 +150,10 @@ def ddpx_optimizer_step(trainer: "Trainer") -> Optional[bool]:
 def ddpx_batch_end(
     trainer: "Trainer", batch_index: int, loss: "torch.Tensor", stepped: bool
 ) -> None:
-    """A micro-batch finished; ``stepped`` tells whether the optimizer stepped."""
+    """A micro-batch finished; ``stepped`` tells whether the optimizer stepped.
+
+    Runs after every micro-batch: for work every N steps, schedule a call
+    with ``trainer.call_at_step`` instead (nothing then runs per step)."""
 
 
 @hookspec(firstresult=True)
