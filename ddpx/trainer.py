@@ -137,19 +137,24 @@ class LossWindow:
         """Micro-batches in the window so far (no tensor work)."""
         return self._count + len(self._trainer._losses) - self._start
 
-    def _fold(self, losses: list) -> None:
-        """The trainer is about to clear ``losses``: keep this window's part as a sum."""
-        if self._start < len(losses):
-            part = torch.stack(losses[self._start:]).double().sum()
-            self._sum = part if self._sum is None else self._sum + part
-            self._count += len(losses) - self._start
+    def _add(self, mine: torch.Tensor) -> None:
+        """Keep ``mine`` (this window's part of the trainer's kept losses, float64) as a sum."""
+        part = mine.sum()
+        self._sum = part if self._sum is None else self._sum + part
+        self._count += len(mine)
+
+    def _fold(self, stacked: torch.Tensor) -> None:
+        """The trainer is about to clear its kept losses (all of them ``stacked``)."""
+        if self._start < len(stacked):
+            self._add(stacked[self._start:])
         self._start = 0
 
     def take(self) -> tuple[Optional[torch.Tensor], int]:
         """``(sum of the losses as a float64 tensor, or None, number of micro-batches)``
         since the previous take; the window then starts again, empty."""
         losses = self._trainer._losses
-        self._fold(losses)
+        if self._start < len(losses):
+            self._add(torch.stack(losses[self._start:]).double())
         self._start = len(losses)
         taken = self._sum, self._count
         self._sum, self._count = None, 0
@@ -523,9 +528,10 @@ class Trainer:
         losses = self._losses
         if not losses:
             return
+        stacked = torch.stack(losses).double()
         for window in self._loss_windows:
-            window._fold(losses)
-        part = torch.stack(losses).double().sum()
+            window._fold(stacked)
+        part = stacked.sum()
         self._epoch_loss = part if self._epoch_loss is None else self._epoch_loss + part
         self._epoch_batches += len(losses)
         losses.clear()

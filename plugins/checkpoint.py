@@ -93,7 +93,7 @@ class CheckpointSession:
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
         self.signal_received = 0
         self.trainer = None  # whose stop signals this session takes
-        self.stop_deadline = None  # set() ends the watchdog that ends a stop no step boundary completes
+        self.stop_deadline = None  # Event: set() ends the watchdog of a stop no step boundary completes
         self.stop_vote = None  # (work, tensor) of the all_reduce started at the last stop check
         self.start_stop_checks(0)
 
@@ -272,7 +272,7 @@ def ddpx_train_start(trainer):
     if _session.enabled and _session.cfg["resume"]:
         _resume(trainer, _session)
     _session.start_stop_checks(trainer.global_step)
-    _session.schedule(trainer)  # called after the sampler's batch-end hook has advanced its position
+    _session.schedule(trainer)
 
 
 @hookimpl(trylast=True)
