@@ -409,6 +409,17 @@ def run_interleaved(rounds: int, nproc: int, workdir: str, overrides, noise_floo
         return json.load(f)
 
 
+def check_overrides(overrides) -> None:
+    """A bad KEY=VALUE stops here with the config's one-line error, not in every worker."""
+    from ddpx.config import load_config
+    from ddpx.errors import DdpxError
+
+    try:
+        load_config(None, overrides)
+    except DdpxError as exc:
+        raise SystemExit(f"bench_trainer_overhead: {exc}") from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, help="epochs per run: 20 for the separate launches (the first is "
@@ -444,6 +455,7 @@ def main(argv=None) -> int:
     if args.count_worker:
         count_worker(args.count_worker, args.epochs, args.overrides, args.out)
         return 0
+    check_overrides(args.overrides)
     if args.instructions:
         if shutil.which("valgrind") is None:
             raise SystemExit("--instructions needs valgrind on PATH (e.g. apt install valgrind)")

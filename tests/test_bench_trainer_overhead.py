@@ -37,6 +37,15 @@ def test_interleaved_comparison_reports_its_ratios(mode, tmp_path):
         assert 0 < r["own_work_us"] < 0.5 * r["hand_cpu_us"]
 
 
+def test_a_bad_override_is_one_line_before_anything_launches(tmp_path):
+    proc = subprocess.run([sys.executable, BENCH, "--skip-launch", "trainer.epoch=3"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == ("bench_trainer_overhead: unknown key 'trainer.epoch' in section 'trainer'; "
+                                   "did you mean 'trainer.epochs'?")
+    assert not any(tmp_path.iterdir())  # no run started
+
+
 def test_paired_ratio_interval_widens_with_launch_to_launch_differences():
     bench = import_bench()
     assert bench.paired_ratios([2.0, 3.3], [2.0, 3.0]) == pytest.approx([1.0, 1.1])
