@@ -98,6 +98,7 @@ BUILTIN_PLUGINS = [
     "logging = ddpx_plugins.logging",
     "checkpoint = ddpx_plugins.checkpoint",
     "comm_monitor = ddpx_plugins.comm_monitor",
+    "early_stopping = ddpx_plugins.early_stopping",
 ]
 
 setup(

@@ -286,6 +286,7 @@ def own_work_us(trainer, rounds: int) -> float:
     batch-end hooks and scheduled calls of every loaded plugin, as the loop
     calls them. The interleaved ratio is this plus noise; here there is no
     noise to hide in."""
+    from ddpx.step_hooks import step_callers
     from ddpx.trainer import LOSS_FOLD
 
     cpu, total_steps = 0.0, 0
@@ -294,7 +295,7 @@ def own_work_us(trainer, rounds: int) -> float:
         epoch = 10_000 + r
         start = time.thread_time()
         trainer.hook.ddpx_epoch_start(trainer=trainer, epoch=epoch)
-        batch_end = trainer._step_callers()["ddpx_batch_end"]
+        batch_end = step_callers(trainer.plugin_manager)["ddpx_batch_end"]
         steps = len(trainer.train_loader)
         total_steps += steps
         for batch_index in range(steps):
@@ -302,8 +303,8 @@ def own_work_us(trainer, rounds: int) -> float:
             losses.append(loss)
             if len(losses) == LOSS_FOLD:
                 trainer._fold_losses()
-            for call in batch_end:
-                call(trainer, batch_index, loss, True)
+            if batch_end is not None:
+                batch_end(trainer=trainer, batch_index=batch_index, loss=loss, stepped=True)
             if trainer.global_step >= trainer._next_due:
                 trainer._run_due()
         cpu += time.thread_time() - start

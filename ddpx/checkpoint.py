@@ -4,9 +4,10 @@
   flushes and fsyncs it, ``os.replace``\\ s it over the target and fsyncs the
   directory: a reader sees either the old file or the complete new one.
 * :class:`CheckpointDirectory` keeps ``step-NNNNNNNNN.pt`` files plus a
-  ``latest`` pointer (written last, also atomically), prunes to the newest K,
-  and finds the newest checkpoint that loads, skipping a corrupt one with a
-  warning.
+  ``latest`` pointer (written last, also atomically), prunes to the newest K
+  (and, with a monitored metric, the best ``keep_best`` by it, listed in
+  ``best.json`` and linked as ``best.pt``), and finds the newest checkpoint
+  that loads, skipping a corrupt one with a warning.
 * :class:`AsyncCheckpointWriter` splits a save in two: :func:`snapshot` copies
   every tensor to CPU memory on the calling (training) thread, then a
   background thread serializes and fsyncs. At most one write is in flight; the
@@ -19,6 +20,7 @@ optimizer, RNG and plugin state, not only tensors. Load only your own.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import random
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 FORMAT_KEY = "ddpx_checkpoint_format"
 FORMAT_VERSION = 1
 LATEST = "latest"
+BEST_INDEX = "best.json"  # the best checkpoints by the monitored metric, best first
+BEST_LINK = "best.pt"  # a symlink to the best one
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -137,13 +141,17 @@ def set_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
 
 
 class CheckpointDirectory:
-    """``step-NNNNNNNNN.pt`` files, a ``latest`` pointer, the newest ``keep`` kept."""
+    """``step-NNNNNNNNN.pt`` files, a ``latest`` pointer, the newest ``keep`` kept,
+    and with ``keep_best`` > 0 also the best ``keep_best`` by a score (``mode``
+    ``max`` or ``min``) given to :meth:`save`."""
 
-    def __init__(self, directory: Path, keep: int = 3):
+    def __init__(self, directory: Path, keep: int = 3, keep_best: int = 0, mode: str = "max"):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory)
         self.keep = keep
+        self.keep_best = keep_best
+        self.mode = mode
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step-{step:09d}.pt"
@@ -159,22 +167,55 @@ class CheckpointDirectory:
                 found.append((int(m.group(1)), p))
         return sorted(found)
 
-    def save(self, state: dict, step: int) -> Path:
-        """Write ``state`` as the checkpoint of ``step``, then the pointer, then prune."""
+    def save(self, state: dict, step: int, score: Optional[dict] = None) -> Path:
+        """Write ``state`` as the checkpoint of ``step``, then the pointer, then prune.
+
+        ``score`` (``{"monitor": name, "value": float, "epoch": int}``) ranks the
+        checkpoint among the best ``keep_best``."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path_for(step)
         state = {FORMAT_KEY: FORMAT_VERSION, **state}
         atomic_write(path, lambda f: torch.save(state, f))
         atomic_write(self.directory / LATEST, lambda f: f.write(path.name.encode() + b"\n"))
+        if score is not None and self.keep_best > 0:
+            self._rank_best(path, step, score)
         self.prune()
         return path
 
+    def best(self) -> list[dict]:
+        """The best checkpoints as recorded in ``best.json`` (``file``, ``step``,
+        ``monitor``, ``value``, ``epoch``), best first, only those still on disk."""
+        try:
+            entries = json.loads((self.directory / BEST_INDEX).read_text())
+        except (OSError, ValueError):
+            return []
+        return [e for e in entries if isinstance(e, dict) and (self.directory / str(e.get("file"))).is_file()]
+
+    def _rank_best(self, path: Path, step: int, score: dict) -> None:
+        entry = {"file": path.name, "step": step, **score}
+        entries = [e for e in self.best() if e["file"] != path.name and e.get("monitor") == score["monitor"]]
+        entries.append(entry)
+        # Best first; on a tie the earlier checkpoint stays ahead.
+        sign = -1.0 if self.mode == "max" else 1.0
+        entries.sort(key=lambda e: (sign * e["value"], e["step"]))
+        entries = entries[: self.keep_best]
+        atomic_write(self.directory / BEST_INDEX, lambda f: f.write(json.dumps(entries, indent=1).encode()))
+        link = self.directory / BEST_LINK
+        tmp = self.directory / f".{BEST_LINK}.tmp-{os.getpid()}-link"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.symlink(entries[0]["file"], tmp)  # relative: the directory may move
+            os.replace(tmp, link)
+        except OSError as exc:  # a file system without symlinks: best.json still names it
+            tmp.unlink(missing_ok=True)
+            log.warning("cannot link %s to the best checkpoint: %s", link, exc)
+
     def prune(self) -> None:
         """Delete all but the newest ``keep`` checkpoints (never the one ``latest``
-        names) and temporary files left by a writer that was killed."""
-        pointed = self._pointer()
+        names, nor the best ones) and temporary files left by a writer that was killed."""
+        protected = {self._pointer()} | {self.directory / e["file"] for e in self.best()}
         for _, path in self.checkpoints()[: -self.keep]:
-            if path != pointed:
+            if path not in protected:
                 path.unlink(missing_ok=True)
         mine = f".tmp-{os.getpid()}-"
         for p in self.directory.glob(".*.tmp-*"):
@@ -188,11 +229,13 @@ class CheckpointDirectory:
             return None
         return self.directory / name if _NAME.match(name) else None
 
-    def load_latest(self, map_location: Any = "cpu") -> Optional[tuple[Path, dict]]:
+    def load_latest(self, map_location: Any = "cpu",
+                    reject: Optional[Callable[[dict], Optional[str]]] = None) -> Optional[tuple[Path, dict]]:
         """The newest complete checkpoint as ``(path, state)``, or None if none loads.
 
         Tries the file ``latest`` names first, then every other checkpoint,
-        newest first; an unreadable one is skipped with a warning.
+        newest first; an unreadable one, or one for which ``reject(state)``
+        returns a reason, is skipped with a warning.
         """
         pointed = self._pointer()
         order = [p for _, p in reversed(self.checkpoints())]
@@ -208,6 +251,10 @@ class CheckpointDirectory:
             if not isinstance(state, dict) or state.get(FORMAT_KEY) != FORMAT_VERSION:
                 log.warning("skipping %s: not a ddpx checkpoint (format %r)", path,
                             state.get(FORMAT_KEY) if isinstance(state, dict) else type(state))
+                continue
+            reason = reject(state) if reject is not None else None
+            if reason:
+                log.warning("skipping checkpoint %s: %s", path, reason)
                 continue
             return path, state
         return None
@@ -230,23 +277,24 @@ class AsyncCheckpointWriter:
         self._buffers: dict = {}
         self.last_path: Optional[Path] = None
 
-    def save(self, state: dict, step: int, on_done: Optional[Callable[[Path], None]] = None) -> None:
+    def save(self, state: dict, step: int, on_done: Optional[Callable[[Path], None]] = None,
+             score: Optional[dict] = None) -> None:
         self.wait()
         if not self.async_write:
-            self._write(state, step, on_done)
+            self._write(state, step, on_done, score)
             self._raise()
             return
         copied = snapshot(state, self._buffers)  # the previous write is done with them
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies
         self._thread = threading.Thread(
-            target=self._write, args=(copied, step, on_done), name="ddpx-checkpoint-writer"
+            target=self._write, args=(copied, step, on_done, score), name="ddpx-checkpoint-writer"
         )
         self._thread.start()
 
-    def _write(self, state: dict, step: int, on_done) -> None:
+    def _write(self, state: dict, step: int, on_done, score) -> None:
         try:
-            self.last_path = self.directory.save(state, step)
+            self.last_path = self.directory.save(state, step, score)
             if on_done is not None:
                 on_done(self.last_path)
         except BaseException as exc:  # handed to the training thread by wait()

@@ -47,6 +47,7 @@ CORE_DEFAULTS: dict = {
         "eval_every_epochs": 1,
         "timeout_s": 300,
         "first_timeout_s": 900,
+        "nonfinite": "stop",
     },
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
@@ -68,6 +69,7 @@ CORE_TYPES: dict = {
 }
 CHOICES: dict = {
     "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
+    "trainer.nonfinite": ("stop", "warn"),
 }
 # Sections built from an import path; their ``args`` are free-form keyword
 # arguments, replaced as a whole, and reset to {} when only the target is given

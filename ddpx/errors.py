@@ -10,3 +10,11 @@ class DdpxError(Exception):
     """A problem the user can fix; printed as one line by the CLI."""
 
     exit_code = 2
+
+
+class TrainingDiverged(DdpxError):
+    """The loss or the weights went non-finite under ``trainer.nonfinite: stop``:
+    raised on every rank at the same boundary; workers and ``ddpx train`` exit
+    with 3, distinct from a config error (2), a crash (1) and a signal (128+N)."""
+
+    exit_code = 3

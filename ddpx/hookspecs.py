@@ -13,11 +13,15 @@ subset of the arguments). Kinds of hook:
   ``yield``\\ s once (inside e.g. ``autocast()`` or ``no_sync()``), receives the
   inner result from the ``yield`` and returns it, possibly changed.
 
-The order of one optimizer step (``accumulate`` micro-batches)::
+The order of one micro-batch; the optimizer step happens on the last one of
+an optimizer step's ``accumulate`` micro-batches (``sync`` true)::
 
     ddpx_should_step -> ddpx_micro_step [ ddpx_forward -> ddpx_backward ]
-    ... (repeated per micro-batch) ...
-    ddpx_optimizer_step -> (scheduler step) -> ddpx_batch_end
+    -> if sync: ddpx_optimizer_step -> (zero grads, scheduler step, global_step += 1)
+    -> ddpx_batch_end (every micro-batch) -> if sync: calls scheduled with trainer.call_at_step
+
+At an epoch's end: the epoch's loss is all-reduced (a non-finite one stops or
+warns, ``trainer.nonfinite``), ``ddpx_evaluate`` runs, then ``ddpx_epoch_end``.
 
 ``trainer`` is a :class:`ddpx.trainer.Trainer`; its public attributes
 (``config``, ``model``, ``module``, ``optimizer``, ``scheduler``, ``rank``,

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .errors import DdpxError
+from .errors import DdpxError, TrainingDiverged
 
 WORKER_MODULE = "ddpx.worker"
 DONE_DIR_ENV = "DDPX_DONE_DIR"  # each worker that finishes training writes a marker file here
@@ -211,6 +211,8 @@ def _run_agent(run, args, done_dir: str) -> int:
         others = len(exc.failures) - 1
         more = f" (and {others} more rank{'s' if others > 1 else ''})" if others > 0 else ""
         code = failure.exitcode
+        if code == TrainingDiverged.exit_code:
+            raise TrainingDiverged("training diverged (the reason is printed above)") from None
         why = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         if _every_local_worker_finished(args, done_dir):
             # Every local worker finished training (process group destroyed, checkpoints

@@ -13,6 +13,7 @@ import gc
 import heapq
 import itertools
 import logging
+import math
 import os
 import pathlib
 import signal
@@ -26,8 +27,9 @@ from torch.utils.data import DataLoader
 
 from . import distributed
 from .config import Config, instantiate
-from .errors import DdpxError
-from .plugin import CORE_PLUGIN, hookimpl, plugin_signature, rank_prefix
+from .errors import DdpxError, TrainingDiverged
+from .plugin import hookimpl, plugin_signature, rank_prefix
+from .step_hooks import step_callers
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -69,25 +71,6 @@ def _restore_logger(log: logging.Logger, settings: tuple) -> None:
             log.addHandler(handler)
     log.setLevel(level)
     log.propagate = propagate
-
-
-# The hooks called every step (see Trainer._step_callers).
-STEP_HOOKS = ("ddpx_should_step", "ddpx_micro_step", "ddpx_forward", "ddpx_backward", "ddpx_optimizer_step",
-              "ddpx_batch_end")
-
-
-def _positional(function, argnames, spec_args) -> Any:
-    """``function`` (taking ``argnames``, a subset of ``spec_args`` by name) as a
-    callable taking every one of ``spec_args`` positionally."""
-    if tuple(argnames) == spec_args:
-        return function
-    positions = [spec_args.index(name) for name in argnames]
-    return lambda *args: function(*[args[i] for i in positions])
-
-
-def _through_pluggy(caller, spec_args) -> Any:
-    """A hook caller (keyword arguments only) as a positional callable."""
-    return lambda *args: caller(**dict(zip(spec_args, args)))
 
 
 def ddp_options(config: Config, requests) -> dict:
@@ -179,7 +162,15 @@ class Trainer:
     by the checkpoint plugin's signal handling; the loop stops at the next
     batch boundary and raises :class:`TrainingStopped`),
     ``stop_signal_handler`` (a plugin's callable taking SIGTERM/SIGINT; see
-    "signals" below).
+    "signals" below), ``end_reason`` (why training ends early, set through
+    :meth:`end_training`, e.g. by early stopping), ``last_finite_checkpoint``
+    (the newest checkpoint saved or resumed, all of which hold finite weights;
+    set by the checkpoint plugin).
+
+    A non-finite loss or weights (``trainer.nonfinite``): see
+    :meth:`nonfinite_loss`; the core checks the epoch's all-reduced loss, the
+    checkpoint plugin the loss between its stop checks and the weights before
+    every save.
 
     Plugins that act only now and then (a save every N steps, a log line, a
     timing window) schedule a call with :meth:`call_at_step` instead of
@@ -210,6 +201,13 @@ class Trainer:
         # Called with the signal number on SIGTERM/SIGINT instead of stopping at
         # once; the checkpoint plugin sets it to agree on a stop across ranks.
         self.stop_signal_handler = None
+        self.end_reason: Optional[str] = None  # set by end_training: the loop ends after this epoch
+        # Set by the checkpoint plugin: named when training diverges.
+        self.last_finite_checkpoint: Optional[str] = None
+        # A plugin skips optimizer steps with non-finite gradients (fp16 AMP's
+        # GradScaler): a non-finite loss is then an overflow, not divergence.
+        self.skips_nonfinite_steps = False
+        self._nonfinite_warned: dict = {}  # what (loss, weights) was warned about in which epoch
         self._callers: Optional[dict] = None  # the per-step hook callables of the running epoch
         self._due: list = []  # heap of (step, order, callback): see call_at_step
         self._due_order = itertools.count()  # same-step calls run in the order they were scheduled
@@ -347,114 +345,126 @@ class Trainer:
     def fit(self) -> None:
         self.hook.ddpx_train_start(trainer=self)  # checkpoint restore may move epoch/global_step
         epochs = self.config.trainer.epochs
-        while self.epoch < epochs and not self._max_steps_reached():
+        while self.epoch < epochs and not self._max_steps_reached() and self.end_reason is None:
             self.train_epoch(self.epoch)
             if not self._epoch_finished:
                 break  # cut short by max_steps: a resumed run continues this epoch
             self.epoch += 1
             self._epoch_finished = False  # nothing of the next epoch is consumed yet
+        if self.end_reason is not None:
+            self.log.info(f"training ended after epoch {self.epoch - 1}: {self.end_reason}")
         self.hook.ddpx_train_end(trainer=self)
 
     def _max_steps_reached(self) -> bool:
         max_steps = self.config.trainer.max_steps
         return max_steps is not None and self.global_step >= max_steps
 
-    def _step_callers(self) -> dict:
-        """The per-step hooks, each as the callable to use this epoch.
-
-        pluggy's dispatch costs microseconds per call, every step, so without
-        tracing: a hook only the core implements is called as the core's
-        method, and ``ddpx_batch_end`` (results unused) becomes a tuple of its
-        plain implementations, each taking the hookspec's arguments
-        positionally, called one after the other in pluggy's order (last
-        registered first, tryfirst/trylast respected). Everything else, and
-        everything while tracing (so it is printed), goes through pluggy,
-        called with keywords.
-        """
-        hook, core = self.hook, self.plugin_manager.get_plugin(CORE_PLUGIN)
-        tracing = getattr(self.plugin_manager, "ddpx_tracing", False)
-        callers: dict = {}
-        for name in STEP_HOOKS:
-            caller = getattr(hook, name)
-            impls = caller.get_hookimpls()
-            if name == "ddpx_batch_end":
-                spec_args = tuple(caller.spec.argnames)
-                if tracing or any(impl.wrapper or impl.hookwrapper for impl in impls):
-                    callers[name] = (_through_pluggy(caller, spec_args),)
-                else:
-                    callers[name] = tuple(_positional(impl.function, impl.argnames, spec_args)
-                                          for impl in reversed(impls))
-            elif not tracing and len(impls) == 1 and impls[0].plugin is core:
-                callers[name] = getattr(core, name)
-            else:
-                callers[name] = caller
-        return callers
-
     def train_epoch(self, epoch: int) -> dict:
-        hook = self.hook
         self._epoch_finished = False
         self._epoch_loss, self._epoch_batches = None, 0  # _losses is empty: folded at the last epoch end
-        hook.ddpx_epoch_start(trainer=self, epoch=epoch)
-        callers = self._step_callers()  # after epoch start: a plugin may attach step hooks there
-        self._callers = callers  # read by the core's micro step
+        self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
+        # Resolved after the epoch start: a plugin may attach step hooks there.
+        self._callers = callers = step_callers(self.plugin_manager)
         should_step, micro_step = callers["ddpx_should_step"], callers["ddpx_micro_step"]
         optimizer_step, batch_end = callers["ddpx_optimizer_step"], callers["ddpx_batch_end"]
-        always_step = getattr(should_step, "__self__", None) is self.plugin_manager.get_plugin(CORE_PLUGIN)
-        self.module.train()
-        loader = self.train_loader
-        num_batches = self.num_batches = len(loader)
-        move = self.device.type != "cpu"
         max_steps = self.config.trainer.max_steps
-        # Summed at the epoch end: no per-step host sync, no per-step kernel.
-        losses = self._losses
-        optimizer, scheduler = self.optimizer, self.scheduler
-        batch_index = -1
-        for batch_index, batch in enumerate(loader):
+        self.module.train()
+        self.num_batches = len(self.train_loader)
+        for batch_index, batch in enumerate(self.train_loader):
             self.batch_index = batch_index
-            if move:
-                batch = to_device(batch, self.device)
-            sync = True if always_step else should_step(trainer=self, batch_index=batch_index, num_batches=num_batches)
+            batch = to_device(batch, self.device)
+            sync = should_step(trainer=self, batch_index=batch_index, num_batches=self.num_batches)
             loss = micro_step(trainer=self, batch=batch, sync=sync)
             stepped = False
             if sync:
                 stepped = bool(optimizer_step(trainer=self))
-                optimizer.zero_grad(set_to_none=True)
-                if stepped and scheduler is not None:
-                    scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                if stepped and self.scheduler is not None:
+                    self.scheduler.step()
                 self.global_step += 1
             self.last_loss = loss
-            losses.append(loss)
-            if len(losses) == LOSS_FOLD:  # bound the memory of very long epochs
+            self._losses.append(loss)  # summed at the epoch end: no per-step host sync
+            if len(self._losses) == LOSS_FOLD:  # bound the memory of very long epochs
                 self._fold_losses()
-            for call in batch_end:
-                call(self, batch_index, loss, stepped)
+            if batch_end is not None:
+                batch_end(trainer=self, batch_index=batch_index, loss=loss, stepped=stepped)
             if sync and self.global_step >= self._next_due:
                 self._run_due()
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
-            if max_steps is not None and sync and self.global_step >= max_steps:
+            if sync and max_steps is not None and self.global_step >= max_steps:
                 break
-        else:
-            self._epoch_finished = True
-        if batch_index + 1 >= num_batches:  # max_steps hit on the epoch's last batch: finished too
-            self._epoch_finished = True
+        # Finished unless max_steps cut it short before the epoch's last batch.
+        self._epoch_finished = self.epoch_batches >= self.num_batches
 
-        self._fold_losses()
-        batches = self._epoch_batches
-        loss_sum = self._epoch_loss if batches else torch.zeros((), dtype=torch.float64, device=self.device)
-        totals = torch.stack([loss_sum.to(self.device), torch.tensor(float(batches), dtype=torch.float64, device=self.device)])
-        dist.all_reduce(totals)  # one collective per epoch for the train loss
-        metrics: dict = {"epoch": epoch, "step": self.global_step}
-        if totals[1] > 0:
-            metrics["loss"] = (totals[0] / totals[1]).item()
+        metrics: dict = {"epoch": epoch, "step": self.global_step, **self._epoch_train_loss()}
+        if not math.isfinite(metrics.get("loss", 0.0)):
+            self.nonfinite_loss(f"in epoch {epoch} (its mean training loss is {metrics['loss']})")
         every = self.config.trainer.eval_every_epochs
         last = epoch + 1 >= self.config.trainer.epochs or self._max_steps_reached()
         if self.eval_loader is not None and every and ((epoch + 1) % every == 0 or last):
             for key, value in self.evaluate().items():
                 metrics[key if key not in metrics else f"eval_{key}"] = value
         self.metrics.append(metrics)
-        hook.ddpx_epoch_end(trainer=self, epoch=epoch, metrics=metrics)
+        self.hook.ddpx_epoch_end(trainer=self, epoch=epoch, metrics=metrics)
         return metrics
+
+    def _epoch_train_loss(self) -> dict:
+        """``{"loss": mean micro-batch loss of the epoch over all ranks}`` (empty if
+        no rank trained a batch): one all_reduce per epoch."""
+        self._fold_losses()
+        loss_sum = self._epoch_loss if self._epoch_batches else torch.zeros((), dtype=torch.float64)
+        totals = torch.stack([loss_sum.to(self.device), torch.tensor(float(self._epoch_batches), dtype=torch.float64,
+                                                                      device=self.device)])
+        dist.all_reduce(totals)
+        return {"loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
+
+    # --- the end of training: early, or because the loss diverged ----------------------
+
+    def end_training(self, reason: str) -> None:
+        """Finish normally (``ddpx_train_end``, final checkpoint, exit 0) after the
+        running epoch ends. Call it on every rank in the same epoch (e.g. from
+        ``ddpx_epoch_end``, whose metrics are the same on every rank)."""
+        if self.end_reason is None:
+            self.end_reason = reason
+
+    def nonfinite_loss(self, where: str, by_step_skipper: bool = False) -> None:
+        """The loss went non-finite ``where`` (e.g. "in epoch 3"): act on
+        ``trainer.nonfinite``. Called on every rank at the same boundary, from
+        all-reduced values only: ``stop`` raises :class:`TrainingDiverged`
+        everywhere; ``warn`` logs a warning (rank 0) and goes on. Ignored while
+        ``skips_nonfinite_steps`` unless the plugin that skips steps calls it
+        (``by_step_skipper``: its skips no longer help)."""
+        if self.skips_nonfinite_steps and not by_step_skipper:
+            return  # fp16 AMP skipped those steps; it reports a scale that collapses itself
+        if self.config.trainer.nonfinite == "warn":
+            self._warn_once_per_epoch(f"the loss went non-finite {where}; going on (trainer.nonfinite=warn)")
+            return
+        raise TrainingDiverged(f"the loss went non-finite {where}; {self._finite_checkpoint_advice()}")
+
+    def nonfinite_weights(self, where: str) -> None:
+        """The weights or optimizer state are non-finite ``where`` (the checkpoint
+        plugin checks before every save, which it then skips): as :meth:`nonfinite_loss`."""
+        if self.config.trainer.nonfinite == "warn":
+            self._warn_once_per_epoch(f"the weights are non-finite {where}: no checkpoint written "
+                                      "(trainer.nonfinite=warn)")
+            return
+        raise TrainingDiverged(f"the weights went non-finite {where}; {self._finite_checkpoint_advice()}")
+
+    def _warn_once_per_epoch(self, message: str) -> None:
+        kind = message.split(" non-finite")[0]
+        if self._nonfinite_warned.get(kind) != self.epoch:
+            self._nonfinite_warned[kind] = self.epoch
+            self.log.warning(message)
+
+    def _finite_checkpoint_advice(self) -> str:
+        if self.last_finite_checkpoint is None:
+            found = "no checkpoint with finite weights exists"
+        else:
+            found = f"newest checkpoint with finite weights: {self.last_finite_checkpoint} (a rerun resumes from it)"
+        return (f"{found}; automatic restarts (--max-restarts) end at once, as they would diverge again: "
+                "lower optimizer.args.lr, set trainer.grad_clip or fix the data, then run again "
+                "(trainer.nonfinite=warn goes on instead)")
 
     def evaluate(self, loader: Optional[DataLoader] = None) -> dict:
         """Metrics on ``loader`` (default: the eval loader), reduced over all ranks."""
@@ -569,7 +579,7 @@ class CorePlugin:
 
     @hookimpl(trylast=True)
     def ddpx_micro_step(self, trainer: Trainer, batch, sync: bool):
-        callers = trainer._callers or trainer._step_callers()  # resolved once per epoch in the loop
+        callers = trainer._callers or step_callers(trainer.plugin_manager)  # resolved once per epoch in the loop
         loss = callers["ddpx_forward"](trainer=trainer, batch=batch)
         callers["ddpx_backward"](trainer=trainer, loss=loss)
         return loss.detach()

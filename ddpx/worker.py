@@ -12,7 +12,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import load_config
-from .errors import DdpxError
+from .errors import DdpxError, TrainingDiverged
 from .launch import DONE_DIR_ENV
 
 
@@ -34,6 +34,10 @@ def main(argv=None) -> int:
         trainer = Trainer(config)
         trainer.run()
         _mark_done(rank)
+    except TrainingDiverged as exc:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank stops with the same message: one per node
+            print(f"ddpx: error: training diverged: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except DdpxError as exc:
         print(f"ddpx: error: [rank{rank}] {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

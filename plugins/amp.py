@@ -5,7 +5,9 @@ backward, gradients are unscaled before ``trainer.clip_gradients()`` (so
 clipping sees true norms), and a step whose gradients overflowed (inf/NaN) is
 skipped, the scale lowered and the skip counted (``amp_skipped_steps`` in the
 epoch metrics; the optimizer step hook returns False, so the core does not step
-the LR scheduler for it). ``dtype: bf16`` has fp32's range and needs no scaler.
+the LR scheduler for it). Such a non-finite loss is not divergence
+(``trainer.nonfinite``): only a loss scale that falls below 2^-16, every step
+overflowing, is. ``dtype: bf16`` has fp32's range and needs no scaler.
 Both work on CPU and CUDA. The scaler's state is saved in checkpoints (key
 ``"amp"``).
 
@@ -22,6 +24,8 @@ from ddpx.errors import DdpxError
 from ddpx.plugin import attach
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+# A loss scale this low means every step overflows (a loss that stays non-finite): divergence.
+MIN_SCALE = 2.0 ** -16
 
 
 class AmpState:
@@ -66,6 +70,9 @@ def ddpx_setup(trainer):
     if dtype is torch.float16:
         scaler = torch.amp.GradScaler(device_type, init_scale=float(cfg["init_scale"]))
     trainer.amp = AmpState(device_type, dtype, scaler)
+    # The scaler skips steps with non-finite gradients: a non-finite loss is an
+    # overflow, not divergence, unless the scale collapses (see MIN_SCALE).
+    trainer.skips_nonfinite_steps = scaler is not None
     pm = getattr(trainer, "plugin_manager", None)  # None: a unit test drives the hooks itself
     if pm is not None:
         attach(pm, AutocastSteps(trainer.amp) if scaler is None else ScaledSteps(trainer.amp), "amp.steps")
@@ -118,8 +125,12 @@ def ddpx_optimizer_step(trainer):
     scale = scaler.get_scale()
     scaler.step(trainer.optimizer)  # skipped inside if any gradient is inf/NaN
     scaler.update()
-    if scaler.get_scale() < scale:  # update() backs the scale off only after an overflow
+    new_scale = scaler.get_scale()
+    if new_scale < scale:  # update() backs the scale off only after an overflow
         amp.skipped_steps += 1
+        if new_scale < MIN_SCALE:  # the same on every rank: the gradients were all-reduced
+            trainer.nonfinite_loss(f"by optimizer step {trainer.global_step + 1} (epoch {trainer.epoch}): every "
+                                   f"fp16 step overflowed until the loss scale fell to {new_scale:g}", by_step_skipper=True)
         return False
     return True
 

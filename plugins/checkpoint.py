@@ -55,14 +55,37 @@ those make no progress, so a rank that reaches no step boundary for
 ``stop_timeout_s`` after the signal terminates at once, without a final
 checkpoint (the last periodic one is used on restart).
 
+Non-finite values (``trainer.nonfinite``). Each rank's micro-batch losses
+since the previous stop check travel as a third flag in the same all_reduce, so
+a non-finite loss is found within two stop checks at no extra collective or
+host sync; the trainer then stops every rank (``stop``) or warns (``warn``).
+Before every save one all_reduce checks that the weights, buffers and optimizer
+state are finite on every rank; a non-finite state is never written (and so
+never rotates a finite checkpoint away), whatever the policy. A resume skips a
+checkpoint with non-finite weights (written by an older version). A run that
+stopped because it diverged leaves ``diverged.json`` in the checkpoint
+directory: an automatic restart of the same launch (``--max-restarts``), which
+would resume the same checkpoint and diverge again, ends at once with the same
+message instead; a new ``ddpx train`` (the config changed, say) removes it.
+
+Best checkpoints. With ``monitor`` (an epoch metric: ``accuracy``,
+``eval_loss``, ``loss``, ...) each epoch-end checkpoint is ranked by it
+(``mode`` ``max``/``min``, ``auto``: ``min`` for names with "loss"); the best
+``keep_best`` are kept besides the newest ``keep``, listed best first in
+``best.json`` and the best one linked as ``best.pt``. Rank 0 logs the best one
+when training ends (also for ``ddpx train`` on a run that already finished).
+
 Config section ``checkpoint``: ``enabled`` (true), ``every_steps`` (0),
 ``keep`` (3), ``dir`` (``checkpoints``, relative to ``run_dir``), ``resume``
 (true), ``async_write`` (true), ``lr_scaling`` (``none`` | ``linear``),
-``stop_timeout_s`` (20), ``stop_check_every`` (0: auto), ``stop_check_s`` (1.0).
+``stop_timeout_s`` (20), ``stop_check_every`` (0: auto), ``stop_check_s`` (1.0),
+``monitor`` (null: none), ``mode`` (``auto`` | ``max`` | ``min``), ``keep_best`` (1).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import threading
@@ -70,11 +93,13 @@ import time
 from pathlib import Path
 
 from ddpx import hookimpl
-from ddpx.errors import DdpxError
+from ddpx.errors import DdpxError, TrainingDiverged
+from ddpx.monitor import MODES, Monitor
 
 LR_SCALING = ("none", "linear")
 FIRST_STOP_CHECK = 10  # optimizer steps to the first stop check (auto), before any step time is known
 MAX_STOP_CHECK = 1000  # auto never checks less often than this
+DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
 
 
 class CheckpointSession:
@@ -88,13 +113,19 @@ class CheckpointSession:
         directory = Path(cfg["dir"])
         if not directory.is_absolute():
             directory = Path(trainer.run_dir) / directory
-        self.directory = CheckpointDirectory(directory, keep=cfg["keep"])
+        self.monitor = Monitor(cfg["monitor"], cfg["mode"]) if cfg["monitor"] else None
+        self.monitor_missing_warned = False
+        self.directory = CheckpointDirectory(directory, keep=cfg["keep"], keep_best=cfg["keep_best"],
+                                             mode=self.monitor.mode if self.monitor else "max")
         self.writer = AsyncCheckpointWriter(self.directory, async_write=cfg["async_write"])
+        self.losses = None  # the trainer's LossWindow since the last stop check (opened at train start)
+        self.losses_from = 0  # optimizer step at which that window starts
+        self.finite_at = 0  # the last step whose state was checked finite (a save or the resumed checkpoint)
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
         self.signal_received = 0
         self.trainer = None  # whose stop signals this session takes
         self.stop_deadline = None  # Event: set() ends the watchdog of a stop no step boundary completes
-        self.stop_vote = None  # (work, tensor) of the all_reduce started at the last stop check
+        self.stop_vote = None  # (work, tensor, steps it covers) of the all_reduce started at the last stop check
         self.start_stop_checks(0)
 
     # --- signals ------------------------------------------------------------------------
@@ -157,14 +188,26 @@ class CheckpointSession:
 
     def collect_stop_vote(self):
         """Wait for the stop all_reduce in flight (if any): (did any rank vote to
-        stop, the slowest rank's seconds per step or None)."""
+        stop, the slowest rank's seconds per step or None, the steps
+        ``(first, last)`` in which some rank's loss was non-finite, or None)."""
         vote, self.stop_vote = self.stop_vote, None
         if vote is None:
-            return False, None
-        work, tensor = vote
+            return False, None, None
+        work, tensor, steps = vote
         work.wait()
-        flag, slowest_step_s = tensor.tolist()
-        return flag > 0, slowest_step_s
+        flag, slowest_step_s, nonfinite = tensor.tolist()
+        return flag > 0, slowest_step_s, steps if nonfinite > 0 else None
+
+    def take_losses(self, trainer):
+        """A device tensor: 1.0 if a loss since the previous call was non-finite,
+        else 0.0 (no host sync); and the steps ``(first, last)`` it covers."""
+        import torch
+
+        loss_sum, _ = self.losses.take() if self.losses is not None else (None, 0)
+        steps, self.losses_from = (self.losses_from + 1, trainer.global_step), trainer.global_step
+        if loss_sum is None:
+            return torch.zeros(1, dtype=torch.float64, device=trainer.device), steps
+        return (~torch.isfinite(loss_sum)).double().reshape(1), steps
 
     def stop_check_interval(self, slowest_step_s) -> int:
         """Optimizer steps to the next stop check: the same on every rank (it
@@ -236,6 +279,9 @@ def ddpx_config_defaults():
             "stop_timeout_s": 20.0,
             "stop_check_every": 0,
             "stop_check_s": 1.0,
+            "monitor": None,
+            "mode": "auto",
+            "keep_best": 1,
         }
     }
 
@@ -256,6 +302,12 @@ def ddpx_configure(config):
         raise DdpxError(f"checkpoint.stop_timeout_s must be > 0, got {cfg['stop_timeout_s']}")
     if cfg["lr_scaling"] not in LR_SCALING:
         raise DdpxError(f"checkpoint.lr_scaling must be one of {', '.join(LR_SCALING)}, got {cfg['lr_scaling']!r}")
+    if cfg["monitor"] is not None:
+        Monitor(cfg["monitor"], cfg["mode"])  # one-line errors for a bad name or mode
+    elif cfg["mode"] not in MODES:
+        raise DdpxError(f"checkpoint.mode must be one of {', '.join(MODES)}, got {cfg['mode']!r}")
+    if cfg["keep_best"] < 1:
+        raise DdpxError(f"checkpoint.keep_best must be >= 1, got {cfg['keep_best']}")
 
 
 @hookimpl
@@ -267,18 +319,22 @@ def ddpx_setup(trainer):
 
 @hookimpl(tryfirst=True)  # restore before other plugins see the start of training
 def ddpx_train_start(trainer):
-    if _session is None:
+    session = _session
+    if session is None:
         return
-    if _session.enabled and _session.cfg["resume"]:
-        _resume(trainer, _session)
-    _session.start_stop_checks(trainer.global_step)
-    _session.schedule(trainer)
+    if session.enabled:
+        _refuse_restart_after_divergence(trainer, session)
+        if session.cfg["resume"]:
+            _resume(trainer, session)
+    session.losses, session.losses_from = trainer.open_loss_window(), trainer.global_step
+    session.start_stop_checks(trainer.global_step)
+    session.schedule(trainer)
 
 
 @hookimpl(trylast=True)
 def ddpx_epoch_end(trainer, epoch, metrics):
     if _session is not None and _session.enabled:
-        _save(trainer, _session, at_epoch_end=True)
+        _save(trainer, _session, at_epoch_end=True, metrics=metrics)
 
 
 @hookimpl(trylast=True)
@@ -291,6 +347,7 @@ def ddpx_train_end(trainer):
             _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
         session.writer.wait()
         session.collect_stop_vote()  # every rank started it: finish it before the group goes
+        report_best(trainer, session)
     finally:
         session.release_stop_signals()
 
@@ -307,6 +364,60 @@ def ddpx_exception(trainer, exc):
         session.writer.wait()
     except Exception as error:
         trainer.log.warning(f"the last checkpoint write failed too: {error}")
+    if isinstance(exc, TrainingDiverged) and session.enabled and trainer.rank == 0:
+        _write_divergence_marker(trainer, session, exc)
+
+
+# --- a run that diverged is not restarted automatically -------------------------------------
+
+
+def _restart_count() -> int:
+    """torchrun's restart count of this worker group (0 in a new launch)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    except ValueError:
+        return 0
+
+
+def _write_divergence_marker(trainer, session, exc) -> None:
+    from ddpx.checkpoint import atomic_write
+
+    path = session.directory.directory / DIVERGED_MARKER
+    try:  # a refused restart keeps the first divergence's message
+        marker = {**json.loads(path.read_text()), "restart": _restart_count()}
+    except (OSError, ValueError):
+        marker = {"restart": _restart_count(), "step": trainer.global_step, "message": str(exc)}
+    try:
+        session.directory.directory.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: f.write(json.dumps(marker).encode()))
+    except OSError as error:
+        trainer.log.warning(f"cannot record the divergence in {session.directory.directory}: {error}")
+
+
+def _refuse_restart_after_divergence(trainer, session) -> None:
+    """An automatic restart (same launch, later restart count) of a run that
+    diverged would resume the same checkpoint and diverge again: end it at once.
+    A new launch removes the marker and trains (the user may have changed the
+    config). Rank 0 decides; every rank raises."""
+    refusal = None
+    if trainer.rank == 0:
+        path = session.directory.directory / DIVERGED_MARKER
+        try:
+            marker = json.loads(path.read_text())
+        except (OSError, ValueError):
+            marker = None
+        if marker is not None and _restart_count() > int(marker.get("restart", 0)):
+            refusal = f"{marker.get('message')} (restart {_restart_count()} stops at once)"
+        elif marker is not None:
+            path.unlink(missing_ok=True)
+    if _world(trainer):
+        import torch.distributed as dist
+
+        box = [refusal]
+        dist.broadcast_object_list(box, src=0)
+        refusal = box[0]
+    if refusal is not None:
+        raise TrainingDiverged(refusal)
 
 
 # --- collective parts (every rank, same order) -------------------------------------------
@@ -324,28 +435,57 @@ def _agree_to_stop(trainer, session) -> bool:
     rank: every ``stop_check_every`` optimizer steps, or with 0 (auto) about
     every ``stop_check_s`` seconds, the interval taken from the slowest rank's
     step time, which travels in the same all_reduce. A signal takes effect
-    within two intervals.
+    within two intervals. The same all_reduce carries whether a rank's loss was
+    non-finite since its previous check (see ``trainer.nonfinite_loss``).
     """
     step = trainer.global_step
     if step < session.next_stop_check:
         return False
+    import torch
+
     flag = 1.0 if session.signal_received else 0.0
     now = time.perf_counter()
     step_s = (now - session.stop_check_time) / max(1, step - session.stop_check_step)
     session.stop_check_time, session.stop_check_step = now, step
+    nonfinite, steps = session.take_losses(trainer)
     if not _world(trainer):  # no one to agree with
         session.next_stop_check = step + session.stop_check_interval(step_s)
+        if nonfinite.item():
+            _nonfinite_loss(trainer, steps)
         return bool(flag)
-    import torch
     import torch.distributed as dist
 
-    agreed, slowest_step_s = session.collect_stop_vote()
+    agreed, slowest_step_s, nonfinite_steps = session.collect_stop_vote()
     if agreed:
         return True
+    if nonfinite_steps is not None:
+        _nonfinite_loss(trainer, nonfinite_steps)
     session.next_stop_check = step + session.stop_check_interval(slowest_step_s)
-    tensor = torch.tensor([flag, step_s], dtype=torch.float64, device=trainer.device)
-    session.stop_vote = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True), tensor)
+    tensor = torch.cat([torch.tensor([flag, step_s], dtype=torch.float64, device=trainer.device), nonfinite])
+    session.stop_vote = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True), tensor, steps)
     return False
+
+
+def _nonfinite_loss(trainer, steps):
+    first, last = steps
+    trainer.nonfinite_loss(f"between optimizer steps {first} and {last} (epoch {trainer.epoch})")
+
+
+def _finite_state(trainer, state) -> bool:
+    """Whether every floating tensor of the model (weights and buffers) and the
+    optimizer state is finite on every rank (one all_reduce)."""
+    import torch
+
+    tensors = [t for t in state.get("model", {}).values() if torch.is_tensor(t) and t.is_floating_point()]
+    for per_param in state.get("optimizer", {}).get("state", {}).values():
+        tensors += [t for t in per_param.values() if torch.is_tensor(t) and t.is_floating_point()]
+    finite = torch.stack([t.isfinite().all() for t in tensors]).all() if tensors else torch.tensor(True)
+    flag = finite.to(device=trainer.device, dtype=torch.int32).reshape(1)
+    if _world(trainer):
+        import torch.distributed as dist
+
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _epoch_exhausted(trainer) -> bool:
@@ -353,7 +493,7 @@ def _epoch_exhausted(trainer) -> bool:
     return trainer.epoch_batches >= trainer.num_batches
 
 
-def _save(trainer, session, at_epoch_end):
+def _save(trainer, session, at_epoch_end, metrics=None):
     from ddpx.checkpoint import rng_state
 
     step = trainer.global_step
@@ -361,6 +501,12 @@ def _save(trainer, session, at_epoch_end):
         return
     session.saved = (step, at_epoch_end)
     state = trainer.state_dict()
+    if not _finite_state(trainer, state):  # the same answer on every rank
+        since = f"between optimizer steps {session.finite_at + 1} and {step}" if session.finite_at < step else \
+            f"at optimizer step {step}"
+        trainer.nonfinite_weights(f"{since} (epoch {trainer.epoch})")  # raises under nonfinite=stop
+        return
+    session.finite_at = step
     mine = {
         "rng": rng_state(trainer.device),
         "plugins": {k: v for k, v in state.items() if k not in REPLICATED},
@@ -372,6 +518,7 @@ def _save(trainer, session, at_epoch_end):
         dist.gather_object(mine, gathered, dst=0)
     else:
         gathered = [mine]
+    trainer.last_finite_checkpoint = str(session.directory.path_for(step))
     if trainer.rank != 0:
         return
     checkpoint = {
@@ -381,11 +528,43 @@ def _save(trainer, session, at_epoch_end):
         "ranks": gathered,
     }
     progress = state.get("progress", {})
+    score = _score(trainer, session, metrics) if metrics is not None else None
 
     def done(path):
         trainer.log.info(f"saved checkpoint {path} (epoch {progress.get('epoch')}, step {step})")
 
-    session.writer.save(checkpoint, step, on_done=done)
+    session.writer.save(checkpoint, step, on_done=done, score=score)
+
+
+def _score(trainer, session, metrics):
+    """The monitored metric of an epoch-end checkpoint, for the best-K ranking."""
+    monitor = session.monitor
+    if monitor is None:
+        return None
+    value = monitor.value(metrics)
+    if value is None:
+        if not session.monitor_missing_warned:
+            session.monitor_missing_warned = True
+            keys = ", ".join(k for k in metrics if k not in ("epoch", "step"))
+            trainer.log.warning(f"checkpoint.monitor '{monitor.name}' is not among epoch {metrics.get('epoch')}'s "
+                                f"metrics ({keys}); that checkpoint is not ranked")
+        return None
+    if not math.isfinite(value):
+        return None
+    return {"monitor": monitor.name, "value": value, "epoch": metrics.get("epoch")}
+
+
+def report_best(trainer, session) -> None:
+    """Log (rank 0) which checkpoint is best by the monitored metric."""
+    if trainer.rank != 0 or session.monitor is None:
+        return
+    best = [e for e in session.directory.best() if e.get("monitor") == session.monitor.name]
+    if not best:
+        trainer.log.info(f"no checkpoint ranked by {session.monitor.describe()} yet")
+        return
+    top, link = best[0], session.directory.directory / "best.pt"
+    trainer.log.info(f"best checkpoint by {session.monitor.describe()}: {link} -> {top['file']} "
+                     f"({top['monitor']} {top['value']:.6g}, epoch {top['epoch']})")
 
 
 def _resume(trainer, session):
@@ -396,7 +575,7 @@ def _resume(trainer, session):
 
     name = found = None
     if trainer.rank == 0:
-        found = session.directory.load_latest()
+        found = session.directory.load_latest(reject=_nonfinite_weights)
         name = found[0].name if found else None
     if _world(trainer):
         box = [name]
@@ -428,6 +607,8 @@ def _resume(trainer, session):
     mine = ranks[trainer.rank] if same_world else ranks[0]
     trainer.load_state_dict({**checkpoint["replicated"], **mine["plugins"]})
     session.saved = (trainer.global_step, None)
+    session.finite_at = trainer.global_step
+    trainer.last_finite_checkpoint = str(path)
     if same_world:
         set_rng_state(mine["rng"], trainer.device)
     else:
@@ -441,6 +622,17 @@ def _resume(trainer, session):
         if session.cfg["lr_scaling"] == "linear":
             _scale_lr(trainer, trainer.world_size / old_world)
     trainer.log.info(f"resumed from {path} (epoch {trainer.epoch}, step {trainer.global_step})")
+
+
+def _nonfinite_weights(checkpoint):
+    """Why a checkpoint must not be resumed (non-finite weights), or None."""
+    import torch
+
+    model = checkpoint.get("replicated", {}).get("model", {})
+    for name, tensor in model.items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            return f"its weights are non-finite ({name})"
+    return None
 
 
 def _scale_lr(trainer, factor):

@@ -228,6 +228,7 @@ def _stop_session(**cfg):
     session = object.__new__(CheckpointSession)  # only the stop-check state, no writer
     session.cfg = {**ddpx_config_defaults()["checkpoint"], **cfg}
     session.signal_received, session.stop_vote = 0, None
+    session.losses, session.losses_from = None, 0  # no loss window: no loss is non-finite
     session.start_stop_checks(0)
     return session, SimpleNamespace(global_step=0, world_size=1, device=torch.device("cpu"))
 
