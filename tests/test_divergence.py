@@ -122,7 +122,7 @@ def read_epoch_lines(tmp_path):
     return [r for r in map(json.loads, lines) if r["kind"] == "epoch"]
 
 
-def test_best_checkpoints_by_metric_survive_rotation_and_a_restart(tmp_path, monkeypatch):
+def test_best_checkpoints_by_metric_survive_rotation_and_a_restart(tmp_path, monkeypatch, capfd):
     scores = [0.1, 0.9, 0.3, 0.5, 0.95, 0.2, 0.1, 0.0]
     monkeypatch.setenv(SCORES_ENV, json.dumps(scores))
     common = ["plugins.enable=[test_divergence.ScriptedScore]", "checkpoint.monitor=score", "checkpoint.keep=1",
@@ -139,6 +139,10 @@ def test_best_checkpoints_by_metric_survive_rotation_and_a_restart(tmp_path, mon
     link = directory.directory / "best.pt"
     assert os.readlink(link) == best[0]["file"]
     assert torch.load(link, weights_only=False)["replicated"]["progress"] == {"epoch": 5, "global_step": 5 * 45}
+    capfd.readouterr()
+    assert Trainer(make_config(tmp_path, "trainer.epochs=8", *common)).run() == []  # finished: nothing to train
+    assert (f"best checkpoint by score (max): {link} -> step-000000225.pt (score 0.95, epoch 4)"
+            in capfd.readouterr().err)
 
 
 def test_monitor_and_mode_errors_are_one_line(tmp_path):
