@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import net
 from .errors import DdpxError
 
 
@@ -78,6 +79,8 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
     bound = choose_device(device, backend, local_rank)
     timeout = datetime.timedelta(seconds=first_timeout_s)
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        if world_size > 1:
+            choose_interface(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, local_rank)
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
         client = _tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank,
                             serve=rank == 0 and not agent_store, timeout=timeout)
@@ -94,12 +97,25 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
     return DistInfo(rank, world_size, local_rank, local_world_size, backend, bound)
 
 
+def choose_interface(master_addr: str, master_port: int, rank: int, local_rank: int) -> None:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME where unset: the interface that reaches
+    MASTER_ADDR (``ddpx train`` chose it already; srun, mpirun or a script did not).
+    Otherwise gloo binds what the hostname resolves to, often 127.0.0.1."""
+    route = net.route_to(master_addr, master_port)
+    if route.one_machine:
+        return
+    made = net.choose_socket_ifname(route.iface)
+    if made and local_rank == 0:
+        print(f"[rank{rank}] ddpx: {' '.join(made)} (the interface that reaches MASTER_ADDR={master_addr}; "
+              "set these variables yourself to choose another)", file=sys.stderr, flush=True)
+
+
 def _tcp_store(addr: str, port: int, rank: int, serve: bool, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store on addr:port, served here when ``serve``; a failure is one clear line."""
     deadline = time.monotonic() + timeout.total_seconds()
     # torch's TCPStore client prints a C++ stack trace for every failed connect, so
     # wait for a listener with plain connects first: a missing store stays one line.
-    unreachable = None if serve else _wait_for_listener(addr, port, deadline)
+    unreachable = None if serve else net.wait_for_listener(addr, port, deadline)
     if unreachable is None:
         try:
             left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 5.0))
@@ -114,22 +130,6 @@ def _tcp_store(addr: str, port: int, rank: int, serve: bool, timeout: datetime.t
                     f"{timeout.total_seconds():g} s ({unreachable}); is rank 0 (or torchrun's agent) "
                     "running, and is that address reachable from this host? (trainer.first_timeout_s sets "
                     "the wait)")
-
-
-def _wait_for_listener(addr: str, port: int, deadline: float) -> Optional[str]:
-    """Connect to addr:port until something accepts or the deadline (time.monotonic) passes:
-    None once something listens, else the last connect error."""
-    delay = 0.05
-    while True:
-        try:
-            with socket.create_connection((addr, port), timeout=max(min(deadline - time.monotonic(), 5.0), 0.1)):
-                return None
-        except OSError as exc:  # refused, timed out, unknown host
-            last = str(exc) or type(exc).__name__
-        if time.monotonic() >= deadline:
-            return last
-        time.sleep(max(min(delay, deadline - time.monotonic()), 0.0))
-        delay = min(2 * delay, 1.0)
 
 
 def _first_line(exc: BaseException) -> str:
