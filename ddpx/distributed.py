@@ -5,9 +5,10 @@ Workers join through an explicit client ``TCPStore`` on
 ``PrefixStore`` keyed on ``TORCHELASTIC_RESTART_COUNT``: without the prefix,
 workers restarted by torchrun read the previous attempt's gloo addresses and
 hang or fail (see DESIGN.md, "Elastic restarts"). Started by anything else
-that sets the variables (srun, mpirun, a script), rank 0 serves the store, as
-torch's ``env://`` does; without that nobody would, and every rank would wait
-for the whole first timeout. The first collective may wait
+that sets the variables (srun, mpirun, a script), and under ``ddpx train``
+across nodes (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, see ddpx.launch), rank 0
+serves a new store for each worker group, as torch's ``env://`` does; without
+that nobody would, and every rank would wait for the whole first timeout. The first collective may wait
 for slow ranks (``trainer.first_timeout_s``); afterwards a hang is cut short by
 ``trainer.timeout_s``.
 """
@@ -84,7 +85,9 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
         client = _tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank,
                             serve=rank == 0 and not agent_store, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # A store our rank 0 serves is new for each group: no prefix, which matters across
+        # hosts (a survivor's agent and a rejoined one count restarts differently).
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_store else "0"
         store = dist.PrefixStore(f"ddpx/attempt{attempt}/", client)
     elif world_size == 1:
         store = dist.HashStore()
