@@ -49,6 +49,28 @@ class LaunchOptions:
     master_port: Optional[int] = None
 
 
+def add_launch_arguments(p, restarts: bool = True) -> None:
+    """``ddpx train``'s launch options (also ``ddpx bench comm`` and ``ddpx doctor``)."""
+    p.add_argument("--nproc-per-node", default=None,
+                   help="workers on this node (default: launch.nproc_per_node = auto: one per GPU, 2 on CPU)")
+    p.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX for elastic runs (default: launch.nnodes)")
+    p.add_argument("--node-rank", type=int, default=None, help="rank of this node (static rendezvous)")
+    p.add_argument("--rdzv-backend", default=None,
+                   help="rendezvous backend (default: c10d with --rdzv-endpoint, static with --master-addr or one node)")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (node 0's address) for multi-node runs")
+    p.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: ddpx)")
+    if restarts:
+        p.add_argument("--max-restarts", type=int, default=None,
+                       help="worker-group restarts after a failure (default: launch.max_restarts)")
+    p.add_argument("--master-addr", default=None,
+                   help="address of the store: one node (default: 127.0.0.1), or node 0 with the static rendezvous")
+    p.add_argument("--master-port", type=int, default=None, help="port of that store (default: a free port; 29500 across nodes)")
+
+
+def options_from_args(args) -> LaunchOptions:
+    return LaunchOptions(**{name: getattr(args, name, None) for name in LaunchOptions.__dataclass_fields__})
+
+
 def default_nproc() -> int:
     """One worker per GPU, or 2 on a CPU-only machine."""
     import torch

@@ -185,6 +185,9 @@ class Route:
         shown = self.host if self.host == self.address else f"{self.host} ({self.address})"
         if self.one_machine:
             return f"{shown} is a loopback address: every node runs on this machine and the first to bind the port hosts it"
+        if self.local and is_loopback(self.address):
+            return (f"{shown} is this machine's own name (it resolves to loopback here); the other nodes reach "
+                    f"this machine at {self.local_addr} ({self.iface})")
         if self.local:
             return f"{shown} is an address of this machine ({interface_of(self.address) or 'a binding test'})"
         return f"{shown} is not an address of this machine"
