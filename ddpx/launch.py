@@ -281,21 +281,38 @@ def _run_agent(run, args, done_dir: str) -> int:
             # there ("terminate called without an active exception"). Nothing was lost.
             print(f"ddpx: warning: training finished; rank {rank} then {why} while exiting{more}", file=sys.stderr)
             return 0
-        raise DdpxError(f"training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above") from None
+        node = f"node {args.local_addr}: " if args.local_addr else ""
+        raise DdpxError(f"{node}training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above") from None
     except RendezvousError as exc:
         if _every_local_worker_finished(args, done_dir):
             # The agent lost the c10d store because the node hosting it exited first
             # (a known torchrun race at shutdown). Nothing was lost.
             print(f"ddpx: warning: training finished; torchrun's rendezvous shutdown failed: {exc}", file=sys.stderr)
             return 0
-        first = (str(exc).splitlines() or [""])[0]
-        raise DdpxError(f"node {args.local_addr or socket.gethostname()}: rendezvous failed at {args.rdzv_endpoint} "
-                        f"({type(exc).__name__}: {first}); check that node 0 runs and that this address is "
-                        "reachable from here (`ddpx doctor` with the same options)") from None
+        raise DdpxError(_rendezvous_failure(args, exc)) from None
     except SignalException as exc:
         print(f"ddpx: stopped by {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
+
+
+def _rendezvous_failure(args, exc) -> str:
+    """One line naming this node, the endpoint and the fix."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    node = f"node {args.local_addr or socket.gethostname()}"
+    endpoint = args.rdzv_endpoint
+    host = endpoint.rpartition(":")[0]
+    if isinstance(exc, RendezvousConnectionError):
+        return (f"{node}: lost the rendezvous store at {endpoint} (hosted by the node that owns {host}): that node "
+                "stopped or is unreachable from here; its log says why. Start the job again on every node "
+                "(`ddpx doctor` with the same options checks the address)")
+    if isinstance(exc, RendezvousTimeoutError):
+        return (f"{node}: the rendezvous at {endpoint} did not complete in time ({args.nnodes} nodes expected): "
+                "start `ddpx train` with the same --rdzv-endpoint and --rdzv-id on the other nodes")
+    first = (str(exc).splitlines() or [""])[0]
+    return (f"{node}: rendezvous at {endpoint} failed ({type(exc).__name__}: {first}); check that the node that "
+            f"owns {host} runs (`ddpx doctor` with the same options)")
 
 
 def _every_local_worker_finished(args, done_dir: str) -> bool:

@@ -140,7 +140,8 @@ def test_store_lost_before_every_local_worker_finished_is_an_error(monkeypatch):
     monkeypatch.setattr(torch.distributed.run, "run", _fake_agent(markers=1))
     argv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
             "-m", "ddpx.worker"]
-    with pytest.raises(DdpxError, match=r"^node \S+: rendezvous failed at 127.0.0.1:1 \(RendezvousConnectionError: The connection to the C10d store has failed.\); check that node 0 runs"):
+    with pytest.raises(DdpxError, match=r"^node \S+: lost the rendezvous store at 127.0.0.1:1 \(hosted by the node "
+                                         r"that owns 127.0.0.1\): that node stopped or is unreachable from here"):
         launch.run_torchrun(argv)
 
 
