@@ -70,6 +70,10 @@ def choose_device(requested: str, backend: str, local_rank: int) -> torch.device
     return device
 
 
+_served: dict = {}  # MASTER_PORT -> the store this process serves; a second group here reuses it
+_groups_created = [0]
+
+
 def init_process_group(backend: str = "auto", device: str = "auto", first_timeout_s: float = 900.0) -> DistInfo:
     """Join the group described by torchrun's environment (a group of one without it)."""
     rank = env_int("RANK", 0)
@@ -83,12 +87,22 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
         if world_size > 1:
             choose_interface(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, local_rank)
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
-        client = _tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank,
-                            serve=rank == 0 and not agent_store, timeout=timeout)
-        # A store our rank 0 serves is new for each group: no prefix, which matters across
-        # hosts (a survivor's agent and a rejoined one count restarts differently).
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_store else "0"
-        store = dist.PrefixStore(f"ddpx/attempt{attempt}/", client)
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        serve = rank == 0 and not agent_store
+        client = _served.get(port) if serve else None
+        if client is None:
+            client = _tcp_store(addr, port, rank, serve=serve, timeout=timeout)
+            if serve:
+                _served[port] = client
+        if agent_store:
+            prefix = f"ddpx/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        else:
+            # The store is new with each worker group: count the groups of this process (the smoke
+            # run makes two) instead of restarts, which a survivor's agent and a rejoined host's
+            # count differently.
+            prefix = f"ddpx/group{_groups_created[0]}/"
+        _groups_created[0] += 1
+        store = dist.PrefixStore(prefix, client)
     elif world_size == 1:
         store = dist.HashStore()
     else:
