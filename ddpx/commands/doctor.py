@@ -1,5 +1,6 @@
 """``ddpx doctor``: check the machine and network for distributed training."""
 
+import argparse
 import json
 import os
 
@@ -18,6 +19,7 @@ def register(subparsers):
     p.add_argument("config", nargs="?", default=None, help="the run's YAML config (its launch section counts)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     add_launch_arguments(p)
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # a `ddpx train --smoke` line works as is
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     p.add_argument("--collectives", action="store_true",
                    help="also start N local processes and run allreduce, barrier and every ddpx comm hook")
@@ -38,7 +40,7 @@ def run(args):
     if not max_nodes.isdigit() or int(max_nodes) < 1:
         raise DdpxError(f"--nnodes must be N or MIN:MAX with N >= 1, got {nnodes!r}")
     nproc = opts.nproc_per_node if opts.nproc_per_node is not None else launch_cfg["nproc_per_node"]
-    nproc = None if str(nproc) == "auto" else int(nproc)
+    nproc = int(nproc) if str(nproc).isdigit() else None  # "auto" (or torchrun's "gpu"): one per GPU
     route = launch.rendezvous_route(opts, nnodes)  # None on one node
     if route is not None:
         addr, port = route.host, route.port
