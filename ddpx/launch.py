@@ -28,6 +28,7 @@ DEFAULT_RDZV_ID = "ddpx"
 RDZV_WAIT_ENV = "DDPX_RDZV_WAIT_S"  # how long a joining node waits for the rendezvous host
 DEFAULT_RDZV_WAIT_S = 60.0
 DEFAULT_MASTER_PORT = 29500  # torchrun's
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # --nnodes MIN:MAX: a dead node leaves the rendezvous after 3 missed 1 s heartbeats (torch:
 # 15 s), and a round with at least MIN nodes closes 3 s after the last one joined (torch:
 # 30 s), so a survivor trains again within seconds. PET_RDZV_CONF overrides them.
@@ -208,10 +209,6 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
             if route.local_addr and not os.environ.get("PET_LOCAL_ADDR"):
                 # The workers' MASTER_ADDR: otherwise the rank-0 agent's getfqdn(), often "localhost".
                 argv.append(f"--local-addr={route.local_addr}")
-            # A store per worker group, served by its rank 0 (see ddpx.distributed): the agents'
-            # shared store would keep the previous group's keys, namespaced by each agent's own
-            # restart count, which differs between a survivor and a host that rejoined.
-            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         elif opts.node_rank is None:
             raise DdpxError(f"--rdzv-backend {backend} needs --node-rank (0 on the node at {endpoint})")
         made = [] if route.one_machine else net.choose_socket_ifname(route.iface)
@@ -255,11 +252,18 @@ def run_torchrun(argv: Sequence[str]) -> int:
 
     args = parse_args(list(argv))
     with tempfile.TemporaryDirectory(prefix="ddpx-done-") as done_dir:
-        os.environ[DONE_DIR_ENV] = done_dir  # inherited by the workers torchrun starts
+        env = {DONE_DIR_ENV: done_dir}  # inherited by the workers torchrun starts
+        if args.rdzv_backend == "c10d" and SHARE_STORE_ENV not in os.environ:
+            # A store per worker group, served by its rank 0 (see ddpx.distributed): the agents'
+            # shared store would keep the previous group's keys, namespaced by each agent's own
+            # restart count, which differs between a survivor and a host that rejoined.
+            env[SHARE_STORE_ENV] = "1"
+        os.environ.update(env)
         try:
             return _run_agent(run, args, done_dir)
         finally:
-            os.environ.pop(DONE_DIR_ENV, None)
+            for name in env:
+                os.environ.pop(name, None)
 
 
 def _run_agent(run, args, done_dir: str) -> int:

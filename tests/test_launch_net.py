@@ -14,11 +14,14 @@ from ddpx.launch import LaunchOptions, torchrun_argv
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "PET_RDZV_CONF", "PET_LOCAL_ADDR", "SLURM_JOB_ID",
-                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR",
-                 "PET_MASTER_PORT", "PET_NPROC_PER_NODE", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND"):
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
+    """No interface, PET_* or SLURM variables; the launcher sets some in os.environ: all undone after."""
+    saved = dict(os.environ)
+    for name in [n for n in os.environ if n.startswith(("PET_", "SLURM_"))] + [
+            "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]:
+        os.environ.pop(name, None)
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _pretend(monkeypatch, **route):
@@ -38,7 +41,19 @@ def test_the_node_owning_the_endpoint_hosts_the_store_and_advertises_its_interfa
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=node0:29400" in argv
     assert capsys.readouterr().err == ("ddpx: node 10.9.0.1: GLOO_SOCKET_IFNAME=eth7 NCCL_SOCKET_IFNAME=eth7 (the "
                                        "interface that reaches node0; set these variables yourself to choose another)\n")
-    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7" and os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+
+
+def test_c10d_agents_leave_the_workers_store_to_each_groups_rank_0(clean_env):
+    import torch.distributed.run
+
+    seen = {}
+    clean_env.setattr(torch.distributed.run, "run", lambda args: seen.update(os.environ))
+    launch.run_torchrun(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "-m", "x"])
+    assert seen[launch.SHARE_STORE_ENV] == "1" and launch.SHARE_STORE_ENV not in os.environ
+    seen.clear()
+    launch.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "x"])  # one node: torchrun's agent store
+    assert launch.SHARE_STORE_ENV not in seen
 
 
 def test_another_node_joins_and_a_users_interface_wins(clean_env, capsys):
