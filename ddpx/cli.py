@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -23,6 +24,10 @@ def build_parser():
 
 
 def main(argv=None):
+    # Before torch loads (it reads this once): c10d's C++ warnings when a peer or store goes
+    # away carry a C++ stack trace each, while ddpx names the failure in one line.
+    # TORCH_CPP_LOG_LEVEL=WARNING shows them again.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

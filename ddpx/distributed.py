@@ -5,9 +5,10 @@ Workers join through an explicit client ``TCPStore`` on
 ``PrefixStore`` keyed on ``TORCHELASTIC_RESTART_COUNT``: without the prefix,
 workers restarted by torchrun read the previous attempt's gloo addresses and
 hang or fail (see DESIGN.md, "Elastic restarts"). Started by anything else
-that sets the variables (srun, mpirun, a script), rank 0 serves the store, as
-torch's ``env://`` does; without that nobody would, and every rank would wait
-for the whole first timeout. The first collective may wait
+that sets the variables (srun, mpirun, a script), and under ``ddpx train``
+across nodes (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, see ddpx.launch), rank 0
+serves a new store for each worker group, as torch's ``env://`` does; without
+that nobody would, and every rank would wait for the whole first timeout. The first collective may wait
 for slow ranks (``trainer.first_timeout_s``); afterwards a hang is cut short by
 ``trainer.timeout_s``.
 """
@@ -16,14 +17,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import net
 from .errors import DdpxError
 
 
@@ -68,6 +70,10 @@ def choose_device(requested: str, backend: str, local_rank: int) -> torch.device
     return device
 
 
+_served: dict = {}  # MASTER_PORT -> the store this process serves; a second group here reuses it
+_groups_created = [0]
+
+
 def init_process_group(backend: str = "auto", device: str = "auto", first_timeout_s: float = 900.0) -> DistInfo:
     """Join the group described by torchrun's environment (a group of one without it)."""
     rank = env_int("RANK", 0)
@@ -78,11 +84,25 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
     bound = choose_device(device, backend, local_rank)
     timeout = datetime.timedelta(seconds=first_timeout_s)
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        if world_size > 1:
+            choose_interface(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, local_rank)
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
-        client = _tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank,
-                            serve=rank == 0 and not agent_store, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"ddpx/attempt{attempt}/", client)
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        serve = rank == 0 and not agent_store
+        client = _served.get(port) if serve else None
+        if client is None:
+            client = _tcp_store(addr, port, rank, serve=serve, timeout=timeout)
+            if serve:
+                _served[port] = client
+        if agent_store:
+            prefix = f"ddpx/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        else:
+            # The store is new with each worker group: count the groups of this process (the smoke
+            # run makes two) instead of restarts, which a survivor's agent and a rejoined host's
+            # count differently.
+            prefix = f"ddpx/group{_groups_created[0]}/"
+        _groups_created[0] += 1
+        store = dist.PrefixStore(prefix, client)
     elif world_size == 1:
         store = dist.HashStore()
     else:
@@ -94,12 +114,25 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
     return DistInfo(rank, world_size, local_rank, local_world_size, backend, bound)
 
 
+def choose_interface(master_addr: str, master_port: int, rank: int, local_rank: int) -> None:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME where unset: the interface that reaches
+    MASTER_ADDR (``ddpx train`` chose it already; srun, mpirun or a script did not).
+    Otherwise gloo binds what the hostname resolves to, often 127.0.0.1."""
+    route = net.route_to(master_addr, master_port)
+    if route.one_machine:
+        return
+    made = net.choose_socket_ifname(route.iface)
+    if made and local_rank == 0:
+        print(f"[rank{rank}] ddpx: {' '.join(made)} (the interface that reaches MASTER_ADDR={master_addr}; "
+              "set these variables yourself to choose another)", file=sys.stderr, flush=True)
+
+
 def _tcp_store(addr: str, port: int, rank: int, serve: bool, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store on addr:port, served here when ``serve``; a failure is one clear line."""
     deadline = time.monotonic() + timeout.total_seconds()
     # torch's TCPStore client prints a C++ stack trace for every failed connect, so
     # wait for a listener with plain connects first: a missing store stays one line.
-    unreachable = None if serve else _wait_for_listener(addr, port, deadline)
+    unreachable = None if serve else net.wait_for_listener(addr, port, deadline)
     if unreachable is None:
         try:
             left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 5.0))
@@ -114,22 +147,6 @@ def _tcp_store(addr: str, port: int, rank: int, serve: bool, timeout: datetime.t
                     f"{timeout.total_seconds():g} s ({unreachable}); is rank 0 (or torchrun's agent) "
                     "running, and is that address reachable from this host? (trainer.first_timeout_s sets "
                     "the wait)")
-
-
-def _wait_for_listener(addr: str, port: int, deadline: float) -> Optional[str]:
-    """Connect to addr:port until something accepts or the deadline (time.monotonic) passes:
-    None once something listens, else the last connect error."""
-    delay = 0.05
-    while True:
-        try:
-            with socket.create_connection((addr, port), timeout=max(min(deadline - time.monotonic(), 5.0), 0.1)):
-                return None
-        except OSError as exc:  # refused, timed out, unknown host
-            last = str(exc) or type(exc).__name__
-        if time.monotonic() >= deadline:
-            return last
-        time.sleep(max(min(delay, deadline - time.monotonic()), 0.0))
-        delay = min(2 * delay, 1.0)
 
 
 def _first_line(exc: BaseException) -> str:

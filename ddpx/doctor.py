@@ -8,7 +8,6 @@ situation; :func:`gather_facts` collects the real inputs of this machine and
 
 from __future__ import annotations
 
-import errno
 import ipaddress
 import json
 import os
@@ -21,12 +20,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from .launch import free_port
+from . import net
+from .net import (Route, connect_probe, free_port, interface_of, is_local_address, is_loopback,  # noqa: F401
+                  port_is_bindable, resolve)
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 DEFAULT_MASTER_PORT = 29500  # torchrun's default
 SAFE_PORT_MIN = 20000  # well-known and registered services live below this
-CONNECT_TIMEOUT_S = 3.0
+CONNECT_TIMEOUT_S = 3.0  # net.connect_probe's default
 
 
 @dataclass
@@ -118,18 +119,6 @@ def processes_of_sockets(inodes: set[int], proc_root: str = "/proc") -> list[tup
     return owners
 
 
-def port_is_bindable(port: int, host: str = "") -> tuple[bool, str]:
-    """Can the rendezvous store listen on ``port``? (the same bind a TCPStore server does)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            s.listen(1)
-        except OSError as exc:
-            return False, exc.strerror or str(exc)
-    return True, ""
-
-
 def check_port_range(port: int, ephemeral: Optional[tuple[int, int]]) -> Check:
     if not 0 < port < 65536:
         return Check("port range", FAIL, f"{port} is not a TCP port", "pick a port in 20000-32767")
@@ -164,24 +153,6 @@ def check_master_port(port: int, master_is_local: bool, bindable: bool, bind_err
 # --- addresses, routes and interfaces ---------------------------------------------------
 
 
-def is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return False
-
-
-def is_local_address(addr: str) -> bool:
-    """True when ``addr`` belongs to this host (binding to it succeeds)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((addr, 0))
-            return True
-        except OSError:
-            return False
-
-
 def parse_ip_route_get(text: str) -> Optional[str]:
     """The interface in ``ip route get ADDR`` output (``... dev eth0 src ...``)."""
     fields = text.split()
@@ -210,34 +181,6 @@ def route_iface_from_proc(proc_net_route: str, addr: Optional[str] = None) -> Op
     return best
 
 
-def resolve(host: str) -> tuple[list[str], str]:
-    """IPv4/IPv6 addresses of ``host`` (what getaddrinfo answers) and the error, if any."""
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except socket.gaierror as exc:
-        return [], exc.strerror or str(exc)
-    seen = []
-    for info in infos:
-        if info[4][0] not in seen:
-            seen.append(info[4][0])
-    return seen, ""
-
-
-def connect_probe(addr: str, port: int, timeout: float = CONNECT_TIMEOUT_S) -> str:
-    """``nc -zv ADDR PORT`` in Python: "open", "refused", "timeout", or the OS error text."""
-    try:
-        with socket.create_connection((addr, port), timeout=timeout):
-            return "open"
-    except ConnectionRefusedError:
-        return "refused"
-    except socket.timeout:
-        return "timeout"
-    except OSError as exc:
-        if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-            return "unreachable: " + (exc.strerror or "")
-        return exc.strerror or str(exc)
-
-
 def check_master_address(addr: str, port: int, addresses: Sequence[str], resolve_error: str,
                          master_is_local: bool, probe: Optional[str],
                          route_iface: Optional[str]) -> Check:
@@ -262,8 +205,10 @@ def check_master_address(addr: str, port: int, addresses: Sequence[str], resolve
 
 
 def check_hostname(hostname: str, host_addresses: Sequence[str], env: Mapping[str, str],
-                   backend: str, multi_host: bool, suggested_iface: Optional[str]) -> list[Check]:
-    """Does gloo bind a loopback address? (hostname -> 127.x and no GLOO_SOCKET_IFNAME)."""
+                   backend: str, multi_host: bool, suggested_iface: Optional[str],
+                   chosen_iface: Optional[str] = None) -> list[Check]:
+    """Does gloo bind a loopback address? (hostname -> 127.x and no GLOO_SOCKET_IFNAME,
+    and no interface ``ddpx train`` chooses: ``chosen_iface``)."""
     checks = []
     gloo_if = env.get("GLOO_SOCKET_IFNAME")
     nccl_if = env.get("NCCL_SOCKET_IFNAME")
@@ -271,6 +216,9 @@ def check_hostname(hostname: str, host_addresses: Sequence[str], env: Mapping[st
     loopback = bool(host_addresses) and all(is_loopback(a) for a in host_addresses)
     if gloo_if:
         checks.append(Check("gloo iface", OK, f"GLOO_SOCKET_IFNAME={gloo_if}"))
+    elif chosen_iface:
+        checks.append(Check("gloo iface", OK, f"GLOO_SOCKET_IFNAME unset: ddpx train and its workers set it to "
+                            f"{chosen_iface}, so gloo does not bind what hostname {hostname!r} resolves to"))
     elif loopback:
         message = (f"hostname {hostname!r} resolves to {host_addresses[0]} and GLOO_SOCKET_IFNAME is unset: "
                    "gloo binds 127.0.0.1 and other hosts get \"Connection refused\"")
@@ -288,32 +236,52 @@ def check_hostname(hostname: str, host_addresses: Sequence[str], env: Mapping[st
     if backend == "nccl":
         if nccl_if:
             checks.append(Check("nccl iface", OK, f"NCCL_SOCKET_IFNAME={nccl_if}"))
+        elif chosen_iface:
+            checks.append(Check("nccl iface", OK, f"NCCL_SOCKET_IFNAME unset: ddpx train sets it to {chosen_iface}"))
         else:
             checks.append(Check("nccl iface", OK, "NCCL_SOCKET_IFNAME unset: NCCL picks an interface itself",
                                 f"if NCCL picks the wrong one (docker0, lo): export NCCL_SOCKET_IFNAME={iface}"))
     return checks
 
 
-def check_rendezvous_host(master_addr: str, master_addresses: Sequence[str], master_is_local: bool,
-                          hostname: str, host_addresses: Sequence[str]) -> Optional[Check]:
-    """Will torchrun's c10d rendezvous recognise MASTER_ADDR as this machine?
+def check_store_host(backend: str, route: Route, node_rank: Optional[int]) -> Check:
+    """Which node hosts the rendezvous store, and why (what ``ddpx train`` tells torchrun)."""
+    endpoint = f"{route.host}:{route.port}"
+    if backend == "c10d":
+        if route.one_machine:
+            return Check("rdzv host", OK, f"c10d store at {endpoint}: {route.why}")
+        if route.local:
+            return Check("rdzv host", OK, f"this node hosts the c10d store at {endpoint}: {route.why} "
+                         "(ddpx train passes torchrun is_host=true)")
+        return Check("rdzv host", OK, f"the node that owns {route.host} hosts the c10d store; this node joins it: "
+                     f"{route.why} (is_host=false)")
+    where = f"node rank 0 hosts the {backend} store at {endpoint}"
+    if node_rank == 0 and not route.local:
+        return Check("rdzv host", FAIL, f"{where}, and this is node rank 0, but {route.why}",
+                     f"run node rank 0 on the machine that owns {route.host}, or give its address")
+    return Check("rdzv host", OK, f"{where}; this node is node rank {node_rank if node_rank is not None else '?'}")
 
-    torchrun hosts the c10d store only when the endpoint is ``localhost``, a
-    loopback address, the hostname, or shares an address with what the hostname
-    resolves to. An interface address the hostname does not resolve to fails
-    that test: every node, this one included, then waits for a store nobody starts.
-    """
-    if not master_is_local or not master_addresses or all(is_loopback(a) for a in master_addresses):
-        return None
-    if master_addr in ("localhost", hostname) or set(master_addresses) & set(host_addresses):
-        return Check("rdzv host", OK, f"torchrun's c10d rendezvous recognises {master_addr} as this host")
-    resolved = host_addresses[0] if host_addresses else "nothing"
-    return Check("rdzv host", WARN,
-                 f"{master_addr} is this host, but hostname {hostname!r} resolves to {resolved}: with "
-                 "--rdzv-backend c10d torchrun does not see the endpoint as itself, starts no store and every "
-                 "node waits until the rendezvous times out",
-                 f"use --rdzv-endpoint {hostname}:PORT, or --rdzv-backend static, or map {hostname} to "
-                 f"{master_addresses[0]} in /etc/hosts")
+
+def check_interface(route: Route, env: Mapping[str, str]) -> list[Check]:
+    """The interface ddpx train chooses (the route to the rendezvous host), or the user's."""
+    if route.one_machine:
+        return [Check("interface", OK, f"{route.host} is a loopback address: every node on this machine, "
+                      "ddpx sets no interface")]
+    if route.iface is None:
+        return [Check("interface", FAIL, f"no local address routes to {route.host}",
+                      "use an address on a network every node shares (check `ip route`)")]
+    mine = f"{route.iface} ({route.local_addr}, the route to {route.host})"
+    checks = []
+    for name in net.IFNAME_VARS:
+        value = env.get(name)
+        if not value:
+            checks.append(Check("interface", OK, f"{name} unset: ddpx train sets it to {mine}"))
+        elif value != route.iface:
+            checks.append(Check("interface", WARN, f"{name}={value} (yours, kept) but the route to {route.host} "
+                                f"uses {route.iface}", f"unset {name} to let ddpx choose, if {value} is wrong"))
+        else:
+            checks.append(Check("interface", OK, f"{name}={value} (yours, kept): {mine}"))
+    return checks
 
 
 def check_nccl_hints(backend: str, env: Mapping[str, str], ib_devices: Sequence[str],
@@ -375,6 +343,9 @@ class Facts:
     host_addresses: list = field(default_factory=list)
     ib_devices: list = field(default_factory=list)
     nnodes: int = 1
+    rdzv_backend: str = "static"
+    route: Optional[Route] = None  # multi-node: this node's route to the rendezvous host
+    node_rank: Optional[int] = None
 
     @property
     def backend(self) -> str:
@@ -417,12 +388,13 @@ def _proc_route_iface(addr: str) -> Optional[str]:
 
 
 def gather_facts(master_addr: str, master_port: int, nproc_per_node: Optional[int],
-                 env: Mapping[str, str] = os.environ, nnodes: int = 1) -> Facts:
+                 env: Mapping[str, str] = os.environ, nnodes: int = 1, route: Optional[Route] = None,
+                 rdzv_backend: str = "static", node_rank: Optional[int] = None) -> Facts:
     import torch
     import torch.distributed as dist
 
     facts = Facts(master_addr=master_addr, master_port=master_port, nproc_per_node=nproc_per_node, env=dict(env),
-                  nnodes=nnodes)
+                  nnodes=nnodes, route=route, rdzv_backend=rdzv_backend, node_rank=node_rank)
     facts.torch_version = torch.__version__
     facts.cuda_version = torch.version.cuda
     facts.cuda_available = torch.cuda.is_available()
@@ -488,12 +460,13 @@ def run_checks(facts: Facts) -> list[Check]:
     if facts.master_addresses:
         checks.append(check_master_port(facts.master_port, facts.master_is_local, facts.port_bindable,
                                         facts.port_bind_error, facts.port_users, facts.port_states))
-    rdzv = check_rendezvous_host(facts.master_addr, facts.master_addresses, facts.master_is_local,
-                                 facts.hostname, facts.host_addresses)
-    if rdzv is not None:
-        checks.append(rdzv)
+    chosen = None
+    if facts.route is not None:
+        checks.append(check_store_host(facts.rdzv_backend, facts.route, facts.node_rank))
+        checks += check_interface(facts.route, facts.env)
+        chosen = None if facts.route.one_machine else facts.route.iface
     checks += check_hostname(facts.hostname, facts.host_addresses, facts.env, facts.backend,
-                             facts.multi_host, iface)
+                             facts.multi_host, iface, chosen)
     checks += check_nccl_hints(facts.backend, facts.env, facts.ib_devices, facts.multi_host, iface)
     return checks
 

@@ -10,22 +10,29 @@ code instead of an exception we can turn into one line naming the failed rank.
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
+from . import net
 from .errors import DdpxError, TrainingDiverged
+from .net import free_port  # noqa: F401  (doctor and the tests import it from here)
 
 WORKER_MODULE = "ddpx.worker"
 DONE_DIR_ENV = "DDPX_DONE_DIR"  # each worker that finishes training writes a marker file here
 DEFAULT_RDZV_ID = "ddpx"
 RDZV_WAIT_ENV = "DDPX_RDZV_WAIT_S"  # how long a joining node waits for the rendezvous host
 DEFAULT_RDZV_WAIT_S = 60.0
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# --nnodes MIN:MAX: a dead node leaves the rendezvous after 3 missed 1 s heartbeats (torch:
+# 15 s), and a round with at least MIN nodes closes 3 s after the last one joined (torch:
+# 30 s), so a survivor trains again within seconds. PET_RDZV_CONF overrides them.
+ELASTIC_RDZV_CONF = {"last_call_timeout": "3", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 
 
 @dataclass
@@ -43,17 +50,33 @@ class LaunchOptions:
     master_port: Optional[int] = None
 
 
+def add_launch_arguments(p, restarts: bool = True) -> None:
+    """``ddpx train``'s launch options (also ``ddpx bench comm`` and ``ddpx doctor``)."""
+    p.add_argument("--nproc-per-node", default=None,
+                   help="workers on this node (default: launch.nproc_per_node = auto: one per GPU, 2 on CPU)")
+    p.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX for elastic runs (default: launch.nnodes)")
+    p.add_argument("--node-rank", type=int, default=None, help="rank of this node (static rendezvous)")
+    p.add_argument("--rdzv-backend", default=None,
+                   help="rendezvous backend (default: c10d with --rdzv-endpoint, static with --master-addr or one node)")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (node 0's address) for multi-node runs")
+    p.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: ddpx)")
+    if restarts:
+        p.add_argument("--max-restarts", type=int, default=None,
+                       help="worker-group restarts after a failure (default: launch.max_restarts)")
+    p.add_argument("--master-addr", default=None,
+                   help="address of the store: one node (default: 127.0.0.1), or node 0 with the static rendezvous")
+    p.add_argument("--master-port", type=int, default=None, help="port of that store (default: a free port; 29500 across nodes)")
+
+
+def options_from_args(args) -> LaunchOptions:
+    return LaunchOptions(**{name: getattr(args, name, None) for name in LaunchOptions.__dataclass_fields__})
+
+
 def default_nproc() -> int:
     """One worker per GPU, or 2 on a CPU-only machine."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -63,106 +86,143 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _resolve(host: str) -> str:
-    try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-    except socket.gaierror as exc:
-        raise DdpxError(f"cannot resolve host '{host}' ({exc.strerror}); check the address or DNS") from None
+def from_environment(opts: LaunchOptions, env: Mapping[str, str] = os.environ) -> LaunchOptions:
+    """Fill the options not given on the command line from torchrun's ``PET_*`` variables
+    (how a Kubeflow PyTorchJob configures torchrun), else from SLURM. Flags win."""
+    from . import slurm
+
+    values = vars(opts).copy()
+    for name, value in values.items():
+        raw = env.get(f"PET_{name.upper()}")
+        if value is None and raw:
+            if name in _INT_OPTIONS:
+                if not raw.strip().isdigit():
+                    raise DdpxError(f"PET_{name.upper()}={raw!r} is not a number; fix or unset it")
+                raw = int(raw)
+            values[name] = raw
+    opts = LaunchOptions(**values)
+    if slurm.in_slurm_step(env) and opts.nnodes is None and opts.rdzv_endpoint is None:
+        job = slurm.launch_from_slurm(env)
+        opts = LaunchOptions(**{**values, "nnodes": str(job.nnodes), "node_rank": job.node_rank,
+                                "rdzv_endpoint": job.rdzv_endpoint, "rdzv_id": opts.rdzv_id or job.rdzv_id,
+                                "nproc_per_node": opts.nproc_per_node or job.nproc_per_node})
+    return opts
 
 
-def _is_local(address: str) -> bool:
-    """Whether ``address`` belongs to this machine (binding to it succeeds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((address, 0))
-            return True
-        except OSError:
-            return False
+_INT_OPTIONS = ("node_rank", "max_restarts", "master_port")
 
 
-def _can_connect(address: str, port: int, timeout: float = 1.0) -> bool:
-    try:
-        with socket.create_connection((address, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+def rendezvous_route(opts: LaunchOptions, nnodes: str) -> Optional[net.Route]:
+    """Where the nodes of a multi-node run meet (None on one node): the c10d endpoint,
+    or MASTER_ADDR:MASTER_PORT for the static rendezvous (torchrun's way)."""
+    if nnodes == "1" and opts.rdzv_endpoint is None:
+        return None
+    if opts.rdzv_endpoint is not None:
+        host, port = parse_endpoint(opts.rdzv_endpoint)
+    elif opts.master_addr is not None:
+        host, port = opts.master_addr, opts.master_port or DEFAULT_MASTER_PORT
+    else:
+        raise DdpxError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (an address of node 0 every node can reach)")
+    route = net.route_to(host, port)
+    if route.address is None:
+        raise DdpxError(f"cannot resolve rendezvous host '{host}' ({route.resolve_error}); use node 0's IP "
+                        "address or a name every node resolves")
+    return route
 
 
-def check_port_free(host: str, port: int, what: str) -> None:
-    """Fail with a clear message when ``port`` is already taken on this machine."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise DdpxError(f"{what} port {port} on {host} is busy (another run or service uses it); "
-                                f"pick another port or omit it to use a free one") from None
-            raise DdpxError(f"cannot bind {what} {host}:{port}: {exc.strerror}") from None
+def node_label(route: net.Route) -> str:
+    """How messages name this node: its address on the rendezvous network."""
+    return f"node {route.local_addr or socket.gethostname()}"
 
 
-def check_rendezvous(endpoint: str, wait_s: float) -> None:
-    """The c10d endpoint must be ours to host (free port) or reachable within ``wait_s``."""
-    host, port = parse_endpoint(endpoint)
-    address = _resolve(host)
-    if _can_connect(address, port):
-        return  # the host node's agent is up (or we join a store another local agent serves)
-    if _is_local(address):
-        check_port_free(address, port, "rendezvous")
-        return  # this node hosts the rendezvous store
+def check_rendezvous(route: net.Route, wait_s: float) -> Optional[bool]:
+    """Whether this node hosts the c10d store (None: leave it to torchrun, see below).
+
+    The endpoint must be ours to host (a free port on an address of this machine)
+    or reachable within ``wait_s``.
+    """
+    endpoint = f"{route.host}:{route.port}"
+    if net.connect_probe(route.address, route.port, timeout=1.0) == "open":
+        return False  # the host node's agent is up (or another agent on this machine serves it)
+    if route.local:
+        net.check_port_free(route.address, route.port, "rendezvous")
+        # Several agents on one machine share a loopback endpoint: torchrun's own guess
+        # tries to serve and joins when another agent was first.
+        return None if route.one_machine else True
     deadline = time.monotonic() + wait_s
-    print(f"ddpx: waiting up to {wait_s:.0f} s for the rendezvous endpoint {endpoint} ...", file=sys.stderr, flush=True)
-    while time.monotonic() < deadline:
-        time.sleep(1.0)
-        if _can_connect(address, port):
-            return
+    print(f"ddpx: {node_label(route)}: waiting up to {wait_s:.0f} s for the rendezvous endpoint {endpoint} ...",
+          file=sys.stderr, flush=True)
+    if net.wait_for_listener(route.address, route.port, deadline) is None:
+        return False
     raise DdpxError(
-        f"rendezvous endpoint {endpoint} is unreachable (nothing accepted a connection for {wait_s:.0f} s); "
-        f"start node 0 first, check the address and that the port is open (wait longer with {RDZV_WAIT_ENV}=SECONDS)"
+        f"{node_label(route)}: rendezvous endpoint {endpoint} is unreachable (nothing accepted a connection for "
+        f"{wait_s:.0f} s); start node 0 first, check the address and that the port is open "
+        f"(wait longer with {RDZV_WAIT_ENV}=SECONDS; `ddpx doctor` with the same options tells more)"
     )
+
+
+def is_elastic(nnodes: str) -> bool:
+    low, sep, high = nnodes.partition(":")
+    return bool(sep) and low != high
+
+
+def rendezvous_conf(nnodes: str, is_host: Optional[bool], env: Mapping[str, str] = os.environ) -> str:
+    """torchrun's --rdzv-conf: ddpx's choices, then the user's PET_RDZV_CONF (which wins)."""
+    conf = dict(ELASTIC_RDZV_CONF) if is_elastic(nnodes) else {}
+    if is_host is not None:
+        conf["is_host"] = "true" if is_host else "false"
+    for item in filter(None, env.get("PET_RDZV_CONF", "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise DdpxError(f"PET_RDZV_CONF item {item!r} must be KEY=VALUE")
+        conf[key.strip()] = value.strip()
+    return ",".join(f"{k}={v}" for k, v in conf.items())
 
 
 def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], overrides: Sequence[str]) -> list[str]:
     """The torchrun command line (without the program name) for these options.
 
-    Precedence: command-line option > SLURM environment > ``launch`` config section.
-    Also checks ports and the rendezvous endpoint before anything starts.
+    Precedence: command-line option > torchrun's PET_* variables > SLURM > ``launch`` config section.
+    Also checks ports and the rendezvous endpoint, and picks this node's network
+    interface, before anything starts.
     """
-    from . import slurm
-
-    if slurm.in_slurm_step() and opts.nnodes is None and opts.rdzv_endpoint is None:
-        job = slurm.launch_from_slurm()
-        opts = LaunchOptions(**{**vars(opts), "nnodes": str(job.nnodes), "node_rank": job.node_rank,
-                                "rdzv_endpoint": job.rdzv_endpoint, "rdzv_id": opts.rdzv_id or job.rdzv_id,
-                                "nproc_per_node": opts.nproc_per_node or job.nproc_per_node})
-
+    opts = from_environment(opts)
     nproc = opts.nproc_per_node if opts.nproc_per_node is not None else launch_cfg["nproc_per_node"]
     if str(nproc) == "auto":
         nproc = default_nproc()
     nnodes = str(opts.nnodes if opts.nnodes is not None else launch_cfg["nnodes"])
     max_restarts = opts.max_restarts if opts.max_restarts is not None else launch_cfg["max_restarts"]
     argv = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
-    multi_node = nnodes != "1" or opts.rdzv_endpoint is not None
     if opts.node_rank is not None:
         argv.append(f"--node-rank={opts.node_rank}")
 
-    if multi_node:
-        if opts.rdzv_endpoint is None:
-            raise DdpxError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (an address of node 0 every node can reach)")
-        backend = opts.rdzv_backend or "c10d"
-        wait_s = float(os.environ.get(RDZV_WAIT_ENV, DEFAULT_RDZV_WAIT_S))
+    route = rendezvous_route(opts, nnodes)
+    if route is not None:
+        endpoint = f"{route.host}:{route.port}"
+        backend = opts.rdzv_backend or ("c10d" if opts.rdzv_endpoint else "static")
+        argv += [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={opts.rdzv_id or DEFAULT_RDZV_ID}"]
         if backend == "c10d":
-            check_rendezvous(opts.rdzv_endpoint, wait_s)
-        argv += [f"--rdzv-backend={backend}", f"--rdzv-endpoint={opts.rdzv_endpoint}",
-                 f"--rdzv-id={opts.rdzv_id or DEFAULT_RDZV_ID}"]
+            is_host = check_rendezvous(route, float(os.environ.get(RDZV_WAIT_ENV, DEFAULT_RDZV_WAIT_S)))
+            conf = rendezvous_conf(nnodes, is_host)
+            if conf:
+                argv.append(f"--rdzv-conf={conf}")
+            if route.local_addr and not os.environ.get("PET_LOCAL_ADDR"):
+                # The workers' MASTER_ADDR: otherwise the rank-0 agent's getfqdn(), often "localhost".
+                argv.append(f"--local-addr={route.local_addr}")
+        elif opts.node_rank is None:
+            raise DdpxError(f"--rdzv-backend {backend} needs --node-rank (0 on the node at {endpoint})")
+        made = [] if route.one_machine else net.choose_socket_ifname(route.iface)
+        if made:
+            print(f"ddpx: {node_label(route)}: {' '.join(made)} (the interface that reaches {route.host}; "
+                  "set these variables yourself to choose another)", file=sys.stderr, flush=True)
     else:
         # One node: torchrun's static rendezvous on a local port we checked or picked.
         addr = opts.master_addr or "127.0.0.1"
         if opts.master_port is not None:
-            check_port_free(_resolve(addr), opts.master_port, "master")
+            net.check_port_free(net.resolve_ipv4(addr), opts.master_port, "master")
             port = opts.master_port
         else:
-            port = free_port(_resolve(addr))
+            port = net.free_port(net.resolve_ipv4(addr))
         argv += [f"--rdzv-backend={opts.rdzv_backend or 'static'}", f"--master-addr={addr}", f"--master-port={port}"]
         if opts.rdzv_id:
             argv.append(f"--rdzv-id={opts.rdzv_id}")
@@ -192,11 +252,18 @@ def run_torchrun(argv: Sequence[str]) -> int:
 
     args = parse_args(list(argv))
     with tempfile.TemporaryDirectory(prefix="ddpx-done-") as done_dir:
-        os.environ[DONE_DIR_ENV] = done_dir  # inherited by the workers torchrun starts
+        env = {DONE_DIR_ENV: done_dir}  # inherited by the workers torchrun starts
+        if args.rdzv_backend == "c10d" and SHARE_STORE_ENV not in os.environ:
+            # A store per worker group, served by its rank 0 (see ddpx.distributed): the agents'
+            # shared store would keep the previous group's keys, namespaced by each agent's own
+            # restart count, which differs between a survivor and a host that rejoined.
+            env[SHARE_STORE_ENV] = "1"
+        os.environ.update(env)
         try:
             return _run_agent(run, args, done_dir)
         finally:
-            os.environ.pop(DONE_DIR_ENV, None)
+            for name in env:
+                os.environ.pop(name, None)
 
 
 def _run_agent(run, args, done_dir: str) -> int:
@@ -220,18 +287,38 @@ def _run_agent(run, args, done_dir: str) -> int:
             # there ("terminate called without an active exception"). Nothing was lost.
             print(f"ddpx: warning: training finished; rank {rank} then {why} while exiting{more}", file=sys.stderr)
             return 0
-        raise DdpxError(f"training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above") from None
+        node = f"node {args.local_addr}: " if args.local_addr else ""
+        raise DdpxError(f"{node}training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above") from None
     except RendezvousError as exc:
         if _every_local_worker_finished(args, done_dir):
             # The agent lost the c10d store because the node hosting it exited first
             # (a known torchrun race at shutdown). Nothing was lost.
             print(f"ddpx: warning: training finished; torchrun's rendezvous shutdown failed: {exc}", file=sys.stderr)
             return 0
-        raise DdpxError(f"rendezvous failed: {type(exc).__name__}: {exc}") from None
+        raise DdpxError(_rendezvous_failure(args, exc)) from None
     except SignalException as exc:
         print(f"ddpx: stopped by {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
+
+
+def _rendezvous_failure(args, exc) -> str:
+    """One line naming this node, the endpoint and the fix."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    node = f"node {args.local_addr or socket.gethostname()}"
+    endpoint = args.rdzv_endpoint
+    host = endpoint.rpartition(":")[0]
+    if isinstance(exc, RendezvousConnectionError):
+        return (f"{node}: lost the rendezvous store at {endpoint} (hosted by the node that owns {host}): that node "
+                "stopped or is unreachable from here; its log says why. Start the job again on every node "
+                "(`ddpx doctor` with the same options checks the address)")
+    if isinstance(exc, RendezvousTimeoutError):
+        return (f"{node}: the rendezvous at {endpoint} did not complete in time ({args.nnodes} nodes expected): "
+                "start `ddpx train` with the same --rdzv-endpoint and --rdzv-id on the other nodes")
+    first = (str(exc).splitlines() or [""])[0]
+    return (f"{node}: rendezvous at {endpoint} failed ({type(exc).__name__}: {first}); check that the node that "
+            f"owns {host} runs (`ddpx doctor` with the same options)")
 
 
 def _every_local_worker_finished(args, done_dir: str) -> bool:

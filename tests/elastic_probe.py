@@ -11,6 +11,10 @@ attempt, and can inject one failure at a chosen step:
   (with one worker per node);
 * ``action: hang``        sleep for an hour (a stuck rank that is still alive).
 
+``rank: -1`` acts on every rank (e.g. the one worker of the node whose config
+says so); ``step_sleep_s`` slows every step down, so a run lasts long enough
+for a node to rejoin.
+
 The failure happens once: ``marker`` names a file created just before it, and
 an existing marker disables the action (a restarted attempt runs normally).
 
@@ -35,7 +39,8 @@ _probe = {}
 
 @hookimpl
 def ddpx_config_defaults():
-    return {"probe": {"record_dir": "", "label": "run", "action": "none", "at_step": -1, "rank": 0, "marker": ""}}
+    return {"probe": {"record_dir": "", "label": "run", "action": "none", "at_step": -1, "rank": 0, "marker": "",
+                      "step_sleep_s": 0.0}}
 
 
 @hookimpl
@@ -72,10 +77,12 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
     if trainer.global_step == _probe["step"]:
         return  # inside an accumulation window
     _probe["step"] = trainer.global_step
-    _write({"event": "step", "epoch": trainer.epoch, "step": trainer.global_step, "indices": _probe["pending"]})
+    _write({"event": "step", "epoch": trainer.epoch, "step": trainer.global_step, "indices": _probe["pending"],
+            "time": time.time()})
     _probe["pending"] = []
     cfg = _probe["cfg"]
-    if cfg["action"] == "none" or trainer.global_step != cfg["at_step"] or trainer.rank != cfg["rank"]:
+    time.sleep(cfg["step_sleep_s"])
+    if cfg["action"] == "none" or trainer.global_step != cfg["at_step"] or cfg["rank"] not in (-1, trainer.rank):
         return
     marker = Path(cfg["marker"])
     if marker.exists():

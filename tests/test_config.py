@@ -132,12 +132,14 @@ def test_default_yaml_is_complete():
 def test_unreachable_rendezvous_endpoint(monkeypatch):
     import ddpx.launch
 
-    port = free_port()  # nothing listens there
-    monkeypatch.setattr(ddpx.launch, "_is_local", lambda address: False)  # pretend it is another host
-    with pytest.raises(DdpxError, match=rf"rendezvous endpoint 127.0.0.1:{port} is unreachable"):
-        check_rendezvous(f"127.0.0.1:{port}", wait_s=1.0)
+    from ddpx.net import Route
+
+    port = free_port()  # nothing listens there; pretend 127.0.0.1 is another host
+    route = Route("127.0.0.1", port, "127.0.0.1", local=False, local_addr="127.0.0.1", iface="lo")
+    with pytest.raises(DdpxError, match=rf"^node 127.0.0.1: rendezvous endpoint 127.0.0.1:{port} is unreachable"):
+        check_rendezvous(route, wait_s=1.0)
     with pytest.raises(DdpxError, match="must be HOST:PORT"):
-        check_rendezvous("127.0.0.1", wait_s=1.0)
+        ddpx.launch.parse_endpoint("127.0.0.1")
 
 
 @pytest.mark.slow

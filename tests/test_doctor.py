@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ddpx import doctor
+from ddpx import doctor, net
 from ddpx.doctor import FAIL, OK, WARN
 from tests import utils
 from tests.utils import run_cli
@@ -72,14 +72,35 @@ def test_hostname_resolving_to_loopback_without_interface_variable():
     assert _by_name(doctor.check_hostname("node1", ["10.0.0.5"], {}, "gloo", True, "eth0"))["gloo iface"].status == OK
 
 
-def test_rendezvous_host_not_recognised_by_torchrun():
-    # the master is this host's interface address, the hostname resolves to loopback
-    check = doctor.check_rendezvous_host("10.0.0.5", ["10.0.0.5"], True, "node1", ["127.0.1.1"])
-    assert check.status == WARN and "--rdzv-endpoint node1:PORT" in check.fix
-    assert doctor.check_rendezvous_host("10.0.0.5", ["10.0.0.5"], True, "node1", ["10.0.0.5"]).status == OK
-    assert doctor.check_rendezvous_host("node1", ["10.0.0.5"], True, "node1", ["127.0.1.1"]).status == OK
-    assert doctor.check_rendezvous_host("127.0.0.1", ["127.0.0.1"], True, "node1", ["127.0.1.1"]) is None
-    assert doctor.check_rendezvous_host("10.0.0.9", ["10.0.0.9"], False, "node1", ["127.0.1.1"]) is None
+def _route(**kw):
+    fields = dict(host="10.0.0.5", port=29400, address="10.0.0.5", local=True, local_addr="10.0.0.5", iface="eth1")
+    return net.Route(**{**fields, **kw})
+
+
+def test_the_endpoints_owner_hosts_the_c10d_store_and_says_why():
+    check = doctor.check_store_host("c10d", _route(), None)
+    assert check.status == OK and check.message.startswith("this node hosts the c10d store at 10.0.0.5:29400: ")
+    assert "is_host=true" in check.message
+    joined = doctor.check_store_host("c10d", _route(address="10.0.0.9", host="10.0.0.9", local=False), None)
+    assert joined.message == ("the node that owns 10.0.0.9 hosts the c10d store; this node joins it: "
+                              "10.0.0.9 is not an address of this machine (is_host=false)")
+    # static: node rank 0 must own the address
+    wrong = doctor.check_store_host("static", _route(address="10.0.0.9", host="10.0.0.9", local=False), 0)
+    assert wrong.status == FAIL and "run node rank 0 on the machine that owns 10.0.0.9" in wrong.fix
+    assert doctor.check_store_host("static", _route(), 0).status == OK
+
+
+def test_interface_ddpx_chooses_and_a_users_own_setting():
+    checks = doctor.check_interface(_route(local=False, local_addr="10.0.0.2", host="10.0.0.1"), {})
+    assert [c.message for c in checks] == [
+        f"{name} unset: ddpx train sets it to eth1 (10.0.0.2, the route to 10.0.0.1)" for name in net.IFNAME_VARS]
+    mine = doctor.check_interface(_route(), {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "eth1"})
+    assert [c.status for c in mine] == [WARN, OK] and "unset GLOO_SOCKET_IFNAME" in mine[0].fix
+    lost = doctor.check_interface(_route(local=False, local_addr=None, iface=None), {})
+    assert lost[0].status == FAIL
+    # the hostname resolves to loopback, but ddpx train sets the variable: no failure
+    gloo = _by_name(doctor.check_hostname("node1", ["127.0.1.1"], {}, "gloo", True, "eth0", "eth1"))["gloo iface"]
+    assert gloo.status == OK and "set it to eth1" in gloo.message
 
 
 def test_unreachable_master_fails_and_refused_warns():
@@ -233,14 +254,36 @@ def test_loopback_hostname_in_a_namespace_names_the_route_interface(namespace):
     assert checks["master addr"]["status"] == "OK" and ns_if in checks["master addr"]["message"]
 
 
+@netns
+@pytest.mark.netns
+def test_doctor_takes_train_options_and_names_store_host_interface_and_reachability(namespace):
+    """`ddpx train` -> `ddpx doctor` on each of two namespace hosts whose hostname resolves to loopback."""
+    ns, ns_if, address = namespace
+    args = ["--nnodes", "1:2", "--max-restarts", "3", "--nproc-per-node", "1", "--rdzv-endpoint",
+            f"{address}:29555", "trainer.epochs=3"]
+    rc, checks = _doctor_in(ns, *args)
+    assert rc == 0, checks
+    assert checks["rdzv host"]["message"].startswith(f"this node hosts the c10d store at {address}:29555: "
+                                                     f"{address} is an address of this machine ({ns_if})")
+    assert checks["interface"]["message"].startswith(f"NCCL_SOCKET_IFNAME unset: ddpx train sets it to {ns_if}")
+    peer = address.rsplit(".", 1)[0] + ".2"
+    rc, checks = _doctor_in(ns, *args[:-2], f"{peer}:29555")  # node 0 seen from a host without it
+    assert checks["rdzv host"]["message"].startswith(f"the node that owns {peer} hosts the c10d store")
+    # reachable, but its namespace runs no store yet
+    assert checks["master addr"]["status"] == WARN
+    assert checks["master addr"]["message"] == f"{peer} answers via {ns_if} but nothing listens on 29555"
+
+
 def test_inside_srun_doctor_checks_the_endpoint_ddpx_train_derives():
-    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost,n2",
+    host = socket.gethostname()
+    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": f"{host},n2",
            "GLOO_SOCKET_IFNAME": "lo"}
     rc, out, err = run_cli(["doctor", "--json"], timeout=60, env=env)
     checks = {c["name"]: c for c in json.loads(out)["checks"]}
-    assert checks["master addr"]["message"].startswith("localhost")
+    assert checks["master addr"]["message"].startswith(host)
     assert checks["master port"]["message"].startswith("24242")  # 20000 + job id % 20000
     rc, out, err = run_cli(["doctor", "--json"], timeout=60, env={**env, "GLOO_SOCKET_IFNAME": ""})
     checks = {c["name"]: c for c in json.loads(out)["checks"]}
-    if all(doctor.is_loopback(a) for a in doctor.resolve(socket.gethostname())[0]):
-        assert checks["gloo iface"]["status"] == "FAIL" and rc == 1  # two nodes: loopback gloo cannot work
+    # node 0 of two: it hosts the store, and the interface is its default route's, not loopback
+    assert checks["rdzv host"]["message"].startswith(f"this node hosts the c10d store at {host}:24242")
+    assert "lo " not in checks["gloo iface"]["message"]

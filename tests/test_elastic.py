@@ -175,7 +175,7 @@ def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(tmp_path, two_hosts
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     procs = []
-    for node, (ns, link, _) in enumerate(two_hosts):
+    for node, (ns, _, _) in enumerate(two_hosts):  # no GLOO_SOCKET_IFNAME: ddpx chooses it
         cmd = [
             "ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "train", "--nnodes=2",
             "--nproc-per-node=1", f"--node-rank={node}", "--max-restarts=0", "--rdzv-backend=static",
@@ -185,7 +185,7 @@ def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(tmp_path, two_hosts
             f"probe.marker={tmp_path / 'marker'}", "probe.action=kill_node", "probe.rank=1",
             f"probe.at_step={STEPS_PER_EPOCH + 7}",
         ]
-        procs.append(subprocess.Popen(cmd, env=dict(env, GLOO_SOCKET_IFNAME=link), stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=tmp_path))
     try:
         out0, _ = procs[0].communicate(timeout=120)
@@ -205,3 +205,32 @@ def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(tmp_path, two_hosts
     seen, runs = committed_samples(tmp_path, ["hosts", "rerun"])
     assert runs[1][0] in (24, 28), runs[1][0]  # resumed from a checkpoint the 2-host run wrote
     assert_each_sample_once(seen)
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not utils.netns_available(), reason="needs root and ip netns")
+def test_elastic_membership_across_hosts_survivor_goes_on_and_the_host_rejoins(tmp_path, two_hosts):
+    """`--nnodes 1:2 --max-restarts 3` on two hosts (c10d, hostname resolving to loopback,
+    no IFNAME variables): host 1 is SIGKILLed mid epoch 1; host 0 goes on at world size 1
+    from the last checkpoint; host 1 started again is admitted and the run ends at world
+    size 2, every sample seen once per epoch."""
+    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
+    from bench_host_death import groups, run_scenario
+
+    run = run_scenario(tmp_path, two_hosts, rejoin_after=2.0, timeout=240)
+    logs = "\n".join(f"--- {name}\n{log[-2500:]}" for name, log in run["logs"].items())
+    assert run["exit_codes"] == {"host0": 0, "host1": -signal.SIGKILL, "host1-again": 0}, logs
+    assert run["world_sizes"] == [2, 1, 2], logs
+    found = groups(tmp_path / "records")
+    # host 0 resumed alone from a checkpoint written before the kill (28, or 24 with 28 in flight)
+    assert found[1]["start_step"] in (24, 28), run["start_steps"]
+    seen = {}
+    for i, group in enumerate(found):
+        resumed_at = found[i + 1]["start_step"] if i + 1 < len(found) else None
+        for record in group["steps"]:
+            if resumed_at is None or record["step"] <= resumed_at:
+                seen.setdefault(record["epoch"], Counter()).update(record["indices"])
+    assert_each_sample_once(seen, epochs=range(6))
+    assert final_accuracy(tmp_path) > 0.8
+    assert "frame #" not in logs  # no C++ stack trace reaches the user

@@ -1,4 +1,5 @@
-"""Two torchrun agents ("nodes") on this machine meet through c10d rendezvous."""
+"""Torchrun agents ("nodes") meet through c10d rendezvous: two on this machine, and
+the README's command on two network-namespace hosts whose hostname resolves to loopback."""
 
 import json
 import os
@@ -6,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from utils import free_port
+import utils
+from utils import free_port, run_cli
 
 
 @pytest.mark.slow
@@ -39,6 +41,67 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
     # World size 2 across the two agents: 23 steps per epoch (1438 samples / (2 x 32)).
     assert [(e["epoch"], e["step"]) for e in epochs] == [(0, 23), (1, 46)]
     assert epochs[-1]["accuracy"] > 0.5
+
+
+def _epochs(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(e["epoch"], e["step"], e["loss"], e["accuracy"]) for e in map(json.loads, lines) if e.get("kind") == "epoch"]
+
+
+@pytest.fixture(scope="module")
+def one_host_reference(tmp_path_factory):
+    """Epoch records of the same run on one host with the same world size (2) and seed."""
+    tmp = tmp_path_factory.mktemp("one-host")
+    code, out, err = run_cli(["train", "--nproc-per-node", "2", "trainer.epochs=3", f"run_dir={tmp / 'run'}",
+                              "logging.progress=false"], timeout=150, cwd=tmp)
+    assert code == 0, err[-3000:]
+    return _epochs(tmp / "run")
+
+
+@pytest.fixture
+def two_hosts():
+    with utils.two_hosts() as hosts:
+        yield hosts
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not utils.netns_available(), reason="needs root and ip netns")
+@pytest.mark.parametrize("ifname", ["unset", "set"])
+def test_readme_command_on_two_hosts_through_c10d(tmp_path, two_hosts, one_host_reference, ifname):
+    """`ddpx train --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST0:PORT` on each host: node 0
+    hosts the store although its hostname resolves to 127.0.0.1, the workers' MASTER_ADDR is
+    reachable, and the result equals the one-host run's."""
+    endpoint = f"{two_hosts[0][2]}:{free_port()}"
+    procs = []
+    for ns, iface, addr in two_hosts:
+        env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+        if ifname == "set":
+            env["GLOO_SOCKET_IFNAME"] = iface
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "train", "--nnodes", "2",
+               "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "trainer.epochs=3",
+               f"run_dir={tmp_path / 'run'}", "logging.progress=false"]
+        log = open(tmp_path / f"{addr}.log", "w")  # a file: an undrained pipe would block a node
+        procs.append(subprocess.Popen(cmd, env=dict(env, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
+                                      cwd=tmp_path, start_new_session=True))
+    try:
+        for proc in procs:
+            proc.wait(timeout=150)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    logs = {addr: (tmp_path / f"{addr}.log").read_text() for _, _, addr in two_hosts}
+    assert [p.returncode for p in procs] == [0, 0], logs
+    for ns, iface, addr in two_hosts:
+        chosen = f"NCCL_SOCKET_IFNAME={iface}" if ifname == "set" else f"GLOO_SOCKET_IFNAME={iface} NCCL_SOCKET_IFNAME={iface}"
+        assert f"ddpx: node {addr}: {chosen} (the interface that reaches {two_hosts[0][2]};" in logs[addr], logs[addr]
+        assert "frame #" not in logs[addr]  # no C++ stack trace
+    assert _epochs(tmp_path / "run") == one_host_reference
 
 
 def _fake_agent(markers):
@@ -77,7 +140,8 @@ def test_store_lost_before_every_local_worker_finished_is_an_error(monkeypatch):
     monkeypatch.setattr(torch.distributed.run, "run", _fake_agent(markers=1))
     argv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
             "-m", "ddpx.worker"]
-    with pytest.raises(DdpxError, match="rendezvous failed: RendezvousConnectionError"):
+    with pytest.raises(DdpxError, match=r"^node \S+: lost the rendezvous store at 127.0.0.1:1 \(hosted by the node "
+                                         r"that owns 127.0.0.1\): that node stopped or is unreachable from here"):
         launch.run_torchrun(argv)
 
 

@@ -53,20 +53,27 @@ def netns_available(tc: bool = False) -> bool:
     """Whether this process may create network namespaces (root, iproute2; ``tc`` too if asked)."""
     if os.geteuid() != 0 or shutil.which("ip") is None or (tc and shutil.which("tc") is None):
         return False
-    name = f"ddpxprobe{uuid.uuid4().hex[:6]}"
+    name = f"{_netns_names()[0]}probe{uuid.uuid4().hex[:6]}"
     ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return ok
 
 
+def _netns_names():
+    """DDPX_TEST_NETNS="NSPREFIX,VETHPREFIX,A.B": namespace and veth name prefixes and a /16
+    of your own, for tests sharing a machine."""
+    return os.environ.get("DDPX_TEST_NETNS", "ddpxt,vt,10.213").split(",")
+
+
 @contextlib.contextmanager
 def two_hosts(rate=None):
     """Two namespaces joined by a veth pair: yields ``[(namespace, interface, address)] * 2``
-    at 10.213.<n>.1 and .2 (/24), lo up in both. ``rate`` (tc syntax, e.g. ``"100mbit"``)
+    at 10.213.<n>.1 and .2 (/24; see _netns_names), lo up in both. ``rate`` (tc syntax, e.g. ``"100mbit"``)
     shapes both directions with tbf. Removed on exit, whatever happened."""
     tag = uuid.uuid4().hex[:6]
-    subnet = f"10.213.{random.randint(1, 250)}"
-    hosts = [(f"ddpxt{tag}{end}", f"vt{tag}{end}", f"{subnet}.{i + 1}") for i, end in enumerate("ab")]
+    ns_prefix, veth_prefix, net16 = _netns_names()
+    subnet = f"{net16}.{random.randint(1, 250)}"
+    hosts = [(f"{ns_prefix}{tag}{end}", f"{veth_prefix}{tag}{end}", f"{subnet}.{i + 1}") for i, end in enumerate("ab")]
 
     def sh(*cmd):
         subprocess.run(cmd, check=True, capture_output=True)

@@ -24,6 +24,7 @@ communication with the backward pass (an upper bound where compute is small).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -35,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
+from .. import launch
 from ..errors import DdpxError
 
 BENCH_MODULE = "ddpx.bench.comm"
@@ -337,18 +339,10 @@ def register(subparsers):
 def _add_launch_arguments(p):
     p.add_argument("config", nargs="?", default=None, help="YAML config (omit for the built-in digits run)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    p.add_argument("--nproc-per-node", default=None, help="workers on this node (default: launch.nproc_per_node)")
-    p.add_argument("--nnodes", default=None, help="number of nodes (default: launch.nnodes)")
-    p.add_argument("--node-rank", type=int, default=None, help="rank of this node")
-    p.add_argument("--rdzv-backend", default=None, help="rendezvous backend (default: c10d with several nodes)")
-    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 for multi-node runs")
-    p.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node")
-    p.add_argument("--master-addr", default=None, help="address of the single-node store (default: 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=None, help="port of the single-node store (default: free)")
+    launch.add_launch_arguments(p, restarts=False)
 
 
 def run(args) -> int:
-    from .. import launch
     from ..commands.train import split_config_and_overrides
     from ..config import load_config
 
@@ -356,10 +350,7 @@ def run(args) -> int:
         raise DdpxError(f"--steps must be at least 1, got {args.steps}")
     config_path, overrides = split_config_and_overrides(args.config, args.overrides)
     config = load_config(config_path, overrides)
-    opts = launch.LaunchOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
-                                rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
-                                rdzv_id=args.rdzv_id, max_restarts=0, master_addr=args.master_addr,
-                                master_port=args.master_port)
+    opts = dataclasses.replace(launch.options_from_args(args), max_restarts=0)
     argv = launch.torchrun_argv(opts, config.launch, config_path, overrides)
     argv[argv.index("--module") + 1] = BENCH_MODULE
     if "--nproc-per-node=1" in argv and "--nnodes=1" in argv:

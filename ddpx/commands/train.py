@@ -1,6 +1,7 @@
 """``ddpx train [CONFIG] [KEY=VALUE ...]``: train through torchrun."""
 
 from ..errors import DdpxError
+from ..launch import add_launch_arguments
 
 
 def register(subparsers):
@@ -16,16 +17,7 @@ def register(subparsers):
     p.add_argument("config", nargs="?", default=None,
                    help="YAML config file (omit for the built-in digits run; KEY=VALUE may follow directly)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    p.add_argument("--nproc-per-node", default=None,
-                   help="workers on this node (default: launch.nproc_per_node = auto: one per GPU, 2 on CPU)")
-    p.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX for elastic runs (default: launch.nnodes)")
-    p.add_argument("--node-rank", type=int, default=None, help="rank of this node (static rendezvous)")
-    p.add_argument("--rdzv-backend", default=None, help="rendezvous backend (default: c10d with several nodes, static with one)")
-    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (node 0's address) for multi-node runs")
-    p.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: ddpx)")
-    p.add_argument("--max-restarts", type=int, default=None, help="worker-group restarts after a failure (default: launch.max_restarts)")
-    p.add_argument("--master-addr", default=None, help="address of the single-node store (default: 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=None, help="port of the single-node store (default: a free port)")
+    add_launch_arguments(p)
     p.add_argument("--smoke", action="store_true",
                    help="smoke run: a few steps, one evaluation, a checkpoint save and resume on a small data "
                         "slice with every configured plugin; prints a PASS/FAIL table (ddpx/smoke.py)")
@@ -43,20 +35,10 @@ def split_config_and_overrides(config, overrides):
 
 
 def run(args):
-    from ..launch import LaunchOptions, launch
+    from ..launch import launch, options_from_args
 
     config, overrides = split_config_and_overrides(args.config, args.overrides)
-    opts = LaunchOptions(
-        nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        rdzv_backend=args.rdzv_backend,
-        rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id,
-        max_restarts=args.max_restarts,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-    )
+    opts = options_from_args(args)
     if args.smoke:
         from ..smoke import launch_smoke
 

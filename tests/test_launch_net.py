@@ -1,0 +1,118 @@
+"""The launcher's multi-node decisions without starting anything: who hosts the c10d store,
+--local-addr, the interface variables, torchrun's PET_* variables, and the workers' choice."""
+
+import os
+import socket
+
+import pytest
+
+from ddpx import distributed, launch, net
+from ddpx.config import load_config
+from ddpx.errors import DdpxError
+from ddpx.launch import LaunchOptions, torchrun_argv
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No interface, PET_* or SLURM variables; the launcher sets some in os.environ: all undone after."""
+    saved = dict(os.environ)
+    for name in [n for n in os.environ if n.startswith(("PET_", "SLURM_"))] + [
+            "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]:
+        os.environ.pop(name, None)
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _pretend(monkeypatch, **route):
+    """route_to answers ``route`` (the machine's real interfaces do not matter here)."""
+    monkeypatch.setattr(net, "route_to", lambda host, port: net.Route(host, port, **route))
+    monkeypatch.setattr(launch, "check_rendezvous", lambda r, wait_s: None if r.one_machine else r.local)
+
+
+def _argv(opts):
+    return torchrun_argv(opts, load_config(None, []).launch, None, [])
+
+
+def test_the_node_owning_the_endpoint_hosts_the_store_and_advertises_its_interface_address(clean_env, capsys):
+    _pretend(clean_env, address="10.9.0.1", local=True, local_addr="10.9.0.1", iface="eth7")
+    argv = _argv(LaunchOptions(nnodes="2", nproc_per_node="1", rdzv_endpoint="node0:29400"))
+    assert "--rdzv-conf=is_host=true" in argv and "--local-addr=10.9.0.1" in argv
+    assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=node0:29400" in argv
+    assert capsys.readouterr().err == ("ddpx: node 10.9.0.1: GLOO_SOCKET_IFNAME=eth7 NCCL_SOCKET_IFNAME=eth7 (the "
+                                       "interface that reaches node0; set these variables yourself to choose another)\n")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+
+
+def test_c10d_agents_leave_the_workers_store_to_each_groups_rank_0(clean_env):
+    import torch.distributed.run
+
+    seen = {}
+    clean_env.setattr(torch.distributed.run, "run", lambda args: seen.update(os.environ))
+    launch.run_torchrun(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "-m", "x"])
+    assert seen[launch.SHARE_STORE_ENV] == "1" and launch.SHARE_STORE_ENV not in os.environ
+    seen.clear()
+    launch.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "x"])  # one node: torchrun's agent store
+    assert launch.SHARE_STORE_ENV not in seen
+
+
+def test_another_node_joins_and_a_users_interface_wins(clean_env, capsys):
+    clean_env.setenv("GLOO_SOCKET_IFNAME", "ib0")
+    _pretend(clean_env, address="10.9.0.1", local=False, local_addr="10.9.0.2", iface="eth7")
+    argv = _argv(LaunchOptions(nnodes="1:2", nproc_per_node="1", rdzv_endpoint="10.9.0.1:29400"))
+    conf = next(a for a in argv if a.startswith("--rdzv-conf="))
+    assert conf == ("--rdzv-conf=last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,"
+                    "is_host=false")
+    assert "--local-addr=10.9.0.2" in argv
+    assert "ddpx: node 10.9.0.2: NCCL_SOCKET_IFNAME=eth7 (" in capsys.readouterr().err
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "ib0"
+
+
+def test_loopback_endpoint_leaves_the_host_choice_to_torchrun(clean_env):
+    _pretend(clean_env, address="127.0.0.1", local=True, local_addr="127.0.0.1", iface="lo", one_machine=True)
+    argv = _argv(LaunchOptions(nnodes="2", nproc_per_node="1", rdzv_endpoint="127.0.0.1:29400"))
+    assert not any(a.startswith("--rdzv-conf") for a in argv)  # the first agent to bind serves
+
+
+def test_pet_variables_configure_the_launch_and_flags_win(clean_env):
+    """A Kubeflow PyTorchJob without an elastic policy: PET_NNODES, PET_NODE_RANK and the master."""
+    _pretend(clean_env, address="10.9.0.1", local=False, local_addr="10.9.0.2", iface="eth0")
+    for name, value in {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-master-0",
+                        "PET_MASTER_PORT": "23456", "PET_NPROC_PER_NODE": "3", "PET_RDZV_CONF": "join_timeout=900"}.items():
+        clean_env.setenv(name, value)
+    argv = _argv(LaunchOptions())
+    for expected in ("--nnodes=2", "--node-rank=1", "--nproc-per-node=3", "--rdzv-backend=static",
+                     "--rdzv-endpoint=job-master-0:23456"):
+        assert expected in argv, (expected, argv)
+    assert "--nproc-per-node=1" in _argv(LaunchOptions(nproc_per_node="1"))  # a flag wins
+    # elastic policy: endpoint and backend from PET_*, the user's rdzv conf kept
+    clean_env.setenv("PET_RDZV_ENDPOINT", "job-master-0:29400")
+    clean_env.setenv("PET_RDZV_BACKEND", "c10d")
+    argv = _argv(LaunchOptions())
+    assert "--rdzv-backend=c10d" in argv and "--rdzv-conf=is_host=false,join_timeout=900" in argv
+    clean_env.setenv("PET_NODE_RANK", "one")
+    with pytest.raises(DdpxError, match="PET_NODE_RANK='one' is not a number"):
+        _argv(LaunchOptions())
+
+
+def test_static_rendezvous_across_nodes_needs_a_node_rank(clean_env):
+    _pretend(clean_env, address="10.9.0.1", local=False, local_addr="10.9.0.2", iface="eth0")
+    with pytest.raises(DdpxError, match=r"--rdzv-backend static needs --node-rank \(0 on the node at 10.9.0.1:29500\)"):
+        _argv(LaunchOptions(nnodes="2", master_addr="10.9.0.1"))
+
+
+def test_route_to_this_machine_and_its_own_name(clean_env):
+    one = net.route_to("127.0.0.1", 1)
+    assert (one.local, one.one_machine, one.iface) == (True, True, "lo")
+    own = net.route_to(socket.gethostname(), 1)
+    assert own.local and not own.one_machine
+    if net.is_loopback(own.address):  # Debian-style: the name resolves to loopback, yet others reach us
+        assert own.local_addr is None or not net.is_loopback(own.local_addr)
+
+
+def test_workers_started_without_torchrun_choose_the_interface_to_master(clean_env, capsys):
+    clean_env.setattr(net, "route_to", lambda host, port: net.Route(host, port, "10.9.0.1", False, "10.9.0.2", "eth7"))
+    distributed.choose_interface("10.9.0.1", 29500, rank=4, local_rank=0)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "eth7"
+    assert capsys.readouterr().err.startswith("[rank4] ddpx: GLOO_SOCKET_IFNAME=eth7 NCCL_SOCKET_IFNAME=eth7 (the "
+                                              "interface that reaches MASTER_ADDR=10.9.0.1;")
