@@ -1,8 +1,10 @@
 """Progress bar, rank-aware log messages and ``metrics.jsonl``.
 
 * Rank 0 shows a tqdm progress bar (one for the whole run, labelled with the
-  epoch) with the training loss and the throughput in samples/s (all ranks
-  together: ``world_size * batch_size`` per micro-batch).
+  epoch) with the training loss (rank 0's mean micro-batch loss since the
+  previous redraw, read from a loss window of its own at the redraw, about
+  every ``BAR_SECONDS``) and the throughput in samples/s (all ranks together:
+  ``world_size * batch_size`` per micro-batch, from the latest step line).
 * Log messages of the ``ddpx`` logger (``trainer.log``) carry a rank prefix
   (``[rank1] ...``); by default only rank 0's info messages are shown (warnings
   and errors of every rank always are); ``all_ranks: true`` shows every rank's.
@@ -97,6 +99,8 @@ class MetricsLog:
         self.file = None
         self.bar = None
         self.window = None  # the trainer's LossWindow since the last step line (rank 0)
+        self.bar_window = None  # and the one since the bar's last redraw
+        self.postfix = {}  # the bar's loss and samples/s
         self.bar_shown = 0  # micro-batches of the window already shown on the bar
         self.epoch_base = 0  # micro-batches of the window from before this epoch: not in the throughput
         self.bar_steps = 1  # optimizer steps between bar updates, adapted to the step time
@@ -130,6 +134,10 @@ class MetricsLog:
 
     def advance_bar(self):
         if self.bar is not None and self.window is not None:
+            loss_sum, count = self.bar_window.take()
+            if count:  # one host read per redraw, none per step
+                self.postfix["loss"] = f"{loss_sum.item() / count:.4f}"
+                self.bar.set_postfix(self.postfix, refresh=False)
             pending = self.window.pending
             if pending > self.bar_shown:
                 self.bar.update(pending - self.bar_shown)
@@ -176,7 +184,8 @@ class MetricsLog:
         }
         self.write(record, flush=False)  # flushed at most once a second, and with every epoch line
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{samples_per_s:.0f}", refresh=False)
+            self.postfix["samples_s"] = f"{samples_per_s:.0f}"
+            self.bar.set_postfix(self.postfix, refresh=False)
 
     def close(self):
         if self.bar is not None:
@@ -228,6 +237,8 @@ def ddpx_train_start(trainer):
     log.file = open(log.path, "a")  # a resumed run continues the same file
     if log.progress or log.every_steps > 0:
         log.window = trainer.open_loss_window()
+        if log.progress:
+            log.bar_window = trainer.open_loss_window()
         log.last_call = (trainer.global_step, log.start)
         log.schedule(trainer)
 
