@@ -48,6 +48,7 @@ CORE_DEFAULTS: dict = {
         "eval_every_epochs": 1,
         "timeout_s": 300,
         "first_timeout_s": 900,
+        "eval_metric": None,
     },
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
@@ -57,7 +58,9 @@ CORE_DEFAULTS: dict = {
 CORE_TYPES: dict = {
     "seed": (int,),
     "run_dir": (str, type(None)),
+    "loss.target": (str, type(None)),
     "scheduler.target": (str, type(None)),
+    "trainer.eval_metric": (str, type(None)),
     "trainer.grad_clip": (float, type(None)),
     "trainer.bucket_cap_mb": (float, type(None)),
     "trainer.gradient_as_bucket_view": (bool, type(None)),
@@ -380,6 +383,8 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
             values[section]["args"] = {}
         if values[section]["target"] is not None:
             resolve(values[section]["target"], f"{section}.target")
+    if values["trainer"]["eval_metric"] is not None:
+        resolve(values["trainer"]["eval_metric"], "trainer.eval_metric")
     _coerce_floats(values, defaults, CORE_TYPES)
 
     config = Config(_sections(values))
