@@ -49,6 +49,7 @@ CORE_DEFAULTS: dict = {
         "timeout_s": 300,
         "first_timeout_s": 900,
         "eval_metric": None,
+        "sync_batchnorm": False,
     },
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},

@@ -367,6 +367,10 @@ class Trainer:
             default_log_handler(self.log, self.rank)
 
         self.module = self.hook.ddpx_build_model(trainer=self).to(self.device)
+        if cfg.sync_batchnorm:
+            from .batchnorm import convert_sync_batchnorm
+
+            self.module = convert_sync_batchnorm(self.module, self.device)
         self.loss_fn = instantiate(self.config.loss, "loss") if self.config.loss.target else None
         self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
         self.hook.ddpx_model_wrapped(trainer=self, model=self.model)
