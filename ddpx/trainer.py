@@ -168,6 +168,36 @@ def ddp_options(config: Config, requests) -> dict:
     return {**asked, **configured}
 
 
+def compile_model(model: torch.nn.Module, backend, device: torch.device) -> torch.nn.Module:
+    """``trainer.compile``: ``torch.compile`` of the DDP-wrapped model, torch's DDP-aware
+    path (graphs split at bucket boundaries so communication overlaps the backward);
+    the comm hook registered on the DDP model stays in charge of communication.
+    ``backend``: true for inductor, or a torch.compile backend name. Where it cannot
+    work, a one-line error before training."""
+    backend = "inductor" if backend is True else backend
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise DdpxError(f"trainer.compile: torch.compile does not support Python {sys.version.split()[0]} with torch "
+                        f"{torch.__version__}; set trainer.compile=false")
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise DdpxError(f"trainer.compile: unknown backend {backend!r}; use true (inductor) or one of "
+                        f"{', '.join(torch._dynamo.list_backends())}")
+    if backend == "inductor" and device.type == "cpu":
+        import shutil
+
+        compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+        if not any(c and shutil.which(c) for c in compilers):
+            raise DdpxError("trainer.compile: inductor on CPU needs a C++ compiler (none found: install g++ or set CXX); "
+                            "or set trainer.compile=false")
+    if backend == "inductor" and device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise DdpxError("trainer.compile: inductor on CUDA needs triton (pip install triton); or set trainer.compile=false")
+    return torch.compile(model, backend=backend)
+
+
 def default_log_handler(log: logging.Logger, rank: int) -> None:
     """A ``[rankN]`` stderr handler, rank 0 INFO only, for when no plugin configured the logger."""
     handler = logging.StreamHandler(sys.stderr)
@@ -373,7 +403,9 @@ class Trainer:
             self.module = convert_sync_batchnorm(self.module, self.device)
         self.loss_fn = instantiate(self.config.loss, "loss") if self.config.loss.target else None
         self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
-        self.hook.ddpx_model_wrapped(trainer=self, model=self.model)
+        self.hook.ddpx_model_wrapped(trainer=self, model=self.model)  # comm hooks go on the DDP model
+        if cfg.compile:
+            self.model = compile_model(self.model, cfg.compile, self.device)
         self.optimizer = instantiate(self.config.optimizer, "optimizer", self.module.parameters())
         if self.config.scheduler.target:
             self.scheduler = instantiate(self.config.scheduler, "scheduler", self.optimizer)
