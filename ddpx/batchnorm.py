@@ -4,8 +4,8 @@ torch's ``SyncBatchNorm`` refuses CPU tensors (and DDP refuses it in a CPU
 module), so on CPU (gloo) the BatchNorm layers become :class:`CpuSyncBatchNorm`:
 the same state (checkpoints do not change) whose training forward
 all-reduces the per-channel sum, sum of squares and count in one collective,
-through ``torch.distributed.nn``'s differentiable all-reduce, so the backward
-pass sums the statistics' gradients across ranks as torch's CUDA version does.
+differentiably: the backward pass sums the statistics' gradients across ranks,
+as torch's CUDA version does.
 """
 
 from __future__ import annotations
@@ -13,6 +13,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+class _SumAcrossRanks(torch.autograd.Function):
+    """All-reduce (sum) whose gradient is the all-reduced gradient (torch's
+    ``torch.distributed.nn`` version of it is deprecated)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -26,13 +44,12 @@ class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if not (self.training and dist.is_available() and dist.is_initialized()):
             return super().forward(input)  # evaluation: the running statistics
         self._check_input_dim(input)
-        from torch.distributed.nn.functional import all_reduce
 
         x = input.float()  # statistics in fp32, also under bf16 autocast
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
         local = torch.cat([x.sum(dims), (x * x).sum(dims), x.new_full((1,), x.numel() // max(channels, 1))])
-        total = all_reduce(local, group=self.process_group or dist.group.WORLD)
+        total = _SumAcrossRanks.apply(local, self.process_group or dist.group.WORLD)
         count = total[-1]
         mean = total[:channels] / count
         var = (total[channels:2 * channels] / count - mean * mean).clamp_min(0)
