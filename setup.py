@@ -116,7 +116,11 @@ setup(
     # numpy: torch's object collectives (all_gather_object, broadcast_object_list), which
     # every run uses at start-up, need it, and the torch wheel does not require it
     install_requires=["torch>=2.4", "pybind11", "ninja", "pluggy>=1.2", "pyyaml", "tqdm", "numpy"],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"]},
+    extras_require={
+        "tensorboard": ["tensorboard"],  # logging.tensorboard: true
+        "examples": ["pillow"],  # examples/resnet_images without torchvision
+        "test": ["pytest", "pytest-timeout", "hypothesis", "pillow", "tensorboard"],
+    },
     entry_points={
         "console_scripts": ["ddpx = ddpx.cli:main"],
         "ddpx": BUILTIN_PLUGINS,

@@ -15,6 +15,7 @@ import difflib
 import importlib
 import os
 import re
+import sys
 from typing import Any, Iterable, Mapping, Optional
 
 import yaml
@@ -48,6 +49,9 @@ CORE_DEFAULTS: dict = {
         "timeout_s": 300,
         "first_timeout_s": 900,
         "nonfinite": "stop",
+        "eval_metric": None,
+        "sync_batchnorm": False,
+        "compile": False,
     },
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
@@ -57,7 +61,10 @@ CORE_DEFAULTS: dict = {
 CORE_TYPES: dict = {
     "seed": (int,),
     "run_dir": (str, type(None)),
+    "loss.target": (str, type(None)),
     "scheduler.target": (str, type(None)),
+    "trainer.eval_metric": (str, type(None)),
+    "trainer.compile": (bool, str),
     "trainer.grad_clip": (float, type(None)),
     "trainer.bucket_cap_mb": (float, type(None)),
     "trainer.gradient_as_bucket_view": (bool, type(None)),
@@ -271,6 +278,22 @@ def _coerce_floats(values: dict, defaults: Mapping, types: Mapping, prefix: str 
             _coerce_floats(value, default, types, prefix=f"{path}.")
 
 
+def user_module_dirs(config_path: Optional[str]) -> list[str]:
+    """Where a run finds the user's own modules (``model.target: mymodel.Net``), first
+    first: the config file's directory, then the current directory (which
+    ``python -m`` puts first too). Both come before ``PYTHONPATH`` and the
+    installed packages."""
+    dirs = [os.path.dirname(os.path.abspath(config_path))] if config_path is not None else []
+    return list(dict.fromkeys([*dirs, os.getcwd()]))
+
+
+def add_user_module_dirs(config_path: Optional[str]) -> None:
+    """Put :func:`user_module_dirs` at the front of ``sys.path`` (once)."""
+    for directory in reversed(user_module_dirs(config_path)):
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+
+
 def resolve(path: str, key: str = "import path"):
     """Import ``package.module.attr`` (or ``package.module:attr``) and return the object."""
     if not isinstance(path, str) or not path.strip():
@@ -347,6 +370,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
 
     overrides = tuple(overrides)
     raw = read_yaml(path if path is not None else DEFAULT_CONFIG)
+    add_user_module_dirs(path)
     raw = apply_overrides(raw, overrides)
 
     # The plugins section decides which plugins exist, so it is validated first.
@@ -364,6 +388,8 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
             values[section]["args"] = {}
         if values[section]["target"] is not None:
             resolve(values[section]["target"], f"{section}.target")
+    if values["trainer"]["eval_metric"] is not None:
+        resolve(values["trainer"]["eval_metric"], "trainer.eval_metric")
     _coerce_floats(values, defaults, CORE_TYPES)
 
     config = Config(_sections(values))

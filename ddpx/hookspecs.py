@@ -133,7 +133,9 @@ def ddpx_forward(trainer: "Trainer", batch: Any) -> "torch.Tensor":
     """Compute the loss of one micro-batch (the value that is back-propagated).
 
     Wrapper hook: surround it with ``autocast``, or change the returned loss
-    (e.g. scale it by 1/N for accumulation). The core implements the body.
+    (e.g. scale it by 1/N for accumulation). The core implements the body:
+    :func:`ddpx.trainer.model_loss` (tuple or dict batches; the loss function,
+    or the model's own loss with ``loss.target: null``).
     """
 
 
@@ -163,7 +165,8 @@ def ddpx_batch_end(
 @hookspec(firstresult=True)
 def ddpx_evaluate(trainer: "Trainer", loader: "DataLoader") -> Optional[dict]:
     """Evaluate on ``loader`` and return metrics reduced over all ranks
-    (default: ``loss`` and ``accuracy``)."""
+    (default: ``loss``, and ``accuracy`` for class logits or the metrics of
+    ``trainer.eval_metric``)."""
 
 
 @hookspec

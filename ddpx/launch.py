@@ -232,6 +232,12 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
     if str(nproc) != "1":
         # What torchrun would do anyway, minus its four-line warning banner.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The workers (and whatever they start: DataLoader workers, compile workers)
+    # import the user's modules from the same directories as this launcher.
+    from .config import user_module_dirs
+
+    paths = [*user_module_dirs(config_path), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     argv += ["--module", WORKER_MODULE]
     if config_path is not None:
         argv += ["--config", os.path.abspath(config_path)]

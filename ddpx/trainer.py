@@ -19,6 +19,7 @@ import pathlib
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from . import distributed
-from .config import Config, instantiate
+from .config import Config, instantiate, resolve
 from .errors import DdpxError, TrainingDiverged
 from .plugin import hookimpl, plugin_signature, rank_prefix
 from .step_hooks import step_callers
@@ -55,6 +56,61 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+LABELS = "labels"  # the targets' key in a dict batch when the config names a loss
+
+
+def model_loss(model, loss_fn, batch) -> tuple:
+    """``(loss, outputs, targets)`` of one batch.
+
+    With a loss function (``loss.target``): a sequence batch is ``(inputs,
+    targets, ...)`` and the loss ``loss_fn(model(inputs), targets)`` (inputs may
+    be nested); a dict batch passes every entry but ``labels`` to the model as
+    keyword arguments, and ``labels`` are the targets. Without one
+    (``loss.target: null``) the model computes its own loss, as Hugging Face
+    models do: it is called as ``model(**batch)`` (dict), ``model(*batch)``
+    (sequence) or ``model(batch)``, and returns the loss or an output with a
+    ``loss`` (attribute or key); targets are then None.
+    """
+    if loss_fn is not None:
+        if isinstance(batch, Mapping):
+            if LABELS not in batch:
+                raise DdpxError(f"a dict batch needs a '{LABELS}' entry (the targets of loss.target); it has "
+                                f"{', '.join(map(str, batch))}; or set loss.target=null for a model that computes its loss")
+            targets = batch[LABELS]
+            outputs = model(**{k: v for k, v in batch.items() if k != LABELS})
+        else:
+            targets = batch[1]
+            outputs = model(batch[0])
+        return loss_fn(outputs, targets), outputs, targets
+    if isinstance(batch, Mapping):
+        outputs = model(**batch)
+    elif isinstance(batch, (list, tuple)):
+        outputs = model(*batch)
+    else:
+        outputs = model(batch)
+    if isinstance(outputs, torch.Tensor):
+        return outputs, outputs, None
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise DdpxError(f"loss.target is null, so the model must return its loss (a tensor, or an output with a "
+                        f"'loss'), but it returned {type(outputs).__name__}; set loss.target to a loss function")
+    return loss, outputs, None
+
+
+def batch_size(batch, targets=None) -> int:
+    """Samples in a batch: the targets' first dimension, else the first tensor's."""
+    if isinstance(targets, torch.Tensor):
+        return targets.shape[0]
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        n = batch_size(item)
+        if n:
+            return n
+    return 0
 
 
 def _logger_settings(log: logging.Logger) -> tuple:
@@ -93,6 +149,36 @@ def ddp_options(config: Config, requests) -> dict:
                                 f"{value!r}; set trainer.{key} in the config")
             asked[key] = value
     return {**asked, **configured}
+
+
+def compile_model(model: torch.nn.Module, backend, device: torch.device) -> torch.nn.Module:
+    """``trainer.compile``: ``torch.compile`` of the DDP-wrapped model, torch's DDP-aware
+    path (graphs split at bucket boundaries so communication overlaps the backward);
+    the comm hook registered on the DDP model stays in charge of communication.
+    ``backend``: true for inductor, or a torch.compile backend name. Where it cannot
+    work, a one-line error before training."""
+    backend = "inductor" if backend is True else backend
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise DdpxError(f"trainer.compile: torch.compile does not support Python {sys.version.split()[0]} with torch "
+                        f"{torch.__version__}; set trainer.compile=false")
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise DdpxError(f"trainer.compile: unknown backend {backend!r}; use true (inductor) or one of "
+                        f"{', '.join(torch._dynamo.list_backends())}")
+    if backend == "inductor" and device.type == "cpu":
+        import shutil
+
+        compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+        if not any(c and shutil.which(c) for c in compilers):
+            raise DdpxError("trainer.compile: inductor on CPU needs a C++ compiler (none found: install g++ or set CXX); "
+                            "or set trainer.compile=false")
+    if backend == "inductor" and device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise DdpxError("trainer.compile: inductor on CUDA needs triton (pip install triton); or set trainer.compile=false")
+    return torch.compile(model, backend=backend)
 
 
 def default_log_handler(log: logging.Logger, rank: int) -> None:
@@ -309,9 +395,15 @@ class Trainer:
             default_log_handler(self.log, self.rank)
 
         self.module = self.hook.ddpx_build_model(trainer=self).to(self.device)
-        self.loss_fn = instantiate(self.config.loss, "loss")
+        if cfg.sync_batchnorm:
+            from .batchnorm import convert_sync_batchnorm
+
+            self.module = convert_sync_batchnorm(self.module, self.device)
+        self.loss_fn = instantiate(self.config.loss, "loss") if self.config.loss.target else None
         self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
-        self.hook.ddpx_model_wrapped(trainer=self, model=self.model)
+        self.hook.ddpx_model_wrapped(trainer=self, model=self.model)  # comm hooks go on the DDP model
+        if cfg.compile:
+            self.model = compile_model(self.model, cfg.compile, self.device)
         self.optimizer = instantiate(self.config.optimizer, "optimizer", self.module.parameters())
         if self.config.scheduler.target:
             self.scheduler = instantiate(self.config.scheduler, "scheduler", self.optimizer)
@@ -372,7 +464,8 @@ class Trainer:
         self.num_batches = len(self.train_loader)
         for batch_index, batch in enumerate(self.train_loader):
             self.batch_index = batch_index
-            batch = to_device(batch, self.device)
+            if self.device.type != "cpu":  # .to() per tensor costs ~10k instructions even on CPU
+                batch = to_device(batch, self.device)
             sync = should_step(trainer=self, batch_index=batch_index, num_batches=self.num_batches)
             loss = micro_step(trainer=self, batch=batch, sync=sync)
             stepped = False
@@ -586,8 +679,7 @@ class CorePlugin:
 
     @hookimpl(trylast=True)
     def ddpx_forward(self, trainer: Trainer, batch):
-        inputs, targets = batch[0], batch[1]
-        return trainer.loss_fn(trainer.model(inputs), targets)
+        return model_loss(trainer.model, trainer.loss_fn, batch)[0]
 
     @hookimpl(trylast=True)
     def ddpx_backward(self, trainer: Trainer, loss: torch.Tensor):
@@ -602,31 +694,49 @@ class CorePlugin:
 
     @hookimpl(trylast=True)
     def ddpx_evaluate(self, trainer: Trainer, loader: DataLoader):
-        # Sums (loss * n, correct, n) are all-reduced, so sharded evaluation
+        # Sums (loss * n, correct, n, ...) are all-reduced, so sharded evaluation
         # without padding gives exact metrics. Assumes a mean-reducing loss.
+        # Accuracy is built in for class logits and labels; trainer.eval_metric
+        # replaces it with the user's metrics (batch means, weighted by n).
         model = trainer.module
+        name = trainer.config.trainer.eval_metric
+        metric = resolve(name, "trainer.eval_metric") if name else None
         was_training = model.training
         model.eval()
         # (loss * n, correct, n, batches with class labels)
         sums = torch.zeros(4, dtype=torch.float64, device=trainer.device)
+        metric_sums: dict = {}
         with torch.no_grad():
             for batch in loader:
-                inputs, targets = to_device(batch[0], trainer.device), to_device(batch[1], trainer.device)
-                outputs = model(inputs)
-                n = targets.shape[0]
-                sums[0] += trainer.loss_fn(outputs, targets).double() * n
-                if outputs.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point():
+                batch = to_device(batch, trainer.device)
+                loss, outputs, targets = model_loss(model, trainer.loss_fn, batch)
+                n = batch_size(batch, targets)
+                sums[0] += loss.double() * n
+                sums[2] += n
+                if metric is not None:
+                    for key, value in metric(outputs, batch).items():
+                        metric_sums[key] = metric_sums.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float64,
+                                                                                       device=trainer.device) * n
+                elif (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2
+                      and targets.dim() == 1 and not targets.is_floating_point()):
                     sums[3] += 1
                     sums[1] += (outputs.argmax(dim=1) == targets).sum()
-                sums[2] += n
         model.train(was_training)
+        if metric is not None:
+            # A rank may have had no batch to learn the names from: agree on them first.
+            names: list = [None] * trainer.world_size
+            dist.all_gather_object(names, sorted(metric_sums))
+            keys = sorted(set().union(*names))
+            sums = torch.cat([sums, torch.stack([metric_sums.get(k, sums.new_zeros(())) for k in keys])]) if keys else sums
         dist.all_reduce(sums)
-        loss_sum, correct, count, classified = sums.tolist()
+        loss_sum, correct, count, classified = sums[:4].tolist()
         if count == 0:
             return {}
         metrics = {"loss": loss_sum / count}
         if classified:
             metrics["accuracy"] = correct / count
+        if metric is not None:
+            metrics.update({key: value / count for key, value in zip(keys, sums[4:].tolist())})
         return metrics
 
     @hookimpl(trylast=True)

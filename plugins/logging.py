@@ -1,8 +1,10 @@
 """Progress bar, rank-aware log messages and ``metrics.jsonl``.
 
 * Rank 0 shows a tqdm progress bar (one for the whole run, labelled with the
-  epoch) with the training loss and the throughput in samples/s (all ranks
-  together: ``world_size * batch_size`` per micro-batch).
+  epoch) with the training loss (rank 0's mean micro-batch loss since the
+  previous redraw, read from a loss window of its own at the redraw, about
+  every ``BAR_SECONDS``) and the throughput in samples/s (all ranks together:
+  ``world_size * batch_size`` per micro-batch, from the latest step line).
 * Log messages of the ``ddpx`` logger (``trainer.log``) carry a rank prefix
   (``[rank1] ...``); by default only rank 0's info messages are shown (warnings
   and errors of every rank always are); ``all_ranks: true`` shows every rank's.
@@ -14,6 +16,13 @@
   micro-batch losses come from a loss window of the trainer
   (``trainer.open_loss_window``): device tensors, summed and read (one
   ``.item()``) only on logged steps.
+* ``tensorboard: true`` (the extra ``ddpx[tensorboard]``): rank 0 also writes
+  ``<run_dir>/tensorboard`` through ``torch.utils.tensorboard``: at each step
+  line ``train/loss``, ``train/lr``, ``train/samples_per_s``, ``train/amp_scale``
+  (fp16), ``comm/compression`` and ``comm/wire_bytes_per_step`` (the comm
+  hook's counters, this rank's sent bytes per optimizer step); at each epoch end
+  ``epoch/<metric>`` for every number in the epoch's metrics (``loss``,
+  ``eval_loss``, ``accuracy``, ...). The x axis is the optimizer step.
 * Nothing runs per step: on rank 0, when there is a bar or step lines, the
   plugin is called (``trainer.call_at_step``) at logged steps and, for the
   bar, about every ``BAR_SECONDS`` (the number of steps adapts to the step
@@ -22,7 +31,7 @@
 Config section ``logging``: ``progress`` (true), ``all_ranks`` (false),
 ``every_steps`` (50, as Lightning's ``log_every_n_steps``; 0 writes only
 per-epoch lines), ``metrics_file`` (``metrics.jsonl``; relative to the run
-directory).
+directory), ``tensorboard`` (false).
 
 Per-run state lives in ``trainer.metrics_log`` (a :class:`MetricsLog`).
 """
@@ -95,8 +104,12 @@ class MetricsLog:
         self.progress = progress
         self.samples_per_batch = samples_per_batch
         self.file = None
+        self.tensorboard = None  # rank 0's SummaryWriter with logging.tensorboard
+        self.comm_counted = (0, 0)  # (wire bytes, steps) of the comm hook at the last step line
         self.bar = None
         self.window = None  # the trainer's LossWindow since the last step line (rank 0)
+        self.bar_window = None  # and the one since the bar's last redraw
+        self.postfix = {}  # the bar's loss and samples/s
         self.bar_shown = 0  # micro-batches of the window already shown on the bar
         self.epoch_base = 0  # micro-batches of the window from before this epoch: not in the throughput
         self.bar_steps = 1  # optimizer steps between bar updates, adapted to the step time
@@ -130,6 +143,10 @@ class MetricsLog:
 
     def advance_bar(self):
         if self.bar is not None and self.window is not None:
+            loss_sum, count = self.bar_window.take()
+            if count:  # one host read per redraw, none per step
+                self.postfix["loss"] = f"{loss_sum.item() / count:.4f}"
+                self.bar.set_postfix(self.postfix, refresh=False)
             pending = self.window.pending
             if pending > self.bar_shown:
                 self.bar.update(pending - self.bar_shown)
@@ -175,10 +192,39 @@ class MetricsLog:
             "time": now - self.start,
         }
         self.write(record, flush=False)  # flushed at most once a second, and with every epoch line
+        if self.tensorboard is not None:
+            self.add_scalars("train", record, trainer.global_step)
+            self.add_training_state(trainer)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{samples_per_s:.0f}", refresh=False)
+            self.postfix["samples_s"] = f"{samples_per_s:.0f}"
+            self.bar.set_postfix(self.postfix, refresh=False)
+
+    def add_scalars(self, prefix, values, step):
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "epoch", "time"):
+                self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
+
+    def add_training_state(self, trainer):
+        """The AMP scale and the comm hook's compression, read at step lines only."""
+        step = trainer.global_step
+        amp = getattr(trainer, "amp", None)
+        if amp is not None and amp.scaler is not None:
+            self.tensorboard.add_scalar("train/amp_scale", amp.scaler.get_scale(), step)
+        hook = getattr(trainer, "comm_hook", None)
+        if hook is not None and hasattr(hook, "stats"):
+            stats = hook.stats()
+            wire, steps = self.comm_counted
+            if stats["steps"] > steps:
+                self.tensorboard.add_scalar("comm/wire_bytes_per_step", (stats["wire_bytes"] - wire) /
+                                            (stats["steps"] - steps), step)
+            if stats["compression"] is not None:
+                self.tensorboard.add_scalar("comm/compression", stats["compression"], step)
+            self.comm_counted = (stats["wire_bytes"], stats["steps"])
 
     def close(self):
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         if self.bar is not None:
             self.advance_bar()
             self.bar.close()
@@ -197,7 +243,8 @@ def _plain(value):
 
 @hookimpl
 def ddpx_config_defaults():
-    return {"logging": {"progress": True, "all_ranks": False, "every_steps": 50, "metrics_file": "metrics.jsonl"}}
+    return {"logging": {"progress": True, "all_ranks": False, "every_steps": 50, "metrics_file": "metrics.jsonl",
+                        "tensorboard": False}}
 
 
 @hookimpl
@@ -207,6 +254,12 @@ def ddpx_configure(config):
         raise DdpxError(f"logging.every_steps must be 0 (epoch lines only) or more (got {cfg['every_steps']})")
     if not cfg["metrics_file"]:
         raise DdpxError("logging.metrics_file must name a file (e.g. metrics.jsonl)")
+    if cfg["tensorboard"]:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise DdpxError("logging.tensorboard needs the tensorboard package: pip install 'ddpx[tensorboard]' "
+                            "(or set logging.tensorboard=false)") from None
 
 
 @hookimpl(tryfirst=True)  # before other plugins log from their setup hooks
@@ -226,8 +279,14 @@ def ddpx_train_start(trainer):
         return
     os.makedirs(os.path.dirname(log.path) or ".", exist_ok=True)
     log.file = open(log.path, "a")  # a resumed run continues the same file
+    if trainer.config.section("logging")["tensorboard"]:
+        from torch.utils.tensorboard import SummaryWriter
+
+        log.tensorboard = SummaryWriter(os.path.join(str(trainer.run_dir), "tensorboard"))
     if log.progress or log.every_steps > 0:
         log.window = trainer.open_loss_window()
+        if log.progress:
+            log.bar_window = trainer.open_loss_window()
         log.last_call = (trainer.global_step, log.start)
         log.schedule(trainer)
 
@@ -255,6 +314,9 @@ def ddpx_epoch_end(trainer, epoch, metrics):
         return
     log.advance_bar()
     log.write({"kind": "epoch", "step": trainer.global_step, "epoch": epoch, **metrics})
+    if log.tensorboard is not None:
+        log.add_scalars("epoch", metrics, trainer.global_step)
+        log.tensorboard.flush()
     shown = "  ".join(f"{k} {_format(v)}" for k, v in metrics.items() if k not in ("epoch", "step"))
     trainer.log.info("epoch %d (step %d): %s", epoch, trainer.global_step, shown)
 

@@ -2,6 +2,9 @@
 entry point, gets its config section, and its hooks run on every rank."""
 
 import json
+import os
+import pathlib
+import site
 import subprocess
 import sys
 import textwrap
@@ -69,10 +72,18 @@ def test_installed_plugin_is_discovered_and_called(tmp_path):
     (package / "ddpx_hello.py").write_text(textwrap.dedent(PLUGIN))
     (package / "pyproject.toml").write_text(textwrap.dedent(PYPROJECT))
     venv = tmp_path / "venv"
-    # --system-site-packages: torch and ddpx come from this interpreter (no network);
-    # --without-pip: the system pip (visible through those site-packages) installs into the venv.
+    # --without-pip: this interpreter's pip (seen through its site-packages) installs into the venv.
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True, timeout=60)
     python = str(venv / "bin" / "python")
+    # torch, ddpx, pip and setuptools come from this interpreter's site-packages (no
+    # network). When this interpreter is itself a venv, --system-site-packages shows
+    # the base interpreter's packages instead, so a .pth file adds ours (their own
+    # .pth files, e.g. an editable ddpx, processed too), ahead of the base's.
+    site_dir = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    outer = [d for d in site.getsitepackages() if os.path.isdir(d)]
+    (pathlib.Path(site_dir) / "outer_env.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in outer))
     install = subprocess.run(
         [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet", str(package)],
         capture_output=True, text=True, timeout=120,

@@ -17,17 +17,20 @@ import uuid
 from ddpx.launch import free_port  # noqa: F401  (tests import it from here)
 
 
-def run_cli(args, timeout=120, env=None, cwd=None, python=None):
+def run_cli(args, timeout=120, env=None, cwd=None, python=None, script=None):
     """Run ``python -m ddpx ARGS`` and return ``(returncode, stdout, stderr)``.
 
-    ``env`` entries are added to the current environment; ``python`` selects an
-    interpreter (e.g. a test venv's). The whole process group is killed when
+    ``env`` entries are added to the current environment (a None value unsets
+    one); ``python`` selects an interpreter (e.g. a test venv's); ``script``
+    runs an installed ``ddpx`` script instead, as a user types it. The whole process group is killed when
     ``timeout`` seconds pass, and the test fails with what the run printed so far.
     """
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores, several ranks: avoid oversubscription
     full_env.update(env or {})
-    cmd = [python or sys.executable, "-m", "ddpx", *map(str, args)]
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    cmd = [script] if script else [python or sys.executable, "-m", "ddpx"]
+    cmd += list(map(str, args))
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

@@ -205,14 +205,14 @@ def _step_fn(ddp, loss_fn, batch, accumulation: int, communicate: bool):
     """One optimizer step's forward/backward (no optimizer: parameters stay put)."""
     import contextlib
 
-    inputs, targets = batch[0], batch[1]
+    from ..trainer import model_loss
 
     def step():
         ddp.zero_grad(set_to_none=True)
         for i in range(accumulation):
             last = communicate and i == accumulation - 1
             with contextlib.nullcontext() if last else ddp.no_sync():
-                loss_fn(ddp(inputs), targets).backward()
+                model_loss(ddp, loss_fn, batch)[0].backward()
 
     return step
 
