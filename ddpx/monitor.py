@@ -30,6 +30,17 @@ class Monitor:
         self.min_delta = float(min_delta)
         self.section = section
 
+    @classmethod
+    def from_config(cls, cfg: Mapping, section: str) -> Optional["Monitor"]:
+        """The monitor a config section names (``monitor``, ``mode``, optional
+        ``min_delta``), or None where ``monitor`` is null; a bad value, also a bad
+        ``mode`` beside a null ``monitor``, is a one-line error."""
+        if cfg["monitor"] is None:
+            if cfg["mode"] not in MODES:
+                raise DdpxError(f"{section}.mode must be one of {', '.join(MODES)}, got {cfg['mode']!r}")
+            return None
+        return cls(cfg["monitor"], cfg["mode"], cfg.get("min_delta", 0.0), section)
+
     def value(self, metrics: Mapping) -> Optional[float]:
         """The metric in ``metrics`` as a float, or None where it is missing."""
         value = metrics.get(self.name)

@@ -531,7 +531,7 @@ class Trainer:
         if self.skips_nonfinite_steps and not by_step_skipper:
             return  # fp16 AMP skipped those steps; it reports a scale that collapses itself
         if self.config.trainer.nonfinite == "warn":
-            self._warn_once_per_epoch(f"the loss went non-finite {where}; going on (trainer.nonfinite=warn)")
+            self._warn_once_per_epoch("loss", f"the loss went non-finite {where}; going on (trainer.nonfinite=warn)")
             return
         raise TrainingDiverged(f"the loss went non-finite {where}; {self._finite_checkpoint_advice()}")
 
@@ -539,13 +539,12 @@ class Trainer:
         """The weights or optimizer state are non-finite ``where`` (the checkpoint
         plugin checks before every save, which it then skips): as :meth:`nonfinite_loss`."""
         if self.config.trainer.nonfinite == "warn":
-            self._warn_once_per_epoch(f"the weights are non-finite {where}: no checkpoint written "
+            self._warn_once_per_epoch("weights", f"the weights are non-finite {where}: no checkpoint written "
                                       "(trainer.nonfinite=warn)")
             return
         raise TrainingDiverged(f"the weights went non-finite {where}; {self._finite_checkpoint_advice()}")
 
-    def _warn_once_per_epoch(self, message: str) -> None:
-        kind = message.split(" non-finite")[0]
+    def _warn_once_per_epoch(self, kind: str, message: str) -> None:
         if self._nonfinite_warned.get(kind) != self.epoch:
             self._nonfinite_warned[kind] = self.epoch
             self.log.warning(message)

@@ -94,7 +94,7 @@ from pathlib import Path
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError, TrainingDiverged
-from ddpx.monitor import MODES, Monitor
+from ddpx.monitor import Monitor
 
 LR_SCALING = ("none", "linear")
 FIRST_STOP_CHECK = 10  # optimizer steps to the first stop check (auto), before any step time is known
@@ -113,7 +113,7 @@ class CheckpointSession:
         directory = Path(cfg["dir"])
         if not directory.is_absolute():
             directory = Path(trainer.run_dir) / directory
-        self.monitor = Monitor(cfg["monitor"], cfg["mode"]) if cfg["monitor"] else None
+        self.monitor = Monitor.from_config(cfg, "checkpoint")
         self.monitor_missing_warned = False
         self.directory = CheckpointDirectory(directory, keep=cfg["keep"], keep_best=cfg["keep_best"],
                                              mode=self.monitor.mode if self.monitor else "max")
@@ -302,10 +302,7 @@ def ddpx_configure(config):
         raise DdpxError(f"checkpoint.stop_timeout_s must be > 0, got {cfg['stop_timeout_s']}")
     if cfg["lr_scaling"] not in LR_SCALING:
         raise DdpxError(f"checkpoint.lr_scaling must be one of {', '.join(LR_SCALING)}, got {cfg['lr_scaling']!r}")
-    if cfg["monitor"] is not None:
-        Monitor(cfg["monitor"], cfg["mode"])  # one-line errors for a bad name or mode
-    elif cfg["mode"] not in MODES:
-        raise DdpxError(f"checkpoint.mode must be one of {', '.join(MODES)}, got {cfg['mode']!r}")
+    Monitor.from_config(cfg, "checkpoint")  # one-line errors for a bad name or mode
     if cfg["keep_best"] < 1:
         raise DdpxError(f"checkpoint.keep_best must be >= 1, got {cfg['keep_best']}")
 

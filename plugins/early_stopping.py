@@ -21,7 +21,7 @@ Config section ``early_stopping``: ``monitor`` (null: off), ``patience`` (3),
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
-from ddpx.monitor import MODES, Monitor
+from ddpx.monitor import Monitor
 
 SECTION = "early_stopping"
 
@@ -58,19 +58,14 @@ def ddpx_configure(config):
     cfg = config.section(SECTION)
     if cfg["patience"] < 1:
         raise DdpxError(f"early_stopping.patience must be >= 1, got {cfg['patience']}")
-    if cfg["monitor"] is not None:
-        Monitor(cfg["monitor"], cfg["mode"], cfg["min_delta"], SECTION)  # one-line errors
-    elif cfg["mode"] not in MODES:
-        raise DdpxError(f"early_stopping.mode must be one of {', '.join(MODES)}, got {cfg['mode']!r}")
+    Monitor.from_config(cfg, SECTION)  # one-line errors
 
 
 @hookimpl
 def ddpx_setup(trainer):
     cfg = trainer.config.section(SECTION)
-    trainer.early_stopping = None
-    if cfg["monitor"] is not None:
-        monitor = Monitor(cfg["monitor"], cfg["mode"], cfg["min_delta"], SECTION)
-        trainer.early_stopping = EarlyStopping(monitor, cfg["patience"])
+    monitor = Monitor.from_config(cfg, SECTION)
+    trainer.early_stopping = EarlyStopping(monitor, cfg["patience"]) if monitor is not None else None
 
 
 @hookimpl
