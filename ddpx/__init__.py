@@ -12,10 +12,7 @@ import importlib
 from .errors import DdpxError
 from .version import __version__
 
-try:  # pluggy is a hard dependency, but keep `import ddpx` cheap and robust
-    from .plugin import hookimpl
-except ImportError:  # pragma: no cover - only while the plugin module is absent
-    hookimpl = None
+from .markers import hookimpl
 
 _LAZY = {"ops", "hooks", "comm", "data", "trainer", "config"}
 

@@ -11,8 +11,6 @@ Every problem is a one-line :class:`~ddpx.errors.DdpxError`.
 from __future__ import annotations
 
 import copy
-import difflib
-import importlib
 import os
 import re
 import sys
@@ -20,7 +18,9 @@ from typing import Any, Iterable, Mapping, Optional
 
 import yaml
 
-from .errors import DdpxError
+from .errors import DdpxError, did_you_mean
+from .imports import instantiate, resolve  # noqa: F401  (ddpx.config.resolve: the old home)
+from .plugin import make_plugin_manager
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.yaml")
 
@@ -234,18 +234,13 @@ def _type_ok(value, types) -> bool:
     return False
 
 
-def _did_you_mean(name: str, options: Iterable[str], prefix: str = "") -> str:
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
-    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
-
-
 def _validate(values: dict, defaults: Mapping, types: Mapping, prefix: str = "") -> None:
     """Unknown keys, wrong types and bad choices, recursively (free-form mappings unchecked)."""
     for key, value in values.items():
         path = f"{prefix}{key}"
         if key not in defaults:
             where = f"section '{prefix[:-1]}'" if prefix else "the config"
-            hint = _did_you_mean(key, defaults, prefix)
+            hint = did_you_mean(key, defaults, prefix)
             if not hint:
                 hint = f"; valid keys: {', '.join(sorted(map(str, defaults)))}"
             raise DdpxError(f"unknown key '{path}' in {where}{hint}")
@@ -294,51 +289,6 @@ def add_user_module_dirs(config_path: Optional[str]) -> None:
             sys.path.insert(0, directory)
 
 
-def resolve(path: str, key: str = "import path"):
-    """Import ``package.module.attr`` (or ``package.module:attr``) and return the object."""
-    if not isinstance(path, str) or not path.strip():
-        raise DdpxError(f"{key} must be an import path like 'torch.optim.SGD', got {path!r}")
-    module_name, _, attr = path.replace(":", ".").rpartition(".")
-    candidates = [(path.replace(":", "."), "")]  # the path may be a module itself
-    if module_name:
-        candidates.insert(0, (module_name, attr))
-    last_error = None
-    for mod, name in candidates:
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            # Only "this very module is missing" means try the next reading; an
-            # import error inside an existing module is the user's real problem.
-            if exc.name and not mod.startswith(exc.name) and not exc.name.startswith(mod):
-                raise DdpxError(f"{key} '{path}': importing {mod} failed: {exc}") from None
-            last_error = exc
-            continue
-        except Exception as exc:  # a module that exists but fails to import
-            raise DdpxError(f"{key} '{path}': importing {mod} failed: {type(exc).__name__}: {exc}") from None
-        if not name:
-            return module
-        try:
-            return getattr(module, name)
-        except AttributeError:
-            try:  # a submodule its package does not import (``mypkg.myplugin``)
-                return importlib.import_module(f"{mod}.{name}")
-            except ModuleNotFoundError as exc:
-                if exc.name != f"{mod}.{name}":
-                    raise DdpxError(f"{key} '{path}': importing {mod}.{name} failed: {exc}") from None
-            hint = _did_you_mean(name, [n for n in dir(module) if not n.startswith("_")])
-            raise DdpxError(f"{key} '{path}' does not resolve: module '{mod}' has no attribute '{name}'{hint}") from None
-    raise DdpxError(f"{key} '{path}' does not resolve: {last_error}")
-
-
-def instantiate(section: Mapping, key: str, *args):
-    """Call ``section.target`` with ``*args`` and ``**section.args``."""
-    factory = resolve(section["target"], f"{key}.target")
-    try:
-        return factory(*args, **dict(section.get("args") or {}))
-    except TypeError as exc:
-        raise DdpxError(f"{key}: calling {section['target']} with args {dict(section.get('args') or {})} failed: {exc}") from None
-
-
 # --- the entry point -------------------------------------------------------------------
 
 
@@ -366,8 +316,6 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
     section (entry points + ``plugins.enable`` - ``plugins.block``); it is
     available afterwards as ``config.plugin_manager``.
     """
-    from .plugin import make_plugin_manager
-
     overrides = tuple(overrides)
     raw = read_yaml(path if path is not None else DEFAULT_CONFIG)
     add_user_module_dirs(path)

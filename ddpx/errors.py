@@ -5,6 +5,9 @@ ports, options). The CLI prints it as one line and exits non-zero, never with a
 traceback. Keep the message to one line naming the key/file/port and the fix.
 """
 
+import difflib
+from typing import Iterable
+
 
 class DdpxError(Exception):
     """A problem the user can fix; printed as one line by the CLI."""
@@ -18,3 +21,9 @@ class TrainingDiverged(DdpxError):
     with 3, distinct from a config error (2), a crash (1) and a signal (128+N)."""
 
     exit_code = 3
+
+
+def did_you_mean(name: str, options: Iterable[str], prefix: str = "") -> str:
+    """``"; did you mean 'PREFIX+closest'?"`` for an error message, or "" when nothing is close."""
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""

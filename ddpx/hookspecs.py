@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
-from .plugin import hookspec
+from .markers import hookspec
 
 if TYPE_CHECKING:  # imported only for the annotations
     import torch

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from . import net
+from . import net, slurm
+from .config import load_config, user_module_dirs
 from .errors import DdpxError, TrainingDiverged
 from .net import free_port  # noqa: F401  (doctor and the tests import it from here)
 
@@ -68,6 +69,16 @@ def add_launch_arguments(p, restarts: bool = True) -> None:
     p.add_argument("--master-port", type=int, default=None, help="port of that store (default: a free port; 29500 across nodes)")
 
 
+def split_config_and_overrides(config, overrides):
+    """``ddpx train trainer.epochs=3`` means: default config, one override."""
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        return None, [config, *overrides]
+    for item in overrides:
+        if "=" not in item:
+            raise DdpxError(f"unexpected argument '{item}': after the config file only KEY=VALUE overrides may follow")
+    return config, list(overrides)
+
+
 def options_from_args(args) -> LaunchOptions:
     return LaunchOptions(**{name: getattr(args, name, None) for name in LaunchOptions.__dataclass_fields__})
 
@@ -89,8 +100,6 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 def from_environment(opts: LaunchOptions, env: Mapping[str, str] = os.environ) -> LaunchOptions:
     """Fill the options not given on the command line from torchrun's ``PET_*`` variables
     (how a Kubeflow PyTorchJob configures torchrun), else from SLURM. Flags win."""
-    from . import slurm
-
     values = vars(opts).copy()
     for name, value in values.items():
         raw = env.get(f"PET_{name.upper()}")
@@ -234,8 +243,6 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The workers (and whatever they start: DataLoader workers, compile workers)
     # import the user's modules from the same directories as this launcher.
-    from .config import user_module_dirs
-
     paths = [*user_module_dirs(config_path), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     argv += ["--module", WORKER_MODULE]
@@ -246,8 +253,6 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
 
 def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOptions) -> int:
     """Validate the config here (one-line errors, nothing spawned), then run torchrun."""
-    from .config import load_config
-
     config = load_config(config_path, overrides)  # raises DdpxError before any worker exists
     argv = torchrun_argv(opts, config.launch, config_path, overrides)
     return run_torchrun(argv)

@@ -1,4 +1,4 @@
-"""The plugin system: markers, discovery, blocking, validation, tracing.
+"""The plugin manager: discovery, blocking, validation, tracing.
 
 ``from ddpx import hookimpl`` is what plugin authors use. Plugins come from
 (in this order): every installed distribution's entry points in the group
@@ -18,15 +18,19 @@ from typing import Any, Mapping
 
 import pluggy
 
+from . import hookspecs
 from .errors import DdpxError
+from .imports import resolve
+from .markers import PROJECT, hookimpl, hookspec  # noqa: F401  (ddpx.plugin.hookimpl: the old home)
+from .version import __version__
 
-PROJECT = "ddpx"
 ENTRY_POINT_GROUP = "ddpx"
 CORE_PLUGIN = "core"
+# The core plugin is loaded by its import path, like a plugins.enable entry: it sits
+# above the plugin manager (it uses the config and the trainer's helpers), so this
+# module does not import it.
+CORE_PLUGIN_PATH = "ddpx.core.CorePlugin"
 TRACE_ENV = "DDPX_TRACE_HOOKS"
-
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 def _plugins_section(config) -> Mapping[str, Any]:
@@ -44,9 +48,6 @@ def make_plugin_manager(config=None, *, entry_points: bool = True) -> pluggy.Plu
     None (entry points only). ``entry_points=False`` skips installed plugins
     (tests that want only the core and ``plugins.enable``).
     """
-    from . import hookspecs
-    from .trainer import CorePlugin
-
     section = _plugins_section(config)
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
@@ -59,7 +60,7 @@ def make_plugin_manager(config=None, *, entry_points: bool = True) -> pluggy.Plu
         load_entry_points(pm)
     for path in section.get("enable") or []:
         register_path(pm, path)
-    _register(pm, CorePlugin(), CORE_PLUGIN)
+    _register(pm, resolve(CORE_PLUGIN_PATH, "the core plugin")(), CORE_PLUGIN)
     check_pending(pm)
     if section.get("trace") or os.environ.get(TRACE_ENV, "") not in ("", "0"):
         enable_tracing(pm)
@@ -119,8 +120,6 @@ def distributions(pm: pluggy.PluginManager) -> dict:
 
 def register_path(pm: pluggy.PluginManager, path: str) -> None:
     """Register the module (or object) at a dotted path, under that path as its name."""
-    from .config import resolve
-
     if pm.is_blocked(path) or pm.get_plugin(path) is not None:
         return
     plugin = resolve(path, "plugins.enable entry")
@@ -131,8 +130,6 @@ def register_path(pm: pluggy.PluginManager, path: str) -> None:
 
 def check_pending(pm: pluggy.PluginManager) -> None:
     """Fail on hook implementations that match no spec (typos such as ``ddpx_epoch_ends``)."""
-    from . import hookspecs
-
     known = list(hookspecs.all_hook_names())
     for name, caller in vars(pm.hook).items():
         if caller.spec is not None:
@@ -201,8 +198,6 @@ def plugin_table(pm: pluggy.PluginManager) -> list[dict]:
         if name in dists:
             dist_name, version = dists[name]
         elif name == CORE_PLUGIN:
-            from .version import __version__
-
             dist_name, version = "ddpx", __version__
         else:
             dist_name, version = _distribution_of(plugin)

@@ -19,17 +19,19 @@ import pathlib
 import signal
 import sys
 import threading
-from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from . import distributed
-from .config import Config, instantiate, resolve
+from .batchnorm import convert_sync_batchnorm
+from .config import Config
+from .core import CorePlugin, batch_size, ddp_options, model_loss, to_device  # noqa: F401  (their old home)
 from .errors import DdpxError, TrainingDiverged
-from .plugin import hookimpl, plugin_signature, rank_prefix
+from .imports import instantiate
+from .plugin import plugin_signature, rank_prefix
 from .step_hooks import step_callers
 
 
@@ -47,72 +49,6 @@ class TrainingStopped(Exception):
         self.signum = signum
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move tensors in a (nested) tuple/list/dict batch to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-LABELS = "labels"  # the targets' key in a dict batch when the config names a loss
-
-
-def model_loss(model, loss_fn, batch) -> tuple:
-    """``(loss, outputs, targets)`` of one batch.
-
-    With a loss function (``loss.target``): a sequence batch is ``(inputs,
-    targets, ...)`` and the loss ``loss_fn(model(inputs), targets)`` (inputs may
-    be nested); a dict batch passes every entry but ``labels`` to the model as
-    keyword arguments, and ``labels`` are the targets. Without one
-    (``loss.target: null``) the model computes its own loss, as Hugging Face
-    models do: it is called as ``model(**batch)`` (dict), ``model(*batch)``
-    (sequence) or ``model(batch)``, and returns the loss or an output with a
-    ``loss`` (attribute or key); targets are then None.
-    """
-    if loss_fn is not None:
-        if isinstance(batch, Mapping):
-            if LABELS not in batch:
-                raise DdpxError(f"a dict batch needs a '{LABELS}' entry (the targets of loss.target); it has "
-                                f"{', '.join(map(str, batch))}; or set loss.target=null for a model that computes its loss")
-            targets = batch[LABELS]
-            outputs = model(**{k: v for k, v in batch.items() if k != LABELS})
-        else:
-            targets = batch[1]
-            outputs = model(batch[0])
-        return loss_fn(outputs, targets), outputs, targets
-    if isinstance(batch, Mapping):
-        outputs = model(**batch)
-    elif isinstance(batch, (list, tuple)):
-        outputs = model(*batch)
-    else:
-        outputs = model(batch)
-    if isinstance(outputs, torch.Tensor):
-        return outputs, outputs, None
-    loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
-    if not isinstance(loss, torch.Tensor):
-        raise DdpxError(f"loss.target is null, so the model must return its loss (a tensor, or an output with a "
-                        f"'loss'), but it returned {type(outputs).__name__}; set loss.target to a loss function")
-    return loss, outputs, None
-
-
-def batch_size(batch, targets=None) -> int:
-    """Samples in a batch: the targets' first dimension, else the first tensor's."""
-    if isinstance(targets, torch.Tensor):
-        return targets.shape[0]
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        n = batch_size(item)
-        if n:
-            return n
-    return 0
-
-
 def _logger_settings(log: logging.Logger) -> tuple:
     return list(log.handlers), log.level, log.propagate
 
@@ -127,28 +63,6 @@ def _restore_logger(log: logging.Logger, settings: tuple) -> None:
             log.addHandler(handler)
     log.setLevel(level)
     log.propagate = propagate
-
-
-def ddp_options(config: Config, requests) -> dict:
-    """``DistributedDataParallel`` keyword arguments: what plugins ask for
-    (``ddpx_ddp_options`` results) where the config leaves it open, then the
-    config's ``trainer.find_unused_parameters``, ``static_graph`` and a
-    non-null ``bucket_cap_mb`` and ``gradient_as_bucket_view``."""
-    cfg = config.trainer
-    configured = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
-    for key in ("bucket_cap_mb", "gradient_as_bucket_view"):
-        if cfg[key] is not None:
-            configured[key] = cfg[key]
-    asked: dict = {}
-    for options in requests:
-        for key, value in (options or {}).items():
-            if key in configured:
-                continue
-            if asked.get(key, value) != value:
-                raise DdpxError(f"plugins ask for different DistributedDataParallel {key}: {asked[key]!r} and "
-                                f"{value!r}; set trainer.{key} in the config")
-            asked[key] = value
-    return {**asked, **configured}
 
 
 def compile_model(model: torch.nn.Module, backend, device: torch.device) -> torch.nn.Module:
@@ -294,7 +208,7 @@ class Trainer:
         # GradScaler): a non-finite loss is then an overflow, not divergence.
         self.skips_nonfinite_steps = False
         self._nonfinite_warned: dict = {}  # what (loss, weights) was warned about in which epoch
-        self._callers: Optional[dict] = None  # the per-step hook callables of the running epoch
+        self.step_callers: Optional[dict] = None  # the per-step hook callables of the running epoch
         self._due: list = []  # heap of (step, order, callback): see call_at_step
         self._due_order = itertools.count()  # same-step calls run in the order they were scheduled
         self._next_due = NEVER
@@ -308,6 +222,11 @@ class Trainer:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def epoch_finished(self) -> bool:
+        """Whether every batch of the running epoch was trained (a checkpoint then resumes in the next one)."""
+        return self._epoch_finished
 
     @property
     def epoch_batches(self) -> int:
@@ -396,8 +315,6 @@ class Trainer:
 
         self.module = self.hook.ddpx_build_model(trainer=self).to(self.device)
         if cfg.sync_batchnorm:
-            from .batchnorm import convert_sync_batchnorm
-
             self.module = convert_sync_batchnorm(self.module, self.device)
         self.loss_fn = instantiate(self.config.loss, "loss") if self.config.loss.target else None
         self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
@@ -456,7 +373,7 @@ class Trainer:
         self._epoch_loss, self._epoch_batches = None, 0  # _losses is empty: folded at the last epoch end
         self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
         # Resolved after the epoch start: a plugin may attach step hooks there.
-        self._callers = callers = step_callers(self.plugin_manager)
+        self.step_callers = callers = step_callers(self.plugin_manager)
         should_step, micro_step = callers["ddpx_should_step"], callers["ddpx_micro_step"]
         optimizer_step, batch_end = callers["ddpx_optimizer_step"], callers["ddpx_batch_end"]
         max_steps = self.config.trainer.max_steps
@@ -638,126 +555,3 @@ class Trainer:
         self._epoch_batches += len(losses)
         losses.clear()
 
-
-class CorePlugin:
-    """Default bodies of the provider and wrapper hooks (registered ``trylast`` as "core")."""
-
-    @hookimpl(trylast=True)
-    def ddpx_build_model(self, trainer: Trainer):
-        return instantiate(trainer.config.model, "model")
-
-    @hookimpl(trylast=True)
-    def ddpx_wrap_model(self, trainer: Trainer, model: torch.nn.Module):
-        device_ids = [trainer.device] if trainer.device.type == "cuda" else None
-        options = ddp_options(trainer.config, trainer.hook.ddpx_ddp_options(trainer=trainer))
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
-
-    @hookimpl(trylast=True)
-    def ddpx_build_dataloaders(self, trainer: Trainer, train_set, eval_set):
-        # Unsharded: every rank sees all data, in the same seeded order (the
-        # sampler plugin shards it).
-        cfg = trainer.config.trainer
-        common = {"num_workers": cfg.num_workers, "pin_memory": trainer.device.type == "cuda"}
-        generator = torch.Generator().manual_seed(trainer.config.seed)
-        train = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, generator=generator, **common)
-        evaluation = None
-        if eval_set is not None:
-            evaluation = DataLoader(eval_set, batch_size=cfg.eval_batch_size, shuffle=False, **common)
-        return train, evaluation
-
-    @hookimpl(trylast=True)
-    def ddpx_should_step(self, trainer: Trainer, batch_index: int, num_batches: int):
-        return True
-
-    @hookimpl(trylast=True)
-    def ddpx_micro_step(self, trainer: Trainer, batch, sync: bool):
-        callers = trainer._callers or step_callers(trainer.plugin_manager)  # resolved once per epoch in the loop
-        loss = callers["ddpx_forward"](trainer=trainer, batch=batch)
-        callers["ddpx_backward"](trainer=trainer, loss=loss)
-        return loss.detach()
-
-    @hookimpl(trylast=True)
-    def ddpx_forward(self, trainer: Trainer, batch):
-        return model_loss(trainer.model, trainer.loss_fn, batch)[0]
-
-    @hookimpl(trylast=True)
-    def ddpx_backward(self, trainer: Trainer, loss: torch.Tensor):
-        loss.backward()
-        return True
-
-    @hookimpl(trylast=True)
-    def ddpx_optimizer_step(self, trainer: Trainer):
-        trainer.clip_gradients()
-        trainer.optimizer.step()
-        return True
-
-    @hookimpl(trylast=True)
-    def ddpx_evaluate(self, trainer: Trainer, loader: DataLoader):
-        # Sums (loss * n, correct, n, ...) are all-reduced, so sharded evaluation
-        # without padding gives exact metrics. Assumes a mean-reducing loss.
-        # Accuracy is built in for class logits and labels; trainer.eval_metric
-        # replaces it with the user's metrics (batch means, weighted by n).
-        model = trainer.module
-        name = trainer.config.trainer.eval_metric
-        metric = resolve(name, "trainer.eval_metric") if name else None
-        was_training = model.training
-        model.eval()
-        # (loss * n, correct, n, batches with class labels)
-        sums = torch.zeros(4, dtype=torch.float64, device=trainer.device)
-        metric_sums: dict = {}
-        with torch.no_grad():
-            for batch in loader:
-                batch = to_device(batch, trainer.device)
-                loss, outputs, targets = model_loss(model, trainer.loss_fn, batch)
-                n = batch_size(batch, targets)
-                sums[0] += loss.double() * n
-                sums[2] += n
-                if metric is not None:
-                    for key, value in metric(outputs, batch).items():
-                        metric_sums[key] = metric_sums.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float64,
-                                                                                       device=trainer.device) * n
-                elif (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2
-                      and targets.dim() == 1 and not targets.is_floating_point()):
-                    sums[3] += 1
-                    sums[1] += (outputs.argmax(dim=1) == targets).sum()
-        model.train(was_training)
-        if metric is not None:
-            # A rank may have had no batch to learn the names from: agree on them first.
-            names: list = [None] * trainer.world_size
-            dist.all_gather_object(names, sorted(metric_sums))
-            keys = sorted(set().union(*names))
-            sums = torch.cat([sums, torch.stack([metric_sums.get(k, sums.new_zeros(())) for k in keys])]) if keys else sums
-        dist.all_reduce(sums)
-        loss_sum, correct, count, classified = sums[:4].tolist()
-        if count == 0:
-            return {}
-        metrics = {"loss": loss_sum / count}
-        if classified:
-            metrics["accuracy"] = correct / count
-        if metric is not None:
-            metrics.update({key: value / count for key, value in zip(keys, sums[4:].tolist())})
-        return metrics
-
-    @hookimpl(trylast=True)
-    def ddpx_state_dict(self, trainer: Trainer):
-        progress = {
-            # The epoch to resume in: the next one once this epoch's batches are done.
-            "epoch": trainer.epoch + (1 if trainer._epoch_finished else 0),
-            "global_step": trainer.global_step,
-        }
-        state = {"model": trainer.module.state_dict(), "optimizer": trainer.optimizer.state_dict(), "progress": progress}
-        if trainer.scheduler is not None:
-            state["scheduler"] = trainer.scheduler.state_dict()
-        return state
-
-    @hookimpl(trylast=True)
-    def ddpx_load_state_dict(self, trainer: Trainer, state):
-        if "model" in state:
-            trainer.module.load_state_dict(state["model"])
-        if "optimizer" in state:
-            trainer.optimizer.load_state_dict(state["optimizer"])
-        if "scheduler" in state and trainer.scheduler is not None:
-            trainer.scheduler.load_state_dict(state["scheduler"])
-        if "progress" in state:
-            trainer.epoch = int(state["progress"]["epoch"])
-            trainer.global_step = int(state["progress"]["global_step"])

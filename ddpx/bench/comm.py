@@ -343,7 +343,7 @@ def _add_launch_arguments(p):
 
 
 def run(args) -> int:
-    from ..commands.train import split_config_and_overrides
+    from ..launch import split_config_and_overrides
     from ..config import load_config
 
     if args.steps < 1:

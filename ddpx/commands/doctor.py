@@ -5,7 +5,7 @@ import json
 import os
 
 from ..errors import DdpxError
-from ..launch import add_launch_arguments
+from ..launch import add_launch_arguments, split_config_and_overrides
 
 
 def register(subparsers):
@@ -30,7 +30,6 @@ def register(subparsers):
 def run(args):
     from .. import doctor, launch
     from ..config import load_config
-    from .train import split_config_and_overrides
 
     config_path, overrides = split_config_and_overrides(args.config, args.overrides)
     launch_cfg = load_config(config_path, overrides).launch

@@ -2,6 +2,8 @@
 
 import json
 
+from ..launch import split_config_and_overrides
+
 
 def register(subparsers):
     p = subparsers.add_parser(
@@ -18,7 +20,6 @@ def register(subparsers):
 def run(args):
     from ..config import load_config
     from ..plugin import plugin_table
-    from .train import split_config_and_overrides
 
     config_path, overrides = split_config_and_overrides(args.config, args.overrides)
     config = load_config(config_path, overrides)

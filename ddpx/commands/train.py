@@ -1,7 +1,6 @@
 """``ddpx train [CONFIG] [KEY=VALUE ...]``: train through torchrun."""
 
-from ..errors import DdpxError
-from ..launch import add_launch_arguments
+from ..launch import add_launch_arguments, split_config_and_overrides
 
 
 def register(subparsers):
@@ -22,16 +21,6 @@ def register(subparsers):
                    help="smoke run: a few steps, one evaluation, a checkpoint save and resume on a small data "
                         "slice with every configured plugin; prints a PASS/FAIL table (ddpx/smoke.py)")
     p.set_defaults(func=run)
-
-
-def split_config_and_overrides(config, overrides):
-    """``ddpx train trainer.epochs=3`` means: default config, one override."""
-    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
-        return None, [config, *overrides]
-    for item in overrides:
-        if "=" not in item:
-            raise DdpxError(f"unexpected argument '{item}': after the config file only KEY=VALUE overrides may follow")
-    return config, list(overrides)
 
 
 def run(args):

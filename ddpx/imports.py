@@ -1,0 +1,58 @@
+"""Objects from import paths: ``resolve("torch.optim.SGD")`` and ``instantiate(section)``.
+
+Config targets (``model.target``), ``plugins.enable`` entries and the core
+plugin are all found this way. Every failure is a one-line
+:class:`~ddpx.errors.DdpxError` naming the config key.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Mapping
+
+from .errors import DdpxError, did_you_mean
+
+
+def resolve(path: str, key: str = "import path"):
+    """Import ``package.module.attr`` (or ``package.module:attr``) and return the object."""
+    if not isinstance(path, str) or not path.strip():
+        raise DdpxError(f"{key} must be an import path like 'torch.optim.SGD', got {path!r}")
+    module_name, _, attr = path.replace(":", ".").rpartition(".")
+    candidates = [(path.replace(":", "."), "")]  # the path may be a module itself
+    if module_name:
+        candidates.insert(0, (module_name, attr))
+    last_error = None
+    for mod, name in candidates:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            # Only "this very module is missing" means try the next reading; an
+            # import error inside an existing module is the user's real problem.
+            if exc.name and not mod.startswith(exc.name) and not exc.name.startswith(mod):
+                raise DdpxError(f"{key} '{path}': importing {mod} failed: {exc}") from None
+            last_error = exc
+            continue
+        except Exception as exc:  # a module that exists but fails to import
+            raise DdpxError(f"{key} '{path}': importing {mod} failed: {type(exc).__name__}: {exc}") from None
+        if not name:
+            return module
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            try:  # a submodule its package does not import (``mypkg.myplugin``)
+                return importlib.import_module(f"{mod}.{name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{mod}.{name}":
+                    raise DdpxError(f"{key} '{path}': importing {mod}.{name} failed: {exc}") from None
+            hint = did_you_mean(name, [n for n in dir(module) if not n.startswith("_")])
+            raise DdpxError(f"{key} '{path}' does not resolve: module '{mod}' has no attribute '{name}'{hint}") from None
+    raise DdpxError(f"{key} '{path}' does not resolve: {last_error}")
+
+
+def instantiate(section: Mapping, key: str, *args):
+    """Call ``section.target`` with ``*args`` and ``**section.args``."""
+    factory = resolve(section["target"], f"{key}.target")
+    try:
+        return factory(*args, **dict(section.get("args") or {}))
+    except TypeError as exc:
+        raise DdpxError(f"{key}: calling {section['target']} with args {dict(section.get('args') or {})} failed: {exc}") from None
