@@ -1,4 +1,5 @@
-"""Network probes shared by the launcher, ``ddpx doctor`` and the workers' store client.
+"""Network probes shared by the launcher, ``ddpx doctor``, the workers' store client
+and the comm monitor: every socket, address, route and bandwidth probe of ddpx.
 
 Everything here answers a question about *this* machine with a socket, not with
 the hostname: where the hostname resolves to loopback (Debian's 127.0.1.1 line,
@@ -17,12 +18,13 @@ import errno
 import fcntl
 import ipaddress
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import MutableMapping, Optional
+from typing import MutableMapping, Optional, Sequence
 
 from .errors import DdpxError
 
@@ -224,3 +226,132 @@ def choose_socket_ifname(iface: Optional[str], env: MutableMapping[str, str] = o
             env[name] = iface
             made.append(f"{name}={iface}")
     return made
+
+
+# --- sockets on a port, routes from /proc and `ip route` (what ddpx doctor reports) ----------
+
+_TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "0A": "LISTEN", "08": "CLOSE_WAIT"}
+
+
+def sockets_on_port(port: int, proc_net_tcp_texts: Sequence[str]) -> list[tuple[int, str]]:
+    """``(inode, state)`` of every socket whose local port is ``port`` (/proc/net/tcp{,6} text)."""
+    found = []
+    for text in proc_net_tcp_texts:
+        for line in text.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) < 10:
+                continue
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port:
+                found.append((int(fields[9]), _TCP_STATES.get(fields[3], fields[3])))
+    return found
+
+
+def processes_of_sockets(inodes: set[int], proc_root: str = "/proc") -> list[tuple[int, str]]:
+    """``(pid, command line)`` of the processes holding one of the socket ``inodes``."""
+    targets = {f"socket:[{i}]" for i in inodes if i}
+    owners = []
+    if not targets:
+        return owners
+    for pid in filter(str.isdigit, os.listdir(proc_root)):
+        fd_dir = os.path.join(proc_root, pid, "fd")
+        try:
+            links = {os.readlink(os.path.join(fd_dir, fd)) for fd in os.listdir(fd_dir)}
+        except OSError:
+            continue  # process gone or not ours to read
+        if links & targets:
+            try:
+                with open(os.path.join(proc_root, pid, "cmdline"), "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmd = "?"
+            owners.append((int(pid), " ".join(cmd.split())[:80] or "?"))
+    return owners
+
+
+def parse_ip_route_get(text: str) -> Optional[str]:
+    """The interface in ``ip route get ADDR`` output (``... dev eth0 src ...``)."""
+    fields = text.split()
+    for i, word in enumerate(fields[:-1]):
+        if word == "dev":
+            return fields[i + 1]
+    return None
+
+
+def route_iface_from_proc(proc_net_route: str, addr: Optional[str] = None) -> Optional[str]:
+    """Interface of the longest matching IPv4 route in /proc/net/route text
+    (the default route when ``addr`` is None)."""
+    target = int(ipaddress.IPv4Address(addr)) if addr else None
+    best, best_len = None, -1
+    for line in proc_net_route.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 8:
+            continue
+        # /proc/net/route stores addresses little-endian
+        dest = int.from_bytes(bytes.fromhex(f[1]), "little")
+        mask = int.from_bytes(bytes.fromhex(f[7]), "little")
+        prefix = bin(mask).count("1")
+        matches = (dest == 0 and mask == 0) if target is None else (target & mask) == dest
+        if matches and prefix > best_len:
+            best, best_len = f[0], prefix
+    return best
+
+
+def read_text(path: str) -> str:
+    """A file's text (/proc, the doctor's worker reports), "" when it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def route_iface(addr: str) -> Optional[str]:
+    """The interface of the route to ``addr``: ``ip route get``, else /proc/net/route."""
+    if shutil.which("ip"):
+        try:
+            out = subprocess.run(["ip", "route", "get", addr], capture_output=True, text=True, timeout=5)
+            if out.returncode == 0:
+                return parse_ip_route_get(out.stdout)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return proc_route_iface(addr)
+
+
+def proc_route_iface(addr: str) -> Optional[str]:
+    """The interface of the route to ``addr`` in /proc/net/route (None for IPv6)."""
+    try:
+        return route_iface_from_proc(read_text("/proc/net/route"), addr)
+    except ValueError:  # IPv6: /proc/net/route is IPv4 only
+        return None
+
+
+# --- the bandwidth of the process group (ddpx doctor --collectives, the comm monitor, ddpx bench comm) ----
+
+
+def measure_allreduce_seconds(nbytes: int, iters: int = 5, group=None, device=None, fastest: bool = False) -> float:
+    """Median (``fastest``: minimum) time of an fp32 allreduce of ``nbytes`` on
+    ``device`` (after one warm-up); rank 0's value, which every rank returns."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device(device or "cpu")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    buf = torch.ones(max(1, nbytes // 4), device=device)
+    dist.all_reduce(buf, group=group)
+    times = []
+    for _ in range(iters):
+        sync()
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        sync()
+        times.append(time.perf_counter() - t0)
+    # every rank must use the same number: take rank 0's median
+    t = torch.tensor([min(times) if fastest else sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return float(t.item())

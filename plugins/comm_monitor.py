@@ -35,7 +35,7 @@ class CommMonitor:
         self.window_start = None  # (global step, perf_counter) of the open window
         self.warned = False
         self.shares: list[float] = []  # every measured share, for tests and curious users
-        from ddpx.doctor import measure_allreduce_seconds  # imported here, not inside a timed window
+        from ddpx.net import measure_allreduce_seconds  # imported here, not inside a timed window
 
         self.measure_allreduce_seconds = measure_allreduce_seconds
 

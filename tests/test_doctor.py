@@ -30,7 +30,7 @@ def _port_in_safe_range():
     """A free port above 20000 and below the ephemeral range (what doctor calls healthy)."""
     for _ in range(200):
         port = random.randint(20001, 32000)
-        if doctor.port_is_bindable(port)[0]:
+        if net.port_is_bindable(port)[0]:
             return port
     pytest.skip("no free port in 20001-32000")
 
@@ -39,11 +39,11 @@ def _port_in_safe_range():
 
 
 def test_route_parsing_picks_longest_prefix_and_default():
-    assert doctor.route_iface_from_proc(PROC_NET_ROUTE) == "eth0"
-    assert doctor.route_iface_from_proc(PROC_NET_ROUTE, "10.0.3.4") == "ib0"
-    assert doctor.route_iface_from_proc(PROC_NET_ROUTE, "192.0.2.77") == "eth0"
-    assert doctor.route_iface_from_proc(PROC_NET_ROUTE, "8.8.8.8") == "eth0"  # via the default route
-    assert doctor.parse_ip_route_get("10.1.2.3 via 10.0.0.1 dev ib0 src 10.0.0.5 uid 0\n    cache") == "ib0"
+    assert net.route_iface_from_proc(PROC_NET_ROUTE) == "eth0"
+    assert net.route_iface_from_proc(PROC_NET_ROUTE, "10.0.3.4") == "ib0"
+    assert net.route_iface_from_proc(PROC_NET_ROUTE, "192.0.2.77") == "eth0"
+    assert net.route_iface_from_proc(PROC_NET_ROUTE, "8.8.8.8") == "eth0"  # via the default route
+    assert net.parse_ip_route_get("10.1.2.3 via 10.0.0.1 dev ib0 src 10.0.0.5 uid 0\n    cache") == "ib0"
 
 
 def test_sockets_on_port_reads_proc_net_tcp():
@@ -52,8 +52,8 @@ def test_sockets_on_port_reads_proc_net_tcp():
         "   0: 00000000:7345 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1\n"
         "   1: 0100007F:B55E 0100007F:7345 01 00000000:00000000 00:00000000 00000000     0        0 999 1\n"
     )
-    assert doctor.sockets_on_port(0x7345, [text]) == [(4242, "LISTEN")]
-    assert doctor.sockets_on_port(0x7346, [text]) == []
+    assert net.sockets_on_port(0x7345, [text]) == [(4242, "LISTEN")]
+    assert net.sockets_on_port(0x7346, [text]) == []
 
 
 def test_hostname_resolving_to_loopback_without_interface_variable():
@@ -242,10 +242,10 @@ def test_unreachable_master_in_a_namespace(namespace):
 @pytest.mark.netns
 def test_loopback_hostname_in_a_namespace_names_the_route_interface(namespace):
     ns, ns_if, address = namespace
-    host_addresses, _ = doctor.resolve(socket.gethostname())
+    host_addresses, _ = net.resolve(socket.gethostname())
     rc, checks = _doctor_in(ns, "--master-addr", address, "--master-port", 29500)
     gloo = checks["gloo iface"]
-    if host_addresses and all(doctor.is_loopback(a) for a in host_addresses):
+    if host_addresses and all(net.is_loopback(a) for a in host_addresses):
         # a multi-host master address and gloo would bind 127.0.0.1: a failure naming the interface
         assert rc == 1 and gloo["status"] == "FAIL"
         assert gloo["fix"] == f"export GLOO_SOCKET_IFNAME={ns_if}"

@@ -227,7 +227,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
     """Every rank: link, compute and per-hook step times for ``trainer``'s model and batch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..doctor import measure_allreduce_seconds
+    from ..net import measure_allreduce_seconds
     from ..trainer import ddp_options, to_device
 
     device, world = trainer.device, trainer.world_size
