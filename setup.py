@@ -109,7 +109,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["ddpx", "ddpx.*"]) + ["ddpx_plugins"],
-    package_dir={"ddpx_plugins": "plugins"},
+    # plugins/ is a source root: the folder plugins/ddpx_plugins is named as it is imported
+    package_dir={"ddpx_plugins": "plugins/ddpx_plugins"},
     package_data={"ddpx": ["data/*.csv.gz", "configs/*.yaml"]},
     ext_modules=_extensions(),
     cmdclass=_cmdclass(),
