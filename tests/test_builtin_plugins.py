@@ -220,9 +220,10 @@ def test_should_step_windows_and_short_final_window():
     from ddpx_plugins import accumulation
 
     trainer = SimpleNamespace(accumulation=accumulation.AccumulationState(4))
+    hooks = accumulation.AccumulationSteps(trainer.accumulation)
     steps, windows = [], []
     for i in range(10):
-        steps.append(accumulation.ddpx_should_step(trainer=trainer, batch_index=i, num_batches=10))
+        steps.append(hooks.ddpx_should_step(trainer=trainer, batch_index=i, num_batches=10))
         windows.append(trainer.accumulation.window)
     assert [i + 1 for i, s in enumerate(steps) if s] == [4, 8, 10]
     assert windows == [4] * 8 + [2, 2]
@@ -341,14 +342,15 @@ def test_amp_unscales_before_clipping_and_restores_the_scaler():
     loss = torch.nn.functional.cross_entropy(trainer.module(x), y)
     reference = torch.autograd.grad(loss, list(trainer.module.parameters()), retain_graph=True)
     true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in reference])).item()
-    assert amp.ddpx_backward(trainer=trainer, loss=loss) is True
+    steps = amp.ScaledSteps(trainer.amp)  # the per-step hooks fp16 attaches
+    assert steps.ddpx_backward(trainer=trainer, loss=loss) is True
     assert trainer.module.weight.grad.abs().max() > 100 * reference[0].abs().max()  # scaled by 1024
-    assert amp.ddpx_optimizer_step(trainer=trainer) is True
+    assert steps.ddpx_optimizer_step(trainer=trainer) is True
     assert trainer.norms_seen == [pytest.approx(true_norm, rel=1e-5)]  # clipping saw the true gradients
 
     trainer.module.weight.grad = torch.full_like(trainer.module.weight, math.inf)
     before = trainer.module.weight.detach().clone()
-    assert amp.ddpx_optimizer_step(trainer=trainer) is False
+    assert steps.ddpx_optimizer_step(trainer=trainer) is False
     assert torch.equal(trainer.module.weight, before)
     assert trainer.amp.skipped_steps == 1 and trainer.amp.scaler.get_scale() == 512.0
 

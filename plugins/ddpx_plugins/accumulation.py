@@ -13,9 +13,10 @@ micro-batch loss. The core steps the LR scheduler once per optimizer step.
 
 Config section ``accumulation``: ``steps`` (1: no accumulation).
 
-Per-run state lives in ``trainer.accumulation`` (an :class:`AccumulationState`).
-The per-step hooks are attached (plugin ``accumulation.steps``) only when
-``steps`` > 1: without accumulation the plugin costs nothing per step.
+Per-run state lives in ``trainer.accumulation`` (an :class:`AccumulationState`),
+the per-step hooks in :class:`AccumulationSteps`, attached (plugin
+``accumulation.steps``) only when ``steps`` > 1: without accumulation the
+plugin costs nothing per step (docs/plugins.md, "Per-run state").
 """
 
 import contextlib
@@ -26,6 +27,8 @@ from ddpx.plugin import attach
 
 
 class AccumulationState:
+    """What one run of the plugin holds (``trainer.accumulation``)."""
+
     def __init__(self, steps):
         self.steps = steps
         self.window = 1  # micro-batches in the current window (the loss divisor)
@@ -50,18 +53,6 @@ def ddpx_setup(trainer):
         attach(trainer.plugin_manager, AccumulationSteps(trainer.accumulation), "accumulation.steps")
 
 
-def ddpx_should_step(trainer, batch_index, num_batches):
-    """The window rule. Deliberately unmarked here: :class:`AccumulationSteps`
-    attaches it as the hook only when ``steps`` > 1."""
-    acc = trainer.accumulation
-    if acc.steps == 1:
-        return None  # the core's default: every micro-batch steps
-    start = batch_index - batch_index % acc.steps
-    end = start + acc.steps if num_batches is None else min(start + acc.steps, num_batches)
-    acc.window = end - start
-    return batch_index + 1 >= end
-
-
 class AccumulationSteps:
     """The per-step hooks (attached only when ``steps`` > 1)."""
 
@@ -70,7 +61,12 @@ class AccumulationSteps:
 
     @hookimpl
     def ddpx_should_step(self, trainer, batch_index, num_batches):
-        return ddpx_should_step(trainer, batch_index, num_batches)
+        """The window rule: the last micro-batch of a window of ``steps`` (or of the epoch) steps."""
+        acc = self.acc
+        start = batch_index - batch_index % acc.steps
+        end = start + acc.steps if num_batches is None else min(start + acc.steps, num_batches)
+        acc.window = end - start
+        return batch_index + 1 >= end
 
     @hookimpl(wrapper=True)
     def ddpx_micro_step(self, trainer, batch, sync):

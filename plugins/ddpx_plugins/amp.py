@@ -15,8 +15,9 @@ Config section ``amp``: ``enabled`` (false), ``dtype`` (``fp16`` | ``bf16``),
 ``init_scale`` (65536.0, fp16 only).
 
 Per-run state lives in ``trainer.amp`` (an :class:`AmpState`, or None when
-disabled). The per-step hooks are attached (plugin ``amp.steps``) only when
-AMP is enabled: disabled, it costs nothing per step.
+disabled), the per-step hooks in :class:`AutocastSteps` / :class:`ScaledSteps`,
+attached (plugin ``amp.steps``) only when AMP is enabled: disabled, it costs
+nothing per step (docs/plugins.md, "Per-run state").
 """
 
 from ddpx import hookimpl
@@ -29,7 +30,7 @@ MIN_SCALE = 2.0 ** -16
 
 
 class AmpState:
-    """What one run of the AMP plugin holds."""
+    """What one run of the AMP plugin holds (``trainer.amp``)."""
 
     def __init__(self, device_type, dtype, scaler):
         self.device_type = device_type
@@ -97,42 +98,26 @@ class ScaledSteps(AutocastSteps):
 
     @hookimpl
     def ddpx_backward(self, trainer, loss):
-        return ddpx_backward(trainer, loss)
+        self.amp.scaler.scale(loss).backward()
+        return True
 
     @hookimpl
     def ddpx_optimizer_step(self, trainer):
-        return ddpx_optimizer_step(trainer)
-
-
-# The bodies of ScaledSteps' hooks, deliberately unmarked here (attached only with fp16).
-
-
-def ddpx_backward(trainer, loss):
-    amp = trainer.amp
-    if amp is None or amp.scaler is None:
-        return None
-    amp.scaler.scale(loss).backward()
-    return True
-
-
-def ddpx_optimizer_step(trainer):
-    amp = trainer.amp
-    if amp is None or amp.scaler is None:
-        return None
-    scaler = amp.scaler
-    scaler.unscale_(trainer.optimizer)
-    trainer.clip_gradients()
-    scale = scaler.get_scale()
-    scaler.step(trainer.optimizer)  # skipped inside if any gradient is inf/NaN
-    scaler.update()
-    new_scale = scaler.get_scale()
-    if new_scale < scale:  # update() backs the scale off only after an overflow
-        amp.skipped_steps += 1
-        if new_scale < MIN_SCALE:  # the same on every rank: the gradients were all-reduced
-            trainer.nonfinite_loss(f"by optimizer step {trainer.global_step + 1} (epoch {trainer.epoch}): every "
-                                   f"fp16 step overflowed until the loss scale fell to {new_scale:g}", by_step_skipper=True)
-        return False
-    return True
+        amp, scaler = self.amp, self.amp.scaler
+        scaler.unscale_(trainer.optimizer)
+        trainer.clip_gradients()
+        scale = scaler.get_scale()
+        scaler.step(trainer.optimizer)  # skipped inside if any gradient is inf/NaN
+        scaler.update()
+        new_scale = scaler.get_scale()
+        if new_scale < scale:  # update() backs the scale off only after an overflow
+            amp.skipped_steps += 1
+            if new_scale < MIN_SCALE:  # the same on every rank: the gradients were all-reduced
+                trainer.nonfinite_loss(f"by optimizer step {trainer.global_step + 1} (epoch {trainer.epoch}): every "
+                                       f"fp16 step overflowed until the loss scale fell to {new_scale:g}",
+                                       by_step_skipper=True)
+            return False
+        return True
 
 
 @hookimpl(tryfirst=True)  # before the logging plugin writes the epoch's metrics

@@ -33,7 +33,7 @@ Config section ``logging``: ``progress`` (true), ``all_ranks`` (false),
 per-epoch lines), ``metrics_file`` (``metrics.jsonl``; relative to the run
 directory), ``tensorboard`` (false).
 
-Per-run state lives in ``trainer.metrics_log`` (a :class:`MetricsLog`).
+Per-run state lives in ``trainer.logging`` (a :class:`MetricsLog`; docs/plugins.md, "Per-run state").
 """
 
 import json
@@ -268,12 +268,12 @@ def ddpx_setup(trainer):
     configure_logger(trainer.rank, cfg["all_ranks"])
     path = os.path.join(str(trainer.run_dir), cfg["metrics_file"])
     samples_per_batch = trainer.world_size * trainer.config.trainer.batch_size
-    trainer.metrics_log = MetricsLog(path, cfg["every_steps"], cfg["progress"], samples_per_batch)
+    trainer.logging = MetricsLog(path, cfg["every_steps"], cfg["progress"], samples_per_batch)
 
 
 @hookimpl
 def ddpx_train_start(trainer):
-    log = trainer.metrics_log
+    log = trainer.logging
     log.start = log.mark = time.perf_counter()
     if trainer.rank != 0:
         return
@@ -293,7 +293,7 @@ def ddpx_train_start(trainer):
 
 @hookimpl(trylast=True)  # after the sampler has set the epoch: len(train_loader) is this epoch's
 def ddpx_epoch_start(trainer, epoch):
-    log = trainer.metrics_log
+    log = trainer.logging
     log.mark = time.perf_counter()
     if log.window is None:
         return
@@ -309,7 +309,7 @@ def ddpx_epoch_start(trainer, epoch):
 
 @hookimpl(trylast=True)  # after other plugins added their entries to ``metrics``
 def ddpx_epoch_end(trainer, epoch, metrics):
-    log = trainer.metrics_log
+    log = trainer.logging
     if trainer.rank != 0:
         return
     log.advance_bar()
@@ -329,11 +329,11 @@ def _format(value):
 
 @hookimpl
 def ddpx_train_end(trainer):
-    trainer.metrics_log.close()
+    trainer.logging.close()
 
 
 @hookimpl
 def ddpx_exception(trainer, exc):
-    log = getattr(trainer, "metrics_log", None)
+    log = getattr(trainer, "logging", None)
     if log is not None:
         log.close()

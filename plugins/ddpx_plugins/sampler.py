@@ -14,6 +14,8 @@ Config section ``sampler``: ``shuffle`` (true), ``drop_last`` (false: the short
 tail of an epoch is divided across ranks instead of dropped). The loaders use
 ``trainer.batch_size`` (per rank), ``trainer.eval_batch_size``,
 ``trainer.num_workers``; memory is pinned when training on CUDA.
+
+Per-run state lives in ``trainer.sampler`` (a :class:`SamplerState`; docs/plugins.md, "Per-run state").
 """
 
 from ddpx import hookimpl
@@ -66,13 +68,25 @@ def _batch_sampler(trainer):
     return sampler if isinstance(sampler, ResumableDistributedBatchSampler) else None
 
 
+class SamplerState:
+    """What one run of the plugin holds (``trainer.sampler``)."""
+
+    def __init__(self):
+        self.synced = 0  # batches of trainer.epoch_batches already in the sampler's position
+
+
+@hookimpl
+def ddpx_setup(trainer):
+    trainer.sampler = SamplerState()
+
+
 @hookimpl(tryfirst=True)  # before anything reads len(train_loader) for this epoch
 def ddpx_epoch_start(trainer, epoch):
     sampler = _batch_sampler(trainer)
     if sampler is None:
         return
     sampler.set_epoch(epoch)  # the same epoch again (a resumed run) keeps the position
-    trainer.sampler_synced = 0  # batches of trainer.epoch_batches already in the position
+    trainer.sampler.synced = 0
 
 
 def synced_sampler(trainer):
@@ -81,11 +95,11 @@ def synced_sampler(trainer):
     sampler = _batch_sampler(trainer)
     if sampler is None:
         return None
-    done = trainer.epoch_batches
-    behind = done - getattr(trainer, "sampler_synced", done)
+    state, done = trainer.sampler, trainer.epoch_batches
+    behind = done - state.synced
     if behind > 0:
         sampler.advance(behind)
-        trainer.sampler_synced = done
+        state.synced = done
     return sampler
 
 
