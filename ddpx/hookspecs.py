@@ -13,24 +13,19 @@ subset of the arguments). Kinds of hook:
   ``yield``\\ s once (inside e.g. ``autocast()`` or ``no_sync()``), receives the
   inner result from the ``yield`` and returns it, possibly changed.
 
-The order of one micro-batch; the optimizer step happens on the last one of
-an optimizer step's ``accumulate`` micro-batches (``sync`` true)::
-
-    ddpx_should_step -> ddpx_micro_step [ ddpx_forward -> ddpx_backward ]
-    -> if sync: ddpx_optimizer_step -> (zero grads, scheduler step, global_step += 1)
-    -> ddpx_batch_end (every micro-batch) -> if sync: calls scheduled with trainer.call_at_step
-
-At an epoch's end: the epoch's loss is all-reduced (a non-finite one stops or
-warns, ``trainer.nonfinite``), ``ddpx_evaluate`` runs, then ``ddpx_epoch_end``.
-
-``trainer`` is a :class:`ddpx.trainer.Trainer`; its public attributes
-(``config``, ``model``, ``module``, ``optimizer``, ``scheduler``, ``rank``,
-``world_size``, ``local_rank``, ``device``, ``epoch``, ``global_step``,
-``run_dir``, ``plugin_manager``) are documented there.
+The order of the hooks is :data:`HOOK_ORDER`; the trainer attributes and
+methods a plugin may use are :data:`TRAINER_ATTRIBUTES` and
+:data:`TRAINER_METHODS`. This module is their one source: the
+:class:`ddpx.trainer.Trainer` docstring and the hook reference
+``docs/hooks.md`` are made from it (``python -m ddpx.hookspecs >
+docs/hooks.md``; ``tests/test_docs.py`` fails when the file is stale).
 """
 
 from __future__ import annotations
 
+import inspect
+import re
+import sys
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from .markers import hookspec
@@ -41,6 +36,84 @@ if TYPE_CHECKING:  # imported only for the annotations
 
     from .config import Config
     from .trainer import Trainer
+
+
+HOOK_ORDER = """\
+At start-up (every rank): ddpx_configure -> ddpx_setup -> ddpx_build_model -> ddpx_ddp_options
+(asked by the core's ddpx_wrap_model) -> ddpx_wrap_model -> ddpx_model_wrapped -> ddpx_build_dataloaders
+-> ddpx_train_start (a checkpoint is restored here).
+
+Every epoch: ddpx_epoch_start, then for every micro-batch:
+
+    ddpx_should_step -> ddpx_micro_step [ ddpx_forward -> ddpx_backward ]
+    -> if sync: ddpx_optimizer_step -> (zero grads, scheduler step, global_step += 1)
+    -> ddpx_batch_end (after EVERY micro-batch, stepped or not; `stepped` tells which)
+    -> if sync: the calls scheduled with trainer.call_at_step
+
+`sync` is true on the micro-batch that ends an optimizer step (the last of
+`accumulation.steps` micro-batches). At the epoch's end the epoch's loss is
+all-reduced (a non-finite one stops or warns, `trainer.nonfinite`),
+ddpx_evaluate runs, then ddpx_epoch_end.
+
+At the end: ddpx_train_end (training finished normally) or ddpx_exception
+(training is aborting); ddpx_state_dict / ddpx_load_state_dict whenever a
+checkpoint is saved or restored."""
+
+TRAINER_ATTRIBUTES = {
+    "config": "the validated :class:`~ddpx.config.Config`",
+    "plugin_manager": "the pluggy plugin manager of the run",
+    "hook": "``plugin_manager.hook``, to call a hook (``trainer.hook.ddpx_evaluate(...)``)",
+    "rank": "this process's global rank",
+    "world_size": "the number of ranks",
+    "local_rank": "the rank on this node",
+    "device": "the ``torch.device`` this rank trains on",
+    "backend": "the process group backend (``gloo``, ``nccl``, ...)",
+    "model": "the wrapped model (DistributedDataParallel, compiled with ``trainer.compile``)",
+    "module": "the unwrapped model",
+    "optimizer": "the optimizer",
+    "scheduler": "the LR scheduler, or None",
+    "loss_fn": "the loss function (``loss.target``), or None when the model computes its loss",
+    "train_set": "the training data set",
+    "eval_set": "the evaluation data set, or None",
+    "train_loader": "the training data loader",
+    "eval_loader": "the evaluation data loader, or None",
+    "epoch": "the epoch running or about to run (0-based)",
+    "global_step": "optimizer-step boundaries so far",
+    "batch_index": "the micro-batch in the epoch",
+    "num_batches": "micro-batches of the running epoch on this rank (``len(train_loader)`` at its start)",
+    "epoch_batches": "micro-batches of the running epoch trained so far by this run",
+    "epoch_finished": "whether every batch of the running epoch was trained",
+    "step_callers": "the per-step hook callables of the running epoch (:func:`ddpx.step_hooks.step_callers`)",
+    "run_dir": "the run directory (``pathlib.Path``; exists on every rank)",
+    "last_loss": "the detached loss tensor of the last micro-batch",
+    "metrics": "one dict of metrics per finished epoch",
+    "is_main": "rank 0",
+    "log": "the rank-aware ``ddpx`` logger",
+    "stop_requested": "set by :meth:`request_stop`: the loop stops at the next batch boundary",
+    "stop_signal_handler": "a plugin's callable that takes SIGTERM/SIGINT instead of stopping at once",
+    "end_reason": "why training ends early, set through :meth:`end_training`",
+    "last_finite_checkpoint": "the newest checkpoint saved or resumed (all hold finite weights)",
+    "skips_nonfinite_steps": "a plugin skips optimizer steps with non-finite gradients (fp16 AMP)",
+}
+
+TRAINER_METHODS = {
+    "clip_gradients()": "clip the gradient norm to ``trainer.grad_clip``; returns the norm",
+    "evaluate(loader=None)": "metrics on ``loader`` (default: the eval loader), reduced over all ranks",
+    "state_dict()": "every plugin's ``ddpx_state_dict`` entries, merged",
+    "request_stop(signum)": "stop at the next batch boundary (every rank at the same step)",
+    "end_training(reason)": "finish normally after the running epoch (every rank in the same epoch)",
+    "nonfinite_loss(where)": "act on ``trainer.nonfinite`` for a non-finite loss (every rank alike)",
+    "nonfinite_weights(where)": "act on ``trainer.nonfinite`` for non-finite weights (every rank alike)",
+    "call_at_step(step, callback)": "call ``callback(trainer)`` once at the first step boundary >= ``step``",
+    "open_loss_window()": "a window over the micro-batch losses from now on (``take()``, ``pending``)",
+}
+
+
+def trainer_attribute_text() -> str:
+    """The attributes and methods as reST lines (the Trainer's docstring)."""
+    lines = [f"``{name}``: {text}" for name, text in TRAINER_ATTRIBUTES.items()]
+    lines += [f":meth:`{name.partition('(')[0]}`: {text}" for name, text in TRAINER_METHODS.items()]
+    return "\n".join(f"* {line}" for line in lines)
 
 
 # --- configuration and set-up --------------------------------------------------------
@@ -201,3 +274,78 @@ def ddpx_load_state_dict(trainer: "Trainer", state: Mapping[str, Any]) -> None:
 def all_hook_names() -> Iterable[str]:
     """Names of every hook specified here."""
     return sorted(n for n in globals() if n.startswith("ddpx_"))
+
+
+# --- the hook reference (docs/hooks.md) -------------------------------------------------------
+
+WRAPPERS = ("ddpx_micro_step", "ddpx_forward")
+
+
+def _kind(name: str) -> str:
+    if name in WRAPPERS:
+        return "wrapper"
+    opts = globals()[name].ddpx_spec
+    return "first result" if opts.get("firstresult") else "every plugin"
+
+
+def _markdown_doc(text: str) -> str:
+    """reST inline markup to Markdown: ``x`` -> `x`, :func:`x` -> `x`."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
+
+
+def reference_markdown() -> str:
+    """docs/hooks.md: every hook with its signature and docstring, in the order of this
+    module, the hook order and the trainer's attributes and methods."""
+    out = [
+        "# Hook reference",
+        "",
+        "<!-- Generated from ddpx/hookspecs.py by `python -m ddpx.hookspecs > docs/hooks.md`;",
+        "     tests/test_docs.py fails when this file is stale. Edit ddpx/hookspecs.py, not this file. -->",
+        "",
+        "Every hook a ddpx plugin can implement, in the order of a run. Kinds: *every plugin* "
+        "(each implementation is called; results are collected), *first result* (the first "
+        "implementation returning something other than `None` wins; the core's default runs last), "
+        "*wrapper* (implement with `@hookimpl(wrapper=True)` as a generator that yields once). "
+        "Writing a plugin, and the built-in plugins: [plugins.md](plugins.md).",
+        "",
+        "## The order of the hooks",
+        "",
+        "```",
+        HOOK_ORDER,
+        "```",
+        "",
+        "## The hooks",
+        "",
+    ]
+    section = None
+    for name in _hooks_in_source_order(inspect.getsource(sys.modules[__name__])):
+        fn = globals()[name]
+        heading = _SECTIONS.get(name)
+        if heading and heading != section:
+            section = heading
+            out += [f"### {heading}", ""]
+        params = ", ".join(inspect.signature(fn).parameters)
+        doc = _markdown_doc(inspect.cleandoc(fn.__doc__ or ""))
+        out += [f"#### `{name}({params})`", "", f"*{_kind(name)}*", "", doc, ""]
+    out += ["## What a plugin may use on the trainer", "",
+            "Attributes of `trainer` (a `ddpx.trainer.Trainer`):", ""]
+    out += [f"- `{name}`: {_markdown_doc(text)}" for name, text in TRAINER_ATTRIBUTES.items()]
+    out += ["", "Methods:", ""]
+    out += [f"- `trainer.{name}`: {_markdown_doc(text)}" for name, text in TRAINER_METHODS.items()]
+    return "\n".join(out) + "\n"
+
+
+_SECTIONS = {
+    "ddpx_config_defaults": "Configuration and set-up",
+    "ddpx_train_start": "The loop",
+    "ddpx_state_dict": "Checkpoints",
+}
+
+
+def _hooks_in_source_order(source: str) -> list:
+    return re.findall(r"^def (ddpx_\w+)\(", source, flags=re.M)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(reference_markdown())

@@ -18,6 +18,7 @@ import os
 import pathlib
 import signal
 import sys
+import textwrap
 import threading
 from typing import Optional
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from . import distributed
+from . import distributed, hookspecs
 from .batchnorm import convert_sync_batchnorm
 from .config import Config
 from .core import CorePlugin, batch_size, ddp_options, model_loss, to_device  # noqa: F401  (their old home)
@@ -145,27 +146,7 @@ class LossWindow:
 
 
 class Trainer:
-    """One rank's training run. Public attributes (plugins may read them):
-
-    ``config``, ``plugin_manager``, ``rank``, ``world_size``, ``local_rank``,
-    ``device``, ``backend``, ``model`` (wrapped, e.g. DDP), ``module``
-    (unwrapped), ``optimizer``, ``scheduler``, ``loss_fn``, ``train_set``,
-    ``eval_set``, ``train_loader``, ``eval_loader``, ``epoch`` (0-based, the
-    epoch running or about to run), ``global_step`` (optimizer-step
-    boundaries so far), ``batch_index`` (micro-batch in the epoch),
-    ``num_batches`` (micro-batches of the running epoch on this rank, from
-    ``len(train_loader)`` at its start), ``epoch_batches`` (micro-batches of it
-    trained so far by this run),
-    ``run_dir`` (pathlib.Path, exists on every rank), ``last_loss`` (detached
-    tensor of the last micro-batch), ``is_main`` (rank 0), ``log`` (rank-aware
-    logger ``ddpx``), ``stop_requested`` (set through :meth:`request_stop`, e.g.
-    by the checkpoint plugin's signal handling; the loop stops at the next
-    batch boundary and raises :class:`TrainingStopped`),
-    ``stop_signal_handler`` (a plugin's callable taking SIGTERM/SIGINT; see
-    "signals" below), ``end_reason`` (why training ends early, set through
-    :meth:`end_training`, e.g. by early stopping), ``last_finite_checkpoint``
-    (the newest checkpoint saved or resumed, all of which hold finite weights;
-    set by the checkpoint plugin).
+    """One rank's training run.
 
     A non-finite loss or weights (``trainer.nonfinite``): see
     :meth:`nonfinite_loss`; the core checks the epoch's all-reduced loss, the
@@ -176,6 +157,10 @@ class Trainer:
     timing window) schedule a call with :meth:`call_at_step` instead of
     implementing ``ddpx_batch_end``, which runs every micro-batch; a window of
     the micro-batch losses comes from :meth:`open_loss_window`.
+
+    What plugins may use (listed once, in :data:`ddpx.hookspecs.TRAINER_ATTRIBUTES`
+    and :data:`~ddpx.hookspecs.TRAINER_METHODS`):
+
     """
 
     def __init__(self, config: Config, plugin_manager=None):
@@ -555,3 +540,6 @@ class Trainer:
         self._epoch_batches += len(losses)
         losses.clear()
 
+
+if Trainer.__doc__ is not None:  # None under python -OO
+    Trainer.__doc__ += textwrap.indent(hookspecs.trainer_attribute_text(), "    ") + "\n"

@@ -49,3 +49,32 @@ def test_readme_links_to_docs_resolve():
     assert any(link.startswith("docs/") for link in links)
     missing = [link for link in links if not os.path.exists(os.path.join(ROOT, link))]
     assert not missing, missing
+
+
+def test_the_hook_reference_is_generated_from_hookspecs():
+    """docs/hooks.md is made from ddpx/hookspecs.py; regenerate it with
+    ``python -m ddpx.hookspecs > docs/hooks.md``."""
+    with open(os.path.join(DOCS, "hooks.md")) as f:
+        committed = f.read()
+    assert committed == hookspecs.reference_markdown(), "docs/hooks.md is stale: python -m ddpx.hookspecs > docs/hooks.md"
+
+
+def test_the_reference_states_when_batch_end_runs():
+    text = hookspecs.reference_markdown()
+    assert "ddpx_batch_end (after EVERY micro-batch" in text
+    assert "runs after every micro-batch" in inspect.getdoc(hookspecs.ddpx_batch_end).lower().replace("\n", " ")
+
+
+def test_the_trainer_attribute_list_is_complete_and_exists():
+    """hookspecs.TRAINER_ATTRIBUTES is the one list: every public attribute a Trainer
+    has is in it, every listed name exists, and the Trainer's docstring is made from it."""
+    from ddpx.config import load_config
+    from ddpx.trainer import Trainer
+
+    trainer = Trainer(load_config(None, ["logging.progress=false"]))
+    public = {name for name in vars(trainer) if not name.startswith("_")}
+    public |= {name for name, value in vars(Trainer).items() if isinstance(value, property)}
+    assert public <= set(hookspecs.TRAINER_ATTRIBUTES), public - set(hookspecs.TRAINER_ATTRIBUTES)
+    assert all(hasattr(trainer, name) for name in hookspecs.TRAINER_ATTRIBUTES)
+    assert all(hasattr(trainer, name.partition("(")[0]) for name in hookspecs.TRAINER_METHODS)
+    assert "``last_finite_checkpoint``" in Trainer.__doc__
