@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from ddpx.launch import free_port
+from ddpx.net import free_port
 
 
 def _run(rank, world, port, args, out_file):

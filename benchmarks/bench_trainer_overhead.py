@@ -69,7 +69,7 @@ def worker_env(**extra) -> dict:
 
 def one_rank_env() -> dict:
     """torchrun's variables for a world of one process, on a free port."""
-    from ddpx.launch import free_port
+    from ddpx.net import free_port
 
     return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port())}

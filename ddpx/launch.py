@@ -21,7 +21,6 @@ from typing import Mapping, Optional, Sequence
 from . import net, slurm
 from .config import load_config, user_module_dirs
 from .errors import DdpxError, TrainingDiverged
-from .net import free_port  # noqa: F401  (doctor and the tests import it from here)
 
 WORKER_MODULE = "ddpx.worker"
 DONE_DIR_ENV = "DDPX_DONE_DIR"  # each worker that finishes training writes a marker file here

@@ -9,17 +9,15 @@ import importlib.metadata
 import itertools
 import json
 import os
-import subprocess
 import sys
-import time
 import types
 
 import pytest
 
 from ddpx.bench import comm
 from ddpx.bench.comm import BASELINE, HookTiming, Measurement, recommend
-from tests import utils
-from tests.utils import free_port, run_cli
+import harness
+from ddpx.net import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -88,11 +86,11 @@ def test_prediction_is_compute_plus_wire_time():
 MODEL = ["model.args.hidden=1024", "comm_hook.native=false", "logging.progress=false"]
 
 
-def test_loopback_recommends_no_compression():
+def test_loopback_recommends_no_compression(ranks):
     # compute-bound on loopback: a large batch per rank, 4 micro-batches per allreduce. With one
     # micro-batch the allreduce was 15-16% of a step on this 2-core box (CPU contention, not the
     # link), where the advice's threshold lies, and int8 came out 10% faster now and then.
-    rc, out, err = run_cli(["bench", "comm", *MODEL, "trainer.batch_size=512", "accumulation.steps=4",
+    rc, out, err = ranks.cli(["bench", "comm", *MODEL, "trainer.batch_size=512", "accumulation.steps=4",
                             "--hooks", "fp16,int8",
                             "--steps", "3", "--json"], timeout=180)
     assert rc == 0, out + err
@@ -105,43 +103,23 @@ def test_loopback_recommends_no_compression():
     assert "no compression" in report["advice"]["lines"][0]
 
 
-@pytest.fixture
-def two_hosts():
-    """Two namespaces joined by a veth pair shaped to 100 Mbit/s in both directions."""
-    with utils.two_hosts(rate="100mbit") as hosts:
-        yield hosts
-
-
 @pytest.mark.netns
-@pytest.mark.skipif(not utils.netns_available(tc=True), reason="needs root, ip netns and tc")
-def test_slow_link_recommends_compression(two_hosts, tmp_path):
+@pytest.mark.skipif(not harness.netns_available(tc=True), reason="needs root, ip netns and tc")
+@pytest.mark.parametrize("two_hosts", ["100mbit"], indirect=True)  # both directions shaped to 100 Mbit/s
+def test_slow_link_recommends_compression(ranks, two_hosts, tmp_path):
     endpoint = f"{two_hosts[0][2]}:{free_port()}"
-    procs = []
-    for node_rank, (ns, iface, _) in enumerate(two_hosts):
+    cmds = []
+    for ns, iface, _ in two_hosts:
         # the README's multi-node options (c10d); ddpx picks each namespace's interface
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "bench", "comm", *MODEL,
-               "trainer.batch_size=64", "--hooks", "fp16,int8", "--steps", "3", "--json",
-               "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-        # files, not pipes: an undrained pipe would block a chatty node and hang the other
-        out, err = open(tmp_path / f"node{node_rank}.out", "w"), open(tmp_path / f"node{node_rank}.err", "w")
-        procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=tmp_path, start_new_session=True))
-    deadline = time.monotonic() + 150
-    for p in procs:
-        try:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    hung = [i for i, p in enumerate(procs) if p.poll() is None]
-    for i in hung:
-        os.killpg(procs[i].pid, 9)
-    for p in procs:
-        p.wait()
-    outputs = [((tmp_path / f"node{i}.out").read_text(), (tmp_path / f"node{i}.err").read_text()) for i in range(2)]
-    tails = "\n".join(f"--- node {i} stderr ---\n{err[-3000:]}" for i, (_, err) in enumerate(outputs))
-    assert not hung, f"node(s) {hung} did not finish within 150 s\n{tails}"
-    assert [p.returncode for p in procs] == [0, 0], tails
-    report = json.loads(next(out for out, _ in outputs if out.strip()))  # from the node that got rank 0
+        cmds.append(["ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "bench", "comm", *MODEL,
+                     "trainer.batch_size=64", "--hooks", "fp16,int8", "--steps", "3", "--json",
+                     "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint])
+    nodes = ranks.commands(cmds, tmp_path, timeout=150, env={"PYTHONPATH": os.getcwd()}, cwd=tmp_path,
+                           names=["node0", "node1"], split_stderr=True)
+    tails = "\n".join(f"--- node {i} stderr ---\n{node.errors[-3000:]}" for i, node in enumerate(nodes))
+    assert not any(node.hung for node in nodes), f"a node did not finish within 150 s\n{tails}"
+    assert [node.returncode for node in nodes] == [0, 0], tails
+    report = json.loads(next(node.output for node in nodes if node.output.strip()))  # from the node that got rank 0
     m, advice = report["measurement"], report["advice"]
     # the 100 Mbit/s (12.5 MB/s) link, not loopback (GB/s); tbf's 1 MB burst lets a short transfer beat the rate
     assert m["link_bytes_per_s"] < 25e6
@@ -209,11 +187,11 @@ def _monitor_enabled_args():
     return [] if installed else ["plugins.enable=[ddpx_plugins.comm_monitor]"]
 
 
-def test_training_warns_once_with_the_options(tmp_path):
+def test_training_warns_once_with_the_options(ranks, tmp_path):
     args = ["train", *_monitor_enabled_args(), "trainer.max_steps=10", "logging.progress=false",
             "comm_monitor.start_step=1", "comm_monitor.window_steps=2", "comm_monitor.every_steps=3",
             "comm_monitor.threshold=0.0", "checkpoint.enabled=false"]
-    rc, out, err = run_cli(args, timeout=120, cwd=tmp_path)
+    rc, out, err = ranks.cli(args, timeout=120, cwd=tmp_path)
     assert rc == 0, out + err
     warnings = [line for line in err.splitlines() if "communication takes about" in line]
     assert len(warnings) == 1, err

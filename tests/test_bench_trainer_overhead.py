@@ -14,6 +14,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["--skip-launch", "--noise-floor"])
 def test_interleaved_comparison_reports_its_ratios(mode, tmp_path):
     proc = subprocess.run([sys.executable, BENCH, mode, "--interleaved-launches", "1", "--rounds", "2", "--json"],
@@ -37,6 +38,7 @@ def test_interleaved_comparison_reports_its_ratios(mode, tmp_path):
         assert 0 < r["own_work_us"] < 0.5 * r["hand_cpu_us"]
 
 
+@pytest.mark.slow
 def test_a_bad_override_is_one_line_before_anything_launches(tmp_path):
     proc = subprocess.run([sys.executable, BENCH, "--skip-launch", "trainer.epoch=3"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
@@ -75,6 +77,7 @@ def import_bench():
     return bench_trainer_overhead
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop,epochs", [("hand", 1), ("ddpx", 2)])
 def test_count_worker_runs_the_asked_epochs_of_one_loop(loop, epochs, tmp_path):
     bench = import_bench()

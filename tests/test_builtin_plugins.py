@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -21,10 +19,9 @@ import torch.distributed as dist
 import yaml
 
 from ddpx import hookimpl
-from ddpx.launch import free_port
+from ddpx.net import free_port
 from ddpx.data import digits_split
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
 
 
@@ -111,11 +108,9 @@ def ddpx_train_end(trainer):
 # --- running 2 ranks -----------------------------------------------------------------------
 
 
-def run_ranks(tmp_path, config, timeout=120, agent_store=True):
-    """Train ``config`` on WORLD gloo ranks; return (records, stderr per rank, run_dir).
-
-    ``agent_store``: this process serves the rendezvous store, as torchrun's agent
-    does; otherwise the ranks start as srun or mpirun would start them (rank 0 serves it)."""
+def run_ranks(ranks, tmp_path, config, timeout=120, agent_store=True):
+    """Train ``config`` on WORLD gloo ranks with this module as a plugin recording every
+    rank; return (records, output per rank, run_dir). ``agent_store``: see ``ranks.train``."""
     run_dir = tmp_path / "run"
     config = dict(config, run_dir=str(run_dir))
     config.setdefault("plugins", {})["enable"] = ["tests.test_builtin_plugins"]
@@ -123,53 +118,12 @@ def run_ranks(tmp_path, config, timeout=120, agent_store=True):
     config.setdefault("trainer", {}).update(backend="gloo", device="cpu", timeout_s=60, first_timeout_s=60)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if agent_store else None
-    env = dict(
-        {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")},
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port if agent_store else free_port()),
-        TORCHELASTIC_USE_AGENT_STORE=str(agent_store),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-    )
-    logs = [tmp_path / f"rank{rank}.log" for rank in range(WORLD)]
-    procs = []
-    for rank in range(WORLD):  # output to files: a full pipe must not block a rank mid-collective
-        with open(logs[rank], "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "ddpx.worker", "--config", str(path)],
-                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                    cwd=tmp_path,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    deadline = time.monotonic() + timeout
-    failed = []
-    for rank, proc in enumerate(procs):
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            proc.wait()
-            failed.append((rank, f"did not finish within {timeout} s"))
-        else:
-            if proc.returncode != 0:
-                failed.append((rank, f"exited with {proc.returncode}"))
-    outputs = [log.read_text() for log in logs]
-    if failed:
-        for p in procs:
-            p.kill()
-        raise AssertionError("\n".join(f"rank {rank} {what}:\n{outputs[rank][-3000:]}" for rank, what in failed))
+    outputs = ranks.train(run_dir, path, WORLD, timeout, agent_store=agent_store)
     records = [torch.load(run_dir / f"record{rank}.pt", weights_only=False) for rank in range(WORLD)]
     return records, outputs, run_dir
 
 
-def test_ranks_started_without_torchrun_rendezvous_through_rank_0(tmp_path):
+def test_ranks_started_without_torchrun_rendezvous_through_rank_0(ranks, tmp_path):
     """srun, mpirun or a script set RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and start
     the workers themselves: nobody else serves the store, so rank 0 must (it used to wait
     as a client for trainer.first_timeout_s, 15 minutes by default, and every rank with it)."""
@@ -179,7 +133,7 @@ def test_ranks_started_without_torchrun_rendezvous_through_rank_0(tmp_path):
         "trainer": {"epochs": 2, "batch_size": 32},
         "logging": {"progress": False},
     }
-    records, _, _ = run_ranks(tmp_path, config, timeout=60, agent_store=False)
+    records, _, _ = run_ranks(ranks, tmp_path, config, timeout=60, agent_store=False)
     assert [rec["global_step"] for rec in records] == [records[0]["global_step"]] * WORLD
     assert records[0]["global_step"] > 0 and records[0]["metrics"][-1]["accuracy"] > 0.5  # it trains (chance: 0.1)
 
@@ -229,7 +183,7 @@ def test_should_step_windows_and_short_final_window():
     assert windows == [4] * 8 + [2, 2]
 
 
-def test_accumulation_equals_one_big_batch(tmp_path):
+def test_accumulation_equals_one_big_batch(ranks, tmp_path):
     """40 samples, 2 ranks x 4 per micro-batch = 5 micro-batches per epoch, 2 per step:
     windows of 2, 2 and a short final 1. Parameters must match plain SGD on the
     windows' samples taken as one batch each; DDP must all-reduce once per window."""
@@ -244,7 +198,7 @@ def test_accumulation_equals_one_big_batch(tmp_path):
         "accumulation": {"steps": accumulate},
         "logging": {"every_steps": 1, "all_ranks": True, "progress": False},
     }
-    records, errors, _ = run_ranks(tmp_path, config)
+    records, errors, _ = run_ranks(ranks, tmp_path, config)
     r0, r1 = records
 
     # the reference: one process, each window's samples as one batch
@@ -361,7 +315,7 @@ def test_amp_unscales_before_clipping_and_restores_the_scaler():
     assert fresh.amp.scaler.state_dict() == trainer.amp.scaler.state_dict()
 
 
-def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
+def test_fp16_overflow_skips_the_step_on_every_rank(ranks, tmp_path):
     inf_at = 3
     config = {
         "model": {"target": "ddpx.models.DigitsMLP", "args": {"hidden": 32}},
@@ -373,7 +327,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
         "recorder": {"inf_at_step": inf_at},
         "logging": {"progress": False},
     }
-    records, _, _ = run_ranks(tmp_path, config)
+    records, _, _ = run_ranks(ranks, tmp_path, config)
     for rec in records:
         assert rec["output_dtypes"] == {"torch.float16"}  # the forward ran under fp16 autocast
         batches = rec["batches"]
@@ -391,7 +345,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
     torch.testing.assert_close(records[0]["final"], records[1]["final"], rtol=0, atol=0)
 
 
-def test_bf16_runs_and_converges_with_sampler_and_metrics(tmp_path):
+def test_bf16_runs_and_converges_with_sampler_and_metrics(ranks, tmp_path):
     """bf16 autocast; the sampler's per-epoch shuffle (identical across ranks,
     different per epoch, disjoint shards covering the epoch) and exact sharded
     evaluation; the fp16 comm hook; metrics.jsonl; rank-0-only info logging."""
@@ -406,7 +360,7 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(tmp_path):
         "logging": {"every_steps": every, "progress": True},
         "comm_hook": {"name": "fp16"},
     }
-    records, errors, run_dir = run_ranks(tmp_path, config)
+    records, errors, run_dir = run_ranks(ranks, tmp_path, config)
     train, test = indexed_digits()
     n = len(train)
     orders = []

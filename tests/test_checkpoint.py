@@ -50,6 +50,7 @@ def test_serializer_raising_keeps_previous_checkpoint(tmp_path):
     assert not ckpts.path_for(2).exists()
 
 
+@pytest.mark.slow
 def test_sigkill_during_write_keeps_previous_checkpoint(tmp_path):
     ckpts = CheckpointDirectory(tmp_path, keep=3)
     ckpts.save(_state(1), step=1)
@@ -263,11 +264,9 @@ def _stop_agreement_worker(rank, world_size, signal_at, step_s):
     return {"stopped_at": None, "checks": checks}
 
 
-def test_ranks_agree_to_stop_at_the_same_step_with_intervals_from_the_slowest_rank():
-    from _multiproc import run_workers
-
+def test_ranks_agree_to_stop_at_the_same_step_with_intervals_from_the_slowest_rank(ranks):
     # rank 0 takes 5 ms a step, rank 1 1 ms: auto checks every 0.05 s / 5 ms = 10 steps
-    r0, r1 = run_workers(_stop_agreement_worker, 2, args=(25, [0.005, 0.001]), timeout=120)
+    r0, r1 = ranks.call(_stop_agreement_worker, 2, args=(25, [0.005, 0.001]), timeout=120)
     assert r0 == r1, (r0, r1)
     assert r0["checks"][0] == 10  # the first interval, before any step time is known
     gaps = [b - a for a, b in zip(r0["checks"], r0["checks"][1:])]

@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _multiproc import run_workers
 
 import ddpx
 from ddpx.comm import _group_and_bucket, fused_allreduce
@@ -139,8 +138,8 @@ def _scenarios(rank, world):
 
 
 @pytest.fixture(scope="module")
-def results():
-    r0, r1 = run_workers(_scenarios, world_size=2, timeout=120)
+def results(ranks):
+    r0, r1 = ranks.call(_scenarios, world_size=2, timeout=120)
     return r0, r1
 
 

@@ -3,7 +3,7 @@
 import textwrap
 
 import pytest
-from utils import free_port, run_cli
+from ddpx.net import free_port
 
 from ddpx.config import DEFAULT_CONFIG, apply_overrides, load_config, parse_value, read_yaml
 from ddpx.errors import DdpxError
@@ -143,7 +143,7 @@ def test_unreachable_rendezvous_endpoint(monkeypatch):
 
 
 @pytest.mark.slow
-def test_cli_errors_are_one_line_without_traceback(tmp_path):
+def test_cli_errors_are_one_line_without_traceback(ranks, tmp_path):
     import socket
 
     busy = socket.socket()
@@ -157,7 +157,7 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
     ]
     try:
         for args, expected in cases:
-            rc, out, err = run_cli(args, timeout=60, cwd=tmp_path)
+            rc, out, err = ranks.cli(args, timeout=60, cwd=tmp_path)
             assert rc == 2, (args, out, err)
             assert err.startswith(expected), (args, err)
             assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -6,11 +6,9 @@ import os
 
 import pytest
 import torch
-from utils import run_cli
 
 from ddpx import hookimpl
 from ddpx.checkpoint import CheckpointDirectory
-from ddpx.config import load_config
 from ddpx.errors import TrainingDiverged
 from ddpx.trainer import Trainer
 
@@ -39,11 +37,6 @@ class ScriptedScore:
         metrics["score"] = json.loads(os.environ[SCORES_ENV])[epoch]
 
 
-def make_config(tmp_path, *overrides):
-    return load_config(None, [f"run_dir={tmp_path}/run", "logging.progress=false", "model.args.hidden=16",
-                              *overrides])
-
-
 def checkpoints(tmp_path):
     return CheckpointDirectory(tmp_path / "run" / "checkpoints")
 
@@ -60,10 +53,10 @@ def assert_finite_checkpoint(path):
 NAN = "plugins.enable=[test_divergence.NanLossFromStep]"
 
 
-def test_nan_loss_stops_one_rank_run_and_keeps_the_finite_checkpoints(tmp_path, monkeypatch):
+def test_nan_loss_stops_one_rank_run_and_keeps_the_finite_checkpoints(make_config, tmp_path, monkeypatch):
     # 45 steps an epoch on one rank; saves every 10 steps, keep 2; NaN from step 57.
     monkeypatch.setenv(NAN_FROM_ENV, "57")
-    config = make_config(tmp_path, NAN, "trainer.epochs=4", "checkpoint.every_steps=10", "checkpoint.keep=2",
+    config = make_config(NAN, "trainer.epochs=4", "checkpoint.every_steps=10", "checkpoint.keep=2",
                          "checkpoint.stop_check_every=5")
     trainer = Trainer(config)
     with pytest.raises(TrainingDiverged) as diverged:
@@ -78,14 +71,14 @@ def test_nan_loss_stops_one_rank_run_and_keeps_the_finite_checkpoints(tmp_path, 
     assert_finite_checkpoint(newest)
     # A rerun (without the NaN) resumes from it and finishes.
     monkeypatch.setenv(NAN_FROM_ENV, "1000000")
-    metrics = Trainer(make_config(tmp_path, NAN, "trainer.epochs=4")).run()
+    metrics = Trainer(make_config(NAN, "trainer.epochs=4")).run()
     assert metrics[0]["epoch"] == 1 and metrics[-1]["epoch"] == 3
     assert math.isfinite(metrics[-1]["loss"]) and metrics[-1]["accuracy"] > 0.9
 
 
-def test_warn_goes_on_but_never_writes_nonfinite_weights(tmp_path, monkeypatch, capfd):
+def test_warn_goes_on_but_never_writes_nonfinite_weights(make_config, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv(NAN_FROM_ENV, "57")
-    config = make_config(tmp_path, NAN, "trainer.epochs=3", "checkpoint.every_steps=10", "checkpoint.keep=2",
+    config = make_config(NAN, "trainer.epochs=3", "checkpoint.every_steps=10", "checkpoint.keep=2",
                          "trainer.nonfinite=warn", "checkpoint.stop_check_every=5")
     metrics = Trainer(config).run()
     assert len(metrics) == 3 and math.isnan(metrics[-1]["loss"])
@@ -98,19 +91,19 @@ def test_warn_goes_on_but_never_writes_nonfinite_weights(tmp_path, monkeypatch, 
     assert_finite_checkpoint(saved[-1][1])
 
 
-def test_fp16_overflow_steps_are_skipped_not_divergence(tmp_path):
+def test_fp16_overflow_steps_are_skipped_not_divergence(make_config, tmp_path):
     # A huge initial scale overflows the first fp16 backward passes: the GradScaler
     # skips those steps and lowers the scale; the loss stays finite.
-    trainer = Trainer(make_config(tmp_path, "trainer.epochs=3", "amp.enabled=true", "amp.dtype=fp16",
+    trainer = Trainer(make_config("trainer.epochs=3", "amp.enabled=true", "amp.dtype=fp16",
                                   "amp.init_scale=1e8", "checkpoint.stop_check_every=1"))
     metrics = trainer.run()
     assert 5 <= metrics[0]["amp_skipped_steps"] < 45  # some of epoch 0's steps, not all
     assert metrics[-1]["loss"] < metrics[0]["loss"] and metrics[-1]["accuracy"] > 0.6
 
 
-def test_fp16_loss_that_stays_nonfinite_is_divergence_once_the_scale_collapses(tmp_path, monkeypatch):
+def test_fp16_loss_that_stays_nonfinite_is_divergence_once_the_scale_collapses(make_config, tmp_path, monkeypatch):
     monkeypatch.setenv(NAN_FROM_ENV, "5")
-    trainer = Trainer(make_config(tmp_path, NAN, "trainer.epochs=3", "amp.enabled=true", "amp.dtype=fp16"))
+    trainer = Trainer(make_config(NAN, "trainer.epochs=3", "amp.enabled=true", "amp.dtype=fp16"))
     with pytest.raises(TrainingDiverged, match=r"the loss went non-finite by optimizer step 38 \(epoch 0\): every "
                                                r"fp16 step overflowed until the loss scale fell to 7.62939e-06"):
         trainer.run()  # 65536 halved 33 times from step 6 on
@@ -122,16 +115,16 @@ def read_epoch_lines(tmp_path):
     return [r for r in map(json.loads, lines) if r["kind"] == "epoch"]
 
 
-def test_best_checkpoints_by_metric_survive_rotation_and_a_restart(tmp_path, monkeypatch, capfd):
+def test_best_checkpoints_by_metric_survive_rotation_and_a_restart(make_config, tmp_path, monkeypatch, capfd):
     scores = [0.1, 0.9, 0.3, 0.5, 0.95, 0.2, 0.1, 0.0]
     monkeypatch.setenv(SCORES_ENV, json.dumps(scores))
     common = ["plugins.enable=[test_divergence.ScriptedScore]", "checkpoint.monitor=score", "checkpoint.keep=1",
               "checkpoint.keep_best=2", "trainer.eval_every_epochs=0"]
-    Trainer(make_config(tmp_path, "trainer.epochs=4", *common)).run()
+    Trainer(make_config("trainer.epochs=4", *common)).run()
     directory = checkpoints(tmp_path)
     best = directory.best()
     assert [(e["epoch"], e["value"]) for e in best] == [(1, 0.9), (3, 0.5)]
-    Trainer(make_config(tmp_path, "trainer.epochs=8", *common)).run()  # resumes at epoch 4
+    Trainer(make_config("trainer.epochs=8", *common)).run()  # resumes at epoch 4
     best = directory.best()
     assert [(e["epoch"], e["value"]) for e in best] == [(4, 0.95), (1, 0.9)]
     steps = [step for step, _ in directory.checkpoints()]
@@ -140,30 +133,30 @@ def test_best_checkpoints_by_metric_survive_rotation_and_a_restart(tmp_path, mon
     assert os.readlink(link) == best[0]["file"]
     assert torch.load(link, weights_only=False)["replicated"]["progress"] == {"epoch": 5, "global_step": 5 * 45}
     capfd.readouterr()
-    assert Trainer(make_config(tmp_path, "trainer.epochs=8", *common)).run() == []  # finished: nothing to train
+    assert Trainer(make_config("trainer.epochs=8", *common)).run() == []  # finished: nothing to train
     assert (f"best checkpoint by score (max): {link} -> step-000000225.pt (score 0.95, epoch 4)"
             in capfd.readouterr().err)
 
 
-def test_monitor_and_mode_errors_are_one_line(tmp_path):
+def test_monitor_and_mode_errors_are_one_line(make_config, tmp_path):
     from ddpx.errors import DdpxError
 
     with pytest.raises(DdpxError, match=r"^checkpoint.mode must be one of auto, max, min, got 'up'$"):
-        make_config(tmp_path, "checkpoint.monitor=accuracy", "checkpoint.mode=up")
+        make_config("checkpoint.monitor=accuracy", "checkpoint.mode=up")
     with pytest.raises(DdpxError, match=r"^early_stopping.patience must be >= 1, got 0$"):
-        make_config(tmp_path, "early_stopping.monitor=accuracy", "early_stopping.patience=0")
+        make_config("early_stopping.monitor=accuracy", "early_stopping.patience=0")
 
 
-def cli(tmp_path, *args, env=None, timeout=180):
+def cli(ranks, tmp_path, *args, env=None, timeout=180):
     env = {"PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
-    return run_cli(["train", f"run_dir={tmp_path}/run", "logging.progress=false", "model.args.hidden=16", *args,
+    return ranks.cli(["train", f"run_dir={tmp_path}/run", "logging.progress=false", "model.args.hidden=16", *args,
                     "--nproc-per-node", "2"], timeout=timeout, env=env, cwd=tmp_path)
 
 
 @pytest.mark.slow
-def test_nan_loss_stops_every_rank_with_exit_3_and_a_restart_ends_at_once(tmp_path):
+def test_nan_loss_stops_every_rank_with_exit_3_and_a_restart_ends_at_once(ranks, tmp_path):
     # 2 ranks: 23 steps an epoch; NaN from step 30; saves every 10 steps.
-    code, _, err = cli(tmp_path, NAN, "trainer.epochs=4", "checkpoint.every_steps=10", "checkpoint.stop_check_every=4",
+    code, _, err = cli(ranks, tmp_path, NAN, "trainer.epochs=4", "checkpoint.every_steps=10", "checkpoint.stop_check_every=4",
                        "--max-restarts", "1", env={NAN_FROM_ENV: "30"})
     assert code == 3, err
     first = [line for line in err.splitlines() if line.startswith("ddpx: error: training diverged:")]
@@ -174,36 +167,36 @@ def test_nan_loss_stops_every_rank_with_exit_3_and_a_restart_ends_at_once(tmp_pa
     assert "(restart 1 stops at once)" in first[-1]  # torchrun's restart did not train again
     assert err.rstrip().splitlines()[-1] == "ddpx: error: training diverged (the reason is printed above)"
     # A new launch (the cause fixed) resumes from the newest finite checkpoint and finishes.
-    code, _, err = cli(tmp_path, "trainer.epochs=4")
+    code, _, err = cli(ranks, tmp_path, "trainer.epochs=4")
     assert code == 0, err
     assert f"resumed from {newest[1]} (epoch 1, step 30)" in err
     assert not (tmp_path / "run" / "checkpoints" / "diverged.json").exists()
 
 
 @pytest.mark.slow
-def test_lr_too_high_from_the_first_step_writes_no_checkpoint(tmp_path):
-    code, _, err = cli(tmp_path, "trainer.epochs=3", "optimizer.args={lr: 1.0e+6, momentum: 0.9}")
+def test_lr_too_high_from_the_first_step_writes_no_checkpoint(ranks, tmp_path):
+    code, _, err = cli(ranks, tmp_path, "trainer.epochs=3", "optimizer.args={lr: 1.0e+6, momentum: 0.9}")
     assert code == 3, err
     assert "no checkpoint with finite weights exists" in err
     assert checkpoints(tmp_path).checkpoints() == []
 
 
 @pytest.mark.slow
-def test_early_stopping_on_two_ranks_resumes_in_the_middle_of_its_patience(tmp_path):
+def test_early_stopping_on_two_ranks_resumes_in_the_middle_of_its_patience(ranks, tmp_path):
     # best 0.9 at epoch 2, then no improvement: with patience 3 the run stops after epoch 5.
     env = {SCORES_ENV: json.dumps([0.1, 0.5, 0.9, 0.8, 0.85, 0.7, 0.95, 0.99, 1.0, 1.0])}
     common = ["plugins.enable=[test_divergence.ScriptedScore]", "early_stopping.monitor=score",
               "early_stopping.patience=3", "trainer.eval_every_epochs=0"]
-    code, _, err = cli(tmp_path, "trainer.epochs=5", *common, env=env)  # ends after epoch 4 with wait 2
+    code, _, err = cli(ranks, tmp_path, "trainer.epochs=5", *common, env=env)  # ends after epoch 4 with wait 2
     assert code == 0, err
     assert [r["early_stopping_wait"] for r in read_epoch_lines(tmp_path)] == [0, 0, 0, 1, 2]
-    code, _, err = cli(tmp_path, "trainer.epochs=10", *common, env=env)
+    code, _, err = cli(ranks, tmp_path, "trainer.epochs=10", *common, env=env)
     assert code == 0, err
     epochs = read_epoch_lines(tmp_path)
     assert [r["epoch"] for r in epochs] == [0, 1, 2, 3, 4, 5]  # a fresh patience would have gone on to epoch 6
     assert epochs[-1]["early_stopping_wait"] == 3 and epochs[-1]["early_stopped"] is True
     assert "training ended after epoch 5: early stopping: score has not improved" in err
     # Started again on the finished run, it trains no further.
-    code, _, err = cli(tmp_path, "trainer.epochs=10", *common, env=env)
+    code, _, err = cli(ranks, tmp_path, "trainer.epochs=10", *common, env=env)
     assert code == 0, err
     assert len(read_epoch_lines(tmp_path)) == 6

@@ -5,15 +5,13 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 
 import pytest
 
 from ddpx import doctor, net
 from ddpx.doctor import FAIL, OK, WARN
-from tests import utils
-from tests.utils import run_cli
+import harness
 
 PROC_NET_ROUTE = """Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT
 eth0\t00000000\t010200C0\t0003\t0\t0\t0\t00000000\t0\t0\t0
@@ -168,9 +166,9 @@ def test_several_nodes_with_a_master_name_resolving_to_loopback_is_a_failure():
 # --- the CLI on this machine -------------------------------------------------------------
 
 
-def test_healthy_local_setup_passes_with_json_shape():
+def test_healthy_local_setup_passes_with_json_shape(ranks):
     port = _port_in_safe_range()
-    rc, out, err = run_cli(["doctor", "--master-addr", "127.0.0.1", "--master-port", port, "--json"], timeout=60)
+    rc, out, err = ranks.cli(["doctor", "--master-addr", "127.0.0.1", "--master-port", port, "--json"], timeout=60)
     report = json.loads(out)
     assert rc == 0, out + err
     assert set(report) == {"ok", "counts", "checks"} and report["ok"] is True
@@ -183,20 +181,20 @@ def test_healthy_local_setup_passes_with_json_shape():
     assert "gloo" in names["backend"]["message"] and names["master port"]["status"] == "OK"
 
 
-def test_busy_port_is_detected_with_its_process():
+def test_busy_port_is_detected_with_its_process(ranks):
     with socket.socket() as listener:
         listener.bind(("0.0.0.0", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
-        rc, out, err = run_cli(["doctor", "--master-port", port], timeout=60)
+        rc, out, err = ranks.cli(["doctor", "--master-port", port], timeout=60)
     assert rc == 1, out + err
     line = next(line for line in out.splitlines() if "master port" in line)
     assert line.startswith("FAIL") and f"{port} is busy" in line
     assert f"pid {os.getpid()}" in line  # found through /proc/net/tcp + /proc/*/fd
 
 
-def test_collectives_run_allreduce_barrier_and_report_bandwidth():
-    rc, out, err = run_cli(["doctor", "--collectives", "--nproc-per-node", "2", "--json", "--timeout", "90",
+def test_collectives_run_allreduce_barrier_and_report_bandwidth(ranks):
+    rc, out, err = ranks.cli(["doctor", "--collectives", "--nproc-per-node", "2", "--json", "--timeout", "90",
                             "--master-port", _port_in_safe_range()], timeout=150)
     checks = {c["name"]: c for c in json.loads(out)["checks"]}
     for name in ("init", "allreduce", "barrier", "bandwidth"):
@@ -211,39 +209,38 @@ def test_collectives_run_allreduce_barrier_and_report_bandwidth():
 # --- network namespaces (root only) -----------------------------------------------------
 
 
-netns = pytest.mark.skipif(not utils.netns_available(), reason="needs root and ip netns")
+netns = pytest.mark.skipif(not harness.netns_available(), reason="needs root and ip netns")
 
 
 @pytest.fixture
-def namespace():
+def namespace(two_hosts):
     """``(namespace, interface, address)``: one end of a veth pair, lo up, its peer in another namespace."""
-    with utils.two_hosts() as hosts:
-        yield hosts[0]
+    return two_hosts[0]
 
 
-def _doctor_in(ns, *args):
+def _doctor_in(ranks, tmp_path, ns, *args):
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "doctor", "--json", *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
-    return proc.returncode, {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+    (done,) = ranks.commands([cmd], tmp_path, 60, env={"PYTHONPATH": os.getcwd()}, names=["doctor"], split_stderr=True)
+    assert not done.hung, done.errors[-3000:]
+    return done.returncode, {c["name"]: c for c in json.loads(done.output)["checks"]}
 
 
 @netns
 @pytest.mark.netns
-def test_unreachable_master_in_a_namespace(namespace):
+def test_unreachable_master_in_a_namespace(ranks, tmp_path, namespace):
     ns, _, _ = namespace
     # 10.214.0.9 has no route inside the namespace: nothing leaves it
-    rc, checks = _doctor_in(ns, "--master-addr", "10.214.0.9", "--master-port", 29500)
+    rc, checks = _doctor_in(ranks, tmp_path, ns, "--master-addr", "10.214.0.9", "--master-port", 29500)
     assert rc == 1
     assert checks["master addr"]["status"] == "FAIL" and "unreachable" in checks["master addr"]["message"]
 
 
 @netns
 @pytest.mark.netns
-def test_loopback_hostname_in_a_namespace_names_the_route_interface(namespace):
+def test_loopback_hostname_in_a_namespace_names_the_route_interface(ranks, tmp_path, namespace):
     ns, ns_if, address = namespace
     host_addresses, _ = net.resolve(socket.gethostname())
-    rc, checks = _doctor_in(ns, "--master-addr", address, "--master-port", 29500)
+    rc, checks = _doctor_in(ranks, tmp_path, ns, "--master-addr", address, "--master-port", 29500)
     gloo = checks["gloo iface"]
     if host_addresses and all(net.is_loopback(a) for a in host_addresses):
         # a multi-host master address and gloo would bind 127.0.0.1: a failure naming the interface
@@ -256,33 +253,33 @@ def test_loopback_hostname_in_a_namespace_names_the_route_interface(namespace):
 
 @netns
 @pytest.mark.netns
-def test_doctor_takes_train_options_and_names_store_host_interface_and_reachability(namespace):
+def test_doctor_takes_train_options_and_names_store_host_interface_and_reachability(ranks, tmp_path, namespace):
     """`ddpx train` -> `ddpx doctor` on each of two namespace hosts whose hostname resolves to loopback."""
     ns, ns_if, address = namespace
     args = ["--nnodes", "1:2", "--max-restarts", "3", "--nproc-per-node", "1", "--rdzv-endpoint",
             f"{address}:29555", "trainer.epochs=3"]
-    rc, checks = _doctor_in(ns, *args)
+    rc, checks = _doctor_in(ranks, tmp_path, ns, *args)
     assert rc == 0, checks
     assert checks["rdzv host"]["message"].startswith(f"this node hosts the c10d store at {address}:29555: "
                                                      f"{address} is an address of this machine ({ns_if})")
     assert checks["interface"]["message"].startswith(f"NCCL_SOCKET_IFNAME unset: ddpx train sets it to {ns_if}")
     peer = address.rsplit(".", 1)[0] + ".2"
-    rc, checks = _doctor_in(ns, *args[:-2], f"{peer}:29555")  # node 0 seen from a host without it
+    rc, checks = _doctor_in(ranks, tmp_path, ns, *args[:-2], f"{peer}:29555")  # node 0 seen from a host without it
     assert checks["rdzv host"]["message"].startswith(f"the node that owns {peer} hosts the c10d store")
     # reachable, but its namespace runs no store yet
     assert checks["master addr"]["status"] == WARN
     assert checks["master addr"]["message"] == f"{peer} answers via {ns_if} but nothing listens on 29555"
 
 
-def test_inside_srun_doctor_checks_the_endpoint_ddpx_train_derives():
+def test_inside_srun_doctor_checks_the_endpoint_ddpx_train_derives(ranks):
     host = socket.gethostname()
     env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": f"{host},n2",
            "GLOO_SOCKET_IFNAME": "lo"}
-    rc, out, err = run_cli(["doctor", "--json"], timeout=60, env=env)
+    rc, out, err = ranks.cli(["doctor", "--json"], timeout=60, env=env)
     checks = {c["name"]: c for c in json.loads(out)["checks"]}
     assert checks["master addr"]["message"].startswith(host)
     assert checks["master port"]["message"].startswith("24242")  # 20000 + job id % 20000
-    rc, out, err = run_cli(["doctor", "--json"], timeout=60, env={**env, "GLOO_SOCKET_IFNAME": ""})
+    rc, out, err = ranks.cli(["doctor", "--json"], timeout=60, env={**env, "GLOO_SOCKET_IFNAME": ""})
     checks = {c["name"]: c for c in json.loads(out)["checks"]}
     # node 0 of two: it hosts the store, and the interface is its default route's, not loopback
     assert checks["rdzv host"]["message"].startswith(f"this node hosts the c10d store at {host}:24242")

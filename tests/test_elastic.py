@@ -10,7 +10,6 @@ does not count (its records are dropped).
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -19,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import utils
-from utils import run_cli
+import harness
 
 TESTS = Path(__file__).resolve().parent
 NUM_TRAIN = 1438  # digits_split(test_fraction=0.2): training samples
@@ -28,7 +26,7 @@ STEPS_PER_EPOCH = 23  # 2 ranks x 32 per rank: 22 full global batches + a tail
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 
-def train(tmp_path, label, *extra, nproc=2, max_restarts=0, timeout=90):
+def train(ranks, tmp_path, label, *extra, nproc=2, max_restarts=0, timeout=90):
     records = tmp_path / "records"
     records.mkdir(exist_ok=True)
     args = [
@@ -40,7 +38,7 @@ def train(tmp_path, label, *extra, nproc=2, max_restarts=0, timeout=90):
     ]
     env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
-    code, out, err = run_cli(args, timeout=timeout, env=env, cwd=tmp_path)
+    code, out, err = ranks.cli(args, timeout=timeout, env=env, cwd=tmp_path)
     return code, out + err, time.monotonic() - start
 
 
@@ -88,14 +86,14 @@ def final_accuracy(tmp_path):
     return [json.loads(line) for line in lines if "accuracy" in line][-1]["accuracy"]
 
 
-def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(tmp_path):
+def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(ranks, tmp_path):
     reference = tmp_path / "reference"
     reference.mkdir()
-    code, log, _ = train(reference, "ref")
+    code, log, _ = train(ranks, reference, "ref")
     assert code == 0, log[-3000:]
 
     at_step = STEPS_PER_EPOCH + 7  # mid epoch 1, 3 steps after the checkpoint of step 28
-    code, log, _ = train(tmp_path, "kill", "probe.action=kill", f"probe.at_step={at_step}", "probe.rank=1",
+    code, log, _ = train(ranks, tmp_path, "kill", "probe.action=kill", f"probe.at_step={at_step}", "probe.rank=1",
                          max_restarts=2)
     assert code == 0, log[-3000:]
     assert (tmp_path / "marker").exists(), "the probe never killed the worker"
@@ -114,13 +112,13 @@ def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(tmp_path):
     assert final_accuracy(tmp_path) > 0.8  # chance: 0.1
 
 
-def test_sigterm_stops_cleanly_and_resumes_with_another_world_size(tmp_path):
+def test_sigterm_stops_cleanly_and_resumes_with_another_world_size(ranks, tmp_path):
     at_step = STEPS_PER_EPOCH + 7
-    code, log, _ = train(tmp_path, "first", "probe.action=term_agent", f"probe.at_step={at_step}",
+    code, log, _ = train(ranks, tmp_path, "first", "probe.action=term_agent", f"probe.at_step={at_step}",
                          "probe.rank=0", "checkpoint.every_steps=0", "checkpoint.stop_check_every=5")
     assert code == 128 + signal.SIGTERM, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
-    code, log, _ = train(tmp_path, "second", nproc=3)
+    code, log, _ = train(ranks, tmp_path, "second", nproc=3)
     assert code == 0, log[-3000:]
     assert "resuming with 3 ranks from a checkpoint of 2" in log
     seen, runs = committed_samples(tmp_path, ["first", "second"])
@@ -132,8 +130,8 @@ def test_sigterm_stops_cleanly_and_resumes_with_another_world_size(tmp_path):
     assert final_accuracy(tmp_path) > 0.8  # chance: 0.1
 
 
-def test_one_rank_raising_stops_every_rank_quickly_and_names_it(tmp_path):
-    code, log, elapsed = train(tmp_path, "raise", "probe.action=raise", "probe.at_step=5", "probe.rank=1",
+def test_one_rank_raising_stops_every_rank_quickly_and_names_it(ranks, tmp_path):
+    code, log, elapsed = train(ranks, tmp_path, "raise", "probe.action=raise", "probe.at_step=5", "probe.rank=1",
                                "trainer.timeout_s=300", timeout=120)
     assert code != 0
     assert elapsed < 60, f"took {elapsed:.0f} s to stop"
@@ -142,11 +140,11 @@ def test_one_rank_raising_stops_every_rank_quickly_and_names_it(tmp_path):
 
 
 
-def test_a_hanging_rank_is_cut_short_by_the_steady_state_timeout(tmp_path):
+def test_a_hanging_rank_is_cut_short_by_the_steady_state_timeout(ranks, tmp_path):
     # Rank 1 stays alive but stops at step 5: rank 0's next collective times out
     # (trainer.timeout_s); torchrun SIGTERMs rank 1, which makes no progress and
     # gives up after checkpoint.stop_timeout_s instead of torchrun's 30 s.
-    code, log, elapsed = train(tmp_path, "hang", "probe.action=hang", "probe.at_step=5", "probe.rank=1",
+    code, log, elapsed = train(ranks, tmp_path, "hang", "probe.action=hang", "probe.at_step=5", "probe.rank=1",
                                "trainer.timeout_s=5", "checkpoint.stop_timeout_s=3", timeout=120)
     assert code != 0
     assert elapsed < 45, f"took {elapsed:.0f} s to stop"
@@ -154,29 +152,22 @@ def test_a_hanging_rank_is_cut_short_by_the_steady_state_timeout(tmp_path):
     assert "[rank1] ddpx: no optimizer step boundary for" in log, log[-3000:]
 
 
-@pytest.fixture
-def two_hosts():
-    with utils.two_hosts() as hosts:
-        yield hosts
-
-
 @pytest.mark.netns
 @pytest.mark.timeout(280)
-@pytest.mark.skipif(not utils.netns_available(), reason="needs root and ip netns")
-def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(tmp_path, two_hosts):
+@pytest.mark.skipif(not harness.netns_available(), reason="needs root and ip netns")
+def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(ranks, tmp_path, two_hosts):
     """Two one-worker "hosts" (static rendezvous, --max-restarts 0): host 1's agent
     and worker are SIGKILLed mid epoch 1. Configured not to restart, host 0 must
     end promptly with an error naming its rank and the lost peer; the checkpoints
     survive, and a rerun on one machine finishes every epoch exactly once."""
     records = tmp_path / "records"
     records.mkdir()
-    (host0, _, addr0), _ = two_hosts
+    (_, _, addr0), _ = two_hosts
     port = 29500 + os.getpid() % 1000
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    procs = []
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    cmds = []
     for node, (ns, _, _) in enumerate(two_hosts):  # no GLOO_SOCKET_IFNAME: ddpx chooses it
-        cmd = [
+        cmds.append([
             "ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "train", "--nnodes=2",
             "--nproc-per-node=1", f"--node-rank={node}", "--max-restarts=0", "--rdzv-backend=static",
             f"--rdzv-endpoint={addr0}:{port}", f"run_dir={tmp_path / 'run'}", "trainer.epochs=2",
@@ -184,23 +175,16 @@ def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(tmp_path, two_hosts
             "plugins.enable=[elastic_probe]", f"probe.record_dir={records}", "probe.label=hosts",
             f"probe.marker={tmp_path / 'marker'}", "probe.action=kill_node", "probe.rank=1",
             f"probe.at_step={STEPS_PER_EPOCH + 7}",
-        ]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=tmp_path))
-    try:
-        out0, _ = procs[0].communicate(timeout=120)
-        procs[1].wait(timeout=30)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        ])
+    host0, host1 = ranks.commands(cmds, tmp_path, timeout=150, env=env, cwd=tmp_path, names=["host0", "host1"])
+    out0 = host0.output
     assert (tmp_path / "marker").exists(), out0[-3000:]
-    assert procs[1].returncode == -signal.SIGKILL or procs[1].returncode != 0
-    assert procs[0].returncode == 2, out0[-3000:]  # one line from ddpx train, not a hang
+    assert host1.returncode == -signal.SIGKILL or host1.returncode != 0
+    assert host0.returncode == 2, out0[-3000:]  # one line from ddpx train, not a hang
     assert "training failed: rank 0" in out0 and "by peer" in out0, out0[-3000:]  # gloo: closed or reset
 
     (tmp_path / "marker").unlink()  # the rerun runs normally
-    code, log, _ = train(tmp_path, "rerun")
+    code, log, _ = train(ranks, tmp_path, "rerun")
     assert code == 0, log[-3000:]
     seen, runs = committed_samples(tmp_path, ["hosts", "rerun"])
     assert runs[1][0] in (24, 28), runs[1][0]  # resumed from a checkpoint the 2-host run wrote
@@ -209,7 +193,7 @@ def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(tmp_path, two_hosts
 
 @pytest.mark.netns
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not utils.netns_available(), reason="needs root and ip netns")
+@pytest.mark.skipif(not harness.netns_available(), reason="needs root and ip netns")
 def test_elastic_membership_across_hosts_survivor_goes_on_and_the_host_rejoins(tmp_path, two_hosts):
     """`--nnodes 1:2 --max-restarts 3` on two hosts (c10d, hostname resolving to loopback,
     no IFNAME variables): host 1 is SIGKILLed mid epoch 1; host 0 goes on at world size 1

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-from utils import run_cli
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -24,10 +23,10 @@ def lines(run_dir):
 
 
 @pytest.mark.slow
-def test_char_gpt_smoke(tmp_path):
+def test_char_gpt_smoke(ranks, tmp_path):
     example = copy_example("char_gpt", tmp_path)
     run_dir = tmp_path / "run"
-    rc, out, err = run_cli(["train", "config.yaml", f"run_dir={run_dir}", "logging.progress=false",
+    rc, out, err = ranks.cli(["train", "config.yaml", f"run_dir={run_dir}", "logging.progress=false",
                             "logging.every_steps=5", "model.args={n_layer: 2, n_head: 4, n_embd: 128, dropout: 0.0}",
                             "trainer.max_steps=30", "scheduler.args={warmup_steps: 5, total_steps: 30}"],
                            cwd=example, timeout=120)
@@ -48,7 +47,7 @@ def test_char_gpt_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_resnet_images_smoke(tmp_path):
+def test_resnet_images_smoke(ranks, tmp_path):
     pytest.importorskip("PIL", reason="the image example reads its folder with Pillow (pip install pillow)")
     example = copy_example("resnet_images", tmp_path)
     images = tmp_path / "shapes"
@@ -56,7 +55,7 @@ def test_resnet_images_smoke(tmp_path):
                    capture_output=True, timeout=60)
     assert sorted(os.listdir(images)) == ["circle", "cross", "square", "triangle"]
     run_dir = tmp_path / "run"
-    rc, out, err = run_cli(["train", "config.yaml", f"data.args.root={images}", f"run_dir={run_dir}",
+    rc, out, err = ranks.cli(["train", "config.yaml", f"data.args.root={images}", f"run_dir={run_dir}",
                             "logging.progress=false", "trainer.epochs=6", "trainer.batch_size=16",
                             "scheduler.args={T_max: 42}"],
                            cwd=example, timeout=120)
@@ -66,5 +65,5 @@ def test_resnet_images_smoke(tmp_path):
     assert epochs[-1]["loss"] < epochs[0]["loss"] / 3
     assert epochs[-1]["accuracy"] > 0.8  # 4 classes: chance is 0.25
 
-    rc, out, err = run_cli(["train", "config.yaml", f"run_dir={run_dir}"], cwd=example, timeout=120)
+    rc, out, err = ranks.cli(["train", "config.yaml", f"run_dir={run_dir}"], cwd=example, timeout=120)
     assert rc != 0 and "data.args.root None is not a folder" in err

@@ -7,7 +7,6 @@ tests assert on its results, to keep process start-ups few.
 
 import copy
 import logging
-import math
 import os
 import sys
 
@@ -16,18 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiproc import run_workers  # noqa: E402
-import utils  # noqa: E402
+import harness
 
-import ddpx.hooks  # noqa: E402
-from ddpx.errors import DdpxError  # noqa: E402
+import ddpx.hooks
+from ddpx.errors import DdpxError
 
-LOSSY = ["fp16", "bf16", "int8"]
-ALL = ["allreduce"] + LOSSY
-PART2 = ["onebit", "powersgd"]  # most of their tests are in test_hooks_part2.py
-# max |hook - exact| / max |exact| per parameter after one step (first step: no error feedback yet)
-REL_TOL = {"fp16": 2e-3, "bf16": 2e-2, "int8": 3e-2}
+from hook_checks import ALL, LOSSY, PART2, REL_TOL, equal_lists, max_rel_err  # noqa: F401
 
 
 # ---------------------------------------------------------------- workers
@@ -221,26 +214,18 @@ def world3_worker(rank, world):
 
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def equivalence():
-    return run_workers(equivalence_worker, 2, timeout=120)
+def equivalence(ranks):
+    return ranks.call(equivalence_worker, 2, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def modes():
-    return run_workers(modes_worker, 2, timeout=120)
+def modes(ranks):
+    return ranks.call(modes_worker, 2, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    return run_workers(checkpoint_worker, 2, timeout=120)
-
-
-def equal_lists(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def max_rel_err(got, ref):
-    return max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-12)) for g, r in zip(got, ref))
+def checkpoint(ranks):
+    return ranks.call(checkpoint_worker, 2, timeout=120)
 
 
 # ------------------------------------------------------------------- tests
@@ -421,8 +406,8 @@ def test_loading_another_world_size_warns_and_resets(checkpoint):
     assert info["steps"] == 3  # counters kept
 
 
-def test_three_ranks():
-    out = run_workers(world3_worker, 3, timeout=120)
+def test_three_ranks(ranks):
+    out = ranks.call(world3_worker, 3, timeout=120)
     for rank_out in out:
         for native in (False, True):
             assert equal_lists(rank_out[("allreduce", native)]["params"], rank_out[("none", False)]["params"])
@@ -469,7 +454,7 @@ def _bench_namespaces(pid):
 
 @pytest.mark.netns
 @pytest.mark.slow
-@pytest.mark.skipif(not utils.netns_available(tc=True), reason="needs root and ip netns")
+@pytest.mark.skipif(not harness.netns_available(tc=True), reason="needs root and ip netns")
 def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
     import json
     import signal
@@ -510,8 +495,8 @@ def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
     assert alive == [], f"processes left running: {alive}"  # torchrun's workers too, in their own sessions
 
 
-def test_int8_straight_from_the_bucket_equals_the_packed_path():
-    results = run_workers(spans_worker, 2, timeout=120)
+def test_int8_straight_from_the_bucket_equals_the_packed_path(ranks):
+    results = ranks.call(spans_worker, 2, timeout=120)
     for out in results:
         assert all(n > 0 for packed, n in out["spans_seen"] if not packed), out["spans_seen"]
         ref = out[(True, False)]  # packed, Python

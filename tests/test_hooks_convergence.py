@@ -4,14 +4,9 @@ Every lossy hook (native path) must reach a test accuracy within 1.5 points of
 the same run without a hook (same seed, same data order, same epochs).
 """
 
-import os
-import sys
-
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiproc import run_workers  # noqa: E402
 
 EPOCHS = 8
 HOOKS = [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"min_numel": 0, "compress_vectors": True})]
@@ -50,8 +45,8 @@ def convergence_worker(rank, world):
     return out
 
 
-def test_lossy_hooks_match_uncompressed_accuracy_on_digits():
-    results = run_workers(convergence_worker, 2, timeout=200)
+def test_lossy_hooks_match_uncompressed_accuracy_on_digits(ranks):
+    results = ranks.call(convergence_worker, 2, timeout=200)
     r0, r1 = results
     base = r0["none"][0]
     assert base > 90, f"the uncompressed run itself did not learn: {base:.1f}%"

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _multiproc import run_workers
-from test_hooks import ALL, PART2, REL_TOL, equal_lists, max_rel_err
+from hook_checks import ALL, PART2, REL_TOL, equal_lists, max_rel_err
 
 HOOKS = ALL + PART2
 
@@ -63,12 +62,12 @@ def _check(results, device):
             assert max_rel_err(python[0][0], ref[0]) < REL_TOL[hook], hook
 
 
-def test_device_worker_on_cpu():
-    _check(run_workers(device_worker, 1, args=("cpu", "gloo"), timeout=120)[0], "cpu")
+def test_device_worker_on_cpu(ranks):
+    _check(ranks.call(device_worker, 1, args=("cpu", "gloo"), timeout=120)[0], "cpu")
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
                     reason="needs a CUDA device and NCCL")
-def test_every_hook_on_cuda_over_nccl():
-    _check(run_workers(device_worker, 1, args=("cuda", "nccl"), timeout=300)[0], "cuda")
+def test_every_hook_on_cuda_over_nccl(ranks):
+    _check(ranks.call(device_worker, 1, args=("cuda", "nccl"), timeout=300)[0], "cuda")

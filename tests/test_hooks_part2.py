@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _multiproc import run_workers
-from test_hooks import max_rel_err
+from hook_checks import max_rel_err
 
 import ddpx.hooks
 from ddpx.data import digits_split
@@ -231,10 +230,10 @@ def _powersgd_reference(raw, q0, world):
     return outs
 
 
-def test_powersgd_matches_the_reference_algorithm():
+def test_powersgd_matches_the_reference_algorithm(ranks):
     """The hook's lazy error (E keeps M; the next step subtracts P' Q'^T) and its
     kernels give PowerSGD's numbers: every step, every parameter, both ranks, both paths."""
-    results = run_workers(_powersgd_steps, world_size=2, timeout=120)
+    results = ranks.call(_powersgd_steps, world_size=2, timeout=120)
     for native in (False, True):
         ref = _powersgd_reference(results[0][native]["raw"], results[0][native]["q0"], 2)
         assert len(results[0][native]["q0"]) == 3  # all three weight matrices are compressed
@@ -245,8 +244,8 @@ def test_powersgd_matches_the_reference_algorithm():
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_workers(_scenarios, world_size=2, timeout=240)
+def results(ranks):
+    return ranks.call(_scenarios, world_size=2, timeout=240)
 
 
 @pytest.mark.slow
@@ -301,14 +300,14 @@ def test_world_size_change_on_load_warns_and_resets(results, name):
 
 
 @pytest.mark.slow
-def test_powersgd_runs_with_several_buckets_on_gloo_where_torch_fails():
-    ours = run_workers(_many_buckets, world_size=2, args=(False,), timeout=90)
+def test_powersgd_runs_with_several_buckets_on_gloo_where_torch_fails(ranks):
+    ours = ranks.call(_many_buckets, world_size=2, args=(False,), timeout=90)
     assert ours[0]["buckets"] >= 3
     assert torch.equal(ours[0]["grads"], ours[1]["grads"])
     assert torch.isfinite(ours[0]["grads"]).all()
     # torch's own hook, for the record only (so a fixed torch does not fail this test)
     try:
-        theirs = run_workers(_many_buckets, world_size=2, args=(True,), timeout=20)
+        theirs = ranks.call(_many_buckets, world_size=2, args=(True,), timeout=20)
         outcome = "ran; replicas " + ("identical" if torch.equal(theirs[0]["grads"], theirs[1]["grads"])
                                       else "DIFFER")
     except AssertionError as exc:  # a crash, or a rank left waiting for a mismatched collective

@@ -519,6 +519,7 @@ def test_bench_kernels_json_shape():
         assert op["gbps"] > 0 and op["torch_reference_gbps"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CUDA, reason="needs a machine without CUDA")
 def test_bench_kernels_script_bad_device_is_one_line():
     import subprocess

@@ -3,39 +3,25 @@ the README's command on two network-namespace hosts whose hostname resolves to l
 
 import json
 import os
-import subprocess
 import sys
 
+import harness
 import pytest
-import utils
-from utils import free_port, run_cli
+
+from ddpx.net import free_port
 
 
 @pytest.mark.slow
-def test_two_nodes_through_c10d_rendezvous(tmp_path):
+def test_two_nodes_through_c10d_rendezvous(ranks, tmp_path):
     port = free_port()
     run_dir = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     common = [
         sys.executable, "-m", "ddpx", "train", "trainer.epochs=2", f"run_dir={run_dir}", "logging.progress=false",
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
     ]
-    nodes = [
-        subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         cwd=tmp_path, start_new_session=True)
-        for _ in range(2)
-    ]
-    outputs = []
-    try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=150))
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, 9)
-                node.communicate()
-    for node, (out, err) in zip(nodes, outputs):
-        assert node.returncode == 0, err[-3000:]
+    nodes = ranks.commands([common, common], tmp_path, timeout=150, cwd=tmp_path, names=["node0", "node1"])
+    for node in nodes:
+        assert node.returncode == 0, node.output[-3000:]
     epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     epochs = [e for e in epochs if e.get("kind") == "epoch"]
     # World size 2 across the two agents: 23 steps per epoch (1438 samples / (2 x 32)).
@@ -49,54 +35,37 @@ def _epochs(run_dir):
 
 
 @pytest.fixture(scope="module")
-def one_host_reference(tmp_path_factory):
+def one_host_reference(ranks, tmp_path_factory):
     """Epoch records of the same run on one host with the same world size (2) and seed."""
     tmp = tmp_path_factory.mktemp("one-host")
-    code, out, err = run_cli(["train", "--nproc-per-node", "2", "trainer.epochs=3", f"run_dir={tmp / 'run'}",
+    code, out, err = ranks.cli(["train", "--nproc-per-node", "2", "trainer.epochs=3", f"run_dir={tmp / 'run'}",
                               "logging.progress=false"], timeout=150, cwd=tmp)
     assert code == 0, err[-3000:]
     return _epochs(tmp / "run")
 
 
-@pytest.fixture
-def two_hosts():
-    with utils.two_hosts() as hosts:
-        yield hosts
-
-
 @pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not utils.netns_available(), reason="needs root and ip netns")
+@pytest.mark.skipif(not harness.netns_available(), reason="needs root and ip netns")
 @pytest.mark.parametrize("ifname", ["unset", "set"])
-def test_readme_command_on_two_hosts_through_c10d(tmp_path, two_hosts, one_host_reference, ifname):
+def test_readme_command_on_two_hosts_through_c10d(ranks, tmp_path, two_hosts, one_host_reference, ifname):
     """`ddpx train --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST0:PORT` on each host: node 0
     hosts the store although its hostname resolves to 127.0.0.1, the workers' MASTER_ADDR is
     reachable, and the result equals the one-host run's."""
     endpoint = f"{two_hosts[0][2]}:{free_port()}"
-    procs = []
+    cmds, envs = [], []
     for ns, iface, addr in two_hosts:
-        env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+        env = {"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": None}
         if ifname == "set":
             env["GLOO_SOCKET_IFNAME"] = iface
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "train", "--nnodes", "2",
-               "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "trainer.epochs=3",
-               f"run_dir={tmp_path / 'run'}", "logging.progress=false"]
-        log = open(tmp_path / f"{addr}.log", "w")  # a file: an undrained pipe would block a node
-        procs.append(subprocess.Popen(cmd, env=dict(env, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
-                                      cwd=tmp_path, start_new_session=True))
-    try:
-        for proc in procs:
-            proc.wait(timeout=150)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-    logs = {addr: (tmp_path / f"{addr}.log").read_text() for _, _, addr in two_hosts}
-    assert [p.returncode for p in procs] == [0, 0], logs
+        cmds.append(["ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "train", "--nnodes", "2",
+                     "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "trainer.epochs=3",
+                     f"run_dir={tmp_path / 'run'}", "logging.progress=false"])
+        envs.append(env)
+    nodes = ranks.commands(cmds, tmp_path, timeout=150, env=envs, cwd=tmp_path, names=[a for _, _, a in two_hosts])
+    logs = {addr: node.output for (_, _, addr), node in zip(two_hosts, nodes)}
+    assert [node.returncode for node in nodes] == [0, 0], logs
     for ns, iface, addr in two_hosts:
         chosen = f"NCCL_SOCKET_IFNAME={iface}" if ifname == "set" else f"GLOO_SOCKET_IFNAME={iface} NCCL_SOCKET_IFNAME={iface}"
         assert f"ddpx: node {addr}: {chosen} (the interface that reaches {two_hosts[0][2]};" in logs[addr], logs[addr]

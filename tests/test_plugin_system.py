@@ -7,7 +7,6 @@ import textwrap
 
 import pytest
 import torch.distributed as dist
-from utils import run_cli
 
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
@@ -185,7 +184,7 @@ def test_trace_flag_and_env_var(capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_rank_with_different_plugins_stops_the_run(plugin_dir, tmp_path):
+def test_a_rank_with_different_plugins_stops_the_run(ranks, plugin_dir, tmp_path):
     # On rank 1 only, a plugin registers one more plugin: like a node with an
     # extra package installed.
     plugin_dir("odd_rank", '''
@@ -201,7 +200,7 @@ def test_a_rank_with_different_plugins_stops_the_run(plugin_dir, tmp_path):
             if os.environ.get("RANK") == "1":
                 config.plugin_manager.register(Extra(), name="extra")
     ''')
-    rc, out, err = run_cli(
+    rc, out, err = ranks.cli(
         ["train", "plugins.enable=[odd_rank]", "trainer.epochs=1", f"run_dir={tmp_path}/run", "--nproc-per-node", "2"],
         timeout=120,
         env={"PYTHONPATH": str(tmp_path)},

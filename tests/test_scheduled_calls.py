@@ -7,8 +7,8 @@ import json
 import pytest
 
 from ddpx.trainer import Trainer
-from tests.test_trainer_lifecycle import make_config
 
+NO_EVAL = "trainer.eval_every_epochs=0"  # these runs do not evaluate
 EVENTS: list = []  # what the plugins below saw, in order
 
 
@@ -43,10 +43,10 @@ class Scheduler:
         _events().append(("batch_end", batch_index, trainer.global_step))
 
 
-def test_calls_run_at_optimizer_step_boundaries_in_the_order_scheduled(tmp_path):
+def test_calls_run_at_optimizer_step_boundaries_in_the_order_scheduled(make_config, tmp_path):
     events = _events()
     events.clear()
-    Trainer(make_config(tmp_path, "trainer.epochs=1", "trainer.max_steps=8", "accumulation.steps=2",
+    Trainer(make_config(NO_EVAL, "trainer.epochs=1", "trainer.max_steps=8", "accumulation.steps=2",
                         "checkpoint.enabled=false", "plugins.enable=[tests.test_scheduled_calls.Scheduler]")).run()
     calls = [event[1:] for event in events if event[0] == "call"]
     # (name, global_step, batch index): steps end on odd batches with 2 micro-batches per step
@@ -65,14 +65,14 @@ class LossRecorder:
 
 
 @pytest.mark.parametrize("fold", [4096, 4])  # 4: the trainer folds kept losses many times an epoch
-def test_step_lines_and_epoch_losses_are_exact_means_of_the_micro_batch_losses(tmp_path, monkeypatch, capfd, fold):
+def test_step_lines_and_epoch_losses_are_exact_means_of_the_micro_batch_losses(make_config, tmp_path, monkeypatch, capfd, fold):
     import ddpx.trainer
 
     monkeypatch.setattr(ddpx.trainer, "LOSS_FOLD", fold)
     events = _events()
     events.clear()
     # 45 micro-batches an epoch, 3 per step: 15 steps an epoch; a step line every 4 steps spans epochs
-    metrics = Trainer(make_config(tmp_path, "trainer.epochs=2", "accumulation.steps=3", "logging.every_steps=4",
+    metrics = Trainer(make_config(NO_EVAL, "trainer.epochs=2", "accumulation.steps=3", "logging.every_steps=4",
                                   "logging.progress=true", "checkpoint.enabled=false",
                                   "plugins.enable=[tests.test_scheduled_calls.LossRecorder]")).run()
     assert len(events) == 90 and sum(stepped for _, _, stepped, _ in events) == 30

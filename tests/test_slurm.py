@@ -84,7 +84,7 @@ def test_detection_of_an_srun_step():
 def test_launcher_uses_the_slurm_settings(monkeypatch):
     from ddpx.config import load_config
     from ddpx.launch import LaunchOptions, torchrun_argv
-    from tests.utils import free_port
+    from ddpx.net import free_port
 
     port = free_port()
     env = _job(SLURM_NNODES="2", SLURM_NODEID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost,node2",

@@ -6,7 +6,6 @@ import pluggy
 import pytest
 
 from ddpx import smoke
-from tests.utils import run_cli
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -20,8 +19,8 @@ def _table(out):
     return rows
 
 
-def test_smoke_passes_on_the_default_example(tmp_path):
-    rc, out, err = run_cli(["train", "--smoke"], timeout=120, cwd=tmp_path)
+def test_smoke_passes_on_the_default_example(ranks, tmp_path):
+    rc, out, err = ranks.cli(["train", "--smoke"], timeout=120, cwd=tmp_path)
     assert rc == 0, out + err
     rows = _table(out)
     assert set(rows) == set(smoke.STAGES), out
@@ -45,9 +44,9 @@ BROKEN_PLUGIN = textwrap.dedent(
 )
 
 
-def test_smoke_names_the_failing_plugin(tmp_path):
+def test_smoke_names_the_failing_plugin(ranks, tmp_path):
     (tmp_path / "broken_smoke_plugin.py").write_text(BROKEN_PLUGIN)
-    rc, out, err = run_cli(["train", "--smoke", "plugins.enable=[broken_smoke_plugin]"], timeout=120,
+    rc, out, err = ranks.cli(["train", "--smoke", "plugins.enable=[broken_smoke_plugin]"], timeout=120,
                            cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
     assert rc == 1, out + err
     rows = _table(out)
@@ -58,10 +57,10 @@ def test_smoke_names_the_failing_plugin(tmp_path):
     assert "smoke run FAILED at train: plugin 'broken_smoke_plugin' (ddpx_epoch_start)" in out
 
 
-def test_smoke_names_a_plugin_failing_while_reading_the_config(tmp_path):
+def test_smoke_names_a_plugin_failing_while_reading_the_config(ranks, tmp_path):
     (tmp_path / "configure_fails.py").write_text(
         "from ddpx import hookimpl\n\n@hookimpl\ndef ddpx_configure(config):\n    raise ValueError('no')\n")
-    rc, out, err = run_cli(["train", "--smoke", "plugins.enable=[configure_fails]"], timeout=60,
+    rc, out, err = ranks.cli(["train", "--smoke", "plugins.enable=[configure_fails]"], timeout=60,
                            cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
     assert rc == 2  # nothing was launched: a one-line error
     assert "plugin 'configure_fails' raised in ddpx_configure: ValueError: no" in err

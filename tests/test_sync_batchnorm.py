@@ -41,10 +41,8 @@ def sync_bn_against_one_big_batch(rank, world):
 
 
 @pytest.mark.slow
-def test_sync_batchnorm_equals_one_big_batch():
-    from _multiproc import run_workers
-
-    for rank, result in enumerate(run_workers(sync_bn_against_one_big_batch, 2, timeout=60)):
+def test_sync_batchnorm_equals_one_big_batch(ranks):
+    for rank, result in enumerate(ranks.call(sync_bn_against_one_big_batch, 2, timeout=60)):
         torch.testing.assert_close(*result["out"], rtol=1e-4, atol=1e-4)
         for ours, reference in result["grads"]:
             torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)

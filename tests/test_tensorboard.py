@@ -5,19 +5,18 @@ import json
 import sys
 
 import pytest
-from utils import run_cli
 
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
 
 
 @pytest.mark.slow
-def test_tensorboard_scalars_match_the_metrics_file(tmp_path):
+def test_tensorboard_scalars_match_the_metrics_file(ranks, tmp_path):
     pytest.importorskip("tensorboard", reason="pip install 'ddpx[tensorboard]'")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    rc, out, err = run_cli(["train", "trainer.epochs=2", f"run_dir={run_dir}", "logging.tensorboard=true",
+    rc, out, err = ranks.cli(["train", "trainer.epochs=2", f"run_dir={run_dir}", "logging.tensorboard=true",
                             "logging.every_steps=10", "logging.progress=false", "amp.enabled=true",
                             "comm_hook.name=int8", "checkpoint.enabled=false"], cwd=tmp_path, timeout=120)
     assert rc == 0, err[-3000:]

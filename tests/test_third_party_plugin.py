@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-from utils import run_cli
 
 PLUGIN = '''
 """A third-party ddpx plugin: records what it saw, one file per rank."""
@@ -66,7 +65,7 @@ py-modules = ["ddpx_hello"]
 
 
 @pytest.mark.slow
-def test_installed_plugin_is_discovered_and_called(tmp_path):
+def test_installed_plugin_is_discovered_and_called(ranks, tmp_path):
     package = tmp_path / "ddpx-hello-plugin"
     package.mkdir()
     (package / "ddpx_hello.py").write_text(textwrap.dedent(PLUGIN))
@@ -90,13 +89,13 @@ def test_installed_plugin_is_discovered_and_called(tmp_path):
     )
     assert install.returncode == 0, install.stderr
 
-    rc, out, err = run_cli(["plugins"], python=python, timeout=60)
+    rc, out, err = ranks.cli(["plugins"], python=python, timeout=60)
     assert rc == 0, err
     row = next(line for line in out.splitlines() if line.startswith("hello "))
     assert row.split() == ["hello", "ddpx-hello-plugin", "0.3.1", "ddpx_config_defaults,", "ddpx_epoch_end,", "ddpx_train_end,", "ddpx_train_start"]
 
     run_dir = tmp_path / "run"
-    rc, out, err = run_cli(
+    rc, out, err = ranks.cli(
         ["train", "trainer.epochs=2", "hello.greeting=hey", f"run_dir={run_dir}", "logging.progress=false"],
         python=python, timeout=120, cwd=tmp_path,
     )
@@ -111,5 +110,5 @@ def test_installed_plugin_is_discovered_and_called(tmp_path):
         assert events[3]["step"] == 46  # 2 epochs x 23 steps (2 ranks x 32 per batch)
 
     # Outside that environment the plugin does not exist.
-    rc, out, err = run_cli(["train", "hello.greeting=hey"], timeout=60, cwd=tmp_path)
+    rc, out, err = ranks.cli(["train", "hello.greeting=hey"], timeout=60, cwd=tmp_path)
     assert rc == 2 and "unknown key 'hello'" in err

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
-from utils import run_cli
 
 from ddpx.config import load_config
 from ddpx.data import digits_split
@@ -15,12 +14,7 @@ from ddpx.plugin import make_plugin_manager
 from ddpx.trainer import Trainer
 
 
-def core_only_config(tmp_path, overrides):
-    pm = make_plugin_manager(None, entry_points=False)  # the core alone: no sampler, no AMP, ...
-    return load_config(None, [f"run_dir={tmp_path}/run", *overrides], plugin_manager=pm)
-
-
-def test_core_loop_matches_a_handwritten_loop(tmp_path):
+def test_core_loop_matches_a_handwritten_loop(make_config, tmp_path):
     overrides = [
         "trainer.epochs=3",
         "trainer.batch_size=32",
@@ -31,7 +25,7 @@ def test_core_loop_matches_a_handwritten_loop(tmp_path):
         "scheduler.target=torch.optim.lr_scheduler.StepLR",
         "scheduler.args={step_size: 30, gamma: 0.5}",
     ]
-    trainer = Trainer(core_only_config(tmp_path, overrides))
+    trainer = Trainer(make_config(*overrides, core_only=True))
     metrics = trainer.run()
     assert not dist.is_initialized()
 
@@ -71,16 +65,16 @@ def test_core_loop_matches_a_handwritten_loop(tmp_path):
     assert [m["epoch"] for m in metrics] == [0, 1, 2] and metrics[-1]["step"] == steps
 
 
-def test_max_steps_and_eval_every(tmp_path):
-    config = core_only_config(tmp_path, ["trainer.epochs=5", "trainer.max_steps=50", "trainer.eval_every_epochs=3"])
+def test_max_steps_and_eval_every(make_config, tmp_path):
+    config = make_config("trainer.epochs=5", "trainer.max_steps=50", "trainer.eval_every_epochs=3", core_only=True)
     metrics = Trainer(config).run()
     # 45 steps per epoch: epoch 0 has no eval (every 3rd), epoch 1 stops at step 50 and evaluates (last).
     assert [(m["epoch"], m["step"], "accuracy" in m) for m in metrics] == [(0, 45, False), (1, 50, True)]
 
 
 @pytest.mark.slow
-def test_default_run_converges(tmp_path):
-    rc, out, err = run_cli(["train", f"run_dir={tmp_path}/run"], timeout=180, cwd=tmp_path)
+def test_default_run_converges(ranks, tmp_path):
+    rc, out, err = ranks.cli(["train", f"run_dir={tmp_path}/run"], timeout=180, cwd=tmp_path)
     assert rc == 0, err[-3000:]
     assert "Traceback" not in err
     assert "epoch 0" in err  # the rank-0 progress bar

@@ -9,16 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpx.config import load_config
 from ddpx.trainer import Trainer, TrainingStopped
 
+NO_EVAL = "trainer.eval_every_epochs=0"  # these runs do not evaluate
 # digits_split(test_fraction=0.2): 1437 training samples, 45 batches of 32 per epoch on one rank
 STEPS_PER_EPOCH = 45
-
-
-def make_config(tmp_path, *overrides):
-    return load_config(None, [f"run_dir={tmp_path}/run", "logging.progress=false", "model.args.hidden=16",
-                              "trainer.eval_every_epochs=0", *overrides])
 
 
 def saved_checkpoint(tmp_path):
@@ -31,30 +26,30 @@ def saved_progress(tmp_path):
     return saved_checkpoint(tmp_path)["replicated"]["progress"]
 
 
-def test_max_steps_mid_epoch_resumes_the_rest_of_that_epoch(tmp_path):
-    first = Trainer(make_config(tmp_path, "trainer.epochs=3", "trainer.max_steps=20")).run()
+def test_max_steps_mid_epoch_resumes_the_rest_of_that_epoch(make_config, tmp_path):
+    first = Trainer(make_config(NO_EVAL, "trainer.epochs=3", "trainer.max_steps=20")).run()
     assert [(m["epoch"], m["step"]) for m in first] == [(0, 20)]
     assert saved_progress(tmp_path) == {"epoch": 0, "global_step": 20}  # epoch 0 is not finished
     sampler = saved_checkpoint(tmp_path)["ranks"][0]["plugins"]["sampler"]
     assert (sampler["epoch"], sampler["consumed"]) == (0, 20 * 32)  # the batches trained, not those prefetched
 
-    resumed = Trainer(make_config(tmp_path, "trainer.epochs=2", "trainer.max_steps=100"))
+    resumed = Trainer(make_config(NO_EVAL, "trainer.epochs=2", "trainer.max_steps=100"))
     metrics = resumed.run()
     # The rest of epoch 0 (25 batches), then all of epoch 1, then stopped by max_steps in epoch 2's absence.
     assert [(m["epoch"], m["step"]) for m in metrics] == [(0, STEPS_PER_EPOCH), (1, 2 * STEPS_PER_EPOCH)]
     assert saved_progress(tmp_path) == {"epoch": 2, "global_step": 2 * STEPS_PER_EPOCH}
 
 
-def test_max_steps_on_the_last_batch_finishes_the_epoch(tmp_path):
-    Trainer(make_config(tmp_path, "trainer.epochs=3", f"trainer.max_steps={STEPS_PER_EPOCH}")).run()
+def test_max_steps_on_the_last_batch_finishes_the_epoch(make_config, tmp_path):
+    Trainer(make_config(NO_EVAL, "trainer.epochs=3", f"trainer.max_steps={STEPS_PER_EPOCH}")).run()
     assert saved_progress(tmp_path) == {"epoch": 1, "global_step": STEPS_PER_EPOCH}
 
 
-def test_a_run_restores_the_logger_and_signal_handlers(tmp_path):
+def test_a_run_restores_the_logger_and_signal_handlers(make_config, tmp_path):
     logger = logging.getLogger("ddpx")
     before = (list(logger.handlers), logger.level, logger.propagate)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    Trainer(make_config(tmp_path, "trainer.epochs=1", "trainer.max_steps=2")).run()
+    Trainer(make_config(NO_EVAL, "trainer.epochs=1", "trainer.max_steps=2")).run()
     assert (list(logger.handlers), logger.level, logger.propagate) == before
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
@@ -71,13 +66,13 @@ class SigtermAtBatch:
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
-def test_sigterm_stops_the_run_cleanly(tmp_path, checkpoint, capfd):
+def test_sigterm_stops_the_run_cleanly(make_config, tmp_path, checkpoint, capfd):
     previous = signal.getsignal(signal.SIGTERM)
     overrides = ["trainer.epochs=2", "plugins.enable=[tests.test_trainer_lifecycle.SigtermAtBatch]"]
     overrides.append("checkpoint.stop_check_every=5" if checkpoint else "plugins.block=[checkpoint]")
     trainer = None
     with pytest.raises(TrainingStopped) as stopped:
-        trainer = Trainer(make_config(tmp_path, *overrides))
+        trainer = Trainer(make_config(NO_EVAL, *overrides))
         trainer.run()
     assert stopped.value.signum == signal.SIGTERM
     assert not dist.is_initialized()
@@ -124,7 +119,7 @@ class LastAtBatchEnd:
         BATCH_END_CALLS.append(("last", batch_index, round(float(loss), 6)))
 
 
-def test_batch_end_fast_path_calls_what_pluggy_calls(tmp_path):
+def test_batch_end_fast_path_calls_what_pluggy_calls(make_config, tmp_path):
     """Without tracing the trainer calls batch-end implementations itself; with
     tracing, through pluggy. Both must call the same functions, in the same
     order, with the same arguments."""
@@ -134,8 +129,9 @@ def test_batch_end_fast_path_calls_what_pluggy_calls(tmp_path):
     sequences = {}
     for trace in (False, True):
         recorded.clear()
-        Trainer(make_config(tmp_path / str(trace), "trainer.epochs=1", "trainer.max_steps=3", "accumulation.steps=2",
-                            "checkpoint.enabled=false", plugins, f"plugins.trace={str(trace).lower()}")).run()
+        Trainer(make_config(NO_EVAL, "trainer.epochs=1", "trainer.max_steps=3", "accumulation.steps=2",
+                            "checkpoint.enabled=false", plugins, f"plugins.trace={str(trace).lower()}",
+                            run_dir=tmp_path / str(trace) / "run")).run()
         sequences[trace] = list(recorded)
     assert sequences[False] == sequences[True]
     calls = sequences[False]

@@ -8,7 +8,6 @@ import sys
 import textwrap
 
 import pytest
-from utils import run_cli
 
 MYMODEL = '''
 import torch
@@ -51,7 +50,7 @@ def ddpx_command():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["project", "elsewhere"])
-def test_user_modules_import_without_pythonpath(tmp_path, where):
+def test_user_modules_import_without_pythonpath(ranks, tmp_path, where):
     script = ddpx_command()
     if script is None:
         pytest.skip("no installed ddpx script")
@@ -62,7 +61,7 @@ def test_user_modules_import_without_pythonpath(tmp_path, where):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     cwd, config = (project, "cfg.yaml") if where == "project" else (elsewhere, str(project / "cfg.yaml"))
-    rc, out, err = run_cli(["train", config, f"run_dir={tmp_path / 'run'}"], timeout=120, cwd=cwd,
+    rc, out, err = ranks.cli(["train", config, f"run_dir={tmp_path / 'run'}"], timeout=120, cwd=cwd,
                            script=script, env={"PYTHONPATH": None})
     assert rc == 0, err[-3000:]
     epochs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,283 @@
+"""The one way the tests start processes (through the ``ranks`` fixture of conftest.py).
+
+One core, :func:`start` and :func:`finish`: every process writes its output to a
+file (an undrained pipe would block a rank mid-collective), runs in a session of
+its own, and is killed with its whole process group when the deadline passes or,
+optionally, when a peer fails; the test then fails with what each process printed.
+On it stand the four shapes the tests need:
+
+* :func:`run_cli`: ``python -m ddpx ARGS`` (torchrun starts the workers);
+* :func:`run_commands`: several commands at once (two torchrun "nodes", hosts in
+  network namespaces);
+* :func:`call_ranks`: a test function in ``world_size`` fresh processes joined by a
+  gloo group (``python harness.py`` below is one rank);
+* :func:`train_ranks`: ``ddpx.worker`` ranks started without torchrun, as srun or
+  mpirun start them.
+
+Plus two simulated hosts in network namespaces (root only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import gc
+import importlib.util
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from ddpx.net import free_port  # noqa: F401  (the tests' free ports)
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def base_env(env=None) -> dict:
+    """The current environment, one thread per process (2 cores, several ranks), ``env``
+    on top (a None value unsets a variable)."""
+    full = dict(os.environ)
+    full.setdefault("OMP_NUM_THREADS", "1")
+    full.update(env or {})
+    return {k: v for k, v in full.items() if v is not None}
+
+
+@dataclasses.dataclass
+class Finished:
+    """One process's end: exit code (None: killed at the deadline), its output
+    (stdout, with stderr unless that went to a file of its own: ``errors``)."""
+
+    returncode: int | None
+    output: str
+    hung: bool
+    errors: str = ""
+
+
+def _err_log(log) -> Path:
+    return Path(log).with_suffix(".err")
+
+
+def start(cmd, log: Path, env: dict, cwd=None, split_stderr: bool = False) -> subprocess.Popen:
+    """Start ``cmd`` in a new session, stdout to ``log`` and stderr too (``split_stderr``:
+    to ``log`` with the suffix ``.err``)."""
+    require_slow_mark()
+    with open(log, "w") as out, open(_err_log(log) if split_stderr else os.devnull, "w") as err:
+        return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err if split_stderr else subprocess.STDOUT,
+                                env=env, cwd=cwd, start_new_session=True)
+
+
+def finish(procs, logs, timeout: float, stop_on_failure: bool = False) -> list[Finished]:
+    """Wait for every process until ``timeout`` s pass (or, with ``stop_on_failure``, until
+    one exits non-zero: its peers would wait for it until the gloo timeout); kill what is
+    left, process group and all."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if stop_on_failure and any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.05)
+    hung = [p.poll() is None for p in procs]
+    for p, still_running in zip(procs, hung):
+        if still_running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, 9)
+        p.wait()
+    errors = [_err_log(log).read_text(errors="replace") if _err_log(log).exists() else "" for log in logs]
+    return [Finished(None if h else p.returncode, Path(log).read_text(errors="replace"), h, e)
+            for p, log, h, e in zip(procs, logs, hung, errors)]
+
+
+def run_commands(cmds, logdir: Path, timeout: float, env=None, cwd=None, names=None,
+                 split_stderr: bool = False) -> list[Finished]:
+    """Run several commands at once (e.g. two torchrun nodes) and return how each ended;
+    ``env``: one mapping for all, or a list with one per command."""
+    names = names or [f"proc{i}" for i in range(len(cmds))]
+    logs = [Path(logdir) / f"{name}.log" for name in names]
+    envs = env if isinstance(env, list) else [env] * len(cmds)
+    procs = [start(cmd, log, base_env(e), cwd, split_stderr) for cmd, log, e in zip(cmds, logs, envs)]
+    return finish(procs, logs, timeout)
+
+
+def run_cli(args, timeout=120, env=None, cwd=None, python=None, script=None):
+    """Run ``python -m ddpx ARGS`` (``script``: an installed ``ddpx`` script, as a user types
+    it; ``python``: another interpreter) and return ``(returncode, stdout, stderr)``.
+    The test fails with the output so far when ``timeout`` seconds pass (torchrun and its
+    workers are killed with it)."""
+    cmd = [script] if script else [python or sys.executable, "-m", "ddpx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        (ended,) = run_commands([[*cmd, *args]], Path(tmp), timeout, env, cwd, ["cli"], split_stderr=True)
+    if ended.hung:
+        raise AssertionError(f"`ddpx {' '.join(map(str, args))}` did not finish within {timeout} s\n"
+                             f"--- stdout ---\n{ended.output[-4000:]}\n--- stderr ---\n{ended.errors[-4000:]}")
+    return ended.returncode, ended.output, ended.errors
+
+
+def finish_or_fail(procs, logs, timeout: float) -> list[Finished]:
+    """:func:`finish` (stopping at the first failure); the test fails with every failed
+    or killed rank's output."""
+    ended = finish(procs, logs, timeout, stop_on_failure=True)
+    lines = []
+    for rank, e in enumerate(ended):
+        if e.hung:
+            lines.append(f"rank {rank} did not finish within {timeout:.0f} s (killed):\n{e.output[-3000:]}")
+        elif e.returncode != 0:
+            lines.append(f"rank {rank} exited with {e.returncode}:\n{e.output[-3000:]}")
+    if lines:
+        raise AssertionError("\n".join(lines))
+    return ended
+
+
+def call_ranks(fn, world_size: int = 2, args: tuple = (), timeout: float = 90.0) -> list:
+    """``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined by a gloo group
+    on a free loopback port; returns the ranks' return values (passed back with torch.save)."""
+    import torch
+
+    module_path = sys.modules[fn.__module__].__file__
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        args_file = os.path.join(tmp, "args.pt")
+        torch.save(args, args_file)
+        logs = [Path(tmp) / f"rank{rank}.log" for rank in range(world_size)]
+        env = base_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        procs = [start([sys.executable, __file__, module_path, fn.__name__, rank, world_size, port, args_file,
+                        os.path.join(tmp, f"rank{rank}.pt"), timeout], log, env)
+                 for rank, log in enumerate(logs)]
+        finish_or_fail(procs, logs, timeout)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def train_ranks(run_dir: Path, config_path: Path, world_size: int, timeout: float, agent_store: bool = True,
+                env=None) -> list[str]:
+    """Start ``world_size`` ``ddpx.worker`` ranks on ``config_path`` without torchrun; return
+    each rank's output. ``agent_store``: this process serves the rendezvous store, as
+    torchrun's agent does; otherwise rank 0 serves it (srun, mpirun)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if agent_store else None
+    common = dict(
+        {k: v for k, v in base_env(env).items() if not k.startswith("TORCHELASTIC_")},
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port if agent_store else free_port()),
+        TORCHELASTIC_USE_AGENT_STORE=str(agent_store),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    )
+    logs = [Path(run_dir).parent / f"rank{rank}.log" for rank in range(world_size)]
+    procs = [start([sys.executable, "-m", "ddpx.worker", "--config", config_path], log,
+                   dict(common, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=Path(run_dir).parent)
+             for rank, log in enumerate(logs)]
+    return [e.output for e in finish_or_fail(procs, logs, timeout)]
+
+
+def _rank_main(argv: list[str]) -> None:
+    """One rank of :func:`call_ranks`."""
+    import torch
+    import torch.distributed as dist
+
+    module_path, fn_name, rank, world, port, args_file, out_file, timeout = argv
+    rank, world = int(rank), int(world)
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("_ddpx_test_module", module_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(module_path))
+    spec.loader.exec_module(module)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=float(timeout)))
+    try:
+        result = getattr(module, fn_name)(rank, world, *torch.load(args_file, weights_only=False))
+        torch.save(result, out_file)
+        del result
+    finally:
+        # DDP models and hook states hold the group: free them before destroying it,
+        # or torch 2.13 + gloo aborts now and then ("terminate called without an
+        # active exception").
+        gc.collect()
+        dist.destroy_process_group()
+    # The result is saved; skip interpreter teardown, the other place that abort hits.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# --- two hosts in network namespaces (root only) ---------------------------------------------
+
+
+def netns_available(tc: bool = False) -> bool:
+    """Whether this process may create network namespaces (root, iproute2; ``tc`` too if asked)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or (tc and shutil.which("tc") is None):
+        return False
+    name = f"{_netns_names()[0]}probe{uuid.uuid4().hex[:6]}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+def _netns_names():
+    """DDPX_TEST_NETNS="NSPREFIX,VETHPREFIX,A.B": namespace and veth name prefixes and a /16
+    of your own, for tests sharing a machine."""
+    return os.environ.get("DDPX_TEST_NETNS", "ddpxt,vt,10.213").split(",")
+
+
+@contextlib.contextmanager
+def two_hosts(rate=None):
+    """Two namespaces joined by a veth pair: yields ``[(namespace, interface, address)] * 2``
+    at 10.213.<n>.1 and .2 (/24; see _netns_names), lo up in both. ``rate`` (tc syntax, e.g. ``"100mbit"``)
+    shapes both directions with tbf. Removed on exit, whatever happened."""
+    tag = uuid.uuid4().hex[:6]
+    ns_prefix, veth_prefix, net16 = _netns_names()
+    subnet = f"{net16}.{random.randint(1, 250)}"
+    hosts = [(f"{ns_prefix}{tag}{end}", f"{veth_prefix}{tag}{end}", f"{subnet}.{i + 1}") for i, end in enumerate("ab")]
+
+    def sh(*cmd):
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    try:
+        for ns, _, _ in hosts:
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+        for ns, iface, addr in hosts:
+            sh("ip", "link", "set", iface, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", iface)
+            sh("ip", "-n", ns, "link", "set", iface, "up")
+            if rate:
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, "root", "tbf",
+                   "rate", rate, "burst", "1mb", "latency", "100ms")
+        yield hosts
+    finally:
+        for ns, _, _ in hosts:  # deleting a namespace deletes its end of the veth pair too
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])
+
+
+# --- what the ``ranks`` fixture hands a test -------------------------------------------------
+
+current_test = None  # the running test item, set by conftest.py before its fixtures
+
+
+def require_slow_mark() -> None:
+    """A test that starts processes must be marked ``slow``: the fast lane
+    (``-m "not slow"``) starts none."""
+    if current_test is not None and current_test.get_closest_marker("slow") is None:
+        raise AssertionError(f"{current_test.nodeid} starts processes but is not marked slow "
+                             "(@pytest.mark.slow): the fast lane must not start any")
+
+
+class Ranks:
+    """The ``ranks`` fixture: every way a test starts processes."""
+
+    cli = staticmethod(run_cli)
+    commands = staticmethod(run_commands)
+    call = staticmethod(call_ranks)
+    train = staticmethod(train_ranks)
+    two_hosts = staticmethod(two_hosts)
