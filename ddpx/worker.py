@@ -14,6 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .config import load_config
 from .errors import DdpxError, TrainingDiverged
 from .launch import DONE_DIR_ENV
+from .trainer import Trainer, TrainingStopped
 
 
 def parse_args(argv):
@@ -25,8 +26,6 @@ def parse_args(argv):
 
 @record
 def main(argv=None) -> int:
-    from .trainer import Trainer, TrainingStopped
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = os.environ.get("RANK", "0")
     try:

@@ -4,6 +4,8 @@ import argparse
 import json
 import os
 
+from .. import launch
+from ..config import load_config
 from ..errors import DdpxError
 from ..launch import add_launch_arguments, split_config_and_overrides
 
@@ -28,8 +30,7 @@ def register(subparsers):
 
 
 def run(args):
-    from .. import doctor, launch
-    from ..config import load_config
+    from .. import doctor  # torch: only when the command runs
 
     config_path, overrides = split_config_and_overrides(args.config, args.overrides)
     launch_cfg = load_config(config_path, overrides).launch

@@ -2,7 +2,9 @@
 
 import json
 
+from ..config import load_config
 from ..launch import split_config_and_overrides
+from ..plugin import plugin_table
 
 
 def register(subparsers):
@@ -18,9 +20,6 @@ def register(subparsers):
 
 
 def run(args):
-    from ..config import load_config
-    from ..plugin import plugin_table
-
     config_path, overrides = split_config_and_overrides(args.config, args.overrides)
     config = load_config(config_path, overrides)
     rows = plugin_table(config.plugin_manager)

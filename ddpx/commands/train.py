@@ -1,6 +1,6 @@
 """``ddpx train [CONFIG] [KEY=VALUE ...]``: train through torchrun."""
 
-from ..launch import add_launch_arguments, split_config_and_overrides
+from ..launch import add_launch_arguments, launch, options_from_args, split_config_and_overrides
 
 
 def register(subparsers):
@@ -24,12 +24,10 @@ def register(subparsers):
 
 
 def run(args):
-    from ..launch import launch, options_from_args
-
     config, overrides = split_config_and_overrides(args.config, args.overrides)
     opts = options_from_args(args)
     if args.smoke:
-        from ..smoke import launch_smoke
+        from ..smoke import launch_smoke  # torch: only for a smoke run
 
         return launch_smoke(config, overrides, opts)
     return launch(config, overrides, opts)
