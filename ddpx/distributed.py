@@ -91,7 +91,7 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
         serve = rank == 0 and not agent_store
         client = _served.get(port) if serve else None
         if client is None:
-            client = _tcp_store(addr, port, rank, serve=serve, timeout=timeout)
+            client = tcp_store(addr, port, rank, serve=serve, timeout=timeout)
             if serve:
                 _served[port] = client
         if agent_store:
@@ -127,7 +127,7 @@ def choose_interface(master_addr: str, master_port: int, rank: int, local_rank: 
               "set these variables yourself to choose another)", file=sys.stderr, flush=True)
 
 
-def _tcp_store(addr: str, port: int, rank: int, serve: bool, timeout: datetime.timedelta) -> dist.Store:
+def tcp_store(addr: str, port: int, rank: int, serve: bool, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store on addr:port, served here when ``serve``; a failure is one clear line."""
     deadline = time.monotonic() + timeout.total_seconds()
     # torch's TCPStore client prints a C++ stack trace for every failed connect, so

@@ -151,11 +151,11 @@ def test_rendezvous_store_failures_are_one_line(capfd):
         port = busy.getsockname()[1]
         with pytest.raises(DdpxError, match=f"rank 0 cannot serve the rendezvous store on MASTER_PORT={port} "
                                             r"\(.*address already in use.*\); set MASTER_PORT to a free port"):
-            distributed._tcp_store("127.0.0.1", port, 0, serve=True, timeout=datetime.timedelta(seconds=2))
+            distributed.tcp_store("127.0.0.1", port, 0, serve=True, timeout=datetime.timedelta(seconds=2))
     start = time.monotonic()
     with pytest.raises(DdpxError, match=r"rank 1: no rendezvous store answered at MASTER_ADDR=127.0.0.1 "
                                         r"MASTER_PORT=\d+ within 1 s .*trainer.first_timeout_s"):
-        distributed._tcp_store("127.0.0.1", free_port(), 1, serve=False, timeout=datetime.timedelta(seconds=1))
+        distributed.tcp_store("127.0.0.1", free_port(), 1, serve=False, timeout=datetime.timedelta(seconds=1))
     assert time.monotonic() - start < 30  # bounded by the timeout, not a hang
     err = capfd.readouterr().err
     assert "frame #" not in err and "Exception raised from" not in err  # no C++ stack traces around the line
