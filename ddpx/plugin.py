@@ -14,7 +14,7 @@ import difflib
 import importlib.metadata
 import os
 import sys
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import pluggy
 
@@ -31,6 +31,7 @@ CORE_PLUGIN = "core"
 # module does not import it.
 CORE_PLUGIN_PATH = "ddpx.core.CorePlugin"
 TRACE_ENV = "DDPX_TRACE_HOOKS"
+ORIGIN_ATTRIBUTE = "ddpx_raised_by"  # set on an exception by raised_by()
 
 
 def _plugins_section(config) -> Mapping[str, Any]:
@@ -150,6 +151,38 @@ def attach(pm: pluggy.PluginManager, plugin, name: str) -> None:
     if pm.get_plugin(name) is not None:
         pm.unregister(name=name)
     _register(pm, plugin, name, " (attached at run time)")
+
+
+def raised_by(pm: pluggy.PluginManager, exc: BaseException) -> Optional[tuple[str, str]]:
+    """``(plugin name, hook name)`` of the innermost hook implementation ``exc`` came out of,
+    or None (it came from the core loop, or from outside any hook).
+
+    Read from the traceback once the exception exists: hook calls pay nothing for it.
+    Call it before per-run plugins are detached (the trainer does, for every run)."""
+    origin = getattr(exc, ORIGIN_ATTRIBUTE, None)
+    if origin is not None:
+        return origin
+    codes: dict = {}
+    for hook_name, caller in vars(pm.hook).items():
+        for impl in caller.get_hookimpls() if hasattr(caller, "get_hookimpls") else ():
+            code = getattr(impl.function, "__code__", None)
+            if code is not None:
+                codes.setdefault(code, (impl.plugin_name, hook_name))
+    tb = exc.__traceback__
+    while tb is not None:  # outermost first: the last match is the innermost
+        origin = codes.get(tb.tb_frame.f_code, origin)
+        tb = tb.tb_next
+    if origin is not None:
+        try:
+            setattr(exc, ORIGIN_ATTRIBUTE, origin)
+        except AttributeError:  # exception types with __slots__
+            pass
+    return origin
+
+
+def origin(exc: BaseException) -> Optional[tuple[str, str]]:
+    """``(plugin name, hook name)`` that :func:`raised_by` found for ``exc`` earlier, or None."""
+    return getattr(exc, ORIGIN_ATTRIBUTE, None)
 
 
 def rank_prefix() -> str:

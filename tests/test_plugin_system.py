@@ -5,12 +5,13 @@ import importlib.metadata
 import sys
 import textwrap
 
+import pluggy
 import pytest
 import torch.distributed as dist
 
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
-from ddpx.plugin import make_plugin_manager, plugin_table, registered
+from ddpx.plugin import make_plugin_manager, origin, plugin_table, raised_by, registered
 from ddpx.trainer import Trainer
 
 BUILTIN = {"sampler", "amp", "accumulation", "comm_hook", "logging", "checkpoint"}
@@ -210,3 +211,55 @@ def test_a_rank_with_different_plugins_stops_the_run(ranks, plugin_dir, tmp_path
     assert "rank 1 loaded different plugins than rank 0 (position " in err
     assert "extra==-" in err
     assert "ddpx: error: training failed: rank" in err.strip().splitlines()[-1]
+
+
+# --- which plugin raised: read from the traceback, nothing wrapped ------------------------------------
+
+spec = pluggy.HookspecMarker("t")
+impl = pluggy.HookimplMarker("t")
+
+
+class Spec:
+    @spec
+    def step(self, x):
+        pass
+
+
+class Inner:
+    @impl
+    def step(self, x):
+        if x == "inner":
+            raise ValueError("inner failed")
+        return 1
+
+
+class Wrapper:
+    @impl(wrapper=True)
+    def step(self, x):
+        result = yield
+        if x == "wrapper":
+            raise KeyError("wrapper failed")
+        return result
+
+
+def _pm():
+    pm = pluggy.PluginManager("t")
+    pm.add_hookspecs(Spec)
+    pm.register(Inner(), name="inner")
+    pm.register(Wrapper(), name="wrap")
+    return pm
+
+
+def test_exceptions_carry_the_plugin_that_raised_them():
+    pm = _pm()
+    assert pm.hook.step(x="ok") == [1]  # behaviour unchanged, wrapper results pass through
+    with pytest.raises(ValueError) as info:
+        pm.hook.step(x="inner")
+    assert raised_by(pm, info.value) == ("inner", "step")  # not the wrapper it passed through
+    assert origin(info.value) == ("inner", "step")  # remembered on the exception
+    with pytest.raises(KeyError) as info:
+        pm.hook.step(x="wrapper")
+    assert raised_by(pm, info.value) == ("wrap", "step")
+    with pytest.raises(ZeroDivisionError) as info:
+        1 / 0
+    assert raised_by(pm, info.value) is None  # not from a hook
