@@ -1,6 +1,6 @@
 """Elastic membership across hosts: time from a host's death to training again (target: < 15 s).
 
-Two network-namespace "hosts" (tests/utils.two_hosts; root and `ip netns`
+Two network-namespace "hosts" (tests/harness.two_hosts; root and `ip netns`
 needed) each run ``ddpx train --nnodes 1:2 --max-restarts 3 --rdzv-endpoint
 HOST0:PORT`` with one worker, the README's elastic command. At a chosen step
 host 1's agent and worker are SIGKILLed (tests/elastic_probe.py,
@@ -32,7 +32,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
-import utils  # noqa: E402  (tests/utils.py: two_hosts, free_port)
+import harness  # noqa: E402  (tests/harness.py: two_hosts, free_port)
 
 TARGET_S = 15.0
 KILL_STEP = 30  # mid epoch 1 at world size 2 (23 steps per epoch), 2 steps after a checkpoint
@@ -68,10 +68,10 @@ def groups(records_dir: Path) -> list[dict]:
 
 
 def run_scenario(workdir: Path, hosts, rejoin_after: float = 3.0, timeout: float = 240.0) -> dict:
-    """Run the scenario on ``hosts`` (from utils.two_hosts); return exit codes, logs and times."""
+    """Run the scenario on ``hosts`` (from harness.two_hosts); return exit codes, logs and times."""
     (workdir / "records").mkdir(parents=True, exist_ok=True)
     (host0, _, addr0), (host1, _, _) = hosts
-    endpoint = f"{addr0}:{utils.free_port()}"
+    endpoint = f"{addr0}:{harness.free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         env.pop(name, None)  # ddpx chooses them
@@ -128,11 +128,11 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=240.0, help="per run, seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    if not utils.netns_available():
+    if not harness.netns_available():
         raise SystemExit("bench_host_death: needs root and `ip netns` (network namespaces as hosts)")
     runs = []
     for _ in range(args.reps):
-        with tempfile.TemporaryDirectory() as tmp, utils.two_hosts() as hosts:
+        with tempfile.TemporaryDirectory() as tmp, harness.two_hosts() as hosts:
             run = run_scenario(Path(tmp), hosts, args.rejoin_after, args.timeout)
         if run["death_to_training_s"] is None or set(run["exit_codes"].values()) - {0, -signal.SIGKILL}:
             tail = {name: log[-2000:] for name, log in run["logs"].items()}
