@@ -30,12 +30,12 @@ from . import distributed
 from .config import Config, instantiate, resolve
 from .errors import DdpxError, TrainingDiverged
 from .plugin import hookimpl, plugin_signature, rank_prefix
+from .losses import EpochLosses, LossWindow
 from .step_hooks import step_callers
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 NEVER = sys.maxsize  # the next due step when nothing is scheduled
-LOSS_FOLD = 4096  # micro-batch losses kept as tensors before they are summed into one
 
 
 class TrainingStopped(Exception):
@@ -73,21 +73,22 @@ def model_loss(model, loss_fn, batch) -> tuple:
     (sequence) or ``model(batch)``, and returns the loss or an output with a
     ``loss`` (attribute or key); targets are then None.
     """
+    # Sequences first: the Mapping check is an ABC check, slower than list/tuple's.
     if loss_fn is not None:
-        if isinstance(batch, Mapping):
+        if isinstance(batch, (list, tuple)) or not isinstance(batch, Mapping):
+            targets = batch[1]
+            outputs = model(batch[0])
+        else:
             if LABELS not in batch:
                 raise DdpxError(f"a dict batch needs a '{LABELS}' entry (the targets of loss.target); it has "
                                 f"{', '.join(map(str, batch))}; or set loss.target=null for a model that computes its loss")
             targets = batch[LABELS]
             outputs = model(**{k: v for k, v in batch.items() if k != LABELS})
-        else:
-            targets = batch[1]
-            outputs = model(batch[0])
         return loss_fn(outputs, targets), outputs, targets
-    if isinstance(batch, Mapping):
-        outputs = model(**batch)
-    elif isinstance(batch, (list, tuple)):
+    if isinstance(batch, (list, tuple)):
         outputs = model(*batch)
+    elif isinstance(batch, Mapping):
+        outputs = model(**batch)
     else:
         outputs = model(batch)
     if isinstance(outputs, torch.Tensor):
@@ -190,46 +191,6 @@ def default_log_handler(log: logging.Logger, rank: int) -> None:
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-class LossWindow:
-    """The micro-batch losses since the previous :meth:`take` (or since the window
-    was opened by :meth:`Trainer.open_loss_window`), across epochs, summed
-    exactly on the device: no host sync, no per-step work."""
-
-    def __init__(self, trainer: "Trainer"):
-        self._trainer = trainer
-        self._sum: Optional[torch.Tensor] = None  # losses already folded out of the trainer's list
-        self._count = 0
-        self._start = len(trainer._losses)  # first entry of the trainer's list that belongs here
-
-    @property
-    def pending(self) -> int:
-        """Micro-batches in the window so far (no tensor work)."""
-        return self._count + len(self._trainer._losses) - self._start
-
-    def _add(self, mine: torch.Tensor) -> None:
-        """Keep ``mine`` (this window's part of the trainer's kept losses, float64) as a sum."""
-        part = mine.sum()
-        self._sum = part if self._sum is None else self._sum + part
-        self._count += len(mine)
-
-    def _fold(self, stacked: torch.Tensor) -> None:
-        """The trainer is about to clear its kept losses (all of them ``stacked``)."""
-        if self._start < len(stacked):
-            self._add(stacked[self._start:])
-        self._start = 0
-
-    def take(self) -> tuple[Optional[torch.Tensor], int]:
-        """``(sum of the losses as a float64 tensor, or None, number of micro-batches)``
-        since the previous take; the window then starts again, empty."""
-        losses = self._trainer._losses
-        if self._start < len(losses):
-            self._add(torch.stack(losses[self._start:]).double())
-        self._start = len(losses)
-        taken = self._sum, self._count
-        self._sum, self._count = None, 0
-        return taken
-
-
 class Trainer:
     """One rank's training run. Public attributes (plugins may read them):
 
@@ -298,10 +259,7 @@ class Trainer:
         self._due: list = []  # heap of (step, order, callback): see call_at_step
         self._due_order = itertools.count()  # same-step calls run in the order they were scheduled
         self._next_due = NEVER
-        self._losses: list = []  # detached losses of this epoch's micro-batches not yet folded
-        self._epoch_loss: Optional[torch.Tensor] = None  # the epoch's folded losses, summed
-        self._epoch_batches = 0  # micro-batches folded into _epoch_loss
-        self._loss_windows: list[LossWindow] = []
+        self._losses = EpochLosses()  # this epoch's micro-batch losses, summed only when read
         self._grad_clip = config.trainer.grad_clip  # read every step
         self._previous_signal_handlers: dict = {}
 
@@ -312,7 +270,7 @@ class Trainer:
     @property
     def epoch_batches(self) -> int:
         """Micro-batches of the running (or just finished) epoch trained so far by this run."""
-        return self._epoch_batches + len(self._losses)
+        return self._losses.count
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -453,7 +411,7 @@ class Trainer:
 
     def train_epoch(self, epoch: int) -> dict:
         self._epoch_finished = False
-        self._epoch_loss, self._epoch_batches = None, 0  # _losses is empty: folded at the last epoch end
+        self._losses.start_epoch()
         self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
         # Resolved after the epoch start: a plugin may attach step hooks there.
         self._callers = callers = step_callers(self.plugin_manager)
@@ -476,9 +434,7 @@ class Trainer:
                     self.scheduler.step()
                 self.global_step += 1
             self.last_loss = loss
-            self._losses.append(loss)  # summed at the epoch end: no per-step host sync
-            if len(self._losses) == LOSS_FOLD:  # bound the memory of very long epochs
-                self._fold_losses()
+            self._losses.append(loss)  # summed when read: no per-step host sync
             if batch_end is not None:
                 batch_end(trainer=self, batch_index=batch_index, loss=loss, stepped=stepped)
             if sync and self.global_step >= self._next_due:
@@ -505,9 +461,10 @@ class Trainer:
     def _epoch_train_loss(self) -> dict:
         """``{"loss": mean micro-batch loss of the epoch over all ranks}`` (empty if
         no rank trained a batch): one all_reduce per epoch."""
-        self._fold_losses()
-        loss_sum = self._epoch_loss if self._epoch_batches else torch.zeros((), dtype=torch.float64)
-        totals = torch.stack([loss_sum.to(self.device), torch.tensor(float(self._epoch_batches), dtype=torch.float64,
+        loss_sum, batches = self._losses.epoch_total()
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float64)
+        totals = torch.stack([loss_sum.to(self.device), torch.tensor(float(batches), dtype=torch.float64,
                                                                       device=self.device)])
         dist.all_reduce(totals)
         return {"loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
@@ -619,24 +576,10 @@ class Trainer:
             callback(self)
 
     def open_loss_window(self) -> LossWindow:
-        """A :class:`LossWindow` over the micro-batch losses from now on (the step
-        lines of the logging plugin use one)."""
-        window = LossWindow(self)
-        self._loss_windows.append(window)
-        return window
-
-    def _fold_losses(self) -> None:
-        """Sum the kept losses into the epoch total and every open window, then drop them."""
-        losses = self._losses
-        if not losses:
-            return
-        stacked = torch.stack(losses).double()
-        for window in self._loss_windows:
-            window._fold(stacked)
-        part = stacked.sum()
-        self._epoch_loss = part if self._epoch_loss is None else self._epoch_loss + part
-        self._epoch_batches += len(losses)
-        losses.clear()
+        """A :class:`~ddpx.losses.LossWindow` over the micro-batch losses from now
+        on (the logging plugin's step lines and the checkpoint plugin's non-finite
+        check use one)."""
+        return self._losses.open_window()
 
 
 class CorePlugin:
