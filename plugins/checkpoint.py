@@ -471,16 +471,37 @@ def _finite_state(trainer, state) -> bool:
     optimizer state is finite on every rank (one all_reduce)."""
     import torch
 
-    tensors = [t for t in state.get("model", {}).values() if torch.is_tensor(t) and t.is_floating_point()]
+    tensors = _floating(state.get("model", {}))
     for per_param in state.get("optimizer", {}).get("state", {}).values():
-        tensors += [t for t in per_param.values() if torch.is_tensor(t) and t.is_floating_point()]
-    finite = torch.stack([t.isfinite().all() for t in tensors]).all() if tensors else torch.tensor(True)
-    flag = finite.to(device=trainer.device, dtype=torch.int32).reshape(1)
+        tensors += _floating(per_param)
+    flag = _all_finite(tensors, trainer.device).to(torch.int32).reshape(1)
     if _world(trainer):
         import torch.distributed as dist
 
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def _floating(named: dict) -> list:
+    import torch
+
+    return [t for t in named.values() if torch.is_tensor(t) and t.is_floating_point()]
+
+
+def _all_finite(tensors, device):
+    """A bool tensor on ``device``: no NaN or inf in ``tensors``. One max-abs pass
+    per tensor (``_foreach_norm`` with ord=inf propagates NaN and cannot
+    overflow), grouped by device and dtype: Adam keeps its step count on the
+    CPU beside CUDA weights."""
+    import torch
+
+    groups: dict = {}
+    for t in tensors:
+        if t.numel():  # the inf-norm of an empty tensor is undefined
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    flags = [torch.stack(torch._foreach_norm(group, math.inf)).isfinite().all().to(device)
+             for group in groups.values()]
+    return torch.stack(flags).all() if flags else torch.tensor(True, device=device)
 
 
 def _epoch_exhausted(trainer) -> bool:
@@ -624,10 +645,10 @@ def _nonfinite_weights(checkpoint):
     import torch
 
     model = checkpoint.get("replicated", {}).get("model", {})
-    for name, tensor in model.items():
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(tensor.isfinite().all()):
-            return f"its weights are non-finite ({name})"
-    return None
+    if bool(_all_finite(_floating(model), torch.device("cpu"))):
+        return None
+    name = next(k for k, t in model.items() if _floating({k: t}) and not bool(t.isfinite().all()))
+    return f"its weights are non-finite ({name})"
 
 
 def _scale_lr(trainer, factor):
