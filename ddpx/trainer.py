@@ -8,7 +8,6 @@ registered ``trylast`` so any plugin can take over.
 
 from __future__ import annotations
 
-import datetime
 import gc
 import heapq
 import itertools
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from . import distributed
-from .config import Config, instantiate, resolve
+from .config import Config, default_run_dir, instantiate, resolve
 from .errors import DdpxError, TrainingDiverged
 from .plugin import hookimpl, plugin_signature, rank_prefix
 from .losses import EpochLosses, LossWindow
@@ -373,8 +372,7 @@ class Trainer:
     def _propose_run_dir(self) -> str:
         if self.config.run_dir:
             return os.path.abspath(self.config.run_dir)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        return os.path.abspath(os.path.join("runs", stamp))
+        return default_run_dir()
 
     def _datasets(self):
         data = instantiate(self.config.data, "data")
