@@ -287,7 +287,6 @@ def own_work_us(trainer, rounds: int) -> float:
     calls them. The interleaved ratio is this plus noise; here there is no
     noise to hide in."""
     from ddpx.step_hooks import step_callers
-    from ddpx.trainer import LOSS_FOLD
 
     cpu, total_steps = 0.0, 0
     losses, loss = trainer._losses, trainer.last_loss
@@ -301,8 +300,6 @@ def own_work_us(trainer, rounds: int) -> float:
         for batch_index in range(steps):
             trainer.global_step += 1
             losses.append(loss)
-            if len(losses) == LOSS_FOLD:
-                trainer._fold_losses()
             if batch_end is not None:
                 batch_end(trainer=trainer, batch_index=batch_index, loss=loss, stepped=True)
             if trainer.global_step >= trainer._next_due:

@@ -273,6 +273,15 @@ def _coerce_floats(values: dict, defaults: Mapping, types: Mapping, prefix: str 
             _coerce_floats(value, default, types, prefix=f"{path}.")
 
 
+def default_run_dir() -> str:
+    """``runs/<UTC timestamp>`` under the current directory, absolute. ``ddpx train``
+    picks it once per launch, so torchrun's restarts resume in the same place."""
+    import datetime
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return os.path.abspath(os.path.join("runs", stamp))
+
+
 def user_module_dirs(config_path: Optional[str]) -> list[str]:
     """Where a run finds the user's own modules (``model.target: mymodel.Net``), first
     first: the config file's directory, then the current directory (which

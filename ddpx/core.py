@@ -52,21 +52,22 @@ def model_loss(model, loss_fn, batch) -> tuple:
     (sequence) or ``model(batch)``, and returns the loss or an output with a
     ``loss`` (attribute or key); targets are then None.
     """
+    # Sequences first: the Mapping check is an ABC check, slower than list/tuple's.
     if loss_fn is not None:
-        if isinstance(batch, Mapping):
+        if isinstance(batch, (list, tuple)) or not isinstance(batch, Mapping):
+            targets = batch[1]
+            outputs = model(batch[0])
+        else:
             if LABELS not in batch:
                 raise DdpxError(f"a dict batch needs a '{LABELS}' entry (the targets of loss.target); it has "
                                 f"{', '.join(map(str, batch))}; or set loss.target=null for a model that computes its loss")
             targets = batch[LABELS]
             outputs = model(**{k: v for k, v in batch.items() if k != LABELS})
-        else:
-            targets = batch[1]
-            outputs = model(batch[0])
         return loss_fn(outputs, targets), outputs, targets
-    if isinstance(batch, Mapping):
-        outputs = model(**batch)
-    elif isinstance(batch, (list, tuple)):
+    if isinstance(batch, (list, tuple)):
         outputs = model(*batch)
+    elif isinstance(batch, Mapping):
+        outputs = model(**batch)
     else:
         outputs = model(batch)
     if isinstance(outputs, torch.Tensor):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from . import net, slurm
-from .config import load_config, user_module_dirs
+from .config import default_run_dir, load_config, user_module_dirs
 from .errors import DdpxError, TrainingDiverged
 
 WORKER_MODULE = "ddpx.worker"
@@ -253,6 +253,8 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
 def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOptions) -> int:
     """Validate the config here (one-line errors, nothing spawned), then run torchrun."""
     config = load_config(config_path, overrides)  # raises DdpxError before any worker exists
+    if config.run_dir is None:  # one for the whole launch: a restarted worker group resumes there
+        overrides = [*overrides, f"run_dir={default_run_dir()}"]
     argv = torchrun_argv(opts, config.launch, config_path, overrides)
     return run_torchrun(argv)
 

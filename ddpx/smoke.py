@@ -228,7 +228,8 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
     from .trainer import Trainer
 
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("run_dir=")), None)
+    # The launcher appends its run_dir after the user's: the last one wins, as in the config.
+    run_dir = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run_dir=")), None)
     if run_dir is None:
         raise DdpxError("the smoke run needs run_dir=DIR (ddpx train --smoke sets it)")
     log = StageLog(Path(run_dir) / "smoke" / f"rank{rank}.json", rank, world_size)

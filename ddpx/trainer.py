@@ -8,7 +8,6 @@ registered ``trylast`` so any plugin can take over.
 
 from __future__ import annotations
 
-import datetime
 import gc
 import heapq
 import itertools
@@ -28,17 +27,17 @@ from torch.utils.data import DataLoader
 
 from . import distributed, hookspecs
 from .batchnorm import convert_sync_batchnorm
-from .config import Config
+from .config import Config, default_run_dir
 from .core import CorePlugin, batch_size, ddp_options, model_loss, to_device  # noqa: F401  (their old home)
 from .errors import DdpxError, TrainingDiverged
 from .imports import instantiate
+from .losses import EpochLosses, LossWindow
 from .plugin import plugin_signature, rank_prefix
 from .step_hooks import step_callers
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 NEVER = sys.maxsize  # the next due step when nothing is scheduled
-LOSS_FOLD = 4096  # micro-batch losses kept as tensors before they are summed into one
 
 
 class TrainingStopped(Exception):
@@ -105,46 +104,6 @@ def default_log_handler(log: logging.Logger, rank: int) -> None:
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-class LossWindow:
-    """The micro-batch losses since the previous :meth:`take` (or since the window
-    was opened by :meth:`Trainer.open_loss_window`), across epochs, summed
-    exactly on the device: no host sync, no per-step work."""
-
-    def __init__(self, trainer: "Trainer"):
-        self._trainer = trainer
-        self._sum: Optional[torch.Tensor] = None  # losses already folded out of the trainer's list
-        self._count = 0
-        self._start = len(trainer._losses)  # first entry of the trainer's list that belongs here
-
-    @property
-    def pending(self) -> int:
-        """Micro-batches in the window so far (no tensor work)."""
-        return self._count + len(self._trainer._losses) - self._start
-
-    def _add(self, mine: torch.Tensor) -> None:
-        """Keep ``mine`` (this window's part of the trainer's kept losses, float64) as a sum."""
-        part = mine.sum()
-        self._sum = part if self._sum is None else self._sum + part
-        self._count += len(mine)
-
-    def _fold(self, stacked: torch.Tensor) -> None:
-        """The trainer is about to clear its kept losses (all of them ``stacked``)."""
-        if self._start < len(stacked):
-            self._add(stacked[self._start:])
-        self._start = 0
-
-    def take(self) -> tuple[Optional[torch.Tensor], int]:
-        """``(sum of the losses as a float64 tensor, or None, number of micro-batches)``
-        since the previous take; the window then starts again, empty."""
-        losses = self._trainer._losses
-        if self._start < len(losses):
-            self._add(torch.stack(losses[self._start:]).double())
-        self._start = len(losses)
-        taken = self._sum, self._count
-        self._sum, self._count = None, 0
-        return taken
-
-
 class Trainer:
     """One rank's training run.
 
@@ -197,10 +156,7 @@ class Trainer:
         self._due: list = []  # heap of (step, order, callback): see call_at_step
         self._due_order = itertools.count()  # same-step calls run in the order they were scheduled
         self._next_due = NEVER
-        self._losses: list = []  # detached losses of this epoch's micro-batches not yet folded
-        self._epoch_loss: Optional[torch.Tensor] = None  # the epoch's folded losses, summed
-        self._epoch_batches = 0  # micro-batches folded into _epoch_loss
-        self._loss_windows: list[LossWindow] = []
+        self._losses = EpochLosses()  # this epoch's micro-batch losses, summed only when read
         self._grad_clip = config.trainer.grad_clip  # read every step
         self._previous_signal_handlers: dict = {}
 
@@ -216,7 +172,7 @@ class Trainer:
     @property
     def epoch_batches(self) -> int:
         """Micro-batches of the running (or just finished) epoch trained so far by this run."""
-        return self._epoch_batches + len(self._losses)
+        return self._losses.count
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -317,8 +273,7 @@ class Trainer:
     def _propose_run_dir(self) -> str:
         if self.config.run_dir:
             return os.path.abspath(self.config.run_dir)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        return os.path.abspath(os.path.join("runs", stamp))
+        return default_run_dir()
 
     def _datasets(self):
         data = instantiate(self.config.data, "data")
@@ -355,7 +310,7 @@ class Trainer:
 
     def train_epoch(self, epoch: int) -> dict:
         self._epoch_finished = False
-        self._epoch_loss, self._epoch_batches = None, 0  # _losses is empty: folded at the last epoch end
+        self._losses.start_epoch()
         self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
         # Resolved after the epoch start: a plugin may attach step hooks there.
         self.step_callers = callers = step_callers(self.plugin_manager)
@@ -378,9 +333,7 @@ class Trainer:
                     self.scheduler.step()
                 self.global_step += 1
             self.last_loss = loss
-            self._losses.append(loss)  # summed at the epoch end: no per-step host sync
-            if len(self._losses) == LOSS_FOLD:  # bound the memory of very long epochs
-                self._fold_losses()
+            self._losses.append(loss)  # summed when read: no per-step host sync
             if batch_end is not None:
                 batch_end(trainer=self, batch_index=batch_index, loss=loss, stepped=stepped)
             if sync and self.global_step >= self._next_due:
@@ -407,9 +360,10 @@ class Trainer:
     def _epoch_train_loss(self) -> dict:
         """``{"loss": mean micro-batch loss of the epoch over all ranks}`` (empty if
         no rank trained a batch): one all_reduce per epoch."""
-        self._fold_losses()
-        loss_sum = self._epoch_loss if self._epoch_batches else torch.zeros((), dtype=torch.float64)
-        totals = torch.stack([loss_sum.to(self.device), torch.tensor(float(self._epoch_batches), dtype=torch.float64,
+        loss_sum, batches = self._losses.epoch_total()
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float64)
+        totals = torch.stack([loss_sum.to(self.device), torch.tensor(float(batches), dtype=torch.float64,
                                                                       device=self.device)])
         dist.all_reduce(totals)
         return {"loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
@@ -521,24 +475,10 @@ class Trainer:
             callback(self)
 
     def open_loss_window(self) -> LossWindow:
-        """A :class:`LossWindow` over the micro-batch losses from now on (the step
-        lines of the logging plugin use one)."""
-        window = LossWindow(self)
-        self._loss_windows.append(window)
-        return window
-
-    def _fold_losses(self) -> None:
-        """Sum the kept losses into the epoch total and every open window, then drop them."""
-        losses = self._losses
-        if not losses:
-            return
-        stacked = torch.stack(losses).double()
-        for window in self._loss_windows:
-            window._fold(stacked)
-        part = stacked.sum()
-        self._epoch_loss = part if self._epoch_loss is None else self._epoch_loss + part
-        self._epoch_batches += len(losses)
-        losses.clear()
+        """A :class:`~ddpx.losses.LossWindow` over the micro-batch losses from now
+        on (the logging plugin's step lines and the checkpoint plugin's non-finite
+        check use one)."""
+        return self._losses.open_window()
 
 
 if Trainer.__doc__ is not None:  # None under python -OO

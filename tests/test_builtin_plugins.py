@@ -417,19 +417,18 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(ranks, tmp_path):
 
 def test_progress_bar_loss_follows_training(capsys):
     """The bar shows the mean loss since its previous redraw, not the last step line's."""
-    from types import SimpleNamespace
-
-    from ddpx.trainer import LossWindow
+    from ddpx.losses import EpochLosses
     from ddpx_plugins.logging import MetricsLog
 
-    trainer = SimpleNamespace(_losses=[])  # what a LossWindow reads: the trainer's kept losses
+    losses = EpochLosses()  # what the trainer keeps
     log = MetricsLog(path=None, every_steps=50, progress=True, samples_per_batch=32)
-    log.window, log.bar_window = LossWindow(trainer), LossWindow(trainer)
+    log.window, log.bar_window = losses.open_window(), losses.open_window()
     log.start_bar(0, 10)
-    trainer._losses += [torch.tensor(2.0), torch.tensor(4.0)]
+    losses.append(torch.tensor(2.0))
+    losses.append(torch.tensor(4.0))
     log.advance_bar()
     assert log.bar.n == 2 and log.bar.postfix == "loss=3.0000"
-    trainer._losses += [torch.tensor(0.5)]
+    losses.append(torch.tensor(0.5))
     log.advance_bar()
     assert log.bar.n == 3 and log.bar.postfix == "loss=0.5000"
     log.advance_bar()  # nothing new: the last loss stays

@@ -26,12 +26,12 @@ STEPS_PER_EPOCH = 23  # 2 ranks x 32 per rank: 22 full global batches + a tail
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 
-def train(ranks, tmp_path, label, *extra, nproc=2, max_restarts=0, timeout=90):
+def train(ranks, tmp_path, label, *extra, nproc=2, max_restarts=0, timeout=90, run_dir=True):
     records = tmp_path / "records"
     records.mkdir(exist_ok=True)
     args = [
         "train", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-        f"run_dir={tmp_path / 'run'}", "trainer.epochs=2", "optimizer.args.lr=0.1",
+        *([f"run_dir={tmp_path / 'run'}"] if run_dir else []), "trainer.epochs=2", "optimizer.args.lr=0.1",
         "checkpoint.every_steps=4", "logging.progress=false", "plugins.enable=[elastic_probe]",
         f"probe.record_dir={records}", f"probe.label={label}", f"probe.marker={tmp_path / 'marker'}",
         *extra,
@@ -110,6 +110,19 @@ def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(ranks, tmp_pat
     for name in expected:
         assert torch.equal(expected[name], actual[name]), f"{name} differs from the uninterrupted run"
     assert final_accuracy(tmp_path) > 0.8  # chance: 0.1
+
+
+def test_a_restart_with_the_default_run_dir_resumes_in_the_same_directory(ranks, tmp_path):
+    """run_dir unset: ``runs/<UTC time>`` is chosen once per launch, not again by the restarted workers."""
+    code, log, _ = train(ranks, tmp_path, "default", "probe.action=kill", "probe.at_step=7", "probe.rank=1",
+                         "trainer.epochs=1", max_restarts=1, run_dir=False)
+    assert code == 0, log[-3000:]
+    assert (tmp_path / "marker").exists(), "the probe never killed the worker"
+    run_dirs = list((tmp_path / "runs").iterdir())
+    assert len(run_dirs) == 1, run_dirs
+    runs = attempts(tmp_path, ["default"])
+    assert [r[0] for r in runs] == [0, 4], runs  # the restart resumed the checkpoint of step 4
+    assert f"resumed from {run_dirs[0] / 'checkpoints'}" in log, log[-3000:]
 
 
 def test_sigterm_stops_cleanly_and_resumes_with_another_world_size(ranks, tmp_path):

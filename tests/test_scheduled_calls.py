@@ -66,9 +66,9 @@ class LossRecorder:
 
 @pytest.mark.parametrize("fold", [4096, 4])  # 4: the trainer folds kept losses many times an epoch
 def test_step_lines_and_epoch_losses_are_exact_means_of_the_micro_batch_losses(make_config, tmp_path, monkeypatch, capfd, fold):
-    import ddpx.trainer
+    import ddpx.losses
 
-    monkeypatch.setattr(ddpx.trainer, "LOSS_FOLD", fold)
+    monkeypatch.setattr(ddpx.losses, "FOLD_AT", fold)
     events = _events()
     events.clear()
     # 45 micro-batches an epoch, 3 per step: 15 steps an epoch; a step line every 4 steps spans epochs

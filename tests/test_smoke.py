@@ -19,8 +19,9 @@ def _table(out):
     return rows
 
 
-def test_smoke_passes_on_the_default_example(ranks, tmp_path):
-    rc, out, err = ranks.cli(["train", "--smoke"], timeout=120, cwd=tmp_path)
+@pytest.mark.parametrize("run_dir", [None, "mine"])
+def test_smoke_passes_on_the_default_example(ranks, tmp_path, run_dir):
+    rc, out, err = ranks.cli(["train", "--smoke", *([f"run_dir={run_dir}"] if run_dir else [])], timeout=120, cwd=tmp_path)
     assert rc == 0, out + err
     rows = _table(out)
     assert set(rows) == set(smoke.STAGES), out
@@ -30,7 +31,7 @@ def test_smoke_passes_on_the_default_example(ranks, tmp_path):
     assert "weights identical" in rows["resume"][1]
     assert "3 optimizer steps" in rows["train"][1] and "2 optimizer steps" in rows["train after resume"][1]
     # it ran on the slice, in a run dir of its own
-    assert list(tmp_path.glob("runs/smoke-*/checkpoints/*.pt"))
+    assert list(tmp_path.glob(f"{run_dir or 'runs'}/smoke-*/checkpoints/*.pt"))
 
 
 BROKEN_PLUGIN = textwrap.dedent(

@@ -199,15 +199,11 @@ class CheckpointSession:
         return flag > 0, slowest_step_s, steps if nonfinite > 0 else None
 
     def take_losses(self, trainer):
-        """A device tensor: 1.0 if a loss since the previous call was non-finite,
-        else 0.0 (no host sync); and the steps ``(first, last)`` it covers."""
-        import torch
-
+        """The sum of the losses since the previous call (a float64 device tensor,
+        no host sync; None if there were none) and the steps ``(first, last)`` it covers."""
         loss_sum, _ = self.losses.take() if self.losses is not None else (None, 0)
         steps, self.losses_from = (self.losses_from + 1, trainer.global_step), trainer.global_step
-        if loss_sum is None:
-            return torch.zeros(1, dtype=torch.float64, device=trainer.device), steps
-        return (~torch.isfinite(loss_sum)).double().reshape(1), steps
+        return loss_sum, steps
 
     def stop_check_interval(self, slowest_step_s) -> int:
         """Optimizer steps to the next stop check: the same on every rank (it
@@ -444,10 +440,10 @@ def _agree_to_stop(trainer, session) -> bool:
     now = time.perf_counter()
     step_s = (now - session.stop_check_time) / max(1, step - session.stop_check_step)
     session.stop_check_time, session.stop_check_step = now, step
-    nonfinite, steps = session.take_losses(trainer)
+    loss_sum, steps = session.take_losses(trainer)
     if not _world(trainer):  # no one to agree with
         session.next_stop_check = step + session.stop_check_interval(step_s)
-        if nonfinite.item():
+        if loss_sum is not None and not math.isfinite(loss_sum.item()):
             _nonfinite_loss(trainer, steps)
         return bool(flag)
     import torch.distributed as dist
@@ -458,7 +454,9 @@ def _agree_to_stop(trainer, session) -> bool:
     if nonfinite_steps is not None:
         _nonfinite_loss(trainer, nonfinite_steps)
     session.next_stop_check = step + session.stop_check_interval(slowest_step_s)
-    tensor = torch.cat([torch.tensor([flag, step_s], dtype=torch.float64, device=trainer.device), nonfinite])
+    nonfinite = 0.0 if loss_sum is None else (~torch.isfinite(loss_sum)).double()
+    tensor = torch.tensor([flag, step_s, 0.0], dtype=torch.float64, device=trainer.device)
+    tensor[2] = nonfinite  # a device tensor copied on the device: no host sync
     session.stop_vote = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True), tensor, steps)
     return False
 
@@ -473,16 +471,37 @@ def _finite_state(trainer, state) -> bool:
     optimizer state is finite on every rank (one all_reduce)."""
     import torch
 
-    tensors = [t for t in state.get("model", {}).values() if torch.is_tensor(t) and t.is_floating_point()]
+    tensors = _floating(state.get("model", {}))
     for per_param in state.get("optimizer", {}).get("state", {}).values():
-        tensors += [t for t in per_param.values() if torch.is_tensor(t) and t.is_floating_point()]
-    finite = torch.stack([t.isfinite().all() for t in tensors]).all() if tensors else torch.tensor(True)
-    flag = finite.to(device=trainer.device, dtype=torch.int32).reshape(1)
+        tensors += _floating(per_param)
+    flag = _all_finite(tensors, trainer.device).to(torch.int32).reshape(1)
     if _world(trainer):
         import torch.distributed as dist
 
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def _floating(named: dict) -> list:
+    import torch
+
+    return [t for t in named.values() if torch.is_tensor(t) and t.is_floating_point()]
+
+
+def _all_finite(tensors, device):
+    """A bool tensor on ``device``: no NaN or inf in ``tensors``. One max-abs pass
+    per tensor (``_foreach_norm`` with ord=inf propagates NaN and cannot
+    overflow), grouped by device and dtype: Adam keeps its step count on the
+    CPU beside CUDA weights."""
+    import torch
+
+    groups: dict = {}
+    for t in tensors:
+        if t.numel():  # the inf-norm of an empty tensor is undefined
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    flags = [torch.stack(torch._foreach_norm(group, math.inf)).isfinite().all().to(device)
+             for group in groups.values()]
+    return torch.stack(flags).all() if flags else torch.tensor(True, device=device)
 
 
 def _epoch_exhausted(trainer) -> bool:
@@ -626,10 +645,10 @@ def _nonfinite_weights(checkpoint):
     import torch
 
     model = checkpoint.get("replicated", {}).get("model", {})
-    for name, tensor in model.items():
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(tensor.isfinite().all()):
-            return f"its weights are non-finite ({name})"
-    return None
+    if bool(_all_finite(_floating(model), torch.device("cpu"))):
+        return None
+    name = next(k for k, t in model.items() if _floating({k: t}) and not bool(t.isfinite().all()))
+    return f"its weights are non-finite ({name})"
 
 
 def _scale_lr(trainer, factor):
