@@ -260,24 +260,19 @@ def both_loops(overrides):
     if "checkpoint" in config:  # the plugin is not blocked
         config = load_config(None, [*settings, "checkpoint.enabled=false"])
     trainer = Trainer(config)
-    trainer.setup()
+    trainer.setup()  # through ddpx_train_start, as a run starts
     model, optimizer, loss_fn = trainer.model, trainer.optimizer, trainer.loss_fn
     sampler = ResumableDistributedBatchSampler(len(trainer.train_set), config.trainer.batch_size,
                                                trainer.rank, trainer.world_size, shuffle=True, seed=0)
     loader = DataLoader(trainer.train_set, batch_sampler=sampler)
-    trainer.hook.ddpx_train_start(trainer=trainer)
     return trainer, lambda epoch: hand_epoch(epoch, model, loader, sampler, optimizer, loss_fn)
 
 
 def end_both_loops(trainer) -> None:
-    import ddpx.distributed
-
-    trainer.hook.ddpx_train_end(trainer=trainer)
-    # Free the DDP wrapper (its reducer holds the group) before destroying the group,
-    # as the trainer does: otherwise gloo aborts at exit now and then.
-    trainer.model = None
-    gc.collect()
-    ddpx.distributed.teardown()
+    """The end of a run, as every run ends: ddpx_train_end, then the trainer's close
+    (the DDP model freed before the process group goes)."""
+    trainer.finish()
+    trainer.close()
 
 
 def own_work_us(trainer, rounds: int) -> float:
@@ -289,7 +284,7 @@ def own_work_us(trainer, rounds: int) -> float:
     from ddpx.step_hooks import step_callers
 
     cpu, total_steps = 0.0, 0
-    losses, loss = trainer._losses, trainer.last_loss
+    losses, loss = trainer.epoch_losses, trainer.last_loss
     for r in range(rounds):
         epoch = 10_000 + r
         start = time.thread_time()
@@ -302,8 +297,8 @@ def own_work_us(trainer, rounds: int) -> float:
             losses.append(loss)
             if batch_end is not None:
                 batch_end(trainer=trainer, batch_index=batch_index, loss=loss, stepped=True)
-            if trainer.global_step >= trainer._next_due:
-                trainer._run_due()
+            if trainer.global_step >= trainer.next_due_step:
+                trainer.run_due_calls()
         cpu += time.thread_time() - start
     return cpu / total_steps * 1e6
 

@@ -91,6 +91,8 @@ TRAINER_ATTRIBUTES = {
     "log": "the rank-aware ``ddpx`` logger",
     "stop_requested": "set by :meth:`request_stop`: the loop stops at the next batch boundary",
     "stop_signal_handler": "a plugin's callable that takes SIGTERM/SIGINT instead of stopping at once",
+    "epoch_losses": "the running epoch's micro-batch losses (:class:`ddpx.losses.EpochLosses`)",
+    "next_due_step": "the step of the next call scheduled with ``call_at_step``",
     "end_reason": "why training ends early, set through :meth:`end_training`",
     "last_finite_checkpoint": "the newest checkpoint saved or resumed (all hold finite weights)",
     "skips_nonfinite_steps": "a plugin skips optimizer steps with non-finite gradients (fp16 AMP)",
@@ -106,6 +108,17 @@ TRAINER_METHODS = {
     "nonfinite_weights(where)": "act on ``trainer.nonfinite`` for non-finite weights (every rank alike)",
     "call_at_step(step, callback)": "call ``callback(trainer)`` once at the first step boundary >= ``step``",
     "open_loss_window()": "a window over the micro-batch losses from now on (``take()``, ``pending``)",
+    "run_due_calls()": "run the calls scheduled for ``global_step`` (the loop does, at step boundaries)",
+}
+
+# The lifecycle a driver (``ddpx train``, the smoke run, the benchmarks) calls, in this order.
+TRAINER_LIFECYCLE = {
+    "setup()": "take the signals, join the process group, build through the hooks, ``ddpx_train_start``",
+    "train(until_step=None)": "train to the end, or pause at the first step boundary >= ``until_step``",
+    "finish()": "training ended normally: ``ddpx_train_end`` (the final checkpoint)",
+    "close(exc=None)": "on every exit path: name the plugin that raised ``exc`` and call ``ddpx_exception``, "
+                       "then restore the signals, free the model before the process group, detach per-run plugins",
+    "run()": "``setup``, ``train``, ``finish``, and ``close`` on every exit path: what ``ddpx train`` runs",
 }
 
 
@@ -113,6 +126,7 @@ def trainer_attribute_text() -> str:
     """The attributes and methods as reST lines (the Trainer's docstring)."""
     lines = [f"``{name}``: {text}" for name, text in TRAINER_ATTRIBUTES.items()]
     lines += [f":meth:`{name.partition('(')[0]}`: {text}" for name, text in TRAINER_METHODS.items()]
+    lines += [f":meth:`{name.partition('(')[0]}` (lifecycle): {text}" for name, text in TRAINER_LIFECYCLE.items()]
     return "\n".join(f"* {line}" for line in lines)
 
 
@@ -333,6 +347,8 @@ def reference_markdown() -> str:
     out += [f"- `{name}`: {_markdown_doc(text)}" for name, text in TRAINER_ATTRIBUTES.items()]
     out += ["", "Methods:", ""]
     out += [f"- `trainer.{name}`: {_markdown_doc(text)}" for name, text in TRAINER_METHODS.items()]
+    out += ["", "The lifecycle that `ddpx train`, the smoke run and the benchmarks drive, in this order:", ""]
+    out += [f"- `trainer.{name}`: {_markdown_doc(text)}" for name, text in TRAINER_LIFECYCLE.items()]
     return "\n".join(out) + "\n"
 
 

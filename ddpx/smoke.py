@@ -6,8 +6,10 @@ one checkpoint save, a resume from that checkpoint in a fresh trainer (weights
 and step must come back identical) and a few more steps. Each rank records
 every stage in ``<run_dir>/smoke/rank<N>.json``; the launcher prints one
 PASS/FAIL/SKIP table for all ranks. An exception raised inside a plugin's hook
-is reported with the plugin's name and the hook (every hook implementation is
-wrapped to tag what it raises), so a broken plugin is found before the real run.
+is reported with the plugin's name and the hook (:func:`ddpx.plugin.raised_by`,
+as in every run), so a broken plugin is found before the real run. Each rank
+drives the trainer through its public lifecycle: ``setup``, ``train(until_step)``,
+``evaluate``, ``finish``, ``close``.
 
 Entry points: :func:`launch_smoke` (launcher side, called by ``ddpx train
 --smoke``) and ``python -m ddpx.smoke`` (each rank, started by torchrun).
@@ -18,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import inspect
 import json
 import os
 import sys
@@ -26,7 +27,15 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+
+from . import launch
+from .config import CORE_DEFAULTS, DEFAULT_CONFIG, apply_overrides, load_config, merge, read_yaml
 from .errors import DdpxError
+from .imports import instantiate
+from .plugin import make_plugin_manager, origin, raised_by
+from .trainer import Trainer
+from .worker import parse_args
 
 SMOKE_MODULE = "ddpx.smoke"
 TRAIN_STEPS = 3  # optimizer steps before the checkpoint
@@ -37,63 +46,12 @@ PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 SMOKE_TIMEOUT_S = 60  # steady-state collective timeout: a hung rank ends the smoke run quickly
 
 
-# --- naming the plugin that raised -----------------------------------------------------
-
-
-def _tag(exc: BaseException, plugin: str, hook: str) -> None:
-    """Remember the innermost hook implementation an exception came out of."""
-    if getattr(exc, "_ddpx_origin", None) is None:
-        try:
-            exc._ddpx_origin = (plugin, hook)
-        except AttributeError:  # exception types with __slots__
-            pass
-
-
-def origin(exc: BaseException) -> Optional[tuple[str, str]]:
-    """``(plugin name, hook name)`` that raised ``exc``, when a wrapped hook did."""
-    return getattr(exc, "_ddpx_origin", None)
-
-
-def _guard_generator(gen, plugin, hook):
-    try:
-        return (yield from gen)  # forwards pluggy's send()/throw() to the wrapper hook
-    except BaseException as exc:
-        _tag(exc, plugin, hook)
-        raise
-
-
-def _guard(function, plugin, hook):
-    def guarded(*args):
-        try:
-            result = function(*args)
-        except BaseException as exc:
-            _tag(exc, plugin, hook)
-            raise
-        return _guard_generator(result, plugin, hook) if inspect.isgenerator(result) else result
-
-    guarded._ddpx_guarded = True
-    return guarded
-
-
-def attribute_hook_failures(pm) -> None:
-    """Wrap every hook implementation registered in ``pm`` so what it raises
-    carries its plugin and hook name (see :func:`origin`). Behaviour is unchanged."""
-    for hook_name, caller in vars(pm.hook).items():
-        if not hasattr(caller, "get_hookimpls"):
-            continue
-        for impl in caller.get_hookimpls():
-            if not getattr(impl.function, "_ddpx_guarded", False):
-                impl.function = _guard(impl.function, impl.plugin_name, hook_name)
-
-
 # --- the data slice --------------------------------------------------------------------
 
 
 def data_slice(target: str, args: dict, train_samples: int, eval_samples: int):
     """The configured data (``target(**args)``), cut to its first samples."""
     from torch.utils.data import Subset
-
-    from .config import instantiate
 
     data = instantiate({"target": target, "args": args}, "data")
     train, evaluation = (data[0], data[1]) if isinstance(data, (tuple, list)) else (data, None)
@@ -114,6 +72,7 @@ class StageLog:
         self.path, self.rank, self.world_size = path, rank, world_size
         self.stages: list[dict] = []
         self.failed = False
+        self.plugin_manager = None  # set once the config is read: names the plugin that raised
 
     def write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +100,7 @@ class StageLog:
             yield
         except BaseException as exc:
             self.failed = True
-            where = origin(exc)
+            where = raised_by(self.plugin_manager, exc) if self.plugin_manager is not None else origin(exc)
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
             extra = {"plugin": where[0], "hook": where[1]} if where else {}
             prefix = f"plugin '{where[0]}' raised in {where[1]}: " if where else ""
@@ -161,7 +120,6 @@ def _smoke_overrides(config, world_size: int) -> list[str]:
         f"data.target={SMOKE_MODULE}.data_slice",
         f"data.args={json.dumps(data)}",
         "trainer.epochs=2",
-        f"trainer.max_steps={TRAIN_STEPS}",
         "trainer.eval_every_epochs=0",  # the smoke run evaluates as its own stage
         f"trainer.timeout_s={SMOKE_TIMEOUT_S}",
         f"trainer.first_timeout_s={2 * SMOKE_TIMEOUT_S}",
@@ -172,15 +130,14 @@ def _smoke_overrides(config, world_size: int) -> list[str]:
 
 
 def _load(config_path, overrides, extra):
-    from .config import CORE_DEFAULTS, apply_overrides, load_config, merge, read_yaml
-    from .config import DEFAULT_CONFIG
-    from .plugin import make_plugin_manager
-
-    # Build the plugin manager ourselves so even ddpx_configure failures name their plugin.
+    # Build the plugin manager here so even ddpx_configure failures name their plugin.
     raw = apply_overrides(read_yaml(config_path or DEFAULT_CONFIG), [*overrides, *extra])
     pm = make_plugin_manager(merge(CORE_DEFAULTS["plugins"], raw.get("plugins") or {}))
-    attribute_hook_failures(pm)
-    return load_config(config_path, [*overrides, *extra], plugin_manager=pm)
+    try:
+        return load_config(config_path, [*overrides, *extra], plugin_manager=pm)
+    except BaseException as exc:
+        raised_by(pm, exc)  # remembered on the exception: origin(exc)
+        raise
 
 
 @contextlib.contextmanager
@@ -199,34 +156,15 @@ def _fresh_store_prefix(tag: str):
             os.environ[key] = before
 
 
-def _teardown(trainer) -> None:
-    """Drop the DDP wrapper before the process group: a DDP reducer outliving its
-    gloo group aborts the interpreter at exit now and then (torch 2.13)."""
-    import gc
-
-    from . import distributed
-
-    if trainer is not None:
-        trainer.model = None
-        gc.collect()
-    distributed.teardown()
-
-
 def _train_steps(trainer, until_step: int) -> str:
-    trainer.config.trainer["max_steps"] = until_step
     start = trainer.global_step
-    trainer.train_epoch(trainer.epoch)
-    trainer.epoch += 1
+    trainer.train(until_step=until_step)
     loss = trainer.last_loss.item() if trainer.last_loss is not None else float("nan")
     return f"{trainer.global_step - start} optimizer steps, last loss {loss:.4f}"
 
 
 def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
     """One rank of the smoke run (inside torchrun). Returns the exit code."""
-    import torch
-
-    from .trainer import Trainer
-
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     # The launcher appends its run_dir after the user's: the last one wins, as in the config.
     run_dir = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run_dir=")), None)
@@ -241,6 +179,7 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
             config = _load(config_path, overrides, _smoke_overrides(base, world_size))
             plugins = [name for name, _ in config.plugin_manager.list_name_plugin()]
             detail["text"] = f"{len(plugins)} plugins: {', '.join(plugins)}"
+        log.plugin_manager = config.plugin_manager
         checkpoints = "checkpoint" in config and config.section("checkpoint").get("enabled", False)
         if rank == 0 and checkpoints:
             _clear_checkpoints(config)  # before the first collective: no rank reads them yet
@@ -251,7 +190,6 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
             detail["text"] = (f"{trainer.world_size} ranks, backend {trainer.backend}, "
                               f"{len(trainer.train_set)} train / {len(trainer.eval_set or [])} eval samples")
         with log.stage("train", detail := {}):
-            trainer.hook.ddpx_train_start(trainer=trainer)
             detail["text"] = _train_steps(trainer, TRAIN_STEPS)
         with log.stage("evaluate", detail := {}):
             if trainer.eval_loader is None:
@@ -263,15 +201,15 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
         saved_weights = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
         if checkpoints:
             with log.stage("checkpoint save", detail := {}):
-                trainer.hook.ddpx_train_end(trainer=trainer)  # the checkpoint plugin saves and waits
+                trainer.finish()  # the checkpoint plugin saves and waits
                 files = sorted(Path(trainer.run_dir, config.section("checkpoint")["dir"]).glob("*.pt"))
                 if rank == 0 and not files:
                     raise RuntimeError("no checkpoint file was written")
                 detail["text"] = f"step {saved_step}" + (f" -> {files[-1].name}" if files else "")
         else:
-            trainer.hook.ddpx_train_end(trainer=trainer)
+            trainer.finish()
             log.add("checkpoint save", SKIP, "checkpoint plugin not loaded or disabled")
-        _teardown(trainer)
+        trainer.close()
 
         if not checkpoints:
             log.add("resume", SKIP, "no checkpoint to resume from")
@@ -280,10 +218,10 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
             resume_config = _load(config_path, overrides,
                                   [*_smoke_overrides(base, world_size), "checkpoint.resume=true",
                                    f"run_dir={trainer.run_dir}"])
+            log.plugin_manager = resume_config.plugin_manager
             trainer = Trainer(resume_config)
             with log.stage("resume", detail := {}), _fresh_store_prefix("smoke-resume"):
-                trainer.setup()
-                trainer.hook.ddpx_train_start(trainer=trainer)
+                trainer.setup()  # the checkpoint plugin restores at its end (ddpx_train_start)
                 if trainer.global_step != saved_step:
                     raise RuntimeError(f"resumed at step {trainer.global_step}, the checkpoint was step {saved_step}")
                 now = trainer.module.state_dict()
@@ -295,8 +233,8 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
             with log.stage("train after resume", detail := {}):
                 detail["text"] = _train_steps(trainer, saved_step + RESUMED_STEPS)
             with log.stage("teardown", detail := {}):
-                trainer.hook.ddpx_train_end(trainer=trainer)
-                _teardown(trainer)
+                trainer.finish()
+                trainer.close()
         else:
             log.add("train after resume", SKIP, "no checkpoint to resume from")
             log.add("teardown", PASS, "")
@@ -307,8 +245,7 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
             traceback.print_exc()
         print(f"ddpx: smoke: [rank{rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         if trainer is not None:
-            trainer._notify_exception(exc)
-        _teardown(trainer)
+            trainer.close(exc)  # ddpx_exception for every plugin, then the teardown every run has
         log.skip_rest("after an earlier failure")
         if not isinstance(exc, Exception):
             raise
@@ -326,8 +263,6 @@ def _clear_checkpoints(config) -> None:
 
 
 def main(argv=None) -> int:
-    from .worker import parse_args
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     return run_rank(args.config, args.overrides)
 
@@ -398,8 +333,6 @@ def format_table(rows: Sequence[dict], world_size: int, run_dir: str) -> str:
 
 def launch_smoke(config_path: Optional[str], overrides: Sequence[str], opts) -> int:
     """``ddpx train --smoke``: launch the smoke ranks like a real run, then print the table."""
-    from . import launch
-
     try:  # validate here first: one-line errors before anything starts
         config = _load(config_path, overrides, [])
     except Exception as exc:

@@ -1,9 +1,14 @@
-"""The core trainer: set-up, the epoch/step loop, evaluation, teardown.
+"""The core trainer: one lifecycle and the epoch/step loop.
+
+Every driver (``ddpx train``'s worker, the smoke run, the benchmarks) runs a
+rank through the same public methods: :meth:`Trainer.setup`,
+:meth:`Trainer.train` (to the end, or up to a step), :meth:`Trainer.finish`,
+and :meth:`Trainer.close` on every exit path (:meth:`Trainer.run` is the four).
 
 The core only calls hooks (see :mod:`ddpx.hookspecs` for the order); samplers,
 AMP, accumulation, comm hooks, logging and checkpoints are plugins. The default
-bodies of the provider and wrapper hooks live in :class:`CorePlugin`, which is
-registered ``trylast`` so any plugin can take over.
+bodies of the provider and wrapper hooks live in :class:`ddpx.core.CorePlugin`,
+which is registered ``trylast`` so any plugin can take over.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from .core import CorePlugin, batch_size, ddp_options, model_loss, to_device  # 
 from .errors import DdpxError, TrainingDiverged
 from .imports import instantiate
 from .losses import EpochLosses, LossWindow
-from .plugin import plugin_signature, rank_prefix
+from .plugin import plugin_signature, raised_by, rank_prefix
 from .step_hooks import step_callers
 
 
@@ -159,6 +164,10 @@ class Trainer:
         self._losses = EpochLosses()  # this epoch's micro-batch losses, summed only when read
         self._grad_clip = config.trainer.grad_clip  # read every step
         self._previous_signal_handlers: dict = {}
+        self._batches = None  # the running epoch's (index, batch) iterator, kept while train() pauses
+        self._saved_logger: Optional[tuple] = None  # what close() restores
+        self._plugins_before: Optional[set] = None
+        self._closed = False
 
     @property
     def is_main(self) -> bool:
@@ -170,49 +179,110 @@ class Trainer:
         return self._epoch_finished
 
     @property
+    def epoch_losses(self) -> EpochLosses:
+        """The running epoch's micro-batch losses (device tensors, summed only when read)."""
+        return self._losses
+
+    @property
     def epoch_batches(self) -> int:
         """Micro-batches of the running (or just finished) epoch trained so far by this run."""
         return self._losses.count
 
-    # --- lifecycle ---------------------------------------------------------------------
+    # --- lifecycle: setup -> train -> finish, and close on every exit path -------------------
 
     def run(self) -> list[dict]:
-        """Set up, train, tear down (``destroy_process_group`` on every exit path).
-
-        Returns the per-epoch metrics. On an exception every plugin's
-        ``ddpx_exception`` runs, then the exception propagates.
-        """
-        saved_logger = _logger_settings(self.log)
-        plugins_before = set(self.plugin_manager.get_plugins())
-        self._install_signal_handlers()
-        try:
+        """What ``ddpx train`` runs on each rank: :meth:`setup`, :meth:`train` to the end,
+        :meth:`finish`, and :meth:`close` on every exit path. Returns the per-epoch
+        metrics; an exception propagates after every plugin's ``ddpx_exception``."""
+        with self:
             self.setup()
-            self.fit()
-            return self.metrics
-        except BaseException as exc:
-            self._notify_exception(exc)
-            raise
+            self.train()
+            self.finish()
+        return self.metrics
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close(exc)
+        return False
+
+    def setup(self) -> None:
+        """Start this rank's run: take SIGTERM/SIGINT, join the process group, build the
+        model, optimizer and data through the hooks, then ``ddpx_train_start`` (a
+        checkpoint is restored there). Pair it with :meth:`close`."""
+        self._saved_logger = _logger_settings(self.log)
+        self._plugins_before = set(self.plugin_manager.get_plugins())
+        self._install_signal_handlers()
+        self._build()
+        self.hook.ddpx_train_start(trainer=self)  # checkpoint restore may move epoch/global_step
+
+    def train(self, until_step: Optional[int] = None) -> list[dict]:
+        """Train until ``trainer.epochs`` or ``trainer.max_steps``, or until a plugin
+        ends training (:meth:`end_training`); with ``until_step``, stop at the first
+        optimizer-step boundary with ``global_step >= until_step`` (a later call goes
+        on from there, in the same epoch). Returns the metrics of every finished epoch."""
+        epochs = self.config.trainer.epochs
+        while self.epoch < epochs and not self._steps_reached(until_step) and self.end_reason is None:
+            self.train_epoch(self.epoch, until_step)
+            if not self._epoch_finished:
+                break  # cut short by max_steps or until_step: a later run or call continues this epoch
+            self.epoch += 1
+            self._epoch_finished = False  # nothing of the next epoch is consumed yet
+        return self.metrics
+
+    def finish(self) -> None:
+        """Training ended normally: ``ddpx_train_end`` (the final checkpoint)."""
+        if self.end_reason is not None:
+            self.log.info(f"training ended after epoch {self.epoch - 1}: {self.end_reason}")
+        self.hook.ddpx_train_end(trainer=self)
+
+    def close(self, exc: Optional[BaseException] = None) -> None:
+        """End this rank's run, also after a failure, and leave the process as it was.
+
+        With ``exc``: name the plugin whose hook raised it (:func:`ddpx.plugin.raised_by`),
+        then call every plugin's ``ddpx_exception``. Then: the previous signal
+        handlers, the DDP model freed before the process group is destroyed, the
+        plugins attached during the run detached, the logger restored. Safe to call
+        again (it does nothing) and after a :meth:`setup` that failed half-way."""
+        if self._closed:
+            return
+        self._closed = True
+        if exc is not None:
+            self._report_exception(exc)
+        self._restore_signal_handlers()  # first: a signal now acts as it did before the run
+        try:
+            # Free the DDP wrapper (its reducer holds the process group) before
+            # destroying the group: otherwise torch 2.13 + gloo aborts at exit
+            # now and then ("terminate called without an active exception").
+            self.model = None
+            gc.collect()
+            distributed.teardown()
         finally:
-            self._restore_signal_handlers()  # first: a signal now acts as it did before the run
-            try:
-                # Free the DDP wrapper (its reducer holds the process group) before
-                # destroying the group: otherwise torch 2.13 + gloo aborts at exit
-                # now and then ("terminate called without an active exception").
-                self.model = None
-                gc.collect()
-                distributed.teardown()
-            finally:
-                # After every plugin's last message: leave the process as it was
-                # (a later run or test in the same process sees its own settings).
-                for plugin in set(self.plugin_manager.get_plugins()) - plugins_before:
-                    self.plugin_manager.unregister(plugin)  # per-run helper plugins attached
-                _restore_logger(self.log, saved_logger)
+            # After every plugin's last message: leave the process as it was
+            # (a later run or test in the same process sees its own settings).
+            for plugin in set(self.plugin_manager.get_plugins()) - (self._plugins_before or set()):
+                self.plugin_manager.unregister(plugin)  # per-run helper plugins attached
+            if self._saved_logger is not None:
+                _restore_logger(self.log, self._saved_logger)
+
+    def _report_exception(self, exc: BaseException) -> None:
+        where = raised_by(self.plugin_manager, exc)  # before the run's plugins are detached
+        if where is not None and not isinstance(exc, (DdpxError, TrainingStopped, KeyboardInterrupt)):
+            plugin, hook = where
+            self.log.error(f"plugin '{plugin}' raised in {hook}: {type(exc).__name__}: {exc}")
+            if hasattr(exc, "add_note"):  # Python 3.11+: shown under the traceback
+                exc.add_note(f"(raised by plugin '{plugin}' in {hook})")
+        try:
+            self.hook.ddpx_exception(trainer=self, exc=exc)
+        except Exception as hook_exc:  # never hide the original error
+            self.log.error(f"a ddpx_exception hook failed too: {type(hook_exc).__name__}: {hook_exc}")
 
     # --- signals -----------------------------------------------------------------------
     #
     # The trainer is the one owner of SIGTERM/SIGINT during a run: it installs the
-    # handlers before any plugin's setup and restores the previous ones at the
-    # end. A plugin that can stop every rank at the same batch boundary (the
+    # handlers in setup(), before any plugin's, and restores the previous ones in
+    # close(). A plugin that can stop every rank at the same batch boundary (the
     # checkpoint plugin: one all_reduce of the flags) takes the signal through
     # ``trainer.stop_signal_handler``. Without one, a rank cannot stop at a
     # boundary the others agree on (a rank stopping alone would leave its peers
@@ -240,7 +310,7 @@ class Trainer:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 
-    def setup(self) -> None:
+    def _build(self) -> None:
         cfg = self.config.trainer
         info = distributed.init_process_group(cfg.backend, cfg.device, cfg.first_timeout_s)
         self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
@@ -283,43 +353,39 @@ class Trainer:
             return data[0], data[1]
         return data, None
 
-    def _notify_exception(self, exc: BaseException) -> None:
-        try:
-            self.hook.ddpx_exception(trainer=self, exc=exc)
-        except Exception as hook_exc:  # never hide the original error
-            self.log.error(f"a ddpx_exception hook failed too: {type(hook_exc).__name__}: {hook_exc}")
-
     # --- the loop ----------------------------------------------------------------------
-
-    def fit(self) -> None:
-        self.hook.ddpx_train_start(trainer=self)  # checkpoint restore may move epoch/global_step
-        epochs = self.config.trainer.epochs
-        while self.epoch < epochs and not self._max_steps_reached() and self.end_reason is None:
-            self.train_epoch(self.epoch)
-            if not self._epoch_finished:
-                break  # cut short by max_steps: a resumed run continues this epoch
-            self.epoch += 1
-            self._epoch_finished = False  # nothing of the next epoch is consumed yet
-        if self.end_reason is not None:
-            self.log.info(f"training ended after epoch {self.epoch - 1}: {self.end_reason}")
-        self.hook.ddpx_train_end(trainer=self)
 
     def _max_steps_reached(self) -> bool:
         max_steps = self.config.trainer.max_steps
         return max_steps is not None and self.global_step >= max_steps
 
-    def train_epoch(self, epoch: int) -> dict:
-        self._epoch_finished = False
-        self._losses.start_epoch()
-        self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
-        # Resolved after the epoch start: a plugin may attach step hooks there.
-        self.step_callers = callers = step_callers(self.plugin_manager)
+    def _stop_step(self, until_step: Optional[int]) -> Optional[int]:
+        """The step at which :meth:`train` stops: ``trainer.max_steps`` or ``until_step``."""
+        steps = [s for s in (self.config.trainer.max_steps, until_step) if s is not None]
+        return min(steps) if steps else None
+
+    def _steps_reached(self, until_step: Optional[int]) -> bool:
+        stop_at = self._stop_step(until_step)
+        return stop_at is not None and self.global_step >= stop_at
+
+    def train_epoch(self, epoch: int, until_step: Optional[int] = None) -> Optional[dict]:
+        """One epoch (or its rest, after a resume), up to the step :meth:`train` stops at.
+        Returns the epoch's metrics, or None when ``until_step`` paused it: the next
+        call goes on with the same epoch's batches."""
+        if self._batches is None:  # a new epoch, not one paused by until_step
+            self._epoch_finished = False
+            self._losses.start_epoch()
+            self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
+            # Resolved after the epoch start: a plugin may attach step hooks there.
+            self.step_callers = step_callers(self.plugin_manager)
+            self.num_batches = len(self.train_loader)
+            self._batches = enumerate(self.train_loader)
+        callers = self.step_callers
         should_step, micro_step = callers["ddpx_should_step"], callers["ddpx_micro_step"]
         optimizer_step, batch_end = callers["ddpx_optimizer_step"], callers["ddpx_batch_end"]
-        max_steps = self.config.trainer.max_steps
+        stop_at = self._stop_step(until_step)
         self.module.train()
-        self.num_batches = len(self.train_loader)
-        for batch_index, batch in enumerate(self.train_loader):
+        for batch_index, batch in self._batches:
             self.batch_index = batch_index
             if self.device.type != "cpu":  # .to() per tensor costs ~10k instructions even on CPU
                 batch = to_device(batch, self.device)
@@ -337,13 +403,16 @@ class Trainer:
             if batch_end is not None:
                 batch_end(trainer=self, batch_index=batch_index, loss=loss, stepped=stepped)
             if sync and self.global_step >= self._next_due:
-                self._run_due()
+                self.run_due_calls()
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
-            if sync and max_steps is not None and self.global_step >= max_steps:
+            if sync and stop_at is not None and self.global_step >= stop_at:
                 break
-        # Finished unless max_steps cut it short before the epoch's last batch.
+        # Finished unless max_steps (or until_step) cut it short before the epoch's last batch.
         self._epoch_finished = self.epoch_batches >= self.num_batches
+        if not self._epoch_finished and not self._max_steps_reached():
+            return None  # paused by until_step: no epoch end yet
+        self._batches = None
 
         metrics: dict = {"epoch": epoch, "step": self.global_step, **self._epoch_train_loss()}
         if not math.isfinite(metrics.get("loss", 0.0)):
@@ -461,7 +530,14 @@ class Trainer:
         heapq.heappush(self._due, (int(step), next(self._due_order), callback))
         self._next_due = self._due[0][0]
 
-    def _run_due(self) -> None:
+    @property
+    def next_due_step(self) -> int:
+        """The step of the next call scheduled with :meth:`call_at_step` (``sys.maxsize``: none)."""
+        return self._next_due
+
+    def run_due_calls(self) -> None:
+        """Run the scheduled calls due at ``global_step`` (the loop does, at each
+        optimizer-step boundary with ``global_step >= next_due_step``)."""
         step, due = self.global_step, []
         while self._due and self._due[0][0] <= step:
             due.append(heapq.heappop(self._due)[2])

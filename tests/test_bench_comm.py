@@ -145,7 +145,7 @@ def _fake_trainer(cfg, world_size=2):
     trainer.config = types.SimpleNamespace(section=lambda name: dict(cfg))
     trainer.log = types.SimpleNamespace(warning=trainer.warnings.append)
     trainer.call_at_step = types.MethodType(Trainer.call_at_step, trainer)
-    trainer.run_due = types.MethodType(Trainer._run_due, trainer)
+    trainer.run_due = types.MethodType(Trainer.run_due_calls, trainer)
     return trainer
 
 

@@ -2,7 +2,6 @@
 
 import textwrap
 
-import pluggy
 import pytest
 
 from ddpx import smoke
@@ -66,56 +65,6 @@ def test_smoke_names_a_plugin_failing_while_reading_the_config(ranks, tmp_path):
     assert rc == 2  # nothing was launched: a one-line error
     assert "plugin 'configure_fails' raised in ddpx_configure: ValueError: no" in err
     assert "Traceback" not in err
-
-
-# --- attribution of exceptions to plugins, in-process ------------------------------------
-
-spec = pluggy.HookspecMarker("t")
-impl = pluggy.HookimplMarker("t")
-
-
-class Spec:
-    @spec
-    def step(self, x):
-        pass
-
-
-class Inner:
-    @impl
-    def step(self, x):
-        if x == "inner":
-            raise ValueError("inner failed")
-        return 1
-
-
-class Wrapper:
-    @impl(wrapper=True)
-    def step(self, x):
-        result = yield
-        if x == "wrapper":
-            raise KeyError("wrapper failed")
-        return result
-
-
-def _pm():
-    pm = pluggy.PluginManager("t")
-    pm.add_hookspecs(Spec)
-    pm.register(Inner(), name="inner")
-    pm.register(Wrapper(), name="wrap")
-    smoke.attribute_hook_failures(pm)
-    smoke.attribute_hook_failures(pm)  # idempotent
-    return pm
-
-
-def test_exceptions_carry_the_plugin_that_raised_them():
-    pm = _pm()
-    assert pm.hook.step(x="ok") == [1]  # behaviour unchanged, wrapper results pass through
-    with pytest.raises(ValueError) as info:
-        pm.hook.step(x="inner")
-    assert smoke.origin(info.value) == ("inner", "step")  # not the wrapper it passed through
-    with pytest.raises(KeyError) as info:
-        pm.hook.step(x="wrapper")
-    assert smoke.origin(info.value) == ("wrap", "step")
 
 
 def test_summary_marks_a_missing_rank_and_a_failure():

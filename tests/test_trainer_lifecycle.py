@@ -139,3 +139,24 @@ def test_batch_end_fast_path_calls_what_pluggy_calls(make_config, tmp_path):
     assert [call[1:3] for call in calls[:6:3]] == [(0, False), (1, True)]  # batch index, stepped
     assert calls[1] == ("subset", False, 0) and calls[4] == ("subset", True, 1)
     assert calls[0][4] == calls[2][2]  # the same loss reaches both
+
+
+def test_the_lifecycle_in_steps_trains_what_one_run_trains(make_config, tmp_path):
+    """setup, train(until_step) twice (a pause inside epoch 0 goes on with the same
+    batches), finish, close: the same weights and epoch metrics as run()."""
+    common = [NO_EVAL, "trainer.epochs=2", "trainer.max_steps=60", "checkpoint.enabled=false"]
+    whole = Trainer(make_config(*common, run_dir=tmp_path / "whole"))
+    whole.run()
+    with Trainer(make_config(*common, run_dir=tmp_path / "steps")) as steps:
+        steps.setup()
+        steps.train(until_step=20)
+        assert (steps.global_step, steps.epoch, steps.epoch_finished, steps.metrics) == (20, 0, False, [])
+        steps.train()  # the rest of epoch 0, then epoch 1 up to max_steps
+        steps.finish()
+    assert not dist.is_initialized()
+    assert steps.global_step == whole.global_step == 60
+    assert [(m["epoch"], m["step"]) for m in steps.metrics] == [(0, STEPS_PER_EPOCH), (1, 60)]
+    assert [m["loss"] for m in steps.metrics] == pytest.approx([m["loss"] for m in whole.metrics], rel=1e-6)
+    for a, b in zip(steps.module.parameters(), whole.module.parameters()):
+        torch.testing.assert_close(a, b)
+    steps.close()  # again: nothing happens
