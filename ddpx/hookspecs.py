@@ -91,6 +91,7 @@ TRAINER_ATTRIBUTES = {
     "log": "the rank-aware ``ddpx`` logger",
     "stop_requested": "set by :meth:`request_stop`: the loop stops at the next batch boundary",
     "stop_signal_handler": "a plugin's callable that takes SIGTERM/SIGINT instead of stopping at once",
+    "stop_agreement": "the run's :class:`~ddpx.stopping.StopAgreement` once a plugin turned it on, else None",
     "epoch_losses": "the running epoch's micro-batch losses (:class:`ddpx.losses.EpochLosses`)",
     "next_due_step": "the step of the next call scheduled with ``call_at_step``",
     "end_reason": "why training ends early, set through :meth:`end_training`",
@@ -109,6 +110,8 @@ TRAINER_METHODS = {
     "call_at_step(step, callback)": "call ``callback(trainer)`` once at the first step boundary >= ``step``",
     "open_loss_window()": "a window over the micro-batch losses from now on (``take()``, ``pending``)",
     "run_due_calls()": "run the calls scheduled for ``global_step`` (the loop does, at step boundaries)",
+    "agree_on_stops(every_steps, every_s, timeout_s, timeout_key, what)":
+        "stop every rank after the same step on SIGTERM/SIGINT (see ``ddpx.stopping``)",
 }
 
 # The lifecycle a driver (``ddpx train``, the smoke run, the benchmarks) calls, in this order.

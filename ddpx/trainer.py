@@ -39,6 +39,7 @@ from .imports import instantiate
 from .losses import EpochLosses, LossWindow
 from .plugin import plugin_signature, raised_by, rank_prefix
 from .step_hooks import step_callers
+from .stopping import StopAgreement
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -164,6 +165,7 @@ class Trainer:
         self._losses = EpochLosses()  # this epoch's micro-batch losses, summed only when read
         self._grad_clip = config.trainer.grad_clip  # read every step
         self._previous_signal_handlers: dict = {}
+        self.stop_agreement: Optional[StopAgreement] = None  # see agree_on_stops
         self._batches = None  # the running epoch's (index, batch) iterator, kept while train() pauses
         self._saved_logger: Optional[tuple] = None  # what close() restores
         self._plugins_before: Optional[set] = None
@@ -236,6 +238,8 @@ class Trainer:
         if self.end_reason is not None:
             self.log.info(f"training ended after epoch {self.epoch - 1}: {self.end_reason}")
         self.hook.ddpx_train_end(trainer=self)
+        if self.stop_agreement is not None:  # after a failure close() only releases it: no collective
+            self.stop_agreement.finish()  # the vote every rank started, before the group goes
 
     def close(self, exc: Optional[BaseException] = None) -> None:
         """End this rank's run, also after a failure, and leave the process as it was.
@@ -250,6 +254,8 @@ class Trainer:
         self._closed = True
         if exc is not None:
             self._report_exception(exc)
+        if self.stop_agreement is not None:
+            self.stop_agreement.release()
         self._restore_signal_handlers()  # first: a signal now acts as it did before the run
         try:
             # Free the DDP wrapper (its reducer holds the process group) before
@@ -282,11 +288,11 @@ class Trainer:
     #
     # The trainer is the one owner of SIGTERM/SIGINT during a run: it installs the
     # handlers in setup(), before any plugin's, and restores the previous ones in
-    # close(). A plugin that can stop every rank at the same batch boundary (the
-    # checkpoint plugin: one all_reduce of the flags) takes the signal through
-    # ``trainer.stop_signal_handler``. Without one, a rank cannot stop at a
-    # boundary the others agree on (a rank stopping alone would leave its peers
-    # blocked in the next collective), so the fallback raises
+    # close(). The agreement that stops every rank after the same step lives beside
+    # them (ddpx/stopping.py); a plugin that acts on a stop (the checkpoint plugin:
+    # a final checkpoint) turns it on with agree_on_stops(). Without it, a rank
+    # cannot stop at a boundary the others agree on (a rank stopping alone would
+    # leave its peers blocked in the next collective), so the fallback raises
     # :class:`TrainingStopped` at once: teardown, a clear message, exit 128+signal.
 
     def _install_signal_handlers(self) -> None:
@@ -309,6 +315,16 @@ class Trainer:
         handlers, self._previous_signal_handlers = self._previous_signal_handlers, {}
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+    def agree_on_stops(self, every_steps: int, every_s: float, timeout_s: float, timeout_key: str,
+                       what: str) -> StopAgreement:
+        """Take SIGTERM/SIGINT through a :class:`~ddpx.stopping.StopAgreement`: every rank
+        stops after the same step (the plugin calling this, from ``ddpx_setup``, asks
+        ``agreement.check(trainer)`` at the boundaries it schedules and then calls
+        :meth:`request_stop`). The trainer finishes and releases it at the end of the run."""
+        self.stop_agreement = StopAgreement(self, every_steps, every_s, timeout_s, timeout_key, what)
+        self.stop_signal_handler = self.stop_agreement.on_signal
+        return self.stop_agreement
 
     def _build(self) -> None:
         cfg = self.config.trainer

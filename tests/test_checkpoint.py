@@ -221,45 +221,45 @@ def test_consecutive_async_saves_reusing_buffers_keep_each_checkpoint_intact(tmp
         assert torch.equal(saved, torch.full((256, 256), float(step))), step
 
 
-def _stop_session(**cfg):
+def _stop_agreement(**cfg):
+    """The core's stop agreement with the checkpoint plugin's settings, on a stand-in trainer."""
     from types import SimpleNamespace
 
-    from ddpx_plugins.checkpoint import CheckpointSession, ddpx_config_defaults
+    from ddpx.stopping import StopAgreement
+    from ddpx_plugins.checkpoint import ddpx_config_defaults
 
-    session = object.__new__(CheckpointSession)  # only the stop-check state, no writer
-    session.cfg = {**ddpx_config_defaults()["checkpoint"], **cfg}
-    session.signal_received, session.stop_vote = 0, None
-    session.losses, session.losses_from = None, 0  # no loss window: no loss is non-finite
-    session.start_stop_checks(0)
-    return session, SimpleNamespace(global_step=0, world_size=1, device=torch.device("cpu"))
+    cfg = {**ddpx_config_defaults()["checkpoint"], **cfg}
+    trainer = SimpleNamespace(global_step=0, world_size=1, rank=0, device=torch.device("cpu"),
+                              stop_signal_handler=None)
+    stops = StopAgreement(trainer, cfg["stop_check_every"], cfg["stop_check_s"], cfg["stop_timeout_s"],
+                          "checkpoint.stop_timeout_s", "a final checkpoint")
+    return stops, trainer  # no loss window: no loss is non-finite
 
 
 def test_stop_check_interval_fixed_or_from_the_slowest_step():
-    session, _ = _stop_session(stop_check_every=7)
-    assert [session.stop_check_interval(s) for s in (None, 1e-4, 5.0)] == [7, 7, 7]
-    session, _ = _stop_session(stop_check_s=1.0)  # auto
-    assert session.stop_check_interval(None) == 10  # before any step time is known
-    assert session.stop_check_interval(0.01) == 100
-    assert session.stop_check_interval(3.0) == 1  # slow steps: every boundary
-    assert session.stop_check_interval(1e-7) == 1000  # capped
+    stops, _ = _stop_agreement(stop_check_every=7)
+    assert [stops.interval(s) for s in (None, 1e-4, 5.0)] == [7, 7, 7]
+    stops, _ = _stop_agreement(stop_check_s=1.0)  # auto
+    assert stops.interval(None) == 10  # before any step time is known
+    assert stops.interval(0.01) == 100
+    assert stops.interval(3.0) == 1  # slow steps: every boundary
+    assert stops.interval(1e-7) == 1000  # capped
 
 
 def _stop_agreement_worker(rank, world_size, signal_at, step_s):
     """Each rank runs boundaries at its own pace; one rank gets the signal."""
-    from ddpx_plugins.checkpoint import _agree_to_stop
-
-    session, trainer = _stop_session(stop_check_s=0.05)
+    stops, trainer = _stop_agreement(stop_check_s=0.05)
     trainer.world_size = world_size
     checks = []
     for step in range(1, 400):
         time.sleep(step_s[rank])
         trainer.global_step = step
         if rank == 1 and step == signal_at:
-            session.signal_received = signal.SIGTERM
-        before = session.next_stop_check
-        if _agree_to_stop(trainer, session):
+            stops.signal_received = signal.SIGTERM
+        before = stops.next_check
+        if stops.check(trainer):
             return {"stopped_at": step, "checks": checks}
-        if session.next_stop_check != before:
+        if stops.next_check != before:
             checks.append(step)
     return {"stopped_at": None, "checks": checks}
 
@@ -277,12 +277,11 @@ def test_ranks_agree_to_stop_at_the_same_step_with_intervals_from_the_slowest_ra
 
 
 def test_stop_watchdog_waits_while_steps_advance_and_gives_up_once_they_stop():
-    session, trainer = _stop_session(stop_timeout_s=0.5)
+    stops, trainer = _stop_agreement(stop_timeout_s=0.5)
     gave_up = []
-    session.give_up = lambda signum: gave_up.append((signum, time.monotonic()))
-    session.trainer, session.stop_deadline = trainer, None
-    session.signal_received = signal.SIGTERM
-    session.arm_stop_deadline()
+    stops.give_up = lambda signum: gave_up.append((signum, time.monotonic()))
+    stops.signal_received = signal.SIGTERM
+    stops.arm_stop_deadline()
     start = time.monotonic()
     while time.monotonic() - start < 1.5:  # three timeouts of steady progress
         trainer.global_step += 1
@@ -295,7 +294,7 @@ def test_stop_watchdog_waits_while_steps_advance_and_gives_up_once_they_stop():
     assert 0.4 <= gave_up[0][1] - stalled <= 1.5  # the timeout after the last step, give or take a poll
 
     gave_up.clear()
-    session.arm_stop_deadline()
-    session.stop_agreed()  # a stop agreed in time ends the watchdog
+    stops.arm_stop_deadline()
+    stops.stop_agreed()  # a stop agreed in time ends the watchdog
     time.sleep(1.0)
     assert not gave_up

@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ddpx"
 # package (ddpx.hooks.int8 -> ddpx.hooks.base) may import each other.
 LAYERS = [
     ["errors", "version", "_C"],
-    ["markers", "net", "slurm", "monitor", "models", "data", "ops", "batchnorm", "checkpoint", "losses"],
+    ["markers", "net", "slurm", "monitor", "models", "data", "ops", "batchnorm", "checkpoint", "losses", "stopping"],
     ["hookspecs", "distributed", "hooks"],
     ["imports", "comm"],
     ["plugin"],

@@ -38,25 +38,20 @@ A different world size on resume (``--nnodes MIN:MAX``, fewer GPUs):
 * per-rank plugin state (comm-hook error feedback) receives rank 0's entries,
   which the plugin resets with a warning (its state records its rank and world size).
 
-Stopping. The trainer owns the SIGTERM/SIGINT handlers; from ``ddpx_setup``
-on, this plugin takes the signals through ``trainer.stop_signal_handler``: the
-first SIGTERM or SIGINT only sets a flag (the trainer restores the default
-handlers, so a second one acts at once).
-At each stop check (every ``stop_check_every`` optimizer steps, or with 0
-about every ``stop_check_s`` seconds, see :func:`_agree_to_stop`) the ranks
-combine their flags with one asynchronous ``all_reduce`` (MAX), read at the
-next check (so no rank waits for the others), and all of them stop after the
-same step: they write a
-final checkpoint and call ``trainer.request_stop``; the loop ends at that
-boundary and the worker exits with 128 + the signal number once the write is
-on disk. ``torchrun`` forwards a SIGTERM/SIGINT it receives to every worker
-and kills them 30 s later. It also SIGTERMs the survivors when a rank fails;
-those make no progress, so a rank that reaches no step boundary for
+Stopping. The trainer owns the SIGTERM/SIGINT handlers and the agreement on a
+stop (:mod:`ddpx.stopping`); this plugin turns the agreement on from
+``ddpx_setup`` with its keys: a stop check every ``stop_check_every`` optimizer
+steps, or with 0 about every ``stop_check_s`` seconds, where the ranks combine
+their flags with one asynchronous ``all_reduce``, and all of them stop after the
+same step: they write a final checkpoint and call ``trainer.request_stop``; the
+loop ends at that boundary and the worker exits with 128 + the signal number
+once the write is on disk. ``torchrun`` forwards a SIGTERM/SIGINT it receives to
+every worker and kills them 30 s later; a rank that reaches no step boundary for
 ``stop_timeout_s`` after the signal terminates at once, without a final
 checkpoint (the last periodic one is used on restart).
 
 Non-finite values (``trainer.nonfinite``). Each rank's micro-batch losses
-since the previous stop check travel as a third flag in the same all_reduce, so
+since the previous stop check travel as a flag in the stop agreement's all_reduce, so
 a non-finite loss is found within two stop checks at no extra collective or
 host sync; the trainer then stops every rank (``stop``) or warns (``warn``).
 Before every save one all_reduce checks that the weights, buffers and optimizer
@@ -88,22 +83,20 @@ import json
 import math
 import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError, TrainingDiverged
 from ddpx.monitor import Monitor
+from ddpx.stopping import across_ranks
 
 LR_SCALING = ("none", "linear")
-FIRST_STOP_CHECK = 10  # optimizer steps to the first stop check (auto), before any step time is known
-MAX_STOP_CHECK = 1000  # auto never checks less often than this
 DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
 
 
 class CheckpointSession:
-    """Per-run state: the writer, the last saved step, the signal flag."""
+    """What one run of the plugin holds (``trainer.checkpoint``): the directory and its
+    writer, the last saved step, and the run's stop agreement (``stops``)."""
 
     def __init__(self, trainer, cfg):
         from ddpx.checkpoint import AsyncCheckpointWriter, CheckpointDirectory
@@ -118,112 +111,18 @@ class CheckpointSession:
         self.directory = CheckpointDirectory(directory, keep=cfg["keep"], keep_best=cfg["keep_best"],
                                              mode=self.monitor.mode if self.monitor else "max")
         self.writer = AsyncCheckpointWriter(self.directory, async_write=cfg["async_write"])
-        self.losses = None  # the trainer's LossWindow since the last stop check (opened at train start)
-        self.losses_from = 0  # optimizer step at which that window starts
         self.finite_at = 0  # the last step whose state was checked finite (a save or the resumed checkpoint)
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
-        self.signal_received = 0
-        self.trainer = None  # whose stop signals this session takes
-        self.stop_deadline = None  # Event: set() ends the watchdog of a stop no step boundary completes
-        self.stop_vote = None  # (work, tensor, steps it covers) of the all_reduce started at the last stop check
-        self.start_stop_checks(0)
-
-    # --- signals ------------------------------------------------------------------------
-
-    def take_stop_signals(self, trainer):
-        """Handle SIGTERM/SIGINT for the trainer, which owns the handlers (see
-        ddpx/trainer.py): it calls us instead of stopping at once, and resets
-        the handlers so a second signal acts immediately."""
-        rank = trainer.rank
-        timeout = self.cfg["stop_timeout_s"]
-
-        def on_signal(signum):
-            self.signal_received = signum
-            # os.write, not print/logging: a signal may interrupt a write to stderr
-            every = self.cfg["stop_check_every"]
-            within = f"{2 * every} optimizer steps" if every else f"about {2 * self.cfg['stop_check_s']:g} s"
-            os.write(2, (
-                f"[rank{rank}] ddpx: received {signal.Signals(signum).name}: stopping within {within} "
-                "with a final checkpoint "
-                "(send it again to exit now)\n"
-            ).encode())
-            self.arm_stop_deadline()
-
-        def give_up(signum):
-            os.write(2, (
-                f"[rank{rank}] ddpx: no optimizer step boundary for checkpoint.stop_timeout_s="
-                f"{timeout:g} s after {signal.Signals(signum).name} (a peer failed or hangs): "
-                "exiting without a final checkpoint\n"
-            ).encode())
-            os.kill(os.getpid(), signal.SIGTERM)  # its default action since the first signal
-
-        self.give_up = give_up
-        self.trainer = trainer
-        trainer.stop_signal_handler = on_signal
-
-    def arm_stop_deadline(self):
-        """(Re)start the watchdog: torchrun also SIGTERMs the survivors of a failed
-        rank; they make no progress, so do not let them wait for torchrun's SIGKILL.
-        It gives up once ``global_step`` has not moved for ``stop_timeout_s``
-        (read from its own thread: the loop does nothing per step for it)."""
-        self.stop_agreed()
-        trainer, timeout, signum = self.trainer, self.cfg["stop_timeout_s"], self.signal_received
-        ended = self.stop_deadline = threading.Event()
-
-        def watch():
-            step, since = trainer.global_step, time.monotonic()
-            while not ended.wait(min(1.0, timeout / 10)):
-                if trainer.global_step != step:
-                    step, since = trainer.global_step, time.monotonic()
-                elif time.monotonic() - since >= timeout:
-                    self.give_up(signum)
-                    return
-
-        threading.Thread(target=watch, name="ddpx-stop-deadline", daemon=True).start()
-
-    def stop_agreed(self):
-        if self.stop_deadline is not None:
-            self.stop_deadline.set()
-            self.stop_deadline = None
-
-    def collect_stop_vote(self):
-        """Wait for the stop all_reduce in flight (if any): (did any rank vote to
-        stop, the slowest rank's seconds per step or None, the steps
-        ``(first, last)`` in which some rank's loss was non-finite, or None)."""
-        vote, self.stop_vote = self.stop_vote, None
-        if vote is None:
-            return False, None, None
-        work, tensor, steps = vote
-        work.wait()
-        flag, slowest_step_s, nonfinite = tensor.tolist()
-        return flag > 0, slowest_step_s, steps if nonfinite > 0 else None
-
-    def take_losses(self, trainer):
-        """The sum of the losses since the previous call (a float64 device tensor,
-        no host sync; None if there were none) and the steps ``(first, last)`` it covers."""
-        loss_sum, _ = self.losses.take() if self.losses is not None else (None, 0)
-        steps, self.losses_from = (self.losses_from + 1, trainer.global_step), trainer.global_step
-        return loss_sum, steps
-
-    def stop_check_interval(self, slowest_step_s) -> int:
-        """Optimizer steps to the next stop check: the same on every rank (it
-        depends only on the config and the all-reduced step time)."""
-        every = self.cfg["stop_check_every"]
-        if every:
-            return every
-        if slowest_step_s is None:
-            return FIRST_STOP_CHECK
-        return max(1, min(MAX_STOP_CHECK, int(self.cfg["stop_check_s"] / max(slowest_step_s, 1e-9))))
-
-    def start_stop_checks(self, step):
-        self.stop_check_step, self.stop_check_time = step, time.perf_counter()
-        self.next_stop_check = step + self.stop_check_interval(None)
+        # The core's stop agreement (ddpx/stopping.py): SIGTERM/SIGINT stop every rank
+        # after the same step, with a final checkpoint written here.
+        self.stops = trainer.agree_on_stops(cfg["stop_check_every"], cfg["stop_check_s"], cfg["stop_timeout_s"],
+                                            "checkpoint.stop_timeout_s", "a final checkpoint")
 
     def schedule(self, trainer):
         """Be called at the next stop check or periodic save, whichever comes first
         (the same step on every rank: both depend on the config, global_step
         and the all-reduced step time only)."""
-        due = self.next_stop_check
+        due = self.stops.next_check
         every = self.cfg["every_steps"]
         if every:
             due = min(due, (trainer.global_step // every + 1) * every)
@@ -232,33 +131,17 @@ class CheckpointSession:
     def at_step(self, trainer):
         """A stop check and/or a periodic save, at an optimizer-step boundary (also
         one whose step AMP skipped: the core counts both in global_step)."""
-        stop = _agree_to_stop(trainer, self)
-        self.schedule(trainer)  # after the check: it moves next_stop_check
+        stop = self.stops.check(trainer)
+        self.schedule(trainer)  # after the check: it moves the next check
         if stop:
-            self.stop_agreed()  # the final save is bounded by trainer.timeout_s
+            self.stops.stop_agreed()  # the final save is bounded by trainer.timeout_s
         every = self.cfg["every_steps"]
         # The epoch's last step is saved by the epoch end (which also runs the evaluation).
         periodic = every and trainer.global_step % every == 0 and not _epoch_exhausted(trainer)
         if self.enabled and (periodic or stop):
             _save(trainer, self, at_epoch_end=False)
         if stop:
-            trainer.request_stop(self.signal_received or signal.SIGTERM)
-
-    def release_stop_signals(self):
-        """Back to the trainer's own handling (stop at once) for the rest of the run."""
-        self.stop_agreed()
-        trainer, self.trainer = self.trainer, None
-        if trainer is not None:
-            trainer.stop_signal_handler = None
-
-
-_session: CheckpointSession | None = None
-
-
-def _world(trainer):
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+            trainer.request_stop(self.stops.signal_received or signal.SIGTERM)
 
 
 @hookimpl
@@ -305,54 +188,42 @@ def ddpx_configure(config):
 
 @hookimpl
 def ddpx_setup(trainer):
-    global _session
-    _session = CheckpointSession(trainer, trainer.config.section("checkpoint"))
-    _session.take_stop_signals(trainer)
+    trainer.checkpoint = CheckpointSession(trainer, trainer.config.section("checkpoint"))
 
 
 @hookimpl(tryfirst=True)  # restore before other plugins see the start of training
 def ddpx_train_start(trainer):
-    session = _session
-    if session is None:
-        return
+    session = trainer.checkpoint
     if session.enabled:
         _refuse_restart_after_divergence(trainer, session)
         if session.cfg["resume"]:
             _resume(trainer, session)
-    session.losses, session.losses_from = trainer.open_loss_window(), trainer.global_step
-    session.start_stop_checks(trainer.global_step)
+    session.stops.start(trainer)  # the checks count from the resumed step
     session.schedule(trainer)
 
 
 @hookimpl(trylast=True)
 def ddpx_epoch_end(trainer, epoch, metrics):
-    if _session is not None and _session.enabled:
-        _save(trainer, _session, at_epoch_end=True, metrics=metrics)
+    if trainer.checkpoint.enabled:
+        _save(trainer, trainer.checkpoint, at_epoch_end=True, metrics=metrics)
 
 
 @hookimpl(trylast=True)
 def ddpx_train_end(trainer):
-    session = _session
-    if session is None:
-        return
-    try:
-        if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
-            _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
-        session.writer.wait()
-        session.collect_stop_vote()  # every rank started it: finish it before the group goes
-        report_best(trainer, session)
-    finally:
-        session.release_stop_signals()
+    session = trainer.checkpoint
+    if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
+        _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
+    session.writer.wait()
+    report_best(trainer, session)
 
 
 @hookimpl
 def ddpx_exception(trainer, exc):
     # No collective here: the other ranks may be gone. Finish the write in flight
     # (it is a complete, consistent checkpoint) and leave.
-    session = _session
+    session = getattr(trainer, "checkpoint", None)  # None: ddpx_setup did not run
     if session is None:
         return
-    session.release_stop_signals()
     try:
         session.writer.wait()
     except Exception as error:
@@ -403,7 +274,7 @@ def _refuse_restart_after_divergence(trainer, session) -> None:
             refusal = f"{marker.get('message')} (restart {_restart_count()} stops at once)"
         elif marker is not None:
             path.unlink(missing_ok=True)
-    if _world(trainer):
+    if across_ranks(trainer):
         import torch.distributed as dist
 
         box = [refusal]
@@ -419,53 +290,6 @@ def _refuse_restart_after_divergence(trainer, session) -> None:
 REPLICATED = ("model", "optimizer", "scheduler", "progress")
 
 
-def _agree_to_stop(trainer, session) -> bool:
-    """True on every rank, at the same boundary, once any rank received a stop signal.
-
-    At each check each rank reads the all_reduce (MAX) of the flags it started
-    at the previous check and starts the next one asynchronously, so no rank
-    waits for the others. The checks fall on the same ``global_step`` on every
-    rank: every ``stop_check_every`` optimizer steps, or with 0 (auto) about
-    every ``stop_check_s`` seconds, the interval taken from the slowest rank's
-    step time, which travels in the same all_reduce. A signal takes effect
-    within two intervals. The same all_reduce carries whether a rank's loss was
-    non-finite since its previous check (see ``trainer.nonfinite_loss``).
-    """
-    step = trainer.global_step
-    if step < session.next_stop_check:
-        return False
-    import torch
-
-    flag = 1.0 if session.signal_received else 0.0
-    now = time.perf_counter()
-    step_s = (now - session.stop_check_time) / max(1, step - session.stop_check_step)
-    session.stop_check_time, session.stop_check_step = now, step
-    loss_sum, steps = session.take_losses(trainer)
-    if not _world(trainer):  # no one to agree with
-        session.next_stop_check = step + session.stop_check_interval(step_s)
-        if loss_sum is not None and not math.isfinite(loss_sum.item()):
-            _nonfinite_loss(trainer, steps)
-        return bool(flag)
-    import torch.distributed as dist
-
-    agreed, slowest_step_s, nonfinite_steps = session.collect_stop_vote()
-    if agreed:
-        return True
-    if nonfinite_steps is not None:
-        _nonfinite_loss(trainer, nonfinite_steps)
-    session.next_stop_check = step + session.stop_check_interval(slowest_step_s)
-    nonfinite = 0.0 if loss_sum is None else (~torch.isfinite(loss_sum)).double()
-    tensor = torch.tensor([flag, step_s, 0.0], dtype=torch.float64, device=trainer.device)
-    tensor[2] = nonfinite  # a device tensor copied on the device: no host sync
-    session.stop_vote = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True), tensor, steps)
-    return False
-
-
-def _nonfinite_loss(trainer, steps):
-    first, last = steps
-    trainer.nonfinite_loss(f"between optimizer steps {first} and {last} (epoch {trainer.epoch})")
-
-
 def _finite_state(trainer, state) -> bool:
     """Whether every floating tensor of the model (weights and buffers) and the
     optimizer state is finite on every rank (one all_reduce)."""
@@ -475,7 +299,7 @@ def _finite_state(trainer, state) -> bool:
     for per_param in state.get("optimizer", {}).get("state", {}).values():
         tensors += _floating(per_param)
     flag = _all_finite(tensors, trainer.device).to(torch.int32).reshape(1)
-    if _world(trainer):
+    if across_ranks(trainer):
         import torch.distributed as dist
 
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -527,7 +351,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
         "rng": rng_state(trainer.device),
         "plugins": {k: v for k, v in state.items() if k not in REPLICATED},
     }
-    if _world(trainer):
+    if across_ranks(trainer):
         import torch.distributed as dist
 
         gathered = [None] * trainer.world_size if trainer.rank == 0 else None
@@ -593,7 +417,7 @@ def _resume(trainer, session):
     if trainer.rank == 0:
         found = session.directory.load_latest(reject=_nonfinite_weights)
         name = found[0].name if found else None
-    if _world(trainer):
+    if across_ranks(trainer):
         box = [name]
         dist.broadcast_object_list(box, src=0)
         name = box[0]
@@ -608,7 +432,7 @@ def _resume(trainer, session):
             checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as exc:
             checkpoint, error = None, exc
-    if _world(trainer):  # every rank must have the file before anyone changes course
+    if across_ranks(trainer):  # every rank must have the file before anyone changes course
         ok = torch.tensor([0 if checkpoint is None else 1], dtype=torch.int32, device=trainer.device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not int(ok.item()):
