@@ -64,3 +64,24 @@ def test_lossy_hooks_match_uncompressed_accuracy_on_digits():
         assert stats["wire_bytes"] < 0.6 * stats["raw_bytes"], (key, stats)  # it did compress
         assert abs(acc - base) <= 1.5, f"{key}: {acc:.2f}% vs {base:.2f}% without a hook ({report})"
     print("digits test accuracy:", report)
+
+
+# ---- a slice of benchmarks/bench_convergence.py's matrix, at the hooks' default options
+def matrix_slice_worker(rank, world):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_convergence
+
+    return bench_convergence.run_matrix(models=("mlp",), optimizers=("adam",), batches=(16,), runs=("long",),
+                                        hooks=("onebit", "powersgd"))
+
+
+def test_default_options_hold_on_a_slice_of_the_convergence_matrix():
+    """DDP(model) + ddpx.hooks.register(ddp, name), no options: the digits MLP, Adam, batch 16 per
+    rank, 12 epochs (540 steps: most of them compressed after the default warm-up)."""
+    rows = run_workers(matrix_slice_worker, 2, timeout=300)[0]
+    (row,) = rows
+    assert row["allreduce"] > 90, row
+    for hook, r in row["hooks"].items():
+        assert r["replicas_agree"], hook
+        assert r["compression"] > 2, (hook, r)  # it compressed most steps (all steps: 1x)
+        assert r["delta"] >= -1.5, f"{hook}: {r['acc']:.1f}% vs {row['allreduce']:.1f}% with allreduce ({row})"
