@@ -52,12 +52,14 @@ at 3 epochs, no warm-up). 200 steps cost nothing on a real run (thousands of
 steps); pass ``warmup_steps=0`` to compress from the first step.
 
 Pieces: a bucket is coded, sent and decoded in pieces of about ``piece_mb``
-(default 4) MB of fp32 gradient, pipelined (ddpx/hooks/twophase.py); a piece
+(default 16) MB of fp32 gradient, pipelined (ddpx/hooks/twophase.py); a piece
 is the same range of whole chunks of every rank's segment of the unsplit
-bucket, so the results are bit-identical to ``piece_mb=0``. 4 MB: at 1/26 of
-fp32 on the wire a piece is short on the link, so the coding cost per piece
-dominates and larger pieces than int8's pay (docs/comm_hooks.md has the
-measurement).
+bucket, so the results are bit-identical to ``piece_mb=0``. 16 MB (a 25 MB
+bucket goes in 2 pieces): at 1/26 of fp32 a piece is short on the wire, so
+each piece's two collectives cost more in latency than the overlap wins back.
+On 2 hosts at 1 Gbit/s with ``DDP(model)`` (benchmarks/bench_comm.py, the 12 x
+Linear(1024, 1024) model) 4 MB pieces took 80 ms/step, 8 MB 61, 12-16 MB
+56-63, no split 56-58 (runs on a shared 2-core machine: +-10 %).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class OnebitState(TwoPhaseState):
         "warmup_steps": Option(int, 200, non_negative,
                                "iterations of plain fp32 allreduce before compression starts (see the docstring)"),
         "chunk_size": Option(int, 128, positive_multiple_of(8), "elements per fp32 scale"),
-        "piece_mb": Option(float, 4.0, non_negative,
+        "piece_mb": Option(float, 16.0, non_negative,
                            "MB of fp32 gradient per pipelined piece of a bucket (0: one piece per bucket)"),
     }
     memories = ("worker_error", "server_error")

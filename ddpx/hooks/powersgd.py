@@ -46,9 +46,13 @@ within 1.5 points (worst -1.4), as with 200. Pass ``warmup_steps=0`` to
 compress from the first step.
 
 Pieces: a bucket is handled in pieces of whole matrices of about ``piece_mb``
-(default 4) MB of gradient, pipelined across the pieces (ddpx/hooks/twophase.py):
+(default 16) MB of gradient, pipelined across the pieces (ddpx/hooks/twophase.py):
 P of the next piece is computed while this piece's P is reduced, and so on. A
-matrix's P and Q need all of it, so a piece never cuts a matrix. Per matrix
+matrix's P and Q need all of it, so a piece never cuts a matrix. 16 MB: the
+P and Q messages are tiny (r (n + m) values per matrix), so every piece's two
+collectives are latency, not bandwidth; one matrix (4 MB) per piece took 98
+ms/step on the benchmark model with ``DDP(model)`` (2 hosts, 1 Gbit/s), 16 MB
+or no split 63-66 (runs on a shared 2-core machine: +-10 % and worse). Per matrix
 the arithmetic is the unsplit hook's; only the allreduces are per piece, which
 is bit-identical with 2 ranks and may differ in the last bits with more (the
 ring adds an element's copies in an order that depends on the buffer length).
@@ -79,7 +83,7 @@ class PowerSGDState(TwoPhaseState):
                                "iterations of plain fp32 allreduce before compression starts (see the docstring)"),
         "min_numel": LossyState.options["min_numel"],
         "seed": Option(int, 0, non_negative, "seed of the initial Q (identical on every rank)"),
-        "piece_mb": Option(float, 4.0, non_negative,
+        "piece_mb": Option(float, 16.0, non_negative,
                            "MB of fp32 gradient (whole matrices) per pipelined piece of a bucket (0: one piece)"),
     }
     memories = ("error", "q", "p")  # error: the last step's M (see above); p: its P
