@@ -30,26 +30,30 @@ about 6x the gradient's norm at 32 elements, 20x at 256, 50x at 2048) and the
 later large gradients arrive. Chunks of 32-128 train like fp32 allreduce on
 the digits MLP (SGD momentum 0.9, 30 epochs); 256 and above lost 1-25 points.
 
-Warm-up: a fixed count, 200 steps by default. ``warmup_steps`` runs plain
-fp32 allreduce for the first N steps (DeepSpeed's 1-bit Adam always warms up:
-its ``freeze_step``). The count was chosen on the convergence matrix of
+Defaults for accuracy: ``warmup_steps`` 100 and ``min_numel`` 16384 (other
+lossy hooks: 0 and 1024), chosen on the convergence matrix of
 benchmarks/bench_convergence.py (digits, 2 ranks, DDP(model) + register, an MLP
 and a CNN with BatchNorm, SGD momentum 0.9 and Adam, batch 16 and 128 per rank,
-3 and 12 epochs; docs/comm_hooks.md). Without warm-up 1-bit lost 14.5 points
-(MLP, SGD, batch 16, 3 epochs = 135 steps), 10.9 (CNN, SGD, same), 7.0/6.1/5.3
-elsewhere: early in training from scratch, with momentum, the error memory
-holds back much of a fast-changing gradient. With 200 steps every cell but one
-stayed within 1.5 points. The exception shows the limit of any fixed count:
-on the MLP with SGD momentum 0.9 (lr 0.05, batch 16), 1-bit destabilises the
-run for a few hundred steps whenever compression starts (test accuracy
-dipping to 53-80 %), so a run that ends 100-400 steps after the switch lands
-low (12 epochs: -3.6 points at 200 warm-up steps, -5.6 at 150, -17.3 at 300,
-+0.6 at 100, 0.0 at 0; curves in docs/comm_hooks.md). A warm-up fraction of
-the first epoch is not knowable to a hook, and a count driven by the error
-memory's norm would need that norm agreed on by every rank each step (an
-extra collective). Smaller chunks did not shorten the dip (chunk 32: -17.5
-at 3 epochs, no warm-up). 200 steps cost nothing on a real run (thousands of
-steps); pass ``warmup_steps=0`` to compress from the first step.
+3 and 12 epochs; docs/comm_hooks.md). With the old defaults (no warm-up,
+min_numel 1024) 1-bit lost up to 14.5 points (MLP, SGD, batch 16, 3 epochs),
+10.9 (CNN, SGD, same), 5-7 in three more cells. A warm-up alone did not fix it:
+on the MLP with SGD momentum 0.9 (lr 0.05, batch 16) 1-bit destabilised the run
+for a few hundred steps whenever compression started (test accuracy dipping to
+53-80 %), so every count left a run length that ended in the dip (12 epochs:
+-17.3 points at 300 warm-up steps, -5.6 at 150, -3.6 at 200; 3 epochs: -16.2 at
+100). Smaller chunks (32, 64) did not shorten the dip. What did was leaving
+the small matrices out: the MLP's 64x128 input and 128x10 output layers (8192
+and 1280 elements) are where one sign per element hurt; with them exempt (any
+``min_numel`` above 8192) the dip was gone and every cell stayed within 1.5
+points at 0.5-0.6 worst with 100 or 200 warm-up steps (5.0 with none: 18
+steps of Adam at batch 128). A matrix under 16384 elements is at most 64 KB
+of fp32 a step, nothing on the wire of a model whose communication matters
+(the benchmark model's matrices have 1M elements). The 100 warm-up steps
+cover the runs too short for error feedback to repay the error (18-72 step
+cells); a fraction of the first epoch cannot be known to a hook, and a count
+driven by the error memory's norm would need every rank to agree on that norm
+each step (an extra collective). Pass ``warmup_steps=0, min_numel=1024`` for
+the old behaviour.
 
 Pieces: a bucket is coded, sent and decoded in pieces of about ``piece_mb``
 (default 16) MB of fp32 gradient, pipelined (ddpx/hooks/twophase.py); a piece
@@ -82,8 +86,10 @@ class OnebitState(TwoPhaseState):
     native_kind = "onebit"
     options = {
         **LossyState.options,
-        "warmup_steps": Option(int, 200, non_negative,
+        "warmup_steps": Option(int, 100, non_negative,
                                "iterations of plain fp32 allreduce before compression starts (see the docstring)"),
+        "min_numel": Option(int, 16384, non_negative,
+                            "parameters with fewer elements are sent uncompressed (see the docstring)"),
         "chunk_size": Option(int, 128, positive_multiple_of(8), "elements per fp32 scale"),
         "piece_mb": Option(float, 16.0, non_negative,
                            "MB of fp32 gradient per pipelined piece of a bucket (0: one piece per bucket)"),
