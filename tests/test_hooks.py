@@ -470,7 +470,8 @@ def _bench_namespaces(pid):
     import subprocess
 
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.startswith(f"ddpxbench{pid}-")]
+    prefix = os.environ.get("DDPX_TEST_NETNS", "ddpxbench").split(",")[0]  # as bench_comm.py names them
+    return [line for line in out.splitlines() if line.startswith(f"{prefix}{pid}-")]
 
 
 @pytest.mark.netns
