@@ -171,7 +171,7 @@ def table(rows, hooks) -> str:
         cells += [f"{row['hooks'][h]['delta']:+.1f}" for h in hooks]
         lines.append("| " + " | ".join(cells) + " |")
     w = worst(rows)
-    lines.append("| worst loss | | | | | | " + " | ".join(f"{w[h]:.1f}" for h in hooks) + " |")
+    lines.append("| worst loss | | | | | | " + " | ".join(f"{w[h] + 0.0:.1f}" for h in hooks) + " |")  # no "-0.0"
     return "\n".join(lines)
 
 
@@ -185,7 +185,9 @@ def parse(argv):
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--runs", default=",".join(RUNS), help="short (3 epochs), long (12 epochs)")
-    p.add_argument("--hooks", default=",".join(LOSSY))
+    p.add_argument("--hooks", default=",".join(LOSSY),
+                   help="comma-separated hooks, each NAME or NAME:option=value:option=value "
+                        "(e.g. onebit:warmup_steps=0); default: every lossy hook at its default options")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",

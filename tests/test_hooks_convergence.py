@@ -85,3 +85,20 @@ def test_default_options_hold_on_a_slice_of_the_convergence_matrix():
         assert r["replicas_agree"], hook
         assert r["compression"] > 1.5, (hook, r)  # it compressed most steps (onebit: 2.0, powersgd: 3.8)
         assert r["delta"] >= -1.5, f"{hook}: {r['acc']:.1f}% vs {row['allreduce']:.1f}% with allreduce ({row})"
+
+
+def test_matrix_helpers():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_convergence as bc
+
+    assert bc.parse_hook("onebit") == ("onebit", {})
+    assert bc.parse_hook("onebit:warmup_steps=0:piece_mb=2.5:compress_vectors=true") == \
+        ("onebit", {"warmup_steps": 0, "piece_mb": 2.5, "compress_vectors": True})
+    rows = [{"model": "mlp", "optimizer": "sgd", "batch": 16, "run": "short", "epochs": 3, "steps": 135,
+             "allreduce": 95.0, "hooks": {"onebit": {"delta": -0.3}, "int8": {"delta": 1.2}}},
+            {"model": "cnn", "optimizer": "adam", "batch": 128, "run": "long", "epochs": 12, "steps": 72,
+             "allreduce": 96.4, "hooks": {"onebit": {"delta": -2.0}, "int8": {"delta": 0.0}}}]
+    assert bc.worst(rows) == {"onebit": 2.0, "int8": 0.0}
+    text = bc.table(rows, ["onebit", "int8"])
+    assert "| mlp | sgd | 16 | 3 | 135 | 95.0 | -0.3 | +1.2 |" in text
+    assert text.splitlines()[-1] == "| worst loss | | | | | | 2.0 | 0.0 |"
