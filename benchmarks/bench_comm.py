@@ -9,13 +9,17 @@ about 50 MB of fp32 gradients) for: no hook, a hook that does nothing (no
 communication, no work: what DDP alone costs over the compute, the floor of
 every hook's /bound; its gradients are not averaged), torch's fp16_compress_hook,
 torch's PowerSGD (its failure is reported if it fails), and every ddpx hook,
-native and Python. torch's configs get DDP's defaults (25 MB buckets); ddpx
-hooks get the DDP options they ask for (``ddpx.hooks.ddp_options``:
-gradients as bucket views, 4 MB buckets for int8), as the ddpx trainer
-applies them; ``--bucket-mb`` sets one size for every config.
+native and Python, in two settings (``--settings``): ``defaults``, what most
+users write (``DDP(model)`` with DDP's defaults: 25 MB buckets, gradients
+copied out of the buckets, then ``ddpx.hooks.register``), and ``tuned``, with
+the DDP options the hook asks for (``ddpx.hooks.ddp_options``: gradients as
+bucket views, 4 MB buckets for int8), as the ddpx trainer applies them.
+torch's configs get DDP's defaults; ``--bucket-mb`` sets one size for every
+config.
 
-It reports the bucket size, ms/step, the speed-up over plain allreduce and over torch's fp16
-hook in the same run, the bytes each rank sends per step, and the step time
+It reports the DDP setting, the bucket size, ms/step, the speed-up over plain allreduce and over
+torch's fp16 hook in the same run, a defaults row's step time over its tuned twin's
+(``/tuned``), the bytes each rank sends per step, and the step time
 the link allows: compute + wire bytes / rate, where compute is the median
 forward + backward step without DDP, measured in blocks of 5 steps that
 alternate with the config's timed steps (so both see the same machine; a
@@ -28,8 +32,9 @@ On a real cluster, skip the namespaces and run the worker under torchrun:
 
     torchrun --nnodes 2 --nproc_per_node 1 ... benchmarks/bench_comm.py --worker --rate-bps 1e9
 
-Namespaces (``ddpxbench<pid>-*``, addresses 10.213.0.0/24 inside them only)
-are removed on exit, on Ctrl-C and on SIGTERM.
+Namespaces (``ddpxbench<pid>-*``, addresses 10.213.0.0/24 inside them only;
+``DDPX_TEST_NETNS=NSPREFIX,VETHPREFIX,A.B`` picks the name prefix and the /16,
+for machines shared with others) are removed on exit, on Ctrl-C and on SIGTERM.
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ import sys
 import tempfile
 import time
 
-SUBNET = "10.213.0"
+_NETNS = os.environ.get("DDPX_TEST_NETNS", "ddpxbench,vt,10.213").split(",")
+SUBNET = f"{_NETNS[2]}.0"
+SETTINGS = ("defaults", "tuned")
 PORT = 29513
 
 
@@ -55,16 +62,17 @@ DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb
 BLOCK_STEPS = 5  # timed steps per block; blocks with and without DDP alternate
 
 
-def _configs(names):
-    """(label, kind, name, native) in run order; torch's PowerSGD last (it may crash the group)."""
+def _configs(names, settings=SETTINGS, paths=("native", "python")):
+    """(label, kind, name, native, setting) in run order; torch's PowerSGD last (it may crash the group)."""
     import ddpx.hooks
 
-    out = [("no hook", "none", None, None), ("DDP only: no-op hook", "noop", None, None),
-           ("torch fp16_compress_hook", "torch", "fp16", None)]
+    out = [("no hook", "none", None, None, "defaults"), ("DDP only: no-op hook", "noop", None, None, "tuned"),
+           ("torch fp16_compress_hook", "torch", "fp16", None, "defaults")]
     for spec in names if names is not None else ddpx.hooks.available():
-        out.append((f"ddpx {spec} native", "ddpx", spec, True))
-        out.append((f"ddpx {spec} python", "ddpx", spec, False))
-    out.append(("torch powerSGD rank 4", "torch", "powersgd", None))
+        for path in paths:
+            for setting in settings:
+                out.append((f"ddpx {spec} {path}", "ddpx", spec, path == "native", setting))
+    out.append(("torch powerSGD rank 4", "torch", "powersgd", None, "defaults"))
     return out
 
 
@@ -148,14 +156,16 @@ def worker(args):
     save()
     timed_step(net)  # untimed: the first step allocates
 
-    for label, kind, name, native in _configs(args.hooks):
+    for label, kind, name, native, setting in _configs(args.hooks, args.settings.split(","),
+                                                       args.paths.split(",")):
         # The host's speed drifts during a run, so every config's bound uses the
         # compute time measured in step with it (the header shows the range).
-        entry = {"label": label, "kind": kind, "name": name, "native": native}
+        entry = {"label": label, "kind": kind, "name": name, "native": native, "setting": setting}
         results["results"].append(entry)
         save()  # if this config kills the process, the parent knows which one it was
-        # each config as a user gets it: ddpx's hooks with the DDP options they ask for
-        options = ddpx.hooks.ddp_options(_parse_spec(name)[0]) if kind == "ddpx" else {}
+        # each config as a user gets it: DDP(model) as most write it, or with the DDP
+        # options the hook asks for (as the ddpx trainer applies them)
+        options = ddpx.hooks.ddp_options(_parse_spec(name)[0]) if kind == "ddpx" and setting == "tuned" else {}
         if kind == "noop":
             options = ddpx.hooks.ddp_options("allreduce")  # the DDP options of ddpx's plainest hook
         if args.bucket_mb is not None:
@@ -166,6 +176,8 @@ def worker(args):
         try:
             if kind == "ddpx":
                 hook_name, options = _parse_spec(name)
+                if "warmup_steps" in ddpx.hooks.make_state(hook_name).options:
+                    options.setdefault("warmup_steps", 0)  # time the compressed path, not the warm-up
                 state = ddpx.hooks.register(ddp, hook_name, native=native, **options)
                 entry["native"] = state.native
             elif kind == "noop":
@@ -215,15 +227,18 @@ def worker(args):
 # ------------------------------------------------------------------ table
 def summarize(results, rate_bps):
     """Add speed-ups and the link-bound step time to every entry."""
-    by = {e["label"]: e for e in results["results"]}
-    plain = by.get("no hook", {}).get("ms_per_step")
-    tfp16 = by.get("torch fp16_compress_hook", {}).get("ms_per_step")
+    by = {(e["label"], e.get("setting", "tuned" if e.get("kind") in ("ddpx", "noop") else "defaults")): e
+          for e in results["results"]}
+    plain = by.get(("no hook", "defaults"), {}).get("ms_per_step")
+    tfp16 = by.get(("torch fp16_compress_hook", "defaults"), {}).get("ms_per_step")
     for e in results["results"]:
         ms = e.get("ms_per_step")
         if ms is None:
             continue
         e["speedup_vs_allreduce"] = plain / ms if plain else None
         e["speedup_vs_torch_fp16"] = tfp16 / ms if tfp16 else None
+        tuned = by.get((e["label"], "tuned"), {}).get("ms_per_step") if e.get("setting") == "defaults" else None
+        e["vs_tuned"] = ms / tuned if tuned else None
         if rate_bps and "wire_bytes" in e:
             e["link_bound_ms"] = e["compute_ms"] + e["wire_bytes"] * 8 / rate_bps * 1e3
             e["vs_link_bound"] = ms / e["link_bound_ms"]
@@ -231,19 +246,24 @@ def summarize(results, rate_bps):
 
 
 def table(results):
-    rows = [("hook", "bucket MB", "ms/step", "x allreduce", "x torch fp16", "wire MB/step", "link-bound ms", "/bound")]
+    rows = [("hook", "DDP", "bucket MB", "ms/step", "x allreduce", "x torch fp16", "/tuned", "wire MB/step",
+             "link-bound ms", "/bound")]
     notes = []
     for e in results["results"]:
+        setting = e.get("setting", "")
         if "ms_per_step" not in e:
-            rows.append((e["label"], f"{e.get('bucket_mb', DEFAULT_BUCKET_MB):g}", "FAILED", "", "", "", "", ""))
-            notes.append(f"{e['label']}: {e.get('error', 'did not finish')}")
+            rows.append((e["label"], setting, f"{e.get('bucket_mb', DEFAULT_BUCKET_MB):g}", "FAILED", "", "", "", "",
+                         "", ""))
+            notes.append(f"{e['label']} ({setting}): {e.get('error', 'did not finish')}")
             continue
         rows.append((
             e["label"] + ("" if e.get("native") in (None, e["label"].endswith("native")) else " (fell back)"),
+            setting,
             f"{e.get('bucket_mb', DEFAULT_BUCKET_MB):g}",
             f"{e['ms_per_step']:.1f}",
             f"{e['speedup_vs_allreduce']:.2f}" if e.get("speedup_vs_allreduce") else "",
             f"{e['speedup_vs_torch_fp16']:.2f}" if e.get("speedup_vs_torch_fp16") else "",
+            f"{e['vs_tuned']:.2f}" if e.get("vs_tuned") else "",
             f"{e['wire_bytes'] / 1e6:.1f}" if "wire_bytes" in e else "",
             f"{e['link_bound_ms']:.1f}" if "link_bound_ms" in e else "",
             f"{e['vs_link_bound']:.2f}" if "vs_link_bound" in e else "",
@@ -251,6 +271,8 @@ def table(results):
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    notes.insert(0, "DDP: defaults = DDP(model) + ddpx.hooks.register (25 MB buckets, .grad copied out); "
+                 "tuned = DDP(model, **ddpx.hooks.ddp_options(name))")
     head = (f"{results['world_size']} ranks, {results['rate_bps'] / 1e9:g} Gbit/s links, "
             f"compute alone {_compute_range(results)} ms/step, gradients {results['grad_bytes'] / 1e6:.1f} MB, "
             f"median of {results['steps']} steps")
@@ -279,7 +301,7 @@ class Namespaces:
     """N hosts + a switch namespace holding the bridge; removed by close()."""
 
     def __init__(self, hosts: int, rate: str):
-        self.prefix = f"ddpxbench{os.getpid()}"
+        self.prefix = f"{_NETNS[0]}{os.getpid()}"
         self.switch = f"{self.prefix}-sw"
         self.hosts = [f"{self.prefix}-h{i}" for i in range(hosts)]
         self.rate = rate
@@ -369,6 +391,9 @@ def main(argv=None):
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="DDP bucket_cap_mb for every config (default: torch's 25, or a ddpx hook's preferred "
                         "size from ddpx.hooks.ddp_options, as the ddpx trainer uses it)")
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help="DDP settings of the ddpx hooks: defaults (DDP(model)), tuned (ddp_options); default both")
+    p.add_argument("--paths", default="native,python", help="ddpx hook paths to time: native, python (default both)")
     p.add_argument("--hooks", nargs="*", default=None,
                    help="ddpx hooks to time, NAME or NAME:opt=value,... (default: all available)")
     p.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
@@ -378,6 +403,10 @@ def main(argv=None):
     p.add_argument("--rate-bps", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for value, known, flag in ((args.settings, SETTINGS, "--settings"), (args.paths, ("native", "python"), "--paths")):
+        bad = [v for v in value.split(",") if v not in known]
+        if bad or not value:
+            p.error(f"{flag}: unknown {', '.join(bad) or 'empty value'}; choose from {', '.join(known)}")
 
     if args.worker:
         if args.rate_bps is None:
@@ -410,7 +439,8 @@ def main(argv=None):
                    f"--master_addr={nets.addr(0)}", f"--master_port={PORT}",
                    here, "--worker", "--rate-bps", str(rate_bps), "--out", out_file,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-                   "--threads", str(args.threads), "--collective-timeout", str(args.collective_timeout)]
+                   "--threads", str(args.threads), "--collective-timeout", str(args.collective_timeout),
+                   "--settings", args.settings, "--paths", args.paths]
             if args.bucket_mb is not None:
                 cmd += ["--bucket-mb", str(args.bucket_mb)]
             if args.hooks is not None:

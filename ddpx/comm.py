@@ -220,7 +220,9 @@ def _codec(compression, tensors, op, process_group):
             raise ValueError("ddpx.comm.fused_allreduce: the compression state has its own process group; "
                              "create it with ddpx.hooks.make(name, process_group=...) instead of passing both")
     elif isinstance(compression, str) and compression in hooks.available():
-        state = hooks.make_state(compression, process_group)
+        # a fused call is not a training step: no warm-up of plain allreduce
+        warm = {"warmup_steps": 0} if "warmup_steps" in hooks._state_class(compression).options else {}
+        state = hooks.make_state(compression, process_group, **warm)
     else:
         raise ValueError(f"ddpx.comm.fused_allreduce: unknown compression {compression!r}; use None or one of "
                          f"{hooks.available()} (or a state from ddpx.hooks.make)")

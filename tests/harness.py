@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import importlib
 import importlib.util
 import os
 import random
@@ -207,6 +208,13 @@ def _rank_main(argv: list[str]) -> None:
 
 
 # --- two hosts in network namespaces (root only) ---------------------------------------------
+
+
+def benchmark(name: str):
+    """The module ``benchmarks/<name>.py`` (the benchmarks are scripts, not a package)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
 
 
 def netns_available(tc: bool = False) -> bool:

@@ -1,11 +1,19 @@
 """What the comm-hook tests share: the hook names under test, the tolerances of the
-lossy ones, and the comparisons (test modules do not import each other)."""
+lossy ones, the comparisons, and a small DDP training run with a hook (test modules
+do not import each other)."""
+
+import copy
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpx.hooks
 
 LOSSY = ["fp16", "bf16", "int8"]
 ALL = ["allreduce"] + LOSSY
 PART2 = ["onebit", "powersgd"]  # most of their tests are in test_hooks_part2.py
+# options that make a hook compress from the first step (onebit and powersgd warm up by default)
+NO_WARMUP = {"onebit": {"warmup_steps": 0}, "powersgd": {"warmup_steps": 0}}
 # max |hook - exact| / max |exact| per parameter after one step (first step: no error feedback yet)
 REL_TOL = {"fp16": 2e-3, "bf16": 2e-2, "int8": 3e-2}
 
@@ -16,3 +24,84 @@ def equal_lists(a, b):
 
 def max_rel_err(got, ref):
     return max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-12)) for g, r in zip(got, ref))
+
+
+class Net(torch.nn.Module):
+    """Small MLP; `unused` is never called (find_unused_parameters)."""
+
+    def __init__(self, unused=False):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(20, 200)
+        self.fc2 = torch.nn.Linear(200, 200)
+        self.fc3 = torch.nn.Linear(200, 10)
+        self.unused = torch.nn.Linear(200, 200) if unused else None
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def make_model(unused=False):
+    torch.manual_seed(0)
+    return Net(unused)
+
+
+def batch(step, rank, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def train(hook, native=False, steps=3, rank=0, mode=None, model=None, state_sd=None, first_step=0,
+          inject=None, opt_sd=None, bucket_cap_mb=0.05, **options):
+    """Train `steps` SGD steps; returns grads per step, final params, stats, states.
+
+    mode: None | "no_sync" | "static_graph" | "find_unused" | "bucket_view".
+    inject: (step, rank, value) puts `value` into one element of fc2.weight's gradient.
+    """
+    net = model if model is not None else make_model(unused=mode == "find_unused")
+    kwargs = {"bucket_cap_mb": bucket_cap_mb}
+    if mode == "static_graph":
+        kwargs["static_graph"] = True
+    if mode == "find_unused":
+        kwargs["find_unused_parameters"] = True
+    if mode == "bucket_view":
+        kwargs["gradient_as_bucket_view"] = True
+    ddp = DDP(net, **kwargs)
+    state = ddpx.hooks.register(ddp, hook, native=native, **options) if hook else None
+    if state is not None and state_sd is not None:
+        state.load_state_dict(state_sd)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if opt_sd is not None:
+        opt.load_state_dict(opt_sd)
+    cur = {"step": -1}
+    if inject is not None:
+        def poison(g):
+            if cur["step"] == inject[0] and rank == inject[1]:
+                g = g.clone()
+                g.view(-1)[7] = inject[2]
+            return g
+
+        net.fc2.weight.register_hook(poison)
+    grads, saved = [], None
+    for step in range(first_step, first_step + steps):
+        cur["step"] = step
+        opt.zero_grad()
+        if mode == "no_sync":
+            with ddp.no_sync():
+                x, y = batch(step, rank, micro=1)
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        x, y = batch(step, rank)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+        if all(bool(torch.isfinite(g).all()) for g in grads[-1]):  # skip like GradScaler does
+            opt.step()
+        if step == first_step + steps // 2 - 1 and state is not None:
+            saved = (copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()), state.state_dict())
+    return {
+        "grads": grads,
+        "params": [p.detach().clone() for p in net.parameters()],
+        "stats": state.stats() if state else None,
+        "native": state.native if state else None,
+        "memory": {k: {kk: t.clone() for kk, t in d.items()} for k, d in state.memory.items()} if state else {},
+        "saved": saved,
+        "pieces": [len(lay.pieces) for lay in state.layouts.values() if hasattr(lay, "pieces")] if state else [],
+    }

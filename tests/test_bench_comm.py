@@ -98,6 +98,9 @@ def test_loopback_recommends_no_compression(ranks):
     names = [h["name"] for h in report["measurement"]["hooks"]]
     assert names == [BASELINE, "fp16", "int8"]
     assert all(h["measured_s"] > 0 and not h["error"] for h in report["measurement"]["hooks"])
+    # both settings: with the hook's ddp_options, and DDP(model) + register (not for the baseline)
+    assert [h["defaults_s"] is not None and h["defaults_s"] > 0 for h in report["measurement"]["hooks"]] == \
+        [False, True, True]
     assert report["advice"]["link_share"] < 0.1, report  # well below the advice's 0.15
     assert report["advice"]["hook"] is None, report
     assert "no compression" in report["advice"]["lines"][0]
@@ -130,6 +133,8 @@ def test_slow_link_recommends_compression(ranks, two_hosts, tmp_path):
     # the prediction from bytes and link rate is close to the measured step on a bandwidth-bound link
     for h in m["hooks"]:
         assert h["predicted_s"] == pytest.approx(h["measured_s"], rel=0.35), h
+        if h["name"] != "allreduce":  # DDP(model) + register measured too
+            assert h["defaults_s"] > 0, h
 
 
 # --- the comm_monitor plugin ------------------------------------------------------------------

@@ -119,7 +119,7 @@ def _scenarios(rank, world):
     # the mean of repeated reductions of the same values converges to the exact average
     exact = _reference(_tensors(rank, spec), "avg", world)
     for name in ("int8", "onebit", "powersgd"):
-        state, _ = ddpx.hooks.make(name, min_numel=0)
+        state, _ = ddpx.hooks.make(name, min_numel=0, warmup_steps=0)
         ts = _tensors(rank, spec)
         total = [torch.zeros_like(t) for t in exact]
         errs = []
@@ -167,8 +167,12 @@ def test_lossy_compression_with_state(results, name, bound):
         assert got["steps"] == 20  # one hook step per fused call
         assert got["first_err"] < 1.0
         assert got["mean_err"] < min(bound, got["first_err"] / 3), got  # the memory carried over
-        # by name (defaults exempt the small tensor): a single call, scaled to the sum
-        assert 0 < got["sum_err"] <= got["first_err"] * (1 + 1e-4), got
+        # by name (defaults exempt the small tensor): a single call, scaled to the sum; onebit's
+        # default min_numel (16384) exempts every tensor here: exact
+        if name == "onebit":
+            assert got["sum_err"] < 1e-6, got
+        else:
+            assert 0 < got["sum_err"] <= got["first_err"] * (1 + 1e-4), got
 
 
 def test_buckets_grouped_by_dtype_in_order():

@@ -212,8 +212,8 @@ def test_elastic_membership_across_hosts_survivor_goes_on_and_the_host_rejoins(t
     no IFNAME variables): host 1 is SIGKILLed mid epoch 1; host 0 goes on at world size 1
     from the last checkpoint; host 1 started again is admitted and the run ends at world
     size 2, every sample seen once per epoch."""
-    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
-    from bench_host_death import groups, run_scenario
+    host_death = harness.benchmark("bench_host_death")
+    groups, run_scenario = host_death.groups, host_death.run_scenario
 
     run = run_scenario(tmp_path, two_hosts, rejoin_after=2.0, timeout=240)
     logs = "\n".join(f"--- {name}\n{log[-2500:]}" for name, log in run["logs"].items())

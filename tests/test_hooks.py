@@ -20,90 +20,10 @@ import harness
 import ddpx.hooks
 from ddpx.errors import DdpxError
 
-from hook_checks import ALL, LOSSY, PART2, REL_TOL, equal_lists, max_rel_err  # noqa: F401
+from hook_checks import ALL, LOSSY, NO_WARMUP, PART2, REL_TOL, batch, equal_lists, make_model, max_rel_err, train  # noqa: F401
 
 
 # ---------------------------------------------------------------- workers
-class Net(torch.nn.Module):
-    """Small MLP; `unused` is never called (find_unused_parameters)."""
-
-    def __init__(self, unused=False):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(20, 200)
-        self.fc2 = torch.nn.Linear(200, 200)
-        self.fc3 = torch.nn.Linear(200, 10)
-        self.unused = torch.nn.Linear(200, 200) if unused else None
-
-    def forward(self, x):
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-def make_model(unused=False):
-    torch.manual_seed(0)
-    return Net(unused)
-
-
-def batch(step, rank, micro=0):
-    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-    return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
-
-
-def train(hook, native=False, steps=3, rank=0, mode=None, model=None, state_sd=None, first_step=0,
-          inject=None, opt_sd=None, bucket_cap_mb=0.05, **options):
-    """Train `steps` SGD steps; returns grads per step, final params, stats, states.
-
-    mode: None | "no_sync" | "static_graph" | "find_unused" | "bucket_view".
-    inject: (step, rank, value) puts `value` into one element of fc2.weight's gradient.
-    """
-    net = model if model is not None else make_model(unused=mode == "find_unused")
-    kwargs = {"bucket_cap_mb": bucket_cap_mb}
-    if mode == "static_graph":
-        kwargs["static_graph"] = True
-    if mode == "find_unused":
-        kwargs["find_unused_parameters"] = True
-    if mode == "bucket_view":
-        kwargs["gradient_as_bucket_view"] = True
-    ddp = DDP(net, **kwargs)
-    state = ddpx.hooks.register(ddp, hook, native=native, **options) if hook else None
-    if state is not None and state_sd is not None:
-        state.load_state_dict(state_sd)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    if opt_sd is not None:
-        opt.load_state_dict(opt_sd)
-    cur = {"step": -1}
-    if inject is not None:
-        def poison(g):
-            if cur["step"] == inject[0] and rank == inject[1]:
-                g = g.clone()
-                g.view(-1)[7] = inject[2]
-            return g
-
-        net.fc2.weight.register_hook(poison)
-    grads, saved = [], None
-    for step in range(first_step, first_step + steps):
-        cur["step"] = step
-        opt.zero_grad()
-        if mode == "no_sync":
-            with ddp.no_sync():
-                x, y = batch(step, rank, micro=1)
-                torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        x, y = batch(step, rank)
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
-        if all(bool(torch.isfinite(g).all()) for g in grads[-1]):  # skip like GradScaler does
-            opt.step()
-        if step == first_step + steps // 2 - 1 and state is not None:
-            saved = (copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()), state.state_dict())
-    return {
-        "grads": grads,
-        "params": [p.detach().clone() for p in net.parameters()],
-        "stats": state.stats() if state else None,
-        "native": state.native if state else None,
-        "memory": {k: {kk: t.clone() for kk, t in d.items()} for k, d in state.memory.items()} if state else {},
-        "saved": saved,
-    }
-
-
 def equivalence_worker(rank, world):
     out = {("none", False): train(None, rank=rank)}
     for hook in ALL:
@@ -147,11 +67,14 @@ def modes_worker(rank, world):
             out[(mode, hook)] = train(hook, True, rank=rank, mode=mode)
     # what ddp_options asks for: .grad as views of the buckets must not change a bit
     for hook in ALL + PART2:
-        out[("grads_in_buckets", hook)] = (train(hook, True, rank=rank), train(hook, True, rank=rank, mode="bucket_view"))
+        opts = NO_WARMUP.get(hook, {})
+        out[("grads_in_buckets", hook)] = (train(hook, True, rank=rank, **opts),
+                                           train(hook, True, rank=rank, mode="bucket_view", **opts))
     # non-finite gradients: step 1, rank 1, one element of fc2.weight
     for hook in ALL + PART2:
         for value in ("inf", "nan"):
-            out[("inject", hook, value)] = train(hook, True, rank=rank, steps=3, inject=(1, 1, float(value)))
+            out[("inject", hook, value)] = train(hook, True, rank=rank, steps=3, inject=(1, 1, float(value)),
+                                                **NO_WARMUP.get(hook, {}))
     # torch's own bf16 hook on gloo, next to ours
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -449,7 +372,8 @@ def _bench_namespaces(pid):
     import subprocess
 
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.startswith(f"ddpxbench{pid}-")]
+    prefix = os.environ.get("DDPX_TEST_NETNS", "ddpxbench").split(",")[0]  # as bench_comm.py names them
+    return [line for line in out.splitlines() if line.startswith(f"{prefix}{pid}-")]
 
 
 @pytest.mark.netns

@@ -7,6 +7,8 @@ the same run without a hook (same seed, same data order, same epochs).
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import harness
+
 
 EPOCHS = 8
 HOOKS = [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"min_numel": 0, "compress_vectors": True})]
@@ -59,3 +61,37 @@ def test_lossy_hooks_match_uncompressed_accuracy_on_digits(ranks):
         assert stats["wire_bytes"] < 0.6 * stats["raw_bytes"], (key, stats)  # it did compress
         assert abs(acc - base) <= 1.5, f"{key}: {acc:.2f}% vs {base:.2f}% without a hook ({report})"
     print("digits test accuracy:", report)
+
+
+# ---- a slice of benchmarks/bench_convergence.py's matrix, at the hooks' default options
+def matrix_slice_worker(rank, world):
+    return harness.benchmark("bench_convergence").run_matrix(models=("mlp",), optimizers=("adam",), batches=(16,), runs=("long",),
+                                        hooks=("onebit", "powersgd"))
+
+
+def test_default_options_hold_on_a_slice_of_the_convergence_matrix(ranks):
+    """DDP(model) + ddpx.hooks.register(ddp, name), no options: the digits MLP, Adam, batch 16 per
+    rank, 12 epochs (540 steps: most of them compressed after the default warm-up)."""
+    rows = ranks.call(matrix_slice_worker, 2, timeout=300)[0]
+    (row,) = rows
+    assert row["allreduce"] > 90, row
+    for hook, r in row["hooks"].items():
+        assert r["replicas_agree"], hook
+        assert r["compression"] > 1.5, (hook, r)  # it compressed most steps (onebit: 2.0, powersgd: 3.8)
+        assert r["delta"] >= -1.5, f"{hook}: {r['acc']:.1f}% vs {row['allreduce']:.1f}% with allreduce ({row})"
+
+
+def test_matrix_helpers():
+    bc = harness.benchmark("bench_convergence")
+
+    assert bc.parse_hook("onebit") == ("onebit", {})
+    assert bc.parse_hook("onebit:warmup_steps=0:piece_mb=2.5:compress_vectors=true") == \
+        ("onebit", {"warmup_steps": 0, "piece_mb": 2.5, "compress_vectors": True})
+    rows = [{"model": "mlp", "optimizer": "sgd", "batch": 16, "run": "short", "epochs": 3, "steps": 135,
+             "allreduce": 95.0, "hooks": {"onebit": {"delta": -0.3}, "int8": {"delta": 1.2}}},
+            {"model": "cnn", "optimizer": "adam", "batch": 128, "run": "long", "epochs": 12, "steps": 72,
+             "allreduce": 96.4, "hooks": {"onebit": {"delta": -2.0}, "int8": {"delta": 0.0}}}]
+    assert bc.worst(rows) == {"onebit": 2.0, "int8": 0.0}
+    text = bc.table(rows, ["onebit", "int8"])
+    assert "| mlp | sgd | 16 | 3 | 135 | 95.0 | -0.3 | +1.2 |" in text
+    assert text.splitlines()[-1] == "| worst loss | | | | | | 2.0 | 0.0 |"

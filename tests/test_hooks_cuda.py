@@ -32,7 +32,9 @@ def device_worker(rank, world, device, backend):
         # the hook's own DDP options, but small buckets: several in flight
         options = {**(ddpx.hooks.ddp_options(hook) if hook else {}), "bucket_cap_mb": 0.2}
         ddp = DDP(net, device_ids=[torch.device(device)] if device != "cpu" else None, process_group=group, **options)
-        state = ddpx.hooks.register(ddp, hook, native=native) if hook else None
+        # compress from the first step (onebit and powersgd warm up by default)
+        warm = {"warmup_steps": 0} if hook in ("onebit", "powersgd") else {}
+        state = ddpx.hooks.register(ddp, hook, native=native, **warm) if hook else None
         out = []
         for _ in range(3):
             ddp.zero_grad()

@@ -12,13 +12,20 @@ class Int8 final : public TwoPhaseAlgorithm {
   explicit Int8(HookCore& core) : block_(core.int_option("block_size", 256)) {}
 
  private:
+  // The piece's sizes (ddpx/hooks/int8.py, Int8State.build_layout): its per-rank chunk
+  // [base, base + c) of the bucket's per-rank chunks of `stride` elements.
   struct Sizes {
-    int64_t c, piece, plain_chunk, blocks;
-    explicit Sizes(const Layout& lay)
-        : c(lay.integer("chunk")),
-          piece(lay.integer("piece")),
-          plain_chunk(lay.integer("plain_chunk")),
-          blocks(lay.integer("blocks")) {}
+    int64_t c, base, stride, piece, plain_chunk, blocks;
+    bool first, last;
+    explicit Sizes(const Layout& pc)
+        : c(pc.integer("chunk")),
+          base(pc.integer("base")),
+          stride(pc.integer("stride")),
+          piece(pc.integer("piece")),
+          plain_chunk(pc.integer("plain_chunk")),
+          blocks(pc.integer("blocks")),
+          first(pc.integer("first") != 0),
+          last(pc.integer("last") != 0) {}
   };
 
   // (plain fp32, scales fp32, q int8) views of a buffer of rank messages.
@@ -26,41 +33,44 @@ class Int8 final : public TwoPhaseAlgorithm {
     return piece_views(bytes, z.piece, z.plain_chunk, z.blocks, at::kChar);
   }
 
-  // Phase 1: quantize each destination's chunk into its piece; start the exchange.
-  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay) override {
+  // Phase 1: quantize each destination's chunk of the piece; start the exchange.
+  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
     const int64_t world = core.world();
-    const Sizes z(lay);
+    const Sizes z(pc);
     at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain");
-    at::Tensor send = lay.tensor("send"), recv = lay.tensor("recv");
+    at::Tensor send = pc.tensor("send"), recv = pc.tensor("recv");
     const at::Tensor& worker_error = lay.tensor("worker_error");
-    ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0, plain_buf);
     auto [plain, scales, q] = views(send, z);
-    plain.copy_(plain_buf.view({world, z.plain_chunk}));
+    if (z.first) {
+      ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0, plain_buf);
+      plain.copy_(plain_buf.view({world, z.plain_chunk}));
+      if (!has_spans(lay)) ddpx::ops::flatten_out(run_views(buf, lay.comp), 1.0, comp);
+    }
     if (has_spans(lay)) {  // straight from the bucket, as Int8State.start_phase1
-      for_each_span(lay, [&](int64_t r, int64_t boff, int64_t n, int64_t soff) {
+      for_each_span(pc, [&](int64_t r, int64_t boff, int64_t n, int64_t soff) {
         at::Tensor qr = q[r].narrow(0, soff, n), sr = scales[r].narrow(0, soff / block_, n / block_);
-        ddpx::ops::int8_quantize_out(buf.narrow(0, boff, n), block_, worker_error.narrow(0, r * z.c + soff, n), qr,
-                                     sr);
+        ddpx::ops::int8_quantize_out(buf.narrow(0, boff, n), block_,
+                                     worker_error.narrow(0, r * z.stride + z.base + soff, n), qr, sr);
       });
     } else {
-      ddpx::ops::flatten_out(run_views(buf, lay.comp), 1.0, comp);
       for (int64_t r = 0; r < world; ++r) {
         at::Tensor qr = q[r], sr = scales[r];
-        ddpx::ops::int8_quantize_out(comp.narrow(0, r * z.c, z.c), block_, worker_error.narrow(0, r * z.c, z.c),
-                                     qr, sr);
+        ddpx::ops::int8_quantize_out(comp.narrow(0, r * z.stride + z.base, z.c), block_,
+                                     worker_error.narrow(0, r * z.stride + z.base, z.c), qr, sr);
       }
     }
     std::vector<int64_t> equal_splits;
     return core.worker_group().alltoall_base(recv, send, equal_splits, equal_splits);
   }
 
-  // Phase 2 start: average this rank's chunk in fp32, server error feedback, requantize.
-  WorkPtr start_phase2(HookCore& core, const at::Tensor&, const Layout& lay, c10d::Work& exchange) override {
+  // Phase 2 start: average this rank's chunk of the piece in fp32, server error feedback, requantize.
+  WorkPtr start_phase2(HookCore& core, const at::Tensor&, const Layout& lay, const Layout& pc,
+                       c10d::Work& exchange) override {
     const int64_t world = core.world(), rank = core.rank();
-    const Sizes z(lay);
+    const Sizes z(pc);
     const double inv = 1.0 / static_cast<double>(world);
-    at::Tensor reduced = lay.tensor("reduced");
-    at::Tensor recv = lay.tensor("recv"), send2 = lay.tensor("send2"), recv2 = lay.tensor("recv2");
+    at::Tensor reduced = pc.tensor("reduced");
+    at::Tensor recv = pc.tensor("recv"), send2 = pc.tensor("send2"), recv2 = pc.tensor("recv2");
     const at::Tensor& server_error = lay.tensor("server_error");
     exchange.wait();
     auto [plain, scales, q] = views(recv, z);
@@ -68,32 +78,35 @@ class Int8 final : public TwoPhaseAlgorithm {
     at::Tensor p2 = plain2[0], s2 = scales2[0], qq2 = q2[0];
     at::sum_out(p2, plain, {0}).mul_(inv);
     ddpx::ops::int8_dequant_accumulate_(reduced, q, scales, block_, inv, false);
-    ddpx::ops::int8_quantize_out(reduced, block_, server_error.narrow(0, rank * z.c, z.c), qq2, s2);
+    ddpx::ops::int8_quantize_out(reduced, block_, server_error.narrow(0, rank * z.stride + z.base, z.c), qq2, s2);
     return core.worker_group()._allgather_base(recv2, send2);
   }
 
-  // Phase 2 end: dequantize every averaged chunk into the bucket.
-  void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& gather) override {
+  // Phase 2 end: dequantize every averaged chunk of the piece into the bucket.
+  void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+              c10d::Work& gather) override {
     const int64_t world = core.world();
-    const Sizes z(lay);
-    at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain"), recv2 = lay.tensor("recv2");
+    const Sizes z(pc);
+    at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain"), recv2 = pc.tensor("recv2");
     gather.wait();
     auto [plain, scales, q] = views(recv2, z);
     if (has_spans(lay)) {
-      for_each_span(lay, [&](int64_t r, int64_t boff, int64_t n, int64_t soff) {
+      for_each_span(pc, [&](int64_t r, int64_t boff, int64_t n, int64_t soff) {
         at::Tensor out = buf.narrow(0, boff, n);
         ddpx::ops::int8_dequant_accumulate_(out, q[r].narrow(0, soff, n), scales[r].narrow(0, soff / block_, n / block_),
                                             block_, 1.0, false);
       });
     } else {
       for (int64_t r = 0; r < world; ++r) {
-        at::Tensor out = comp.narrow(0, r * z.c, z.c);
+        at::Tensor out = comp.narrow(0, r * z.stride + z.base, z.c);
         ddpx::ops::int8_dequant_accumulate_(out, q[r], scales[r], block_, 1.0, false);
       }
-      ddpx::ops::unflatten_(comp, run_views(buf, lay.comp));
+      if (z.last) ddpx::ops::unflatten_(comp, run_views(buf, lay.comp));
     }
-    plain_buf.view({world, z.plain_chunk}).copy_(plain);
-    ddpx::ops::unflatten_(plain_buf, run_views(buf, lay.plain));
+    if (z.first) {
+      plain_buf.view({world, lay.integer("plain_chunk")}).copy_(plain);
+      ddpx::ops::unflatten_(plain_buf, run_views(buf, lay.plain));
+    }
   }
 
   int64_t block_;

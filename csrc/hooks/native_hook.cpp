@@ -102,6 +102,19 @@ std::vector<Run> read_runs(const py::handle& runs) {
   }
   return out;
 }
+
+// Every int and tensor attribute of a Python layout (or piece) object, by name.
+void read_attributes(const py::handle& obj, Layout& out) {
+  for (auto item : obj.attr("__dict__").cast<py::dict>()) {
+    const auto name = item.first.cast<std::string>();
+    py::handle value = item.second;
+    if (THPVariable_Check(value.ptr())) {
+      out.tensors[name] = value.cast<at::Tensor>();
+    } else if (py::isinstance<py::int_>(value) && !py::isinstance<py::bool_>(value)) {
+      out.ints[name] = value.cast<int64_t>();
+    }
+  }
+}
 }  // namespace
 
 // ---------------------------------------------------------------- HookCore
@@ -177,13 +190,14 @@ std::shared_ptr<const Layout> HookCore::layout(c10d::GradBucket& bucket) {
   out->plain = read_runs(lay.attr("plain_runs"));
   out->n_comp = lay.attr("n_comp").cast<int64_t>();
   out->n_plain = lay.attr("n_plain").cast<int64_t>();
-  for (auto item : lay.attr("__dict__").cast<py::dict>()) {
-    const auto name = item.first.cast<std::string>();
-    py::handle value = item.second;
-    if (THPVariable_Check(value.ptr())) {
-      out->tensors[name] = value.cast<at::Tensor>();
-    } else if (py::isinstance<py::int_>(value) && !py::isinstance<py::bool_>(value)) {
-      out->ints[name] = value.cast<int64_t>();
+  read_attributes(lay, *out);
+  if (py::hasattr(lay, "pieces")) {
+    for (auto item : lay.attr("pieces")) {
+      auto pc = std::make_shared<Layout>();
+      pc->n_comp = out->n_comp;
+      pc->n_plain = out->n_plain;
+      read_attributes(item, *pc);
+      out->pieces.push_back(std::move(pc));
     }
   }
   std::lock_guard<std::mutex> lock(layouts_mu_);
@@ -248,28 +262,36 @@ FuturePtr HookCore::submit_deferred(const at::Tensor& buf, std::function<void(co
 FuturePtr NativeHook::runHook(c10d::GradBucket& bucket) { return state_->run(bucket); }
 
 int64_t TwoPhaseAlgorithm::wire_bytes(HookCore& core, const Layout& lay) const {
-  return 2 * (core.world() - 1) * lay.integer("piece");
+  int64_t total = 0;
+  for (const auto& pc : lay.pieces) total += 2 * (core.world() - 1) * pc->integer("piece");
+  return total;
 }
 
 FuturePtr TwoPhaseAlgorithm::run(HookCore& core, c10d::GradBucket& bucket) {
   at::Tensor buf = bucket.getBuffer();
   auto lay = core.layout(bucket);
+  TORCH_CHECK(!lay->pieces.empty(), "ddpx native comm hook: the bucket layout has no pieces");
   const bool last = bucket.isLast();
   core.count(buf.numel(), wire_bytes(core, *lay), last);
   return core.submit_deferred(buf, [this, &core, buf, lay, last](const FuturePtr& fut) {
-    pipeline(core, Job{buf, lay, nullptr, fut}, last);
+    const size_t n = lay->pieces.size();
+    for (size_t i = 0; i < n; ++i) step(core, Job{buf, lay, lay->pieces[i].get(), nullptr, fut}, last && i + 1 == n);
   });
 }
 
-void TwoPhaseAlgorithm::pipeline(HookCore& core, Job started, bool last) {
+void TwoPhaseAlgorithm::fail(Job& job, std::exception_ptr error) {
+  if (!job.fut->completed()) job.fut->setError(std::move(error));
+}
+
+void TwoPhaseAlgorithm::step(HookCore& core, Job started, bool last) {
   std::unique_ptr<Job> advancing = std::move(advancing_);
   std::deque<Job> finishing = std::move(finishing_);
   finishing_.clear();
   try {
-    started.work = start_phase1(core, started.buf, *started.lay);
+    started.work = start_phase1(core, started.buf, *started.lay, *started.pc);
   } catch (...) {  // fail every bucket in flight: they surface in loss.backward()
-    if (advancing) advancing->fut->setError(std::current_exception());
-    for (auto& job : finishing) job.fut->setError(std::current_exception());
+    if (advancing) fail(*advancing, std::current_exception());
+    for (auto& job : finishing) fail(job, std::current_exception());
     throw;
   }
   std::vector<Job*> to_advance;
@@ -277,25 +299,25 @@ void TwoPhaseAlgorithm::pipeline(HookCore& core, Job started, bool last) {
   if (last) to_advance.push_back(&started);
   for (Job* job : to_advance) {
     try {
-      job->work = start_phase2(core, job->buf, *job->lay, *job->work);
+      job->work = start_phase2(core, job->buf, *job->lay, *job->pc, *job->work);
     } catch (...) {
-      job->fut->setError(std::current_exception());
+      fail(*job, std::current_exception());
       continue;
     }
     finishing.push_back(std::move(*job));
   }
   if (!last) advancing_ = std::make_unique<Job>(std::move(started));
-  const size_t keep = last ? 0 : 1;  // the second collective just started: finished by the next job
+  const size_t keep = last ? 0 : 1;  // the second collective just started: finished by the next step
   while (finishing.size() > keep) {
     Job job = std::move(finishing.front());
     finishing.pop_front();
     try {
-      finish(core, job.buf, *job.lay, *job.work);
+      finish(core, job.buf, *job.lay, *job.pc, *job.work);
     } catch (...) {
-      job.fut->setError(std::current_exception());
+      fail(job, std::current_exception());
       continue;
     }
-    job.fut->markCompleted(c10::IValue(job.buf));
+    if (job.pc->integer("last") && !job.fut->completed()) job.fut->markCompleted(c10::IValue(job.buf));
   }
   finishing_ = std::move(finishing);
 }

@@ -46,6 +46,10 @@ struct Layout {
   int64_t n_comp = 0, n_plain = 0;
   std::unordered_map<std::string, at::Tensor> tensors;
   std::unordered_map<std::string, int64_t> ints;
+  // The pieces the bucket is coded, sent and decoded in (the Python layout's
+  // `pieces`, ddpx/hooks/twophase.py): their own ints and tensors; n_comp and
+  // n_plain are the bucket's. Empty for single-phase hooks.
+  std::vector<std::shared_ptr<const Layout>> pieces;
 
   const at::Tensor& tensor(const std::string& name) const;
   int64_t integer(const std::string& name) const;
@@ -101,34 +105,41 @@ class NativeAlgorithm {
 
 // A hook with two dependent collectives per bucket (int8 and onebit: all-to-all,
 // local average, all-gather; powersgd: allreduce P, orthogonalize, allreduce Q),
-// pipelined across buckets as ddpx/hooks/twophase.py does: the job of bucket i
-// starts bucket i's first collective, advances bucket i-1 (starting its second)
-// and finishes bucket i-2; the last job finishes everything. Collective order,
-// the same on every rank: C1 0, C1 1, C2 0, C1 2, C2 1, ..., C2 last.
+// pipelined piece by piece (a bucket's layout is cut into `pieces`) as
+// ddpx/hooks/twophase.py does: the step of piece i starts piece i's first
+// collective, advances piece i-1 (starting its second) and finishes piece i-2,
+// across the pieces of a bucket and on into the next bucket; the last piece of
+// the last bucket finishes everything. A bucket's future completes with its last
+// piece. Collective order, the same on every rank: C1 0, C1 1, C2 0, C1 2, C2 1,
+// ..., C2 last.
 class TwoPhaseAlgorithm : public NativeAlgorithm {
  public:
   FuturePtr run(HookCore& core, c10d::GradBucket& bucket) final;
 
  protected:
   using WorkPtr = c10::intrusive_ptr<c10d::Work>;
-  // Code the bucket; return its first collective, started.
-  virtual WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay) = 0;
-  // Wait for the first collective, compute; return the second, started.
-  virtual WorkPtr start_phase2(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& first) = 0;
-  // Wait for the second collective, write the result into the bucket.
-  virtual void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& second) = 0;
-  // Bytes this rank sends per step for the bucket (stats()): by default the
-  // all-to-all + all-gather message of R pieces, (R-1)/R of it twice.
+  // Code piece `pc` of the bucket; return its first collective, started.
+  virtual WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc) = 0;
+  // Wait for the piece's first collective, compute; return the second, started.
+  virtual WorkPtr start_phase2(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+                               c10d::Work& first) = 0;
+  // Wait for the piece's second collective, write its result into the bucket.
+  virtual void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+                      c10d::Work& second) = 0;
+  // Bytes this rank sends per step for the bucket (stats()): by default each
+  // piece's all-to-all + all-gather message of R rows, (R-1)/R of it twice.
   virtual int64_t wire_bytes(HookCore& core, const Layout& lay) const;
 
  private:
   struct Job {
     at::Tensor buf;
     std::shared_ptr<const Layout> lay;
-    WorkPtr work;  // the collective in flight
-    FuturePtr fut;
+    const Layout* pc;  // one of lay->pieces
+    WorkPtr work;      // the collective in flight
+    FuturePtr fut;     // the bucket's
   };
-  void pipeline(HookCore& core, Job started, bool last);
+  void step(HookCore& core, Job started, bool last);
+  static void fail(Job& job, std::exception_ptr error);
   // touched only by the worker thread
   std::unique_ptr<Job> advancing_;  // first collective started
   std::deque<Job> finishing_;       // second collective started

@@ -30,11 +30,11 @@ class PowerSGD final : public TwoPhaseAlgorithm {
     q.copy_(at::randn({q.numel()}, gen, q.options()).view(q.sizes()));
   }
 
-  // Views of every compressed matrix of the bucket, as PowerSGDState._matrices.
-  static std::vector<Mat> matrices(const at::Tensor& buf, const Layout& lay) {
+  // Views of every compressed matrix of piece `pc`, as PowerSGDState._matrices.
+  static std::vector<Mat> matrices(const at::Tensor& buf, const Layout& lay, const Layout& pc) {
     const at::Tensor &pbuf = lay.tensor("pbuf"), &qbuf = lay.tensor("q");
     const at::Tensor &error_buf = lay.tensor("error"), &qt_buf = lay.tensor("qt"), &p_prev = lay.tensor("p_prev");
-    const at::Tensor& table = lay.tensor("matrices");  // int64 [k, 8]
+    const at::Tensor& table = pc.tensor("matrices");  // int64 [k, 8]
     const int64_t* t = table.const_data_ptr<int64_t>();
     std::vector<Mat> mats;
     mats.reserve(table.size(0));
@@ -50,47 +50,55 @@ class PowerSGD final : public TwoPhaseAlgorithm {
   }
 
   int64_t wire_bytes(HookCore& core, const Layout& lay) const override {
-    return ring_allreduce_bytes(4 * lay.tensor("pbuf").numel(), core.world()) +
-           ring_allreduce_bytes(4 * lay.tensor("q").numel(), core.world());
+    int64_t total = 0;
+    for (const auto& pc : lay.pieces)
+      total += ring_allreduce_bytes(4 * pc->tensor("pbuf").numel(), core.world()) +
+               ring_allreduce_bytes(4 * pc->tensor("q").numel(), core.world());
+    return total;
   }
 
-  // M = G + error feedback, P = M Q for every matrix, with the exempt values, in one allreduce.
-  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay) override {
-    at::Tensor pbuf = lay.tensor("pbuf");
-    ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0 / static_cast<double>(core.world()), pbuf);
-    for (Mat& x : matrices(buf, lay)) {
+  // M = G + error feedback, P = M Q for every matrix of the piece (with the exempt values
+  // in the first piece), in one allreduce.
+  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
+    if (pc.integer("first")) {
+      at::Tensor plain = lay.tensor("pbuf").narrow(0, 0, lay.n_plain);
+      ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0 / static_cast<double>(core.world()), plain);
+    }
+    for (Mat& x : matrices(buf, lay, pc)) {
       x.qt.copy_(x.q.t());
       ddpx::ops::lowrank_project_(x.grad, x.error, x.p_prev, x.qt, x.p);  // error = (G + error) - P' Q'^T = M; P = M Q
     }
-    std::vector<at::Tensor> tensors{pbuf};
+    std::vector<at::Tensor> tensors{pc.tensor("pbuf")};
     return core.worker_group().allreduce(tensors);
   }
 
-  // Orthogonalize every P, Q = M^T P, all in one allreduce.
-  WorkPtr start_phase2(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& reduce_p) override {
+  // Orthogonalize every P of the piece, Q = M^T P, all in one allreduce.
+  WorkPtr start_phase2(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+                       c10d::Work& reduce_p) override {
     reduce_p.wait();
-    std::vector<bool>& finite = finite_[&lay];
+    std::vector<bool>& finite = finite_[&pc];
     finite.clear();
-    for (Mat& x : matrices(buf, lay)) {
+    for (Mat& x : matrices(buf, lay, pc)) {
       const bool ok = at::isfinite(x.p).all().item<bool>();  // p is identical on every rank
       finite.push_back(ok);
       if (ok) x.p.copy_(std::get<0>(at::linalg_qr(x.p)));
       ddpx::ops::lowrank_transpose_project_(x.error, x.p, x.qt);  // Q^T = P^T M, reading M row by row
       x.q.copy_(x.qt.t());
     }
-    std::vector<at::Tensor> tensors{lay.tensor("q")};
+    std::vector<at::Tensor> tensors{pc.tensor("q")};
     return core.worker_group().allreduce(tensors);
   }
 
   // P Q^T into the bucket, P kept for the next step; the exempt values back into the bucket.
-  void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, c10d::Work& reduce_q) override {
+  void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+              c10d::Work& reduce_q) override {
     reduce_q.wait();
-    lay.tensor("q").mul_(1.0 / static_cast<double>(core.world()));
-    auto entry = finite_.find(&lay);
-    TORCH_CHECK(entry != finite_.end(), "ddpx powersgd: a bucket finished before its phase 2");
+    pc.tensor("q").mul_(1.0 / static_cast<double>(core.world()));
+    auto entry = finite_.find(&pc);
+    TORCH_CHECK(entry != finite_.end(), "ddpx powersgd: a piece finished before its phase 2");
     const std::vector<bool> finite = std::move(entry->second);
     finite_.erase(entry);  // no entry outlives its step, so none is left behind by DDP's bucket rebuild
-    auto mats = matrices(buf, lay);
+    auto mats = matrices(buf, lay, pc);
     for (size_t i = 0; i < mats.size(); ++i) {
       Mat& x = mats[i];
       if (finite[i]) {
@@ -104,11 +112,11 @@ class PowerSGD final : public TwoPhaseAlgorithm {
         draw_q(x.key, x.q);
       }
     }
-    ddpx::ops::unflatten_(lay.tensor("pbuf"), run_views(buf, lay.plain));
+    if (pc.integer("first")) ddpx::ops::unflatten_(lay.tensor("pbuf").narrow(0, 0, lay.n_plain), run_views(buf, lay.plain));
   }
 
   int64_t seed_;
-  // per layout in flight: which matrices had a finite P (set in phase 2, taken by finish); worker thread only
+  // per piece in flight: which matrices had a finite P (set in phase 2, taken by finish); worker thread only
   std::unordered_map<const Layout*, std::vector<bool>> finite_;
 };
 

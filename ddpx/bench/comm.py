@@ -10,7 +10,11 @@ the job's ranks). Each rank builds the configured model and data, then:
    communication;
 3. per hook: the predicted step time, compute + (bytes the hook sends per
    step) / (link rate), and the measured one, a real DDP step with that hook
-   (the median of ``--steps``, the slowest rank's).
+   (the median of ``--steps``, the slowest rank's), in two settings: tuned,
+   with the DDP options the hook asks for (``ddpx.hooks.ddp_options``, what
+   ``ddpx train`` applies), and DDP defaults, ``DDP(model)`` +
+   ``ddpx.hooks.register`` as a plain script writes it (only the config's own
+   ``trainer`` DDP options), so the report shows what the options buy.
 
 The baseline row ``allreduce`` is DDP's own fp32 allreduce (no hook). A hook
 is advised only when the link matters (the isolated allreduce is at least 15%
@@ -53,8 +57,9 @@ class HookTiming:
     name: str
     wire_bytes: int  # bytes one rank sends per step (ring model)
     predicted_s: float
-    measured_s: Optional[float]
+    measured_s: Optional[float]  # with the DDP options the hook asks for (ddpx.hooks.ddp_options)
     error: str = ""
+    defaults_s: Optional[float] = None  # DDP(model) with DDP's defaults + ddpx.hooks.register
 
 
 @dataclass
@@ -150,7 +155,8 @@ def format_report(m: Measurement, advice: dict) -> str:
         f"communication share of a step with {BASELINE}: {100 * advice['comm_share']:.0f}% measured, "
         f"{100 * advice.get('link_share', 0.0):.0f}% from the link alone",
         "",
-        f"{'hook':<12} {'MB sent/step':>12} {'predicted ms':>13} {'measured ms':>12} {'vs ' + BASELINE:>13}",
+        f"{'hook':<12} {'MB sent/step':>12} {'predicted ms':>13} {'measured ms':>12} {'vs ' + BASELINE:>13} "
+        f"{'DDP defaults ms':>16} {'vs ' + BASELINE:>13}",
     ]
     base_s = advice["baseline_s"]
     for h in m.hooks:
@@ -159,7 +165,12 @@ def format_report(m: Measurement, advice: dict) -> str:
             continue
         ratio = f"{base_s / h.measured_s:.2f}x" if h.measured_s else "-"
         measured = f"{1e3 * h.measured_s:.2f}" if h.measured_s else "-"
-        lines.append(f"{h.name:<12} {h.wire_bytes / 1e6:>12.3f} {1e3 * h.predicted_s:>13.2f} {measured:>12} {ratio:>13}")
+        defaults = f"{1e3 * h.defaults_s:.2f}" if h.defaults_s else "-"
+        dratio = f"{base_s / h.defaults_s:.2f}x" if h.defaults_s else "-"
+        lines.append(f"{h.name:<12} {h.wire_bytes / 1e6:>12.3f} {1e3 * h.predicted_s:>13.2f} {measured:>12} "
+                     f"{ratio:>13} {defaults:>16} {dratio:>13}")
+    lines.append("measured ms: DDP(model, **ddpx.hooks.ddp_options(name)), as ddpx train wraps it; DDP defaults ms: "
+                 "DDP(model) + ddpx.hooks.register(ddp, name)")
     lines.append("")
     lines += advice["lines"]
     return "\n".join(lines)
@@ -274,7 +285,13 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
             continue
         wire = int(state.stats()["wire_bytes"]) // max(1, state.stats()["steps"])
         seconds = _time_steps(step, steps, device, warmup=1)
-        m.hooks.append(HookTiming(name, wire, predict_step_s(compute_s, wire, link), seconds))
+        del ddp, state
+        # the same hook as a plain script gets it: DDP(model) (only the config's own options)
+        ddp = fresh_ddp()
+        step = _step_fn(ddp, trainer.loss_fn, batch, accumulation, True)
+        state = hooks.register(ddp, name, native=native, **_hook_options(hooks, name))
+        defaults = _time_steps(step, steps, device, warmup=2)
+        m.hooks.append(HookTiming(name, wire, predict_step_s(compute_s, wire, link), seconds, defaults_s=defaults))
         del ddp, state
     return m
 

@@ -115,12 +115,14 @@ def _hook_consistency(name: str, rank: int, world: int, native: bool) -> tuple[s
             e += p.grad / world
     model.zero_grad()
     ddp = DDP(model, bucket_cap_mb=0.1)  # several buckets, the case that breaks naive hooks
+    # check the compressed path itself, not the hook's warm-up of plain allreduce
+    warm = {"warmup_steps": 0} if "warmup_steps" in ddpx.hooks.make_state(name).options else {}
     if native:
-        state = ddpx.hooks.register(ddp, name, native=True)
+        state = ddpx.hooks.register(ddp, name, native=True, **warm)
         if not getattr(state, "native", False):
             return OK, "no native implementation here; the Python hook is used instead"
     else:
-        state, hook = ddpx.hooks.make(name)
+        state, hook = ddpx.hooks.make(name, **warm)
         ddp.register_comm_hook(state, hook)
     x, y = batches[rank]
     worst_spread, rel_err = 0.0, None

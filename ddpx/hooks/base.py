@@ -249,6 +249,9 @@ class HookState:
                 ok = isinstance(v, bool)
             elif spec.type is int:
                 ok = isinstance(v, int) and not isinstance(v, bool)
+            elif spec.type is float:
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+                v = float(v) if ok else v
             else:
                 ok = isinstance(v, spec.type)
             if not ok:

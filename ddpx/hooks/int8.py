@@ -29,25 +29,40 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .base import LossyState, Option, positive_multiple_of
-from .twophase import TwoPhaseState, all_gather_single, segment_spans
-
+from .base import LossyState, Option, non_negative, positive_multiple_of
+from .twophase import (Piece, TwoPhaseState, all_gather_single, piece_elements, piece_ranges, piece_spans,
+                       segment_spans)
 
 
 class Int8State(TwoPhaseState):
-    """Blockwise int8 with worker and server error feedback."""
+    """Blockwise int8 with worker and server error feedback.
+
+    ``piece_mb`` (default 2): a bucket is coded, sent and decoded in pieces of
+    about this many MB of fp32 gradient, pipelined (ddpx/hooks/twophase.py),
+    so DDP's default 25 MB buckets do not leave the link idle while a whole
+    bucket is quantized. A piece is the same range of whole blocks of every
+    rank's chunk of the unsplit bucket: blocks, codes, error memory and results
+    are bit-identical to ``piece_mb=0`` (no split). 2 MB: on 2 hosts at 1
+    Gbit/s with ``DDP(model)`` (benchmarks/bench_comm.py, 12 x Linear(1024,
+    1024)) no split took 162 ms/step, 1-8 MB pieces 130-150 (within the noise
+    of a shared 2-core machine of each other), against 122-155 for the tuned
+    4 MB buckets; int8 is near its link bound there (12.8 MB a step on the
+    wire: 102 ms at 1 Gbit/s).
+    """
 
     name = "int8"
     native_kind = "int8"
     options = {
         **LossyState.options,
         "block_size": Option(int, 256, positive_multiple_of(4), "elements per fp32 scale"),
+        "piece_mb": Option(float, 2.0, non_negative,
+                           "MB of fp32 gradient per pipelined piece of a bucket (0: one piece per bucket)"),
     }
     memories = ("worker_error", "server_error")
-    # A bucket is coded only once DDP has all of it: with 25 MB buckets the link
-    # idles until the second bucket (7 layers of the benchmark model) is ready and
-    # quantized. 4 MB buckets start the wire a layer after backward does
-    # (benchmarks/bench_comm.py, 1 Gbit/s: 166 -> 119 ms/step).
+    # A bucket is coded only once DDP has all of it: with 25 MB buckets the first
+    # (after the 1 MB one) waits for 6 of the benchmark model's 12 layers. 4 MB
+    # buckets start the wire a layer after backward does (benchmarks/bench_comm.py,
+    # 1 Gbit/s, before pieces: 166 -> 119 ms/step); with pieces the gap is small.
     bucket_cap_mb = 4.0
 
     def build_layout(self, lay):
@@ -56,22 +71,15 @@ class Int8State(TwoPhaseState):
         f32 = dict(dtype=torch.float32, device=dev)
         # per-rank chunk sizes: compressed elements padded to whole blocks
         lay.chunk = ops.ceil_div(ops.ceil_div(lay.n_comp, world), block) * block
-        lay.blocks = lay.chunk // block
         lay.plain_chunk = ops.ceil_div(lay.n_plain, world)
-        lay.piece = 4 * lay.plain_chunk + 4 * lay.blocks + lay.chunk  # bytes per rank message
         # where every compressed run is whole blocks: code straight from the bucket, span by span
         spans = segment_spans([(boff, n) for boff, n, _ in lay.comp_runs], lay.chunk, block)
-        lay.spans = torch.tensor(spans, dtype=torch.int64).reshape(-1, 4)  # also read by the C++ hook
         # packed compressed values (+ zero padding), when there are no spans
         lay.comp = torch.zeros(0 if spans else world * lay.chunk, **f32)
         lay.plain = torch.zeros(world * lay.plain_chunk, **f32)
         lay.reduced = torch.zeros(lay.chunk, **f32)
         lay.worker_error = torch.zeros(world * lay.chunk, **f32)
         lay.server_error = torch.zeros(world * lay.chunk, **f32)  # only this rank's chunk is used
-        lay.send = torch.zeros(world * lay.piece, dtype=torch.uint8, device=dev)
-        lay.recv = torch.zeros_like(lay.send)
-        lay.send2 = torch.zeros(lay.piece, dtype=torch.uint8, device=dev)
-        lay.recv2 = torch.zeros_like(lay.send)
         for key, p, poff in zip(lay.keys, lay.params, lay.param_packed_offset):
             if poff is not None:
                 self.adopt("worker_error", key, lay.worker_error.narrow(0, poff, p.numel()))
@@ -81,63 +89,84 @@ class Int8State(TwoPhaseState):
         keep = lay.server_error[own].clone()
         lay.server_error.zero_()
         lay.server_error[own] = keep
+        # pieces: the same block range [base, base + chunk) of every rank's chunk; the
+        # first piece also carries the exempt values. Each has its own messages, so
+        # pieces in flight do not share buffers.
+        ranges = piece_ranges(lay.chunk, piece_elements(self.piece_mb, world, block))
+        lay.pieces = []
+        for j, (base, n) in enumerate(ranges):
+            plain_chunk = lay.plain_chunk if j == 0 else 0
+            piece = 4 * plain_chunk + 4 * (n // block) + n  # bytes per rank message
+            pc = Piece(j, len(ranges), base=base, chunk=n, blocks=n // block, plain_chunk=plain_chunk,
+                       piece=piece, stride=lay.chunk,
+                       spans=torch.tensor(piece_spans(spans, base, n), dtype=torch.int64).reshape(-1, 4),
+                       reduced=lay.reduced.narrow(0, base, n),
+                       send=torch.zeros(world * piece, dtype=torch.uint8, device=dev),
+                       recv=torch.zeros(world * piece, dtype=torch.uint8, device=dev),
+                       send2=torch.zeros(piece, dtype=torch.uint8, device=dev),
+                       recv2=torch.zeros(world * piece, dtype=torch.uint8, device=dev))
+            lay.pieces.append(pc)
+        lay.spans = torch.tensor(spans, dtype=torch.int64).reshape(-1, 4)
 
-    def _views(self, lay, rows):
+    def _views(self, pc, rows):
         """(plain fp32 [R, e], scales fp32 [R, b], q int8 [R, c]) views of a [R * piece] byte buffer."""
-        m = rows.view(-1, lay.piece)
-        e4, b4 = 4 * lay.plain_chunk, 4 * lay.blocks
+        m = rows.view(-1, pc.piece)
+        e4, b4 = 4 * pc.plain_chunk, 4 * pc.blocks
         plain = m[:, :e4].view(torch.float32)
         scales = m[:, e4:e4 + b4].view(torch.float32)
         q = m[:, e4 + b4:].view(torch.int8)
         return plain, scales, q
 
-    def start_phase1(self, buf, lay):
-        """Phase 1: quantize each destination's chunk into its piece; start the exchange."""
+    def start_phase1(self, buf, lay, pc):
+        """Phase 1: quantize each destination's chunk of the piece; start the exchange."""
         world, block = self.world_size, self.block_size
-        c = lay.chunk
-        ops.flatten(lay.runs(buf, False), out=lay.plain)
-        plain, scales, q = self._views(lay, lay.send)
-        plain.copy_(lay.plain.view(world, lay.plain_chunk))
+        s, c = pc.stride, pc.chunk
+        plain, scales, q = self._views(pc, pc.send)
+        if pc.first:
+            ops.flatten(lay.runs(buf, False), out=lay.plain)
+            plain.copy_(lay.plain.view(world, lay.plain_chunk))
+            if not lay.spans.numel():
+                ops.flatten(lay.runs(buf, True), out=lay.comp)
         if lay.spans.numel():
-            for r, boff, n, soff in lay.spans.tolist():
-                ops.int8_quantize(buf.narrow(0, boff, n), block, lay.worker_error.narrow(0, r * c + soff, n),
+            for r, boff, n, soff in pc.spans.tolist():
+                ops.int8_quantize(buf.narrow(0, boff, n), block, lay.worker_error.narrow(0, r * s + pc.base + soff, n),
                                   out_q=q[r, soff:soff + n], out_scales=scales[r, soff // block:(soff + n) // block])
         else:
-            ops.flatten(lay.runs(buf, True), out=lay.comp)
             for r in range(world):
-                ops.int8_quantize(lay.comp.narrow(0, r * c, c), block, lay.worker_error.narrow(0, r * c, c),
-                                  out_q=q[r], out_scales=scales[r])
-        return dist.all_to_all_single(lay.recv, lay.send, group=self.worker_group, async_op=True)
+                ops.int8_quantize(lay.comp.narrow(0, r * s + pc.base, c), block,
+                                  lay.worker_error.narrow(0, r * s + pc.base, c), out_q=q[r], out_scales=scales[r])
+        return dist.all_to_all_single(pc.recv, pc.send, group=self.worker_group, async_op=True)
 
-    def start_phase2(self, buf, lay, exchange):
-        """Average this rank's chunk in fp32, server error feedback, requantize, start the all-gather."""
+    def start_phase2(self, buf, lay, pc, exchange):
+        """Average this rank's chunk of the piece in fp32, server error feedback, requantize, start the all-gather."""
         world, rank, block = self.world_size, self.rank, self.block_size
-        c = lay.chunk
         exchange.wait()
-        plain, scales, q = self._views(lay, lay.recv)
-        plain2, scales2, q2 = self._views(lay, lay.send2)
+        plain, scales, q = self._views(pc, pc.recv)
+        plain2, scales2, q2 = self._views(pc, pc.send2)
         torch.sum(plain, dim=0, out=plain2[0]).mul_(1.0 / world)
-        ops.int8_dequant_accumulate_(lay.reduced, q, scales, block, 1.0 / world)
-        ops.int8_quantize(lay.reduced, block, lay.server_error.narrow(0, rank * c, c),
+        ops.int8_dequant_accumulate_(pc.reduced, q, scales, block, 1.0 / world)
+        ops.int8_quantize(pc.reduced, block, lay.server_error.narrow(0, rank * pc.stride + pc.base, pc.chunk),
                           out_q=q2[0], out_scales=scales2[0])
-        return all_gather_single(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
+        return all_gather_single(pc.recv2, pc.send2, group=self.worker_group, async_op=True)
 
-    def finish(self, buf, lay, gather):
-        """Dequantize every averaged chunk into the bucket."""
+    def finish(self, buf, lay, pc, gather):
+        """Dequantize every averaged chunk of the piece into the bucket."""
         world, block = self.world_size, self.block_size
-        c = lay.chunk
+        s, c = pc.stride, pc.chunk
         gather.wait()
-        plain, scales, q = self._views(lay, lay.recv2)
+        plain, scales, q = self._views(pc, pc.recv2)
         if lay.spans.numel():
-            for r, boff, n, soff in lay.spans.tolist():
+            for r, boff, n, soff in pc.spans.tolist():
                 ops.int8_dequant_accumulate_(buf.narrow(0, boff, n), q[r, soff:soff + n],
                                              scales[r, soff // block:(soff + n) // block], block)
         else:
             for r in range(world):
-                ops.int8_dequant_accumulate_(lay.comp.narrow(0, r * c, c), q[r], scales[r], block)
-            ops.unflatten_(lay.comp, lay.runs(buf, True))
-        lay.plain.view(world, lay.plain_chunk).copy_(plain)
-        ops.unflatten_(lay.plain, lay.runs(buf, False))
+                ops.int8_dequant_accumulate_(lay.comp.narrow(0, r * s + pc.base, c), q[r], scales[r], block)
+            if pc.last:
+                ops.unflatten_(lay.comp, lay.runs(buf, True))
+        if pc.first:
+            lay.plain.view(world, lay.plain_chunk).copy_(plain)
+            ops.unflatten_(lay.plain, lay.runs(buf, False))
 
 
 HOOKS = {"int8": Int8State}

@@ -30,13 +30,40 @@ about 6x the gradient's norm at 32 elements, 20x at 256, 50x at 2048) and the
 later large gradients arrive. Chunks of 32-128 train like fp32 allreduce on
 the digits MLP (SGD momentum 0.9, 30 epochs); 256 and above lost 1-25 points.
 
-Warm-up. ``warmup_steps`` runs plain fp32 allreduce for the first N steps.
-Error feedback repays the compression error over later steps, so 1-bit hurts
-most early in training from scratch and with momentum optimizers, whose state
-integrates the error first (DeepSpeed's 1-bit Adam always warms up: its
-``freeze_step``). Use a few hundred steps there if the early loss lags fp32;
-on the digits MLP (SGD momentum 0.9, or Adam) the default chunk size needed
-none, hence the default of 0.
+Defaults for accuracy: ``warmup_steps`` 100 and ``min_numel`` 16384 (other
+lossy hooks: 0 and 1024), chosen on the convergence matrix of
+benchmarks/bench_convergence.py (digits, 2 ranks, DDP(model) + register, an MLP
+and a CNN with BatchNorm, SGD momentum 0.9 and Adam, batch 16 and 128 per rank,
+3 and 12 epochs; docs/comm_hooks.md). With the old defaults (no warm-up,
+min_numel 1024) 1-bit lost up to 14.5 points (MLP, SGD, batch 16, 3 epochs),
+10.9 (CNN, SGD, same), 5-7 in three more cells. A warm-up alone did not fix it:
+on the MLP with SGD momentum 0.9 (lr 0.05, batch 16) 1-bit destabilised the run
+for a few hundred steps whenever compression started (test accuracy dipping to
+53-80 %), so every count left a run length that ended in the dip (12 epochs:
+-17.3 points at 300 warm-up steps, -5.6 at 150, -3.6 at 200; 3 epochs: -16.2 at
+100). Smaller chunks (32, 64) did not shorten the dip. What did was leaving
+the small matrices out: the MLP's 64x128 input and 128x10 output layers (8192
+and 1280 elements) are where one sign per element hurt; with them exempt (any
+``min_numel`` above 8192) the dip was gone and every cell stayed within 1.5
+points at 0.5-0.6 worst with 100 or 200 warm-up steps (5.0 with none: 18
+steps of Adam at batch 128). A matrix under 16384 elements is at most 64 KB
+of fp32 a step, nothing on the wire of a model whose communication matters
+(the benchmark model's matrices have 1M elements). The 100 warm-up steps
+cover the runs too short for error feedback to repay the error (18-72 step
+cells); a fraction of the first epoch cannot be known to a hook, and a count
+driven by the error memory's norm would need every rank to agree on that norm
+each step (an extra collective). Pass ``warmup_steps=0, min_numel=1024`` for
+the old behaviour.
+
+Pieces: a bucket is coded, sent and decoded in pieces of about ``piece_mb``
+(default 16) MB of fp32 gradient, pipelined (ddpx/hooks/twophase.py); a piece
+is the same range of whole chunks of every rank's segment of the unsplit
+bucket, so the results are bit-identical to ``piece_mb=0``. 16 MB (a 25 MB
+bucket goes in 2 pieces): at 1/26 of fp32 a piece is short on the wire, so
+each piece's two collectives cost more in latency than the overlap wins back.
+On 2 hosts at 1 Gbit/s with ``DDP(model)`` (benchmarks/bench_comm.py, the 12 x
+Linear(1024, 1024) model) 4 MB pieces took 80 ms/step, 8 MB 61, 12-16 MB
+56-63, no split 56-58 (runs on a shared 2-core machine: +-10 %).
 """
 
 from __future__ import annotations
@@ -47,9 +74,9 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .base import LossyState, Option, positive_multiple_of
-from .twophase import TwoPhaseState, all_gather_single, segment_spans
-
+from .base import LossyState, Option, non_negative, positive_multiple_of
+from .twophase import (Piece, TwoPhaseState, all_gather_single, piece_elements, piece_ranges, piece_spans,
+                       segment_spans)
 
 
 class OnebitState(TwoPhaseState):
@@ -59,7 +86,13 @@ class OnebitState(TwoPhaseState):
     native_kind = "onebit"
     options = {
         **LossyState.options,
+        "warmup_steps": Option(int, 100, non_negative,
+                               "iterations of plain fp32 allreduce before compression starts (see the docstring)"),
+        "min_numel": Option(int, 16384, non_negative,
+                            "parameters with fewer elements are sent uncompressed (see the docstring)"),
         "chunk_size": Option(int, 128, positive_multiple_of(8), "elements per fp32 scale"),
+        "piece_mb": Option(float, 16.0, non_negative,
+                           "MB of fp32 gradient per pipelined piece of a bucket (0: one piece per bucket)"),
     }
     memories = ("worker_error", "server_error")
 
@@ -90,9 +123,7 @@ class OnebitState(TwoPhaseState):
         align = chunk * 32 // math.gcd(chunk, 32)
         lay.seg = ops.ceil_div(ops.ceil_div(lay.n_comp, world), align) * align
         lay.lengths = [max(0, min(lay.seg, lay.n_comp - r * lay.seg)) for r in range(world)]
-        lay.chunks = lay.seg // chunk
         lay.plain_chunk = ops.ceil_div(lay.n_plain, world)
-        lay.piece = 4 * lay.plain_chunk + 4 * lay.chunks + lay.seg // 8  # bytes per rank message
         # Otherwise, when every compressed parameter is a whole number of chunks, each
         # (segment, parameter) overlap is whole chunks too: pack straight from and finish
         # straight into the bucket, span by span (rank, bucket offset, numel, segment
@@ -104,10 +135,21 @@ class OnebitState(TwoPhaseState):
         lay.plain = torch.zeros(world * lay.plain_chunk, **f32)
         lay.worker_error = torch.zeros(world * lay.seg, **f32)
         lay.server_error = torch.zeros(world * lay.seg, **f32)  # only this rank's segment is used
-        lay.send = torch.zeros(world * lay.piece, dtype=torch.uint8, device=dev)
-        lay.recv = torch.zeros_like(lay.send)
-        lay.send2 = torch.zeros(lay.piece, dtype=torch.uint8, device=dev)
-        lay.recv2 = torch.zeros_like(lay.send)
+        # pieces: the same chunk range [base, base + seg) of every rank's segment; the
+        # first piece also carries the exempt values; each has its own messages
+        ranges = piece_ranges(lay.seg, piece_elements(self.piece_mb, world, align))
+        lay.pieces = []
+        for j, (base, n) in enumerate(ranges):
+            plain_chunk = lay.plain_chunk if j == 0 else 0
+            piece = 4 * plain_chunk + 4 * (n // chunk) + n // 8  # bytes per rank message
+            lay.pieces.append(Piece(
+                j, len(ranges), base=base, seg=n, chunks=n // chunk, plain_chunk=plain_chunk, piece=piece,
+                stride=lay.seg, lengths=[max(0, min(n, m - base)) for m in lay.lengths],
+                spans=torch.tensor(piece_spans(spans, base, n), dtype=torch.int64).reshape(-1, 4),
+                send=torch.zeros(world * piece, dtype=torch.uint8, device=dev),
+                recv=torch.zeros(world * piece, dtype=torch.uint8, device=dev),
+                send2=torch.zeros(piece, dtype=torch.uint8, device=dev),
+                recv2=torch.zeros(world * piece, dtype=torch.uint8, device=dev)))
         packed = 0
         for i in order:
             n = lay.params[i].numel()
@@ -120,11 +162,11 @@ class OnebitState(TwoPhaseState):
         lay.server_error.zero_()
         lay.server_error[own] = keep
 
-    def _views(self, lay, rows, m):
+    def _views(self, pc, rows, m):
         """(plain fp32 [R, e], scales fp32 [R, ceil(m/chunk)], bits uint8 [R, ceil(m/8)]) views of a
         [R * piece] byte buffer whose rows hold segments of m compressed elements."""
-        rows = rows.view(-1, lay.piece)
-        e4, b4 = 4 * lay.plain_chunk, 4 * lay.chunks
+        rows = rows.view(-1, pc.piece)
+        e4, b4 = 4 * pc.plain_chunk, 4 * pc.chunks
         plain = rows[:, :e4].view(torch.float32)
         scales = rows[:, e4:e4 + 4 * ops.ceil_div(m, self.chunk_size)].view(torch.float32)
         bits = rows[:, e4 + b4:e4 + b4 + ops.ceil_div(m, 8)]
@@ -141,57 +183,60 @@ class OnebitState(TwoPhaseState):
             return None, None
         return lay.comp, [buf.narrow(0, off, n) for off, n in lay.comp_order.tolist()]
 
-    def start_phase1(self, buf, lay):
-        """Phase 1: pack each destination's segment into its piece; start the exchange."""
-        world, chunk, s = self.world_size, self.chunk_size, lay.seg
+    def start_phase1(self, buf, lay, pc):
+        """Phase 1: pack each destination's segment of the piece; start the exchange."""
+        world, chunk, s = self.world_size, self.chunk_size, pc.stride
         comp_buf, comp = self._compressed(buf, lay)
-        if comp is not None:
-            ops.flatten(comp, out=comp_buf)
-        ops.flatten(lay.runs(buf, False), out=lay.plain)
-        self._views(lay, lay.send, 0)[0].copy_(lay.plain.view(world, -1))
+        if pc.first:
+            if comp is not None:
+                ops.flatten(comp, out=comp_buf)
+            ops.flatten(lay.runs(buf, False), out=lay.plain)
+            self._views(pc, pc.send, 0)[0].copy_(lay.plain.view(world, -1))
         if comp_buf is None:
-            for r, boff, n, soff in lay.spans.tolist():
-                _, scales, bits = self._views(lay, lay.send, lay.lengths[r])
-                ops.onebit_pack(buf.narrow(0, boff, n), chunk, lay.worker_error.narrow(0, r * s + soff, n),
+            for r, boff, n, soff in pc.spans.tolist():
+                _, scales, bits = self._views(pc, pc.send, pc.lengths[r])
+                ops.onebit_pack(buf.narrow(0, boff, n), chunk, lay.worker_error.narrow(0, r * s + pc.base + soff, n),
                                 out_bits=bits[r, soff // 8:(soff + n) // 8],
                                 out_scales=scales[r, soff // chunk:(soff + n) // chunk])
         else:
-            for r, m in enumerate(lay.lengths):
-                _, scales, bits = self._views(lay, lay.send, m)
-                ops.onebit_pack(comp_buf.narrow(0, r * s, m), chunk, lay.worker_error.narrow(0, r * s, m),
-                                out_bits=bits[r], out_scales=scales[r])
-        return dist.all_to_all_single(lay.recv, lay.send, group=self.worker_group, async_op=True)
+            for r, m in enumerate(pc.lengths):
+                _, scales, bits = self._views(pc, pc.send, m)
+                ops.onebit_pack(comp_buf.narrow(0, r * s + pc.base, m), chunk,
+                                lay.worker_error.narrow(0, r * s + pc.base, m), out_bits=bits[r], out_scales=scales[r])
+        return dist.all_to_all_single(pc.recv, pc.send, group=self.worker_group, async_op=True)
 
-    def start_phase2(self, buf, lay, exchange):
-        """Average this rank's segment in fp32, server error feedback, re-pack, start the all-gather."""
+    def start_phase2(self, buf, lay, pc, exchange):
+        """Average this rank's segment of the piece in fp32, server error feedback, re-pack, start the all-gather."""
         world, rank, chunk = self.world_size, self.rank, self.chunk_size
         exchange.wait()
-        m = lay.lengths[rank]
-        plain, scales, bits = self._views(lay, lay.recv, m)
-        plain2, scales2, bits2 = self._views(lay, lay.send2, m)
+        m = pc.lengths[rank]
+        plain, scales, bits = self._views(pc, pc.recv, m)
+        plain2, scales2, bits2 = self._views(pc, pc.send2, m)
         torch.sum(plain, dim=0, out=plain2[0]).mul_(1.0 / world)
-        ops.onebit_average_repack(bits, scales, chunk, 1.0 / world, lay.server_error.narrow(0, rank * lay.seg, m),
+        ops.onebit_average_repack(bits, scales, chunk, 1.0 / world,
+                                  lay.server_error.narrow(0, rank * pc.stride + pc.base, m),
                                   out_bits=bits2[0], out_scales=scales2[0])
-        return all_gather_single(lay.recv2, lay.send2, group=self.worker_group, async_op=True)
+        return all_gather_single(pc.recv2, pc.send2, group=self.worker_group, async_op=True)
 
-    def finish(self, buf, lay, gather):
-        """Unpack every averaged segment into the bucket."""
-        world, chunk, s = self.world_size, self.chunk_size, lay.seg
+    def finish(self, buf, lay, pc, gather):
+        """Unpack every averaged segment of the piece into the bucket."""
+        world, chunk, s = self.world_size, self.chunk_size, pc.stride
         comp_buf, comp = self._compressed(buf, lay)
         gather.wait()
         if comp_buf is None:
-            for r, boff, n, soff in lay.spans.tolist():
-                _, scales, bits = self._views(lay, lay.recv2, lay.lengths[r])
+            for r, boff, n, soff in pc.spans.tolist():
+                _, scales, bits = self._views(pc, pc.recv2, pc.lengths[r])
                 ops.onebit_unpack_accumulate_(buf.narrow(0, boff, n), bits[r, soff // 8:(soff + n) // 8],
                                               scales[r, soff // chunk:(soff + n) // chunk], chunk)
         else:
-            for r, m in enumerate(lay.lengths):
-                _, scales, bits = self._views(lay, lay.recv2, m)
-                ops.onebit_unpack_accumulate_(comp_buf.narrow(0, r * s, m), bits[r], scales[r], chunk)
-        lay.plain.view(world, -1).copy_(self._views(lay, lay.recv2, 0)[0])
-        if comp is not None:
+            for r, m in enumerate(pc.lengths):
+                _, scales, bits = self._views(pc, pc.recv2, m)
+                ops.onebit_unpack_accumulate_(comp_buf.narrow(0, r * s + pc.base, m), bits[r], scales[r], chunk)
+        if pc.first:
+            lay.plain.view(world, -1).copy_(self._views(pc, pc.recv2, 0)[0])
+            ops.unflatten_(lay.plain, lay.runs(buf, False))
+        if pc.last and comp is not None:
             ops.unflatten_(comp_buf, comp)
-        ops.unflatten_(lay.plain, lay.runs(buf, False))
 
 
 HOOKS = {"onebit": OnebitState}

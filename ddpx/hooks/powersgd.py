@@ -33,8 +33,29 @@ fp32 elements instead of n m.
 
 Options: ``rank`` (the approximation rank r), ``warmup_steps`` (plain
 allreduce first, torch's ``start_powerSGD_iter``), ``min_numel`` (smaller
-matrices travel uncompressed), ``seed``. The native C++ twin
+matrices travel uncompressed), ``seed``, ``piece_mb``. The native C++ twin
 (csrc/hooks/powersgd.cpp) runs the same ATen calls on the same layout.
+
+Warm-up: a fixed count, 100 steps by default (torch's hook defaults to 1000
+and advises about 10 % of training). On the convergence matrix of
+benchmarks/bench_convergence.py (docs/comm_hooks.md) PowerSGD without warm-up
+lost up to 10.9 points where a run has few steps or Adam meets a rank-4
+gradient early (MLP, Adam, batch 128, 18 steps: -10.9; CNN, Adam, batch 128,
+72 steps: -10.0; 2.5-3.6 in four more cells); with 100 steps every cell stayed
+within 1.5 points (worst -1.4), as with 200. Pass ``warmup_steps=0`` to
+compress from the first step.
+
+Pieces: a bucket is handled in pieces of whole matrices of about ``piece_mb``
+(default 16) MB of gradient, pipelined across the pieces (ddpx/hooks/twophase.py):
+P of the next piece is computed while this piece's P is reduced, and so on. A
+matrix's P and Q need all of it, so a piece never cuts a matrix. 16 MB: the
+P and Q messages are tiny (r (n + m) values per matrix), so every piece's two
+collectives are latency, not bandwidth; one matrix (4 MB) per piece took 98
+ms/step on the benchmark model with ``DDP(model)`` (2 hosts, 1 Gbit/s), 16 MB
+or no split 63-66 (runs on a shared 2-core machine: +-10 % and worse). Per matrix
+the arithmetic is the unsplit hook's; only the allreduces are per piece, which
+is bit-identical with 2 ranks and may differ in the last bits with more (the
+ring adds an element's copies in an order that depends on the buffer length).
 """
 
 from __future__ import annotations
@@ -44,7 +65,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .base import HookState, LossyState, Option, non_negative, ring_allreduce_bytes
-from .twophase import TwoPhaseState
+from .twophase import Piece, TwoPhaseState
 
 
 def _matrix_shape(p: torch.Tensor) -> tuple[int, int]:
@@ -58,9 +79,12 @@ class PowerSGDState(TwoPhaseState):
     native_kind = "powersgd"
     options = {
         "rank": Option(int, 4, lambda v: None if v >= 1 else "must be >= 1", "approximation rank r"),
-        "warmup_steps": LossyState.options["warmup_steps"],
+        "warmup_steps": Option(int, 100, non_negative,
+                               "iterations of plain fp32 allreduce before compression starts (see the docstring)"),
         "min_numel": LossyState.options["min_numel"],
         "seed": Option(int, 0, non_negative, "seed of the initial Q (identical on every rank)"),
+        "piece_mb": Option(float, 16.0, non_negative,
+                           "MB of fp32 gradient (whole matrices) per pipelined piece of a bucket (0: one piece)"),
     }
     memories = ("error", "q", "p")  # error: the last step's M (see above); p: its P
 
@@ -112,6 +136,24 @@ class PowerSGDState(TwoPhaseState):
             self.adopt("q", key, q)
             if not q.any():  # new parameter, or memory reset: start from the seeded draw
                 self._draw_q(key, q)
+        # pieces: runs of consecutive matrices of about piece_mb of gradient; each
+        # allreduces its own stretch of pbuf (the first also the exempt values) and of q
+        groups, limit = [[]], self.piece_mb * (1 << 20) / 4
+        for row in mats:
+            if groups[-1] and limit > 0 and sum(x[2] * x[3] for x in groups[-1]) >= limit:
+                groups.append([])
+            groups[-1].append(row)
+        lay.pieces = []
+        for j, group in enumerate(groups):
+            p0 = group[0][5] if group else 0
+            q0 = group[0][6] if group else 0
+            p_len = sum(x[2] * x[4] for x in group)
+            q_len = sum(x[3] * x[4] for x in group)
+            lay.pieces.append(Piece(
+                j, len(groups), matrices=torch.tensor(group, dtype=torch.int64).reshape(-1, 8),
+                pbuf=lay.pbuf.narrow(0, 0, lay.n_plain + p_len) if j == 0 else lay.pbuf.narrow(0, lay.n_plain + p0,
+                                                                                                 p_len),
+                q=lay.q.narrow(0, q0, q_len)))
 
     def _draw_q(self, key: int, q: torch.Tensor) -> None:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
@@ -130,44 +172,47 @@ class PowerSGDState(TwoPhaseState):
 
     def wire_bytes(self, lay) -> int:
         world = self.world_size
-        return ring_allreduce_bytes(4 * lay.pbuf.numel(), world) + ring_allreduce_bytes(4 * lay.q.numel(), world)
+        return sum(ring_allreduce_bytes(4 * pc.pbuf.numel(), world) + ring_allreduce_bytes(4 * pc.q.numel(), world)
+                   for pc in lay.pieces)
 
-    def _matrices(self, buf, lay):
-        """(key, gradient, error, P, previous P, Q, Q^T scratch) views for every compressed matrix of the bucket."""
+    def _matrices(self, buf, lay, pc):
+        """(key, gradient, error, P, previous P, Q, Q^T scratch) views for every compressed matrix of the piece."""
         out = []
-        for key, off, n, m, r, p_off, q_off, poff in lay.matrices.tolist():
+        for key, off, n, m, r, p_off, q_off, poff in pc.matrices.tolist():
             out.append((key, buf.narrow(0, off, n * m).view(n, m), lay.error.narrow(0, poff, n * m).view(n, m),
                         lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r),
                         lay.p_prev.narrow(0, p_off, n * r).view(n, r),
                         lay.q.narrow(0, q_off, m * r).view(m, r), lay.qt.narrow(0, 0, m * r).view(r, m)))
         return out
 
-    def start_phase1(self, buf, lay):
-        """M = G + error feedback, P = M Q for every matrix, with the exempt values, in one allreduce."""
-        ops.flatten(lay.runs(buf, False), 1.0 / self.world_size, out=lay.pbuf)
-        for key, grad, error, p, p_prev, q, qt in self._matrices(buf, lay):
+    def start_phase1(self, buf, lay, pc):
+        """M = G + error feedback, P = M Q for every matrix of the piece (with the exempt values
+        in the first piece), in one allreduce."""
+        if pc.first:
+            ops.flatten(lay.runs(buf, False), 1.0 / self.world_size, out=lay.pbuf.narrow(0, 0, lay.n_plain))
+        for key, grad, error, p, p_prev, q, qt in self._matrices(buf, lay, pc):
             qt.copy_(q.t())
             ops.lowrank_project_(grad, error, p_prev, qt, p)  # error = (G + error) - P' Q'^T = M; P = M Q
-        return dist.all_reduce(lay.pbuf, group=self.worker_group, async_op=True)
+        return dist.all_reduce(pc.pbuf, group=self.worker_group, async_op=True)
 
-    def start_phase2(self, buf, lay, reduce_p):
-        """Orthogonalize every P, Q = M^T P, all in one allreduce."""
+    def start_phase2(self, buf, lay, pc, reduce_p):
+        """Orthogonalize every P of the piece, Q = M^T P, all in one allreduce."""
         reduce_p.wait()
-        lay.finite = []
-        for key, grad, error, p, p_prev, q, qt in self._matrices(buf, lay):
+        pc.finite = []
+        for key, grad, error, p, p_prev, q, qt in self._matrices(buf, lay, pc):
             ok = bool(torch.isfinite(p).all())  # p is identical on every rank: so is the decision
-            lay.finite.append(ok)
+            pc.finite.append(ok)
             if ok:
                 p.copy_(torch.linalg.qr(p).Q)
             ops.lowrank_transpose_project_(error, p, qt)  # Q^T = P^T M, reading M row by row
             q.copy_(qt.t())
-        return dist.all_reduce(lay.q, group=self.worker_group, async_op=True)
+        return dist.all_reduce(pc.q, group=self.worker_group, async_op=True)
 
-    def finish(self, buf, lay, reduce_q):
+    def finish(self, buf, lay, pc, reduce_q):
         """P Q^T into the bucket, P kept for the next step; the exempt values back into the bucket."""
         reduce_q.wait()
-        lay.q.mul_(1.0 / self.world_size)
-        for ok, (key, grad, error, p, p_prev, q, qt) in zip(lay.finite, self._matrices(buf, lay)):
+        pc.q.mul_(1.0 / self.world_size)
+        for ok, (key, grad, error, p, p_prev, q, qt) in zip(pc.finite, self._matrices(buf, lay, pc)):
             if ok:
                 qt.copy_(q.t())
                 ops.lowrank_reconstruct_(grad, p, qt)
@@ -177,7 +222,8 @@ class PowerSGDState(TwoPhaseState):
                 p_prev.zero_()
                 grad.fill_(float("nan"))
                 self._draw_q(key, q)
-        ops.unflatten_(lay.pbuf, lay.runs(buf, False))
+        if pc.first:
+            ops.unflatten_(lay.pbuf.narrow(0, 0, lay.n_plain), lay.runs(buf, False))
 
 
 HOOKS = {"powersgd": PowerSGDState}

@@ -15,6 +15,19 @@ the link idle while it computes. The worker job of bucket i therefore
 and the last bucket's job also advances it and finishes everything left. Every
 rank starts the collectives in one order: C1 0, C1 1, C2 0, C1 2, C2 1, ...,
 C2 last (the C++ twin: ``TwoPhaseAlgorithm`` in csrc/hooks/native_hook.h).
+
+Pieces. A bucket is coded only once DDP hands all of it over, and DDP's default
+buckets are 25 MB: unsplit, the link idles while such a bucket is coded and the
+CPU idles while it is on the wire. Each layout is therefore cut into pieces of
+about ``piece_mb`` of fp32 gradient (``layout.pieces``, built by the hook's
+``build_layout``) and the pipeline above runs piece by piece, across the pieces
+of a bucket and on into the next bucket: piece i+1 is coded while piece i is on
+the wire, and pieces are decoded as they arrive. The bucket's future completes
+with its last piece. What a piece is depends on the algorithm: for int8 and
+onebit, the same range of blocks (chunks) of every rank's segment of the
+unsplit bucket, so the blocks, codes and error memory are the unsplit hook's
+and the results are bit-identical to it; for powersgd, a run of the bucket's
+matrices (see its docstring).
 """
 
 from __future__ import annotations
@@ -47,6 +60,46 @@ def segment_spans(slices, seg: int, unit: int) -> list:
     return spans
 
 
+def piece_elements(piece_mb: float, world: int, unit: int) -> int:
+    """Elements of each rank's segment per piece: ``piece_mb`` of fp32 gradient over
+    all ranks, in whole ``unit``s (at least one); 0 for ``piece_mb == 0`` (no split)."""
+    if piece_mb <= 0:
+        return 0
+    per_rank = int(piece_mb * (1 << 20)) // 4 // world
+    return max(1, per_rank // unit) * unit
+
+
+def piece_ranges(seg: int, length: int) -> list:
+    """``[(start, numel)]`` cutting a segment of ``seg`` elements into pieces of
+    ``length`` (the last may be shorter); one piece when ``length`` is 0 or the
+    segment is empty or short."""
+    if length <= 0 or seg <= length:
+        return [(0, seg)]
+    return [(a, min(length, seg - a)) for a in range(0, seg, length)]
+
+
+def piece_spans(spans: list, start: int, numel: int) -> list:
+    """The spans ``(rank, bucket offset, numel, segment offset)`` restricted to segment
+    offsets [start, start + numel), with segment offsets relative to ``start``."""
+    out = []
+    for r, boff, n, soff in spans:
+        lo, hi = max(soff, start), min(soff + n, start + numel)
+        if lo < hi:
+            out.append((r, boff + lo - soff, hi - lo, lo - start))
+    return out
+
+
+class Piece:
+    """One piece of a bucket layout (see the module docstring): plain attributes
+    (ints and tensors) that the phase functions read, and the C++ hook too."""
+
+    def __init__(self, index: int, count: int, **attrs):
+        self.index = index
+        self.first = int(index == 0)
+        self.last = int(index == count - 1)
+        self.__dict__.update(attrs)
+
+
 class TwoPhaseState(LossyState):
     multi_phase = True
 
@@ -55,22 +108,22 @@ class TwoPhaseState(LossyState):
         self._advancing = None  # the job whose second collective the next job starts
         self._finishing: list = []  # jobs whose second collective is in flight
 
-    def start_phase1(self, buf, lay):
-        """Code the bucket; return its first collective, started."""
+    def start_phase1(self, buf, lay, pc):
+        """Code piece `pc` of the bucket; return its first collective, started."""
         raise NotImplementedError
 
-    def start_phase2(self, buf, lay, first):
-        """Wait for the first collective, compute; return the second, started."""
+    def start_phase2(self, buf, lay, pc, first):
+        """Wait for the piece's first collective, compute; return the second, started."""
         raise NotImplementedError
 
-    def finish(self, buf, lay, second):
-        """Wait for the second collective, write the result into the bucket."""
+    def finish(self, buf, lay, pc, second):
+        """Wait for the piece's second collective, write its result into the bucket."""
         raise NotImplementedError
 
     def wire_bytes(self, lay) -> int:
         """Bytes this rank sends per step for the bucket (``stats()``); the all-to-all
-        + all-gather hooks send (R-1)/R of their R-piece message twice."""
-        return 2 * (self.world_size - 1) * lay.piece
+        + all-gather hooks send (R-1)/R of each piece's R-row message twice."""
+        return sum(2 * (self.world_size - 1) * pc.piece for pc in lay.pieces)
 
     def run_bucket(self, bucket):
         if self.warming_up():
@@ -82,33 +135,45 @@ class TwoPhaseState(LossyState):
         return self.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
 
     def _pipeline(self, buf, lay, last, fut):
-        """The worker job of one bucket (see the module docstring). A job is
-        [buf, layout, pending collective, future]; a failure completes that
-        bucket's future with the exception (it surfaces in loss.backward())."""
+        """The worker job of one bucket: its pieces, one pipeline step each."""
+        for pc in lay.pieces:
+            self._step([buf, lay, pc, None, fut], last and pc.last)
+
+    @staticmethod
+    def _fail(job, exc):
+        if not job[4].done():
+            job[4].set_exception(exc)
+
+    def _step(self, started, last):
+        """One pipeline step (see the module docstring). A job is [buf, layout, piece,
+        pending collective, the bucket's future]; a failure completes the bucket's
+        future with the exception (it surfaces in loss.backward()); the last piece's
+        success completes it with the bucket."""
         advancing, self._advancing = self._advancing, None
         finishing, self._finishing = self._finishing, []
         try:
-            started = [buf, lay, self.start_phase1(buf, lay), fut]
+            started[3] = self.start_phase1(started[0], started[1], started[2])
         except BaseException as exc:
             for job in ([advancing] if advancing else []) + finishing:
-                job[3].set_exception(exc)
+                self._fail(job, exc)
             raise
         for job in ([advancing] if advancing else []) + ([started] if last else []):
             try:
-                job[2] = self.start_phase2(job[0], job[1], job[2])
+                job[3] = self.start_phase2(job[0], job[1], job[2], job[3])
             except BaseException as exc:
-                job[3].set_exception(exc)
+                self._fail(job, exc)
             else:
                 finishing.append(job)
         if not last:
             self._advancing = started
-        keep = 0 if last else 1  # the second collective just started is finished by the next job
+        keep = 0 if last else 1  # the second collective just started is finished by the next step
         while len(finishing) > keep:
-            job_buf, job_lay, second, job_fut = finishing.pop(0)
+            job = finishing.pop(0)
             try:
-                self.finish(job_buf, job_lay, second)
+                self.finish(job[0], job[1], job[2], job[3])
             except BaseException as exc:
-                job_fut.set_exception(exc)
+                self._fail(job, exc)
             else:
-                job_fut.set_result(job_buf)
+                if job[2].last and not job[4].done():
+                    job[4].set_result(job[0])
         self._finishing = finishing
