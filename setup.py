@@ -10,7 +10,7 @@ Layout of ``csrc/`` (one small file per concern):
     csrc/cpu/*.cpp           CPU kernels (TORCH_LIBRARY_IMPL(ddpx, CPU))
     csrc/cuda/*.cu           plain-CUDA kernels (no torch headers: nvcc-checkable)
     csrc/cuda/*_glue.cpp     CUDA registration (TORCH_LIBRARY_IMPL(ddpx, CUDA))
-    csrc/hooks/*.cpp         native DDP comm hooks (c10d::CppCommHookInterface)
+    csrc/comm_hooks/*.cpp    native DDP comm hooks (c10d::CppCommHookInterface)
 """
 
 import glob
@@ -55,7 +55,7 @@ def _extensions():
         _sources("csrc/*.cpp")
         + _sources("csrc/ops/*.cpp")
         + _sources("csrc/cpu/*.cpp")
-        + _sources("csrc/hooks/*.cpp")
+        + _sources("csrc/comm_hooks/*.cpp")
     )
     cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
     link_flags = ["-fopenmp"]

@@ -11,8 +11,8 @@ every hook's /bound; its gradients are not averaged), torch's fp16_compress_hook
 torch's PowerSGD (its failure is reported if it fails), and every ddpx hook,
 native and Python, in two settings (``--settings``): ``defaults``, what most
 users write (``DDP(model)`` with DDP's defaults: 25 MB buckets, gradients
-copied out of the buckets, then ``ddpx.hooks.register``), and ``tuned``, with
-the DDP options the hook asks for (``ddpx.hooks.ddp_options``: gradients as
+copied out of the buckets, then ``ddpx.comm_hooks.register``), and ``tuned``, with
+the DDP options the hook asks for (``ddpx.comm_hooks.ddp_options``: gradients as
 bucket views, 4 MB buckets for int8), as the ddpx trainer applies them.
 torch's configs get DDP's defaults; ``--bucket-mb`` sets one size for every
 config.
@@ -64,11 +64,11 @@ BLOCK_STEPS = 5  # timed steps per block; blocks with and without DDP alternate
 
 def _configs(names, settings=SETTINGS, paths=("native", "python")):
     """(label, kind, name, native, setting) in run order; torch's PowerSGD last (it may crash the group)."""
-    import ddpx.hooks
+    import ddpx.comm_hooks
 
     out = [("no hook", "none", None, None, "defaults"), ("DDP only: no-op hook", "noop", None, None, "tuned"),
            ("torch fp16_compress_hook", "torch", "fp16", None, "defaults")]
-    for spec in names if names is not None else ddpx.hooks.available():
+    for spec in names if names is not None else ddpx.comm_hooks.available():
         for path in paths:
             for setting in settings:
                 out.append((f"ddpx {spec} {path}", "ddpx", spec, path == "native", setting))
@@ -128,7 +128,7 @@ def worker(args):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import ddpx.hooks
+    import ddpx.comm_hooks
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
@@ -165,9 +165,9 @@ def worker(args):
         save()  # if this config kills the process, the parent knows which one it was
         # each config as a user gets it: DDP(model) as most write it, or with the DDP
         # options the hook asks for (as the ddpx trainer applies them)
-        options = ddpx.hooks.ddp_options(_parse_spec(name)[0]) if kind == "ddpx" and setting == "tuned" else {}
+        options = ddpx.comm_hooks.ddp_options(_parse_spec(name)[0]) if kind == "ddpx" and setting == "tuned" else {}
         if kind == "noop":
-            options = ddpx.hooks.ddp_options("allreduce")  # the DDP options of ddpx's plainest hook
+            options = ddpx.comm_hooks.ddp_options("allreduce")  # the DDP options of ddpx's plainest hook
         if args.bucket_mb is not None:
             options["bucket_cap_mb"] = args.bucket_mb
         entry["bucket_mb"] = options.get("bucket_cap_mb", DEFAULT_BUCKET_MB)
@@ -176,9 +176,9 @@ def worker(args):
         try:
             if kind == "ddpx":
                 hook_name, options = _parse_spec(name)
-                if "warmup_steps" in ddpx.hooks.make_state(hook_name).options:
+                if "warmup_steps" in ddpx.comm_hooks.make_state(hook_name).options:
                     options.setdefault("warmup_steps", 0)  # time the compressed path, not the warm-up
-                state = ddpx.hooks.register(ddp, hook_name, native=native, **options)
+                state = ddpx.comm_hooks.register(ddp, hook_name, native=native, **options)
                 entry["native"] = state.native
             elif kind == "noop":
                 ddp.register_comm_hook(None, _noop_hook)
@@ -271,8 +271,8 @@ def table(results):
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
-    notes.insert(0, "DDP: defaults = DDP(model) + ddpx.hooks.register (25 MB buckets, .grad copied out); "
-                 "tuned = DDP(model, **ddpx.hooks.ddp_options(name))")
+    notes.insert(0, "DDP: defaults = DDP(model) + ddpx.comm_hooks.register (25 MB buckets, .grad copied out); "
+                 "tuned = DDP(model, **ddpx.comm_hooks.ddp_options(name))")
     head = (f"{results['world_size']} ranks, {results['rate_bps'] / 1e9:g} Gbit/s links, "
             f"compute alone {_compute_range(results)} ms/step, gradients {results['grad_bytes'] / 1e6:.1f} MB, "
             f"median of {results['steps']} steps")
@@ -390,7 +390,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="DDP bucket_cap_mb for every config (default: torch's 25, or a ddpx hook's preferred "
-                        "size from ddpx.hooks.ddp_options, as the ddpx trainer uses it)")
+                        "size from ddpx.comm_hooks.ddp_options, as the ddpx trainer uses it)")
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help="DDP settings of the ddpx hooks: defaults (DDP(model)), tuned (ddp_options); default both")
     p.add_argument("--paths", default="native,python", help="ddpx hook paths to time: native, python (default both)")

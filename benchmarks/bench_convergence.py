@@ -2,7 +2,7 @@
 
 What a user of an imported hook writes: a plain torchrun DDP script
 (``DistributedSampler`` + ``set_epoch``, ``DDP(model)`` with DDP's defaults)
-plus one line, ``ddpx.hooks.register(ddp, name)``, no options. For every cell
+plus one line, ``ddpx.comm_hooks.register(ddp, name)``, no options. For every cell
 of
 
     model (an MLP, a small CNN with BatchNorm on the 8x8 images)
@@ -91,7 +91,7 @@ def train_cell(model: str, optimizer: str, batch: int, epochs: int, hook: str | 
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    import ddpx.hooks
+    import ddpx.comm_hooks
     from ddpx.data import digits_split
 
     train, test = digits_split()
@@ -100,7 +100,7 @@ def train_cell(model: str, optimizer: str, batch: int, epochs: int, hook: str | 
     ddp = DDP(net)  # DDP's defaults, as most users write it
     if hook:
         name, options = parse_hook(hook)
-        state = ddpx.hooks.register(ddp, name, **options)  # no options: the hook's defaults
+        state = ddpx.comm_hooks.register(ddp, name, **options)  # no options: the hook's defaults
     else:
         state = None
     opt = make_optimizer(optimizer, ddp.parameters())

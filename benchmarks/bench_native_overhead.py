@@ -3,7 +3,7 @@
 Two ranks on loopback gloo (the wire is not the limit), a model of many small
 layers and a tiny ``bucket_cap_mb`` so that each step hands DDP's reducer many
 small buckets. For each hook the step time is measured with the native hook
-(``ddpx.hooks.register(..., native=True)``: no Python, no GIL per bucket) and
+(``ddpx.comm_hooks.register(..., native=True)``: no Python, no GIL per bucket) and
 with the Python hook (``native=False``), plus DDP's own built-in allreduce for
 reference; the per-bucket overhead is the difference divided by the number of
 buckets per step.
@@ -30,7 +30,7 @@ def _run(rank, world, port, args, out_file):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import ddpx.hooks
+    import ddpx.comm_hooks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -58,7 +58,7 @@ def _run(rank, world, port, args, out_file):
         row = {"hook": name}
         for native in (True, False):
             ddp = DDP(model(), bucket_cap_mb=args.bucket_cap_mb)
-            state = ddpx.hooks.register(ddp, name, native=native)
+            state = ddpx.comm_hooks.register(ddp, name, native=native)
             ms = timed(ddp, state)
             s = state.stats()
             row["buckets"] = s["buckets"] // s["steps"]

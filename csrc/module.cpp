@@ -1,6 +1,6 @@
 // The ddpx._C Python module. Importing it registers the ddpx:: torch ops
 // (TORCH_LIBRARY in csrc/ops) and exposes the native comm-hook bindings.
-#include "hooks/bindings.h"
+#include "comm_hooks/bindings.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ddpx C++/CUDA core: fused compression kernels and native DDP comm hooks";
@@ -9,5 +9,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
-  ddpx::hooks::bind(m);
+  ddpx::comm_hooks::bind(m);
 }

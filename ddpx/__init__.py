@@ -3,7 +3,7 @@
 Public entry points:
     ddpx.hookimpl        marker for plugin hook implementations
     ddpx.ops             fused kernels (torch ops ``torch.ops.ddpx.*``)
-    ddpx.hooks           DDP comm hooks: ``state, hook = ddpx.hooks.make("int8")``
+    ddpx.comm_hooks           DDP comm hooks: ``state, hook = ddpx.comm_hooks.make("int8")``
     ddpx.comm            collectives outside DDP (``fused_allreduce``)
 """
 

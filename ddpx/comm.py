@@ -108,14 +108,14 @@ def fused_allreduce(
             keeps fp16 sums from overflowing.
         bucket_mb: bucket size in MiB; a larger tensor gets a bucket of its own.
         compression: ``None`` / ``"allreduce"``: exact, any dtype. Any other
-            name of ``ddpx.hooks.available()`` (``"fp16"``, ``"bf16"``, ``"int8"``,
+            name of ``ddpx.comm_hooks.available()`` (``"fp16"``, ``"bf16"``, ``"int8"``,
             ``"onebit"``, ``"powersgd"``) runs that comm hook's own per-bucket
             code on each fused bucket (float32 tensors only), with the hook's
             defaults: small and 1-D tensors travel uncompressed, and a fresh
             state per call, so error feedback and warm starts start from zero
             every call. For memory across calls (e.g. periodic model averaging
             of the same parameters) pass a state instead:
-            ``state, _ = ddpx.hooks.make("int8", min_numel=0)``;
+            ``state, _ = ddpx.comm_hooks.make("int8", min_numel=0)``;
             ``fused_allreduce(params, compression=state)``; memory is keyed by
             tensor identity, so pass the same tensor objects every call (the
             state holds a reference to each tensor it has seen). The hooks average:
@@ -211,21 +211,21 @@ def _hook_codec(state, op):
 def _codec(compression, tensors, op, process_group):
     if compression is None or compression == "allreduce":
         return _plain
-    from . import hooks
-    from .hooks.base import HookState
+    from . import comm_hooks
+    from .comm_hooks.base import HookState
 
     if isinstance(compression, HookState):
         state = compression
         if process_group is not None and state.process_group is not process_group:
             raise ValueError("ddpx.comm.fused_allreduce: the compression state has its own process group; "
-                             "create it with ddpx.hooks.make(name, process_group=...) instead of passing both")
-    elif isinstance(compression, str) and compression in hooks.available():
+                             "create it with ddpx.comm_hooks.make(name, process_group=...) instead of passing both")
+    elif isinstance(compression, str) and compression in comm_hooks.available():
         # a fused call is not a training step: no warm-up of plain allreduce
-        warm = {"warmup_steps": 0} if "warmup_steps" in hooks._state_class(compression).options else {}
-        state = hooks.make_state(compression, process_group, **warm)
+        warm = {"warmup_steps": 0} if "warmup_steps" in comm_hooks._state_class(compression).options else {}
+        state = comm_hooks.make_state(compression, process_group, **warm)
     else:
         raise ValueError(f"ddpx.comm.fused_allreduce: unknown compression {compression!r}; use None or one of "
-                         f"{hooks.available()} (or a state from ddpx.hooks.make)")
+                         f"{comm_hooks.available()} (or a state from ddpx.comm_hooks.make)")
     for i, t in enumerate(tensors):
         if t.dtype != torch.float32:
             raise TypeError(f"ddpx.comm.fused_allreduce: compression={state.name!r} needs float32 tensors, "

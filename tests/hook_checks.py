@@ -7,7 +7,7 @@ import copy
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ddpx.hooks
+import ddpx.comm_hooks
 
 LOSSY = ["fp16", "bf16", "int8"]
 ALL = ["allreduce"] + LOSSY
@@ -66,7 +66,7 @@ def train(hook, native=False, steps=3, rank=0, mode=None, model=None, state_sd=N
     if mode == "bucket_view":
         kwargs["gradient_as_bucket_view"] = True
     ddp = DDP(net, **kwargs)
-    state = ddpx.hooks.register(ddp, hook, native=native, **options) if hook else None
+    state = ddpx.comm_hooks.register(ddp, hook, native=native, **options) if hook else None
     if state is not None and state_sd is not None:
         state.load_state_dict(state_sd)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)

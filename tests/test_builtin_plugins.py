@@ -251,7 +251,7 @@ def test_unknown_comm_hook_name_lists_the_choices():
     from ddpx.errors import DdpxError
     from ddpx_plugins import comm_hook
 
-    pytest.importorskip("ddpx.hooks")
+    pytest.importorskip("ddpx.comm_hooks")
     config = SimpleNamespace(section=lambda name: {"name": "int7", "native": True, "options": {}})
     with pytest.raises(DdpxError, match="unknown comm_hook.name 'int7'; choose one of: allreduce, bf16, .*int8"):
         comm_hook.ddpx_configure(config=config)

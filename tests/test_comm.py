@@ -119,7 +119,7 @@ def _scenarios(rank, world):
     # the mean of repeated reductions of the same values converges to the exact average
     exact = _reference(_tensors(rank, spec), "avg", world)
     for name in ("int8", "onebit", "powersgd"):
-        state, _ = ddpx.hooks.make(name, min_numel=0, warmup_steps=0)
+        state, _ = ddpx.comm_hooks.make(name, min_numel=0, warmup_steps=0)
         ts = _tensors(rank, spec)
         total = [torch.zeros_like(t) for t in exact]
         errs = []

@@ -1,4 +1,4 @@
-"""ddpx.hooks on gloo (CPU), several processes: exactness, native == Python,
+"""ddpx.comm_hooks on gloo (CPU), several processes: exactness, native == Python,
 replica consistency, DDP modes, non-finite gradients, checkpointed state.
 
 Each multi-process scenario runs once per module (a fixture) and several
@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import harness
 
-import ddpx.hooks
+import ddpx.comm_hooks
 from ddpx.errors import DdpxError
 
 from hook_checks import ALL, LOSSY, NO_WARMUP, PART2, REL_TOL, batch, equal_lists, make_model, max_rel_err, train  # noqa: F401
@@ -37,7 +37,7 @@ def equivalence_worker(rank, world):
 def spans_worker(rank, world):
     """int8 coded straight from the bucket (every compressed run is whole blocks) and
     through the packed buffer (what layouts with odd-sized parameters take)."""
-    from ddpx.hooks.int8 import Int8State
+    from ddpx.comm_hooks.int8 import Int8State
 
     original = Int8State.build_layout
     out, spans_seen = {}, []
@@ -110,10 +110,10 @@ def checkpoint_worker(rank, world):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("ddpx.hooks").addHandler(handler)
-    state, _ = ddpx.hooks.make("int8")
+    logging.getLogger("ddpx.comm_hooks").addHandler(handler)
+    state, _ = ddpx.comm_hooks.make("int8")
     ddp = DDP(make_model(), bucket_cap_mb=25)
-    ddp.register_comm_hook(state, ddpx.hooks.hook)
+    ddp.register_comm_hook(state, ddpx.comm_hooks.hook)
     x, y = batch(0, rank)
     torch.nn.functional.cross_entropy(ddp(x), y).backward()
     sd = out[True]["hook_sd"]
@@ -153,17 +153,28 @@ def checkpoint(ranks):
 
 # ------------------------------------------------------------------- tests
 def test_available_names():
-    assert {"allreduce", "fp16", "bf16", "int8"} <= set(ddpx.hooks.available())
+    assert {"allreduce", "fp16", "bf16", "int8"} <= set(ddpx.comm_hooks.available())
+
+
+def test_old_import_path_gives_the_same_modules():
+    import ddpx.hooks
+    import ddpx.hooks.int8
+    from ddpx.hooks.twophase import TwoPhaseState
+
+    import ddpx.comm_hooks.twophase
+    assert ddpx.hooks is ddpx.comm_hooks
+    assert ddpx.hooks.int8 is ddpx.comm_hooks.int8
+    assert TwoPhaseState is ddpx.comm_hooks.twophase.TwoPhaseState
 
 
 def test_ddp_options_per_hook():
     # int8: the wire starts a layer into the backward pass; every hook writes into the
     # bucket, so DDP's copy of the bucket back into .grad is skipped
-    assert ddpx.hooks.ddp_options("int8") == {"gradient_as_bucket_view": True, "bucket_cap_mb": 4.0}
+    assert ddpx.comm_hooks.ddp_options("int8") == {"gradient_as_bucket_view": True, "bucket_cap_mb": 4.0}
     for name in ("fp16", "allreduce", "onebit", "powersgd"):
-        assert ddpx.hooks.ddp_options(name) == {"gradient_as_bucket_view": True}
+        assert ddpx.comm_hooks.ddp_options(name) == {"gradient_as_bucket_view": True}
     with pytest.raises(DdpxError, match="unknown comm hook 'int9'; available: "):
-        ddpx.hooks.ddp_options("int9")
+        ddpx.comm_hooks.ddp_options("int9")
 
 
 @pytest.mark.parametrize(
@@ -179,7 +190,7 @@ def test_ddp_options_per_hook():
 )
 def test_bad_options_are_one_line_errors(name, opts, needle):
     with pytest.raises(DdpxError) as info:
-        ddpx.hooks.make(name, **opts)
+        ddpx.comm_hooks.make(name, **opts)
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -344,7 +355,7 @@ def test_three_ranks(ranks):
 
 
 def test_state_dict_of_another_hook_is_refused():
-    state, _ = ddpx.hooks.make("int8")
+    state, _ = ddpx.comm_hooks.make("int8")
     sd = {"version": 1, "name": "fp16", "counters": torch.zeros(3, dtype=torch.int64), "memory": {}}
     with pytest.raises(DdpxError, match="state dict is for 'fp16', not 'int8'"):
         state.load_state_dict(sd)
@@ -358,9 +369,9 @@ def test_register_falls_back_to_python_and_says_why(caplog):
             self.registered = (state, hook)
 
     model = NoReducer()
-    with caplog.at_level(logging.WARNING, logger="ddpx.hooks"):
-        state = ddpx.hooks.register(model, "fp16")
-    assert model.registered == (state, ddpx.hooks.hook) and state.native is False
+    with caplog.at_level(logging.WARNING, logger="ddpx.comm_hooks"):
+        state = ddpx.comm_hooks.register(model, "fp16")
+    assert model.registered == (state, ddpx.comm_hooks.hook) and state.native is False
     assert "using the Python hook: NoReducer has no DDP reducer" in caplog.text
 
 

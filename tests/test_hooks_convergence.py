@@ -15,7 +15,7 @@ HOOKS = [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"min_numel": 0, "co
 
 
 def train_digits(rank, world, hook, options):
-    import ddpx.hooks
+    import ddpx.comm_hooks
     from ddpx.data import digits_split
 
     train, test = digits_split()
@@ -23,7 +23,7 @@ def train_digits(rank, world, hook, options):
     net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(),
                               torch.nn.Linear(128, 10))
     ddp = DDP(net, bucket_cap_mb=0.05)  # several buckets in flight
-    state = ddpx.hooks.register(ddp, hook, **options) if hook else None
+    state = ddpx.comm_hooks.register(ddp, hook, **options) if hook else None
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     x, y = train.tensors
     per_rank = 32
@@ -70,7 +70,7 @@ def matrix_slice_worker(rank, world):
 
 
 def test_default_options_hold_on_a_slice_of_the_convergence_matrix(ranks):
-    """DDP(model) + ddpx.hooks.register(ddp, name), no options: the digits MLP, Adam, batch 16 per
+    """DDP(model) + ddpx.comm_hooks.register(ddp, name), no options: the digits MLP, Adam, batch 16 per
     rank, 12 epochs (540 steps: most of them compressed after the default warm-up)."""
     rows = ranks.call(matrix_slice_worker, 2, timeout=300)[0]
     (row,) = rows

@@ -20,7 +20,7 @@ def device_worker(rank, world, device, backend):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import ddpx.hooks
+    import ddpx.comm_hooks
 
     group = dist.new_group(ranks=list(range(world)), backend=backend)
     g = torch.Generator().manual_seed(0)
@@ -30,11 +30,11 @@ def device_worker(rank, world, device, backend):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).to(device)
         # the hook's own DDP options, but small buckets: several in flight
-        options = {**(ddpx.hooks.ddp_options(hook) if hook else {}), "bucket_cap_mb": 0.2}
+        options = {**(ddpx.comm_hooks.ddp_options(hook) if hook else {}), "bucket_cap_mb": 0.2}
         ddp = DDP(net, device_ids=[torch.device(device)] if device != "cpu" else None, process_group=group, **options)
         # compress from the first step (onebit and powersgd warm up by default)
         warm = {"warmup_steps": 0} if hook in ("onebit", "powersgd") else {}
-        state = ddpx.hooks.register(ddp, hook, native=native, **warm) if hook else None
+        state = ddpx.comm_hooks.register(ddp, hook, native=native, **warm) if hook else None
         out = []
         for _ in range(3):
             ddp.zero_grad()

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hook_checks import max_rel_err
 
-import ddpx.hooks
+import ddpx.comm_hooks
 from ddpx.data import digits_split
 
 EPOCHS = 30
@@ -38,7 +38,7 @@ class Run:
         self.model = _model()
         # small buckets: every weight matrix in its own bucket, several in flight
         self.ddp = DDP(self.model, bucket_cap_mb=bucket_cap_mb)
-        self.state = ddpx.hooks.register(self.ddp, name, native=native, **opts) if name else None
+        self.state = ddpx.comm_hooks.register(self.ddp, name, native=native, **opts) if name else None
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         train, self.test = digits_split()
         x, y = train.tensors
@@ -104,11 +104,11 @@ def _scenarios(rank, world):
         py = Run(rank, world, name, opts, native=False)
         py.steps(0, 60)
         records = _Records()
-        logging.getLogger("ddpx.hooks").addHandler(records)
+        logging.getLogger("ddpx.comm_hooks").addHandler(records)
         try:
             nat = Run(rank, world, name, opts, native=True)
         finally:
-            logging.getLogger("ddpx.hooks").removeHandler(records)
+            logging.getLogger("ddpx.comm_hooks").removeHandler(records)
         nat.steps(0, 60)
         res[f"{label}_native"] = {"python": py.flat(), "native": nat.flat(), "is_native": nat.state.native,
                                   "warnings": records.messages, "stats": (py.state.stats(), nat.state.stats()),
@@ -135,12 +135,12 @@ def _scenarios(rank, world):
         # loading into a group of another size warns and resets the memory
         groups = [dist.new_group([r]) for r in range(world)]
         records = _Records()
-        logging.getLogger("ddpx.hooks").addHandler(records)
+        logging.getLogger("ddpx.comm_hooks").addHandler(records)
         try:
-            single, _ = ddpx.hooks.make(name, process_group=groups[rank], **opts)
+            single, _ = ddpx.comm_hooks.make(name, process_group=groups[rank], **opts)
             single.load_state_dict(snap["hook"])
         finally:
-            logging.getLogger("ddpx.hooks").removeHandler(records)
+            logging.getLogger("ddpx.comm_hooks").removeHandler(records)
         res[f"{name}_resize"] = {"warnings": records.messages, "steps": single.steps,
                                  "memory": {k: sum(float(t.abs().sum()) for t in d.values())
                                             for k, d in single.memory.items() if k != "q"}}
@@ -158,7 +158,7 @@ def _many_buckets(rank, world, use_torch):
         state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, torch_powersgd.powerSGD_hook)
     else:
-        ddpx.hooks.register(ddp, "powersgd", native=False, rank=4, warmup_steps=2)
+        ddpx.comm_hooks.register(ddp, "powersgd", native=False, rank=4, warmup_steps=2)
     x = torch.randn(32, 512, generator=torch.Generator().manual_seed(rank))
     for _ in range(5):
         model.zero_grad()
@@ -177,7 +177,7 @@ def _powersgd_steps(rank, world):
         model = _model()
         plain = copy.deepcopy(model)
         ddp = DDP(model, bucket_cap_mb=0.005)
-        state = ddpx.hooks.register(ddp, "powersgd", native=native, rank=2, warmup_steps=0)
+        state = ddpx.comm_hooks.register(ddp, "powersgd", native=native, rank=2, warmup_steps=0)
         hooked, raw = [], []
         for t in range(5):
             lo = (t * world + rank) * 16
@@ -263,7 +263,7 @@ def test_converges_like_no_hook(results, name):
     # it did compress, after its default warm-up of plain allreduce (raw bytes on the wire):
     # less than half of the bytes a step (onebit's default min_numel leaves only the 128 x 128
     # matrix compressed here: 0.39 of raw; powersgd 0.1)
-    warm = ddpx.hooks.make_state(name).warmup_steps / stats["steps"]
+    warm = ddpx.comm_hooks.make_state(name).warmup_steps / stats["steps"]
     assert stats["wire_bytes"] < stats["raw_bytes"] * (warm + (1 - warm) / 2)
 
 
@@ -325,12 +325,12 @@ def test_powersgd_runs_with_several_buckets_on_gloo_where_torch_fails(ranks):
 
 def test_options_validated():
     with pytest.raises(ddpx.DdpxError, match="rank must be >= 1"):
-        ddpx.hooks.make("powersgd", rank=0)
+        ddpx.comm_hooks.make("powersgd", rank=0)
     with pytest.raises(ddpx.DdpxError, match="chunk_size must be a positive multiple of 8"):
-        ddpx.hooks.make("onebit", chunk_size=12)
+        ddpx.comm_hooks.make("onebit", chunk_size=12)
     with pytest.raises(ddpx.DdpxError, match="unknown option"):
-        ddpx.hooks.make("powersgd", compress_vectors=True)
-    state, _ = ddpx.hooks.make("powersgd", rank=2)
+        ddpx.comm_hooks.make("powersgd", compress_vectors=True)
+    state, _ = ddpx.comm_hooks.make("powersgd", rank=2)
     assert state.approx_rank == 2 and state.opts["rank"] == 2
 
 
@@ -338,7 +338,7 @@ class _Lay:
     """A bucket layout with `pieces` pieces, named "<bucket>" or "<bucket>.<piece>"."""
 
     def __init__(self, bucket, pieces=1):
-        from ddpx.hooks.twophase import Piece
+        from ddpx.comm_hooks.twophase import Piece
 
         self.pieces = [Piece(j, pieces, name=f"{bucket}" if pieces == 1 else f"{bucket}.{j}") for j in range(pieces)]
 
@@ -347,7 +347,7 @@ class _RecordingPipeline:
     """TwoPhaseState's pipeline over fake collectives: records the issue order."""
 
     def __new__(cls, fail_reduce_of=None):
-        from ddpx.hooks.twophase import TwoPhaseState
+        from ddpx.comm_hooks.twophase import TwoPhaseState
 
         class Recording(TwoPhaseState):
             def start_phase1(self, buf, lay, pc):

@@ -11,7 +11,7 @@ import torch
 
 from hook_checks import equal_lists, make_model, train
 
-import ddpx.hooks
+import ddpx.comm_hooks
 from ddpx.errors import DdpxError
 
 # The test_hooks Net: fc1.weight 4000, fc2.weight 40000, fc3.weight 2000 elements (+ biases);
@@ -99,15 +99,15 @@ def test_pieces_with_several_buckets_and_the_rebuild(pieces):
 
 def test_piece_option_validated():
     with pytest.raises(DdpxError, match="option piece_mb must be >= 0"):
-        ddpx.hooks.make("int8", piece_mb=-1)
+        ddpx.comm_hooks.make("int8", piece_mb=-1)
     with pytest.raises(DdpxError, match="option piece_mb must be float"):
-        ddpx.hooks.make("onebit", piece_mb="4")
-    state, _ = ddpx.hooks.make("powersgd", piece_mb=2)
+        ddpx.comm_hooks.make("onebit", piece_mb="4")
+    state, _ = ddpx.comm_hooks.make("powersgd", piece_mb=2)
     assert state.piece_mb == 2.0 and isinstance(state.piece_mb, float)
 
 
 def test_piece_geometry():
-    from ddpx.hooks.twophase import piece_elements, piece_ranges, piece_spans
+    from ddpx.comm_hooks.twophase import piece_elements, piece_ranges, piece_spans
 
     assert piece_elements(0.0, 2, 256) == 0
     assert piece_elements(2.0, 2, 256) == 262144  # 2 MB of fp32 over 2 ranks

@@ -17,12 +17,12 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "ddpx"
 
 # Bottom first. A module may import from strictly lower layers only; the parts of one
-# package (ddpx.hooks.int8 -> ddpx.hooks.base) may import each other.
+# package (ddpx.comm_hooks.int8 -> ddpx.comm_hooks.base) may import each other.
 LAYERS = [
     ["errors", "version", "_C"],
     ["markers", "net", "slurm", "monitor", "models", "data", "ops", "batchnorm", "checkpoint", "losses", "stopping"],
-    ["hookspecs", "distributed", "hooks"],
-    ["imports", "comm"],
+    ["hookspecs", "distributed", "comm_hooks"],
+    ["imports", "comm", "hooks"],  # hooks: the old import path of comm_hooks
     ["plugin"],
     ["config", "step_hooks"],
     ["core"],
@@ -79,7 +79,7 @@ def imports_of(path: pathlib.Path) -> list[tuple[int, str]]:
 
 
 def _part(module: str) -> str:
-    """``ddpx.hooks.int8`` -> ``hooks``; ``ddpx`` -> ``""`` (the package itself)."""
+    """``ddpx.comm_hooks.int8`` -> ``hooks``; ``ddpx`` -> ``""`` (the package itself)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 

@@ -11,9 +11,9 @@ the job's ranks). Each rank builds the configured model and data, then:
 3. per hook: the predicted step time, compute + (bytes the hook sends per
    step) / (link rate), and the measured one, a real DDP step with that hook
    (the median of ``--steps``, the slowest rank's), in two settings: tuned,
-   with the DDP options the hook asks for (``ddpx.hooks.ddp_options``, what
+   with the DDP options the hook asks for (``ddpx.comm_hooks.ddp_options``, what
    ``ddpx train`` applies), and DDP defaults, ``DDP(model)`` +
-   ``ddpx.hooks.register`` as a plain script writes it (only the config's own
+   ``ddpx.comm_hooks.register`` as a plain script writes it (only the config's own
    ``trainer`` DDP options), so the report shows what the options buy.
 
 The baseline row ``allreduce`` is DDP's own fp32 allreduce (no hook). A hook
@@ -57,9 +57,9 @@ class HookTiming:
     name: str
     wire_bytes: int  # bytes one rank sends per step (ring model)
     predicted_s: float
-    measured_s: Optional[float]  # with the DDP options the hook asks for (ddpx.hooks.ddp_options)
+    measured_s: Optional[float]  # with the DDP options the hook asks for (ddpx.comm_hooks.ddp_options)
     error: str = ""
-    defaults_s: Optional[float] = None  # DDP(model) with DDP's defaults + ddpx.hooks.register
+    defaults_s: Optional[float] = None  # DDP(model) with DDP's defaults + ddpx.comm_hooks.register
 
 
 @dataclass
@@ -169,8 +169,8 @@ def format_report(m: Measurement, advice: dict) -> str:
         dratio = f"{base_s / h.defaults_s:.2f}x" if h.defaults_s else "-"
         lines.append(f"{h.name:<12} {h.wire_bytes / 1e6:>12.3f} {1e3 * h.predicted_s:>13.2f} {measured:>12} "
                      f"{ratio:>13} {defaults:>16} {dratio:>13}")
-    lines.append("measured ms: DDP(model, **ddpx.hooks.ddp_options(name)), as ddpx train wraps it; DDP defaults ms: "
-                 "DDP(model) + ddpx.hooks.register(ddp, name)")
+    lines.append("measured ms: DDP(model, **ddpx.comm_hooks.ddp_options(name)), as ddpx train wraps it; DDP defaults ms: "
+                 "DDP(model) + ddpx.comm_hooks.register(ddp, name)")
     lines.append("")
     lines += advice["lines"]
     return "\n".join(lines)
@@ -266,9 +266,9 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
     del baseline
 
     try:
-        import ddpx.hooks as hooks
+        import ddpx.comm_hooks as hooks
     except Exception as exc:  # noqa: BLE001 - the baseline is still worth reporting
-        trainer.log.warning(f"ddpx.hooks does not load ({exc}); measuring the baseline only")
+        trainer.log.warning(f"ddpx.comm_hooks does not load ({exc}); measuring the baseline only")
         return m
     names = list(hook_names) if hook_names is not None else [n for n in hooks.available() if n != BASELINE]
     native = bool(trainer.config.section("comm_hook").get("native", True)) if "comm_hook" in trainer.config else True

@@ -96,7 +96,7 @@ def _hook_consistency(name: str, rank: int, world: int, native: bool) -> tuple[s
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import ddpx.hooks
+    import ddpx.comm_hooks
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
@@ -116,13 +116,13 @@ def _hook_consistency(name: str, rank: int, world: int, native: bool) -> tuple[s
     model.zero_grad()
     ddp = DDP(model, bucket_cap_mb=0.1)  # several buckets, the case that breaks naive hooks
     # check the compressed path itself, not the hook's warm-up of plain allreduce
-    warm = {"warmup_steps": 0} if "warmup_steps" in ddpx.hooks.make_state(name).options else {}
+    warm = {"warmup_steps": 0} if "warmup_steps" in ddpx.comm_hooks.make_state(name).options else {}
     if native:
-        state = ddpx.hooks.register(ddp, name, native=True, **warm)
+        state = ddpx.comm_hooks.register(ddp, name, native=True, **warm)
         if not getattr(state, "native", False):
             return OK, "no native implementation here; the Python hook is used instead"
     else:
-        state, hook = ddpx.hooks.make(name, **warm)
+        state, hook = ddpx.comm_hooks.make(name, **warm)
         ddp.register_comm_hook(state, hook)
     x, y = batches[rank]
     worst_spread, rel_err = 0.0, None
@@ -183,11 +183,11 @@ def _collectives_worker() -> int:
         names = os.environ.get("DDPX_DOCTOR_HOOKS")
         if names is None:
             try:
-                import ddpx.hooks
+                import ddpx.comm_hooks
 
-                names = ",".join(ddpx.hooks.available())
+                names = ",".join(ddpx.comm_hooks.available())
             except Exception as exc:  # noqa: BLE001 - reported, not fatal to the other checks
-                _report("hooks", FAIL, f"ddpx.hooks does not load: {exc}", "rebuild ddpx (pip install -e .)")
+                _report("hooks", FAIL, f"ddpx.comm_hooks does not load: {exc}", "rebuild ddpx (pip install -e .)")
                 names = ""
         for name in filter(None, names.split(",")):
             for native in (False, True):

@@ -1,14 +1,14 @@
 """Install a ddpx gradient-communication hook on the DDP model, chosen by name.
 
 ``name: allreduce`` (the default) keeps DDP's own fp32 all-reduce and installs
-nothing. Any other name is looked up in ``ddpx.hooks.available()`` (e.g.
+nothing. Any other name is looked up in ``ddpx.comm_hooks.available()`` (e.g.
 ``fp16``, ``int8``, ``powersgd``) and registered with
-``ddpx.hooks.register(model, name, native=..., **options)``; ``native: true``
+``ddpx.comm_hooks.register(model, name, native=..., **options)``; ``native: true``
 selects the C++ hook that runs without Python per bucket, where the algorithm
 has one. The hook's state (error feedback, warm starts) is saved in checkpoints
-(key ``"comm_hook"``). If ``ddpx.hooks`` cannot be imported, training falls
+(key ``"comm_hook"``). If ``ddpx.comm_hooks`` cannot be imported, training falls
 back to DDP's all-reduce and says so once. The DDP bucket size the hook works
-best with (``ddpx.hooks.ddp_options``: 4 MB for ``int8``) is passed to the core's
+best with (``ddpx.comm_hooks.ddp_options``: 4 MB for ``int8``) is passed to the core's
 DDP wrap unless ``trainer.bucket_cap_mb`` sets one, and so is
 ``gradient_as_bucket_view=True`` (the hook writes into the bucket, so DDP's copy
 back into ``.grad`` is saved).
@@ -28,9 +28,9 @@ BUILTIN = "allreduce"  # DDP's own all-reduce: no hook
 
 
 def _hooks_module():
-    """``ddpx.hooks``, or None where it (or the extension it needs) is missing."""
+    """``ddpx.comm_hooks``, or None where it (or the extension it needs) is missing."""
     try:
-        hooks = importlib.import_module("ddpx.hooks")
+        hooks = importlib.import_module("ddpx.comm_hooks")
     except ImportError:
         return None
     return hooks if hasattr(hooks, "register") and hasattr(hooks, "available") else None
@@ -75,7 +75,7 @@ def ddpx_model_wrapped(trainer, model):
     hooks = _hooks_module()
     if hooks is None:
         trainer.log.warning(
-            "ddpx.hooks is not available; comm_hook.name=%s falls back to DDP's all-reduce", cfg["name"]
+            "ddpx.comm_hooks is not available; comm_hook.name=%s falls back to DDP's all-reduce", cfg["name"]
         )
         return
     trainer.comm_hook = hooks.register(model, cfg["name"], native=cfg["native"], **cfg["options"])

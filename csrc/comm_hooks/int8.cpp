@@ -1,10 +1,10 @@
-// Native twin of ddpx/hooks/int8.py: blockwise int8, all-to-all + local fp32
+// Native twin of ddpx/comm_hooks/int8.py: blockwise int8, all-to-all + local fp32
 // average + requantize + all-gather, worker and server error feedback,
 // pipelined across buckets by TwoPhaseAlgorithm in the Python hook's order.
-#include "hooks/native_hook.h"
+#include "comm_hooks/native_hook.h"
 #include "ops/ops.h"
 
-namespace ddpx::hooks {
+namespace ddpx::comm_hooks {
 namespace {
 
 class Int8 final : public TwoPhaseAlgorithm {
@@ -12,7 +12,7 @@ class Int8 final : public TwoPhaseAlgorithm {
   explicit Int8(HookCore& core) : block_(core.int_option("block_size", 256)) {}
 
  private:
-  // The piece's sizes (ddpx/hooks/int8.py, Int8State.build_layout): its per-rank chunk
+  // The piece's sizes (ddpx/comm_hooks/int8.py, Int8State.build_layout): its per-rank chunk
   // [base, base + c) of the bucket's per-rank chunks of `stride` elements.
   struct Sizes {
     int64_t c, base, stride, piece, plain_chunk, blocks;
@@ -114,4 +114,4 @@ class Int8 final : public TwoPhaseAlgorithm {
 
 }  // namespace
 DDPX_REGISTER_NATIVE_HOOK("int8", Int8);
-}  // namespace ddpx::hooks
+}  // namespace ddpx::comm_hooks

@@ -25,7 +25,7 @@ gradient on some rank) comes out NaN, so GradScaler skips the step; it keeps
 its previous error (M - G, where that is finite, else 0) and draws a fresh Q.
 
 The P and Q phases depend on each other, so they run on the state's FIFO worker
-thread, pipelined across buckets (ddpx/hooks/twophase.py): every rank issues
+thread, pipelined across buckets (ddpx/comm_hooks/twophase.py): every rank issues
 P0, P1, Q0, P2, Q1, ..., Q last (torch 2.13's ``powerSGD_hook`` issues the Q
 allreduce from a future callback, in completion order, and crashes on gloo
 with several buckets). Wire per matrix: r (n + m)
@@ -34,7 +34,7 @@ fp32 elements instead of n m.
 Options: ``rank`` (the approximation rank r), ``warmup_steps`` (plain
 allreduce first, torch's ``start_powerSGD_iter``), ``min_numel`` (smaller
 matrices travel uncompressed), ``seed``, ``piece_mb``. The native C++ twin
-(csrc/hooks/powersgd.cpp) runs the same ATen calls on the same layout.
+(csrc/comm_hooks/powersgd.cpp) runs the same ATen calls on the same layout.
 
 Warm-up: a fixed count, 100 steps by default (torch's hook defaults to 1000
 and advises about 10 % of training). On the convergence matrix of
@@ -46,7 +46,7 @@ within 1.5 points (worst -1.4), as with 200. Pass ``warmup_steps=0`` to
 compress from the first step.
 
 Pieces: a bucket is handled in pieces of whole matrices of about ``piece_mb``
-(default 16) MB of gradient, pipelined across the pieces (ddpx/hooks/twophase.py):
+(default 16) MB of gradient, pipelined across the pieces (ddpx/comm_hooks/twophase.py):
 P of the next piece is computed while this piece's P is reduced, and so on. A
 matrix's P and Q need all of it, so a piece never cuts a matrix. 16 MB: the
 P and Q messages are tiny (r (n + m) values per matrix), so every piece's two

@@ -1,14 +1,14 @@
 // Native DDP comm hooks: the ddpx algorithms run in C++ on the reducer, with
 // no Python and no GIL per bucket.
 //
-// The Python state object (ddpx/hooks/base.py) stays the owner of everything:
+// The Python state object (ddpx/comm_hooks/base.py) stays the owner of everything:
 // options, the counters tensor, per-bucket layouts and their buffers (error
 // feedback memory included). The native hook asks it for a bucket's layout
 // only when DDP hands over a bucket it has not seen (first iterations and the
 // bucket rebuild), then keeps references to the layout's tensors, so
 // state_dict() and stats() see what the native hook wrote.
 //
-// Adding an algorithm = one csrc/hooks/<name>.cpp defining a NativeAlgorithm
+// Adding an algorithm = one csrc/comm_hooks/<name>.cpp defining a NativeAlgorithm
 // and DDPX_REGISTER_NATIVE_HOOK("<native_kind>", Class); the Python state
 // names the kind in its `native_kind` attribute.
 #pragma once
@@ -27,7 +27,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace ddpx::hooks {
+namespace ddpx::comm_hooks {
 
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
@@ -38,7 +38,7 @@ struct Run {
   int64_t packed;  // in the class's packed buffer
 };
 
-// C++ view of a ddpx.hooks.base.BucketLayout: the runs, plus every int and
+// C++ view of a ddpx.comm_hooks.base.BucketLayout: the runs, plus every int and
 // tensor attribute the Python hook's build_layout() set, by attribute name.
 struct Layout {
   std::vector<const c10::TensorImpl*> signature;  // the bucket's parameters
@@ -47,7 +47,7 @@ struct Layout {
   std::unordered_map<std::string, at::Tensor> tensors;
   std::unordered_map<std::string, int64_t> ints;
   // The pieces the bucket is coded, sent and decoded in (the Python layout's
-  // `pieces`, ddpx/hooks/twophase.py): their own ints and tensors; n_comp and
+  // `pieces`, ddpx/comm_hooks/twophase.py): their own ints and tensors; n_comp and
   // n_plain are the bucket's. Empty for single-phase hooks.
   std::vector<std::shared_ptr<const Layout>> pieces;
 
@@ -106,7 +106,7 @@ class NativeAlgorithm {
 // A hook with two dependent collectives per bucket (int8 and onebit: all-to-all,
 // local average, all-gather; powersgd: allreduce P, orthogonalize, allreduce Q),
 // pipelined piece by piece (a bucket's layout is cut into `pieces`) as
-// ddpx/hooks/twophase.py does: the step of piece i starts piece i's first
+// ddpx/comm_hooks/twophase.py does: the step of piece i starts piece i's first
 // collective, advances piece i-1 (starting its second) and finishes piece i-2,
 // across the pieces of a bucket and on into the next bucket; the last piece of
 // the last bucket finishes everything. A bucket's future completes with its last
@@ -150,15 +150,15 @@ bool register_algorithm(const std::string& kind, AlgorithmFactory factory);
 std::vector<std::string> algorithm_kinds();
 
 #define DDPX_REGISTER_NATIVE_HOOK(kind, cls)                                                      \
-  static const bool ddpx_native_hook_registered_##cls = ::ddpx::hooks::register_algorithm( \
-      kind, [](::ddpx::hooks::HookCore& core) { return std::make_unique<cls>(core); })
+  static const bool ddpx_native_hook_registered_##cls = ::ddpx::comm_hooks::register_algorithm( \
+      kind, [](::ddpx::comm_hooks::HookCore& core) { return std::make_unique<cls>(core); })
 
 // What every native hook shares: the group, the Python state and its options,
 // counters and layouts, and the FIFO worker.
 class HookCore {
  public:
   // `worker_pg` (may be null for single-phase hooks) is the private group of
-  // the worker's collectives; see ddpx/hooks/base.py (worker_group) for why.
+  // the worker's collectives; see ddpx/comm_hooks/base.py (worker_group) for why.
   HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
            pybind11::object state, const std::string& kind);
   ~HookCore();
@@ -206,4 +206,4 @@ class NativeHook : public c10d::CppCommHookInterface<std::shared_ptr<HookCore>> 
   FuturePtr runHook(c10d::GradBucket& bucket) override;
 };
 
-}  // namespace ddpx::hooks
+}  // namespace ddpx::comm_hooks

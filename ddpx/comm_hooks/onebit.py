@@ -14,7 +14,7 @@ server error feedback, DeepSpeed-style, for any optimizer.
    and an ``all_gather_single`` gives every rank every averaged segment, decoded
    into the bucket.
 
-Buckets are pipelined as int8's are (ddpx/hooks/twophase.py).
+Buckets are pipelined as int8's are (ddpx/comm_hooks/twophase.py).
 
 Exempt parameters (small and 1-D by default) ride along as fp32 in the same two
 messages: each rank's message is one byte buffer ``[plain fp32 | scales fp32 |
@@ -56,7 +56,7 @@ each step (an extra collective). Pass ``warmup_steps=0, min_numel=1024`` for
 the old behaviour.
 
 Pieces: a bucket is coded, sent and decoded in pieces of about ``piece_mb``
-(default 16) MB of fp32 gradient, pipelined (ddpx/hooks/twophase.py); a piece
+(default 16) MB of fp32 gradient, pipelined (ddpx/comm_hooks/twophase.py); a piece
 is the same range of whole chunks of every rank's segment of the unsplit
 bucket, so the results are bit-identical to ``piece_mb=0``. 16 MB (a 25 MB
 bucket goes in 2 pieces): at 1/26 of fp32 a piece is short on the wire, so

@@ -1,9 +1,9 @@
-// Native twin of ddpx/hooks/halfprec.py: fp16/bf16 allreduce, scaled before the
+// Native twin of ddpx/comm_hooks/halfprec.py: fp16/bf16 allreduce, scaled before the
 // cast, exempt parameters averaged in fp32 in a second allreduce.
-#include "hooks/native_hook.h"
+#include "comm_hooks/native_hook.h"
 #include "ops/ops.h"
 
-namespace ddpx::hooks {
+namespace ddpx::comm_hooks {
 namespace {
 
 class Cast final : public NativeAlgorithm {
@@ -52,4 +52,4 @@ class Cast final : public NativeAlgorithm {
 
 }  // namespace
 DDPX_REGISTER_NATIVE_HOOK("cast", Cast);
-}  // namespace ddpx::hooks
+}  // namespace ddpx::comm_hooks

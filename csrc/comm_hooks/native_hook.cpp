@@ -1,6 +1,6 @@
 // The native hook's shared machinery: algorithm registry, FIFO worker, layouts
 // fetched from the Python state, counters, and the plain fp32 average.
-#include "hooks/native_hook.h"
+#include "comm_hooks/native_hook.h"
 
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -8,7 +8,7 @@
 
 namespace py = pybind11;
 
-namespace ddpx::hooks {
+namespace ddpx::comm_hooks {
 
 // ---------------------------------------------------------------- registry
 namespace {
@@ -322,4 +322,4 @@ void TwoPhaseAlgorithm::step(HookCore& core, Job started, bool last) {
   finishing_ = std::move(finishing);
 }
 
-}  // namespace ddpx::hooks
+}  // namespace ddpx::comm_hooks

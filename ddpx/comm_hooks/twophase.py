@@ -14,7 +14,7 @@ the link idle while it computes. The worker job of bucket i therefore
 
 and the last bucket's job also advances it and finishes everything left. Every
 rank starts the collectives in one order: C1 0, C1 1, C2 0, C1 2, C2 1, ...,
-C2 last (the C++ twin: ``TwoPhaseAlgorithm`` in csrc/hooks/native_hook.h).
+C2 last (the C++ twin: ``TwoPhaseAlgorithm`` in csrc/comm_hooks/native_hook.h).
 
 Pieces. A bucket is coded only once DDP hands all of it over, and DDP's default
 buckets are 25 MB: unsplit, the link idles while such a bucket is coded and the

@@ -2,12 +2,12 @@
 
 Plain DDP script::
 
-    state, hook = ddpx.hooks.make("int8")          # or "fp16", "bf16", "allreduce"
+    state, hook = ddpx.comm_hooks.make("int8")          # or "fp16", "bf16", "allreduce"
     ddp_model.register_comm_hook(state, hook)
 
 or, with the native C++ hook (no Python and no GIL per bucket)::
 
-    state = ddpx.hooks.register(ddp_model, "int8", warmup_steps=10)
+    state = ddpx.comm_hooks.register(ddp_model, "int8", warmup_steps=10)
 
 Both give identical results and the same ``state.state_dict()`` /
 ``state.stats()``. Each algorithm is one module in this package that defines
@@ -23,7 +23,7 @@ import pkgutil
 from ..errors import DdpxError
 from .base import HookState, hook
 
-log = logging.getLogger("ddpx.hooks")
+log = logging.getLogger("ddpx.comm_hooks")
 
 __all__ = ["make", "register", "available", "ddp_options", "HookState", "hook"]
 
@@ -58,7 +58,7 @@ def _state_class(name: str) -> type:
 
 def ddp_options(name: str) -> dict:
     """``DistributedDataParallel`` keyword arguments hook `name` works best with,
-    e.g. ``DDP(model, **ddpx.hooks.ddp_options("int8"))``
+    e.g. ``DDP(model, **ddpx.comm_hooks.ddp_options("int8"))``
     (``{"gradient_as_bucket_view": True, "bucket_cap_mb": 4.0}``). The ddpx
     trainer applies them itself."""
     cls = _state_class(name)
@@ -122,6 +122,6 @@ def register(ddp_model, name: str, native: bool = True, **options) -> HookState:
             return state
     if native and reason not in _FALLBACK_LOGGED:
         _FALLBACK_LOGGED.add(reason)
-        log.warning("ddpx.hooks.register(%r): using the Python hook: %s", name, reason)
+        log.warning("ddpx.comm_hooks.register(%r): using the Python hook: %s", name, reason)
     ddp_model.register_comm_hook(state, hook)
     return state

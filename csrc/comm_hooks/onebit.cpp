@@ -1,11 +1,11 @@
-// Native twin of ddpx/hooks/onebit.py: 1-bit signs with one scale per chunk,
+// Native twin of ddpx/comm_hooks/onebit.py: 1-bit signs with one scale per chunk,
 // all-to-all + local fp32 average + re-pack + all-gather, worker and server
 // error feedback, pipelined across buckets by TwoPhaseAlgorithm. Same layout
 // objects, same tensors, same results.
-#include "hooks/native_hook.h"
+#include "comm_hooks/native_hook.h"
 #include "ops/ops.h"
 
-namespace ddpx::hooks {
+namespace ddpx::comm_hooks {
 namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -138,4 +138,4 @@ class Onebit final : public TwoPhaseAlgorithm {
 
 }  // namespace
 DDPX_REGISTER_NATIVE_HOOK("onebit", Onebit);
-}  // namespace ddpx::hooks
+}  // namespace ddpx::comm_hooks

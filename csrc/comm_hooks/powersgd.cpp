@@ -1,4 +1,4 @@
-// Native twin of ddpx/hooks/powersgd.py: rank-r PowerSGD with error feedback and
+// Native twin of ddpx/comm_hooks/powersgd.py: rank-r PowerSGD with error feedback and
 // warm start, pipelined across buckets by TwoPhaseAlgorithm. Same layout
 // objects, same tensors, same calls, same results. The "error" memory holds
 // the last step's full sum M and "p" its P; the error M - P Q^T is applied
@@ -8,10 +8,10 @@
 
 #include <unordered_map>
 
-#include "hooks/native_hook.h"
+#include "comm_hooks/native_hook.h"
 #include "ops/ops.h"
 
-namespace ddpx::hooks {
+namespace ddpx::comm_hooks {
 namespace {
 
 class PowerSGD final : public TwoPhaseAlgorithm {
@@ -122,4 +122,4 @@ class PowerSGD final : public TwoPhaseAlgorithm {
 
 }  // namespace
 DDPX_REGISTER_NATIVE_HOOK("powersgd", PowerSGD);
-}  // namespace ddpx::hooks
+}  // namespace ddpx::comm_hooks

@@ -3,7 +3,7 @@
 A hook is a ``HookState`` subclass: it declares its options, builds one
 ``BucketLayout`` per DDP bucket (which parameter slices are compressed, which
 travel uncompressed, the preallocated wire buffers) and runs one bucket in
-``run_bucket``. The native C++ hook (csrc/hooks/) runs the same algorithm on
+``run_bucket``. The native C++ hook (csrc/comm_hooks/) runs the same algorithm on
 the same layout objects and tensors, so both paths give identical results and
 ``state_dict()`` sees the same memory.
 
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..errors import DdpxError
 
-log = logging.getLogger("ddpx.hooks")
+log = logging.getLogger("ddpx.comm_hooks")
 
 STATE_DICT_VERSION = 1
 
@@ -232,7 +232,7 @@ class HookState:
         self.memory: dict[str, dict[int, torch.Tensor]] = {m: {} for m in self.memories}
         self._worker: SerialWorker | None = None
         self._worker_group = None
-        self.native = False  # set by ddpx.hooks.register when the C++ hook runs it
+        self.native = False  # set by ddpx.comm_hooks.register when the C++ hook runs it
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------- options
@@ -346,7 +346,7 @@ class HookState:
     def worker_group(self):
         """The private process group of the worker's collectives (same ranks as
         ``process_group``); created on first use, which is the same point on
-        every rank (the first compressed bucket, or ``ddpx.hooks.register``)."""
+        every rank (the first compressed bucket, or ``ddpx.comm_hooks.register``)."""
         if self._worker_group is None:
             group = self.process_group
             self._worker_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
@@ -394,7 +394,7 @@ class HookState:
                             f"{sd.get('version') if isinstance(sd, dict) else None}, expected {STATE_DICT_VERSION})")
         if sd.get("name") != self.name:
             raise DdpxError(f"comm hook state dict is for {sd.get('name')!r}, not {self.name!r}; "
-                            f"load it into ddpx.hooks.make({sd.get('name')!r})")
+                            f"load it into ddpx.comm_hooks.make({sd.get('name')!r})")
         saved = sd["counters"].reshape(-1)[: self.counters.numel()]
         self.counters.zero_()[: saved.numel()].copy_(saved)
         world = self.world_size if dist.is_initialized() else None
@@ -432,7 +432,7 @@ class HookState:
 
     def __repr__(self):
         opts = ", ".join(f"{k}={v!r}" for k, v in self.opts.items())
-        return f"ddpx.hooks.make({self.name!r}{', ' if opts else ''}{opts})"
+        return f"ddpx.comm_hooks.make({self.name!r}{', ' if opts else ''}{opts})"
 
 
 class LossyState(HookState):

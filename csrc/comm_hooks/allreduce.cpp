@@ -1,7 +1,7 @@
-// Native twin of ddpx/hooks/allreduce.py: exact fp32 average.
-#include "hooks/native_hook.h"
+// Native twin of ddpx/comm_hooks/allreduce.py: exact fp32 average.
+#include "comm_hooks/native_hook.h"
 
-namespace ddpx::hooks {
+namespace ddpx::comm_hooks {
 namespace {
 
 class Allreduce final : public NativeAlgorithm {
@@ -12,4 +12,4 @@ class Allreduce final : public NativeAlgorithm {
 
 }  // namespace
 DDPX_REGISTER_NATIVE_HOOK("allreduce", Allreduce);
-}  // namespace ddpx::hooks
+}  // namespace ddpx::comm_hooks

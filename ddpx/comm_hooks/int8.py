@@ -10,7 +10,7 @@ int8 codes are not summable, so the bucket is reduced by hand in two phases:
    ``all_gather_single`` gives every rank every averaged chunk, which is
    dequantized into the bucket.
 
-Buckets are pipelined on the worker (ddpx/hooks/twophase.py): bucket i's
+Buckets are pipelined on the worker (ddpx/comm_hooks/twophase.py): bucket i's
 quantize and all-to-all start before bucket i-1's reduce and all-gather, and
 bucket i-2 is decoded only then, so the link has the next collective queued
 while the CPU codes a neighbour. The order is fixed (A2A 0, A2A 1, AG 0,
@@ -38,7 +38,7 @@ class Int8State(TwoPhaseState):
     """Blockwise int8 with worker and server error feedback.
 
     ``piece_mb`` (default 2): a bucket is coded, sent and decoded in pieces of
-    about this many MB of fp32 gradient, pipelined (ddpx/hooks/twophase.py),
+    about this many MB of fp32 gradient, pipelined (ddpx/comm_hooks/twophase.py),
     so DDP's default 25 MB buckets do not leave the link idle while a whole
     bucket is quantized. A piece is the same range of whole blocks of every
     rank's chunk of the unsplit bucket: blocks, codes, error memory and results

@@ -1,13 +1,13 @@
-#include "hooks/bindings.h"
+#include "comm_hooks/bindings.h"
 
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
-#include "hooks/native_hook.h"
+#include "comm_hooks/native_hook.h"
 
 namespace py = pybind11;
 
-namespace ddpx::hooks {
+namespace ddpx::comm_hooks {
 void bind(pybind11::module_& m) {
   m.attr("has_native_hooks") = true;
   m.def("native_hook_kinds", &algorithm_kinds, "The native algorithms built into this extension.");
@@ -24,7 +24,7 @@ void bind(pybind11::module_& m) {
         reducer.register_comm_hook(std::make_unique<NativeHook>(std::move(core)));
       },
       py::arg("reducer"), py::arg("process_group"), py::arg("worker_group"), py::arg("state"), py::arg("kind"),
-      "Register the native ddpx comm hook `kind` on a DDP reducer; `state` is the Python ddpx.hooks state that "
+      "Register the native ddpx comm hook `kind` on a DDP reducer; `state` is the Python ddpx.comm_hooks state that "
       "owns options, counters and buffers.");
 }
-}  // namespace ddpx::hooks
+}  // namespace ddpx::comm_hooks
