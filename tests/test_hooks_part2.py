@@ -4,7 +4,6 @@ several buckets in flight (where torch 2.13's powerSGD_hook crashes)."""
 
 import copy
 import logging
-import warnings
 
 import pytest
 import torch
@@ -147,24 +146,18 @@ def _scenarios(rank, world):
     return res
 
 
-def _many_buckets(rank, world, use_torch):
+def _many_buckets(rank, world):
     """Five steps of an 8 x Linear(512, 512) model in 1 MB buckets (several in flight)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
     ddp = DDP(model, bucket_cap_mb=1)
-    if use_torch:
-        state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, torch_powersgd.powerSGD_hook)
-    else:
-        ddpx.comm_hooks.register(ddp, "powersgd", native=False, rank=4, warmup_steps=2)
+    ddpx.comm_hooks.register(ddp, "powersgd", native=False, rank=4, warmup_steps=2)
     x = torch.randn(32, 512, generator=torch.Generator().manual_seed(rank))
     for _ in range(5):
         model.zero_grad()
         ddp(x).square().mean().backward()
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    return {"grads": grads, "buckets": None if use_torch else len(ddp.reducer._get_zeros_like_grad_buckets())}
+    return {"grads": grads, "buckets": len(ddp.reducer._get_zeros_like_grad_buckets())}
 
 
 def _powersgd_steps(rank, world):
@@ -307,20 +300,13 @@ def test_world_size_change_on_load_warns_and_resets(results, name):
 
 
 @pytest.mark.slow
-def test_powersgd_runs_with_several_buckets_on_gloo_where_torch_fails(ranks):
-    ours = ranks.call(_many_buckets, world_size=2, args=(False,), timeout=90)
+def test_powersgd_runs_with_several_buckets_on_gloo(ranks):
+    """Where torch's own powerSGD_hook fails on gloo with several buckets (a rank left
+    waiting; benchmarks/bench_comm.py reports it as FAILED in its table)."""
+    ours = ranks.call(_many_buckets, world_size=2, timeout=90)
     assert ours[0]["buckets"] >= 3
     assert torch.equal(ours[0]["grads"], ours[1]["grads"])
     assert torch.isfinite(ours[0]["grads"]).all()
-    # torch's own hook, for the record only (so a fixed torch does not fail this test)
-    try:
-        theirs = ranks.call(_many_buckets, world_size=2, args=(True,), timeout=20)
-        outcome = "ran; replicas " + ("identical" if torch.equal(theirs[0]["grads"], theirs[1]["grads"])
-                                      else "DIFFER")
-    except AssertionError as exc:  # a crash, or a rank left waiting for a mismatched collective
-        lines = [line for line in str(exc).splitlines() if "what()" in line or "Error" in line]
-        outcome = "failed: " + (lines[0].strip() if lines else str(exc).splitlines()[0])
-    warnings.warn(f"torch {torch.__version__} powerSGD_hook, gloo, several buckets: {outcome}")
 
 
 def test_options_validated():

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -298,12 +297,12 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
 
 def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
     """One rank of ``ddpx bench comm`` (inside torchrun)."""
-    from .. import distributed
     from ..config import load_config
     from ..trainer import Trainer
 
     config = load_config(config_path, overrides)
     trainer = Trainer(config)
+    error = None
     try:
         trainer.setup()
         hooks_env = os.environ.get(ENV_HOOKS)
@@ -318,11 +317,11 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
                     json.dump(payload, f)
             else:
                 print(format_report(m, advice), flush=True)
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
-        # drop the DDP wrapper first: a reducer outliving its gloo group can abort the exit
-        trainer.model = None
-        gc.collect()
-        distributed.teardown()
+        trainer.close(error)
     return 0
 
 
