@@ -6,35 +6,14 @@ import os
 
 import pytest
 import torch
+from sample_plugins import NAN_FROM_ENV, SCORES_ENV
 
-from ddpx import hookimpl
 from ddpx.checkpoint import CheckpointDirectory
 from ddpx.errors import TrainingDiverged
 from ddpx.trainer import Trainer
 
-NAN_FROM_ENV = "DDPX_TEST_NAN_FROM_STEP"
-SCORES_ENV = "DDPX_TEST_SCORES"
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-
-
-class NanLossFromStep:
-    """The loss turns NaN from the optimizer step named in DDPX_TEST_NAN_FROM_STEP on."""
-
-    @hookimpl(wrapper=True)
-    def ddpx_forward(self, trainer, batch):
-        loss = yield
-        if trainer.global_step >= int(os.environ[NAN_FROM_ENV]):
-            return loss * float("nan")
-        return loss
-
-
-class ScriptedScore:
-    """Adds ``score`` to each epoch's metrics from the list in DDPX_TEST_SCORES."""
-
-    @hookimpl(tryfirst=True)
-    def ddpx_epoch_end(self, trainer, epoch, metrics):
-        metrics["score"] = json.loads(os.environ[SCORES_ENV])[epoch]
 
 
 def checkpoints(tmp_path):
@@ -50,7 +29,7 @@ def assert_finite_checkpoint(path):
     return state
 
 
-NAN = "plugins.enable=[test_divergence.NanLossFromStep]"
+NAN = "plugins.enable=[sample_plugins.NanLossFromStep]"
 
 
 def test_nan_loss_stops_one_rank_run_and_keeps_the_finite_checkpoints(make_config, tmp_path, monkeypatch):
@@ -118,7 +97,7 @@ def read_epoch_lines(tmp_path):
 def test_best_checkpoints_by_metric_survive_rotation_and_a_restart(make_config, tmp_path, monkeypatch, capfd):
     scores = [0.1, 0.9, 0.3, 0.5, 0.95, 0.2, 0.1, 0.0]
     monkeypatch.setenv(SCORES_ENV, json.dumps(scores))
-    common = ["plugins.enable=[test_divergence.ScriptedScore]", "checkpoint.monitor=score", "checkpoint.keep=1",
+    common = ["plugins.enable=[sample_plugins.ScriptedScore]", "checkpoint.monitor=score", "checkpoint.keep=1",
               "checkpoint.keep_best=2", "trainer.eval_every_epochs=0"]
     Trainer(make_config("trainer.epochs=4", *common)).run()
     directory = checkpoints(tmp_path)
@@ -185,7 +164,7 @@ def test_lr_too_high_from_the_first_step_writes_no_checkpoint(ranks, tmp_path):
 def test_early_stopping_on_two_ranks_resumes_in_the_middle_of_its_patience(ranks, tmp_path):
     # best 0.9 at epoch 2, then no improvement: with patience 3 the run stops after epoch 5.
     env = {SCORES_ENV: json.dumps([0.1, 0.5, 0.9, 0.8, 0.85, 0.7, 0.95, 0.99, 1.0, 1.0])}
-    common = ["plugins.enable=[test_divergence.ScriptedScore]", "early_stopping.monitor=score",
+    common = ["plugins.enable=[sample_plugins.ScriptedScore]", "early_stopping.monitor=score",
               "early_stopping.patience=3", "trainer.eval_every_epochs=0"]
     code, _, err = cli(ranks, tmp_path, "trainer.epochs=5", *common, env=env)  # ends after epoch 4 with wait 2
     assert code == 0, err

@@ -265,16 +265,8 @@ def test_exceptions_carry_the_plugin_that_raised_them():
     assert raised_by(pm, info.value) is None  # not from a hook
 
 
-class RaisesAtEpochStart:
-    from ddpx import hookimpl
-
-    @hookimpl
-    def ddpx_epoch_start(self, trainer, epoch):
-        raise RuntimeError("broken on purpose")
-
-
 def test_every_run_names_the_plugin_that_raised(make_config, capfd):
-    name = "tests.test_plugin_system.RaisesAtEpochStart"
+    name = "sample_plugins.RaisesAtEpochStart"
     with pytest.raises(RuntimeError, match="broken on purpose") as info:
         Trainer(make_config("trainer.epochs=1", f"plugins.enable=[{name}]")).run()
     assert origin(info.value) == (name, "ddpx_epoch_start")

@@ -1,53 +1,20 @@
 """Calls scheduled with ``trainer.call_at_step`` and the trainer's loss windows:
 the way plugins act now and then without a per-step hook."""
 
-import importlib
 import json
 
 import pytest
 
+import sample_plugins
 from ddpx.trainer import Trainer
 
 NO_EVAL = "trainer.eval_every_epochs=0"  # these runs do not evaluate
-EVENTS: list = []  # what the plugins below saw, in order
-
-
-def _events():
-    return importlib.import_module("tests.test_scheduled_calls").EVENTS  # the plugins' module
-
-
-class Scheduler:
-    """Schedules calls at train start; records them and every batch end."""
-
-    from ddpx import hookimpl
-
-    @hookimpl
-    def ddpx_train_start(self, trainer):
-        events = _events()
-
-        def call(name, again_at=None):
-            def callback(t):
-                events.append(("call", name, t.global_step, t.batch_index))
-                if again_at is not None:
-                    t.call_at_step(again_at(t), call(name + "-again"))
-            return callback
-
-        trainer.call_at_step(3, call("b"))
-        trainer.call_at_step(1, call("c"))
-        trainer.call_at_step(3, call("a", again_at=lambda t: t.global_step))  # a step already reached
-        trainer.call_at_step(7, call("late"))
-        trainer.call_at_step(100, call("never"))  # after max_steps
-
-    @hookimpl
-    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
-        _events().append(("batch_end", batch_index, trainer.global_step))
-
 
 def test_calls_run_at_optimizer_step_boundaries_in_the_order_scheduled(make_config, tmp_path):
-    events = _events()
+    events = sample_plugins.EVENTS
     events.clear()
     Trainer(make_config(NO_EVAL, "trainer.epochs=1", "trainer.max_steps=8", "accumulation.steps=2",
-                        "checkpoint.enabled=false", "plugins.enable=[tests.test_scheduled_calls.Scheduler]")).run()
+                        "checkpoint.enabled=false", "plugins.enable=[sample_plugins.Scheduler]")).run()
     calls = [event[1:] for event in events if event[0] == "call"]
     # (name, global_step, batch index): steps end on odd batches with 2 micro-batches per step
     assert calls == [("c", 1, 1), ("b", 3, 5), ("a", 3, 5), ("a-again", 4, 7), ("late", 7, 13)]
@@ -56,25 +23,17 @@ def test_calls_run_at_optimizer_step_boundaries_in_the_order_scheduled(make_conf
     assert events[at - 1] == ("batch_end", 5, 3) and events[at + 2] == ("batch_end", 6, 3)
 
 
-class LossRecorder:
-    from ddpx import hookimpl
-
-    @hookimpl
-    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
-        _events().append((trainer.epoch, trainer.global_step, stepped, loss.item()))
-
-
 @pytest.mark.parametrize("fold", [4096, 4])  # 4: the trainer folds kept losses many times an epoch
 def test_step_lines_and_epoch_losses_are_exact_means_of_the_micro_batch_losses(make_config, tmp_path, monkeypatch, capfd, fold):
     import ddpx.losses
 
     monkeypatch.setattr(ddpx.losses, "FOLD_AT", fold)
-    events = _events()
+    events = sample_plugins.EVENTS
     events.clear()
     # 45 micro-batches an epoch, 3 per step: 15 steps an epoch; a step line every 4 steps spans epochs
     metrics = Trainer(make_config(NO_EVAL, "trainer.epochs=2", "accumulation.steps=3", "logging.every_steps=4",
                                   "logging.progress=true", "checkpoint.enabled=false",
-                                  "plugins.enable=[tests.test_scheduled_calls.LossRecorder]")).run()
+                                  "plugins.enable=[sample_plugins.LossRecorder]")).run()
     assert len(events) == 90 and sum(stepped for _, _, stepped, _ in events) == 30
 
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

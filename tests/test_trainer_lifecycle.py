@@ -1,13 +1,13 @@
 """The trainer's run lifecycle: max_steps and resume, stop signals, what a run leaves behind."""
 
-import importlib
 import logging
-import os
 import signal
 
 import pytest
 import torch
 import torch.distributed as dist
+
+import sample_plugins
 
 from ddpx.trainer import Trainer, TrainingStopped
 
@@ -54,21 +54,10 @@ def test_a_run_restores_the_logger_and_signal_handlers(make_config, tmp_path):
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
 
-class SigtermAtBatch:
-    """Sends this process SIGTERM at the end of batch 2."""
-
-    from ddpx import hookimpl
-
-    @hookimpl
-    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
-        if batch_index == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_sigterm_stops_the_run_cleanly(make_config, tmp_path, checkpoint, capfd):
     previous = signal.getsignal(signal.SIGTERM)
-    overrides = ["trainer.epochs=2", "plugins.enable=[tests.test_trainer_lifecycle.SigtermAtBatch]"]
+    overrides = ["trainer.epochs=2", "plugins.enable=[sample_plugins.SigtermAtBatch]"]
     overrides.append("checkpoint.stop_check_every=5" if checkpoint else "plugins.block=[checkpoint]")
     trainer = None
     with pytest.raises(TrainingStopped) as stopped:
@@ -90,42 +79,12 @@ def test_sigterm_stops_the_run_cleanly(make_config, tmp_path, checkpoint, capfd)
     assert torch.is_grad_enabled()
 
 
-# Batch-end implementations in pluggy's three orderings, two of them taking a
-# subset of the hook's arguments in another order than the hookspec's.
-BATCH_END_CALLS: list = []
-
-
-class FirstAtBatchEnd:
-    from ddpx import hookimpl
-
-    @hookimpl(tryfirst=True)
-    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
-        BATCH_END_CALLS.append(("first", batch_index, stepped, trainer.global_step, round(float(loss), 6)))
-
-
-class SubsetAtBatchEnd:
-    from ddpx import hookimpl
-
-    @hookimpl
-    def ddpx_batch_end(self, stepped, trainer):
-        BATCH_END_CALLS.append(("subset", stepped, trainer.global_step))
-
-
-class LastAtBatchEnd:
-    from ddpx import hookimpl
-
-    @hookimpl(trylast=True)
-    def ddpx_batch_end(self, loss, batch_index):
-        BATCH_END_CALLS.append(("last", batch_index, round(float(loss), 6)))
-
-
 def test_batch_end_fast_path_calls_what_pluggy_calls(make_config, tmp_path):
     """Without tracing the trainer calls batch-end implementations itself; with
     tracing, through pluggy. Both must call the same functions, in the same
     order, with the same arguments."""
-    plugins = "plugins.enable=[tests.test_trainer_lifecycle.LastAtBatchEnd,tests.test_trainer_lifecycle." \
-              "SubsetAtBatchEnd,tests.test_trainer_lifecycle.FirstAtBatchEnd]"
-    recorded = importlib.import_module("tests.test_trainer_lifecycle").BATCH_END_CALLS  # the plugins' module
+    plugins = "plugins.enable=[sample_plugins.LastAtBatchEnd,sample_plugins.SubsetAtBatchEnd,sample_plugins.FirstAtBatchEnd]"
+    recorded = sample_plugins.EVENTS
     sequences = {}
     for trace in (False, True):
         recorded.clear()
