@@ -375,6 +375,26 @@ def test_register_falls_back_to_python_and_says_why(caplog):
     assert "using the Python hook: NoReducer has no DDP reducer" in caplog.text
 
 
+@pytest.mark.parametrize("name,options,warned", [("onebit", {}, True), ("onebit", {"min_numel": 1024}, False),
+                                                  ("int8", {}, False), ("fp16", {}, False)])
+def test_register_says_when_no_parameter_would_be_compressed(caplog, name, options, warned):
+    """onebit's default min_numel (16384) exempts every matrix of a 64 x 128 MLP."""
+    class SmallDDP(torch.nn.Module):
+        process_group = None
+
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 10))
+
+        def register_comm_hook(self, state, hook):
+            pass
+
+    with caplog.at_level(logging.WARNING, logger="ddpx.comm_hooks"):
+        ddpx.comm_hooks.register(SmallDDP(), name, native=False, **options)
+    said = "no parameter of this model is compressed (the largest has 8192 elements, min_numel is 16384)"
+    assert (said in caplog.text) is warned, caplog.text
+
+
 # ------------------------------------------------------- netns benchmark
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_comm.py")
 

@@ -20,6 +20,8 @@ import importlib
 import logging
 import pkgutil
 
+import torch
+
 from ..errors import DdpxError
 from .base import HookState, hook
 
@@ -82,6 +84,20 @@ def make(name: str, process_group=None, **options):
     return make_state(name, process_group, **options), hook
 
 
+def _warn_if_nothing_compresses(ddp_model, state) -> None:
+    """A lossy hook whose options exempt every parameter of the model (small matrices
+    under ``min_numel``) sends plain fp32 and compresses nothing: say so."""
+    module = getattr(ddp_model, "module", None)
+    if not state.lossy or not isinstance(module, torch.nn.Module):
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params or any(state.compressible(p) for p in params):
+        return
+    log.warning("ddpx.comm_hooks.register(%r): no parameter of this model is compressed (the largest has %d "
+                "elements, min_numel is %d): every gradient travels as plain fp32; lower min_numel to compress "
+                "smaller matrices", state.name, max(p.numel() for p in params), state.min_numel)
+
+
 def _native_unavailable(ddp_model, state) -> str | None:
     """Why the native hook cannot be used here, or None."""
     if state.native_kind is None:
@@ -107,6 +123,7 @@ def register(ddp_model, name: str, native: bool = True, **options) -> HookState:
     instead and the reason is logged once.
     """
     state = make_state(name, getattr(ddp_model, "process_group", None), **options)
+    _warn_if_nothing_compresses(ddp_model, state)
     reason = _native_unavailable(ddp_model, state) if native else "native=False"
     if reason is None:
         from .. import _C
