@@ -175,10 +175,10 @@ def worker(args):
         state = None
         try:
             if kind == "ddpx":
-                hook_name, options = _parse_spec(name)
-                if "warmup_steps" in ddpx.comm_hooks.make_state(hook_name).options:
-                    options.setdefault("warmup_steps", 0)  # time the compressed path, not the warm-up
-                state = ddpx.comm_hooks.register(ddp, hook_name, native=native, **options)
+                hook_name, hook_options = _parse_spec(name)
+                # time the compressed path, not the warm-up (unless the spec sets warmup_steps)
+                hook_options = {**ddpx.comm_hooks.without_warmup(hook_name), **hook_options}
+                state = ddpx.comm_hooks.register(ddp, hook_name, native=native, **hook_options)
                 entry["native"] = state.native
             elif kind == "noop":
                 ddp.register_comm_hook(None, _noop_hook)

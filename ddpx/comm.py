@@ -221,8 +221,7 @@ def _codec(compression, tensors, op, process_group):
                              "create it with ddpx.comm_hooks.make(name, process_group=...) instead of passing both")
     elif isinstance(compression, str) and compression in comm_hooks.available():
         # a fused call is not a training step: no warm-up of plain allreduce
-        warm = {"warmup_steps": 0} if "warmup_steps" in comm_hooks._state_class(compression).options else {}
-        state = comm_hooks.make_state(compression, process_group, **warm)
+        state = comm_hooks.make_state(compression, process_group, **comm_hooks.without_warmup(compression))
     else:
         raise ValueError(f"ddpx.comm.fused_allreduce: unknown compression {compression!r}; use None or one of "
                          f"{comm_hooks.available()} (or a state from ddpx.comm_hooks.make)")

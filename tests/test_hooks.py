@@ -156,6 +156,14 @@ def test_available_names():
     assert {"allreduce", "fp16", "bf16", "int8"} <= set(ddpx.comm_hooks.available())
 
 
+def test_without_warmup_makes_a_hook_compress_from_its_first_step():
+    assert ddpx.comm_hooks.without_warmup("onebit") == {"warmup_steps": 0}
+    assert ddpx.comm_hooks.make("powersgd", **ddpx.comm_hooks.without_warmup("powersgd"))[0].warming_up() is False
+    assert ddpx.comm_hooks.without_warmup("allreduce") == {}  # it has no warm-up
+    with pytest.raises(DdpxError, match="unknown comm hook 'nope'"):
+        ddpx.comm_hooks.without_warmup("nope")
+
+
 def test_old_import_path_gives_the_same_modules():
     import ddpx.hooks
     import ddpx.hooks.int8

@@ -227,12 +227,6 @@ def _step_fn(ddp, loss_fn, batch, accumulation: int, communicate: bool):
     return step
 
 
-def _hook_options(hooks, name) -> dict:
-    """Measure the compressed path itself: no warm-up of plain allreduce."""
-    probe = hooks.make_state(name)
-    return {"warmup_steps": 0} if "warmup_steps" in getattr(probe, "options", {}) else {}
-
-
 def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5) -> Measurement:
     """Every rank: link, compute and per-hook step times for ``trainer``'s model and batch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -277,7 +271,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
         ddp = fresh_ddp([hooks.ddp_options(name)] if name in hooks.available() else [])  # else: fails below
         step = _step_fn(ddp, trainer.loss_fn, batch, accumulation, True)
         try:  # a hook that fails here fails the same way on every rank
-            state = hooks.register(ddp, name, native=native, **_hook_options(hooks, name))
+            state = hooks.register(ddp, name, native=native, **hooks.without_warmup(name))
             step()  # one step to learn the bytes the hook sends per step
         except Exception as exc:  # noqa: BLE001 - reported in the table, the other hooks still run
             m.hooks.append(HookTiming(name, 0, 0.0, None, f"{type(exc).__name__}: {exc}"[:200]))
@@ -288,7 +282,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
         # the same hook as a plain script gets it: DDP(model) (only the config's own options)
         ddp = fresh_ddp()
         step = _step_fn(ddp, trainer.loss_fn, batch, accumulation, True)
-        state = hooks.register(ddp, name, native=native, **_hook_options(hooks, name))
+        state = hooks.register(ddp, name, native=native, **hooks.without_warmup(name))
         defaults = _time_steps(step, steps, device, warmup=2)
         m.hooks.append(HookTiming(name, wire, predict_step_s(compute_s, wire, link), seconds, defaults_s=defaults))
         del ddp, state
@@ -301,9 +295,7 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
     from ..trainer import Trainer
 
     config = load_config(config_path, overrides)
-    trainer = Trainer(config)
-    error = None
-    try:
+    with Trainer(config) as trainer:  # close() on every exit path
         trainer.setup()
         hooks_env = os.environ.get(ENV_HOOKS)
         names = [n for n in hooks_env.split(",") if n] if hooks_env else None
@@ -317,11 +309,6 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
                     json.dump(payload, f)
             else:
                 print(format_report(m, advice), flush=True)
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        trainer.close(error)
     return 0
 
 

@@ -27,7 +27,7 @@ from .base import HookState, hook
 
 log = logging.getLogger("ddpx.comm_hooks")
 
-__all__ = ["make", "register", "available", "ddp_options", "HookState", "hook"]
+__all__ = ["make", "register", "available", "ddp_options", "without_warmup", "HookState", "hook"]
 
 _REGISTRY: dict[str, type] | None = None
 _FALLBACK_LOGGED: set[str] = set()
@@ -68,6 +68,13 @@ def ddp_options(name: str) -> dict:
     if cls.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = cls.bucket_cap_mb
     return options
+
+
+def without_warmup(name: str) -> dict:
+    """Options that make hook `name` compress from its first step (``{"warmup_steps": 0}``
+    where it warms up, else none): for one-off calls, checks and timings, which are not
+    training steps."""
+    return {"warmup_steps": 0} if "warmup_steps" in _state_class(name).options else {}
 
 
 def make_state(name: str, process_group=None, **options) -> HookState:

@@ -116,7 +116,7 @@ def _hook_consistency(name: str, rank: int, world: int, native: bool) -> tuple[s
     model.zero_grad()
     ddp = DDP(model, bucket_cap_mb=0.1)  # several buckets, the case that breaks naive hooks
     # check the compressed path itself, not the hook's warm-up of plain allreduce
-    warm = {"warmup_steps": 0} if "warmup_steps" in ddpx.comm_hooks.make_state(name).options else {}
+    warm = ddpx.comm_hooks.without_warmup(name)
     if native:
         state = ddpx.comm_hooks.register(ddp, name, native=True, **warm)
         if not getattr(state, "native", False):
