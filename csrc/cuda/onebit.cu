@@ -1,7 +1,15 @@
 // CUDA kernels: 1-bit sign packing with one mean|v| scale per chunk (+ error
-// feedback) and the fused unpack-and-sum over ranks. Bits and residuals match
-// csrc/cpu/onebit_kernel.cpp exactly given the same scale; the scale's sum is
-// a tree reduction here, so it may differ from the CPU's by a few ulp.
+// feedback), the fused unpack-and-sum over ranks, and the 1-bit hook's phase 2
+// (average, add the server error, pack) in one pass. Same ops in the same
+// order as csrc/cpu/onebit_kernel.cpp, each its own _rn op, so bits, scales
+// and residuals match the CPU bit for bit -- the mean|v| included:
+//
+// The CPU sums |v| of a chunk in 16 fixed lanes (lane j: elements j, j + 16,
+// j + 32, ... in order) and then adds the lanes pairwise (j += j + 8, then
+// + 4, + 2, + 1). Here a chunk belongs to a group of 16 lanes of one warp and
+// lane j holds exactly the elements of CPU lane j, summed in the same order;
+// the pairwise step is four shuffles. Loads are 4-byte scalars (coalesced: the
+// 16 lanes read 64 contiguous bytes per step), which that layout needs.
 #include <cuda_runtime.h>
 
 #include "cuda/common.cuh"
@@ -10,91 +18,221 @@
 namespace ddpx::cuda {
 namespace {
 
-__device__ __forceinline__ float load_v(const float* x, const float* err, int64_t i, bool with_error) {
-  return with_error ? __fadd_rn(x[i], err[i]) : x[i];
-}
+constexpr int kLanes = 16;  // the CPU's fixed summation lanes (csrc/cpu/onebit_kernel.cpp)
+static_assert(kWarp % kLanes == 0, "a chunk's lanes share one warp");
 
-// One group of G threads (G >= 8, a multiple of 8) per chunk: at step k, lane
-// l holds element k * G + l, so each aligned run of 8 lanes owns one byte and
-// a warp ballot packs the signs.
-template <int G, bool kError>
-__global__ void __launch_bounds__(kThreads)
-    pack_kernel(const float* __restrict__ x, float* __restrict__ err, uint8_t* __restrict__ bits,
-                float* __restrict__ scales, int64_t n, int64_t chunk, int64_t nchunks) {
-  static_assert(G % 8 == 0, "a byte's 8 lanes must belong to one group");
-  __shared__ int smem_i[kThreads / 32];
-  __shared__ float smem_f[kThreads / 32];
-  constexpr int kGroups = kThreads / G;
-  const int group = threadIdx.x / G, lane = threadIdx.x % G;
-  const int warp_lane = threadIdx.x % 32;
-  const int64_t steps = ceil_div_device(chunk, G);
+// decoded = bit ? +s : -s (the CPU's +-1 * s, the same value).
+__device__ __forceinline__ float sign_value(uint8_t byte, int bit, float s) { return (byte >> bit) & 1u ? s : -s; }
+
+// The values a chunk packs: x itself...
+struct PlainSource {
+  const float* x;
+  // cache[k] = x[lo + lane + 16 k] for the elements of the chunk in the cache.
+  template <int K>
+  __device__ __forceinline__ void fill(float (&cache)[K], int64_t, int64_t lo, int64_t len, int lane) const {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t i = lane + static_cast<int64_t>(k) * kLanes;
+      cache[k] = i < len ? x[lo + i] : 0.0f;
+    }
+  }
+  __device__ __forceinline__ float value(int64_t, int64_t e) const { return x[e]; }
+};
+
+// ... or the average of R ranks' packed rows: alpha * (dec[0] + dec[1] + ...),
+// rows in order, as onebit_unpack_accumulate_ computes it.
+struct DecodeSource {
+  const uint8_t* bits;
+  int64_t b_row_stride;
+  const float* scales;
+  int64_t s_row_stride;
+  int64_t rows;
+  float alpha;
+
+  template <int K>
+  __device__ __forceinline__ void fill(float (&cache)[K], int64_t c, int64_t lo, int64_t len, int lane) const {
+#pragma unroll
+    for (int k = 0; k < K; ++k) cache[k] = 0.0f;
+    if (len <= 0) return;  // a group past the last chunk: no scales to read
+    for (int64_t r = 0; r < rows; ++r) {  // rows outside: each scale read once per chunk
+      const float s = scales[r * s_row_stride + c];
+      const uint8_t* br = bits + r * b_row_stride;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = lo + lane + static_cast<int64_t>(k) * kLanes;
+        if (e < lo + len) {
+          const float d = sign_value(br[e >> 3], static_cast<int>(e & 7), s);
+          cache[k] = r == 0 ? d : __fadd_rn(cache[k], d);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) cache[k] = __fmul_rn(alpha, cache[k]);
+  }
+  __device__ __forceinline__ float value(int64_t c, int64_t e) const {
+    float sum = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float d = sign_value(bits[r * b_row_stride + (e >> 3)], static_cast<int>(e & 7), scales[r * s_row_stride + c]);
+      sum = r == 0 ? d : __fadd_rn(sum, d);
+    }
+    return __fmul_rn(alpha, sum);
+  }
+};
+
+// One group of 16 lanes per chunk, K values per lane kept in registers between
+// the two passes (chunks of up to 16 K elements are read once; the rest of a
+// larger chunk is read again in pass 2).
+template <int K, bool kError, typename Source>
+__global__ void __launch_bounds__(kThreads, 2)  // at least 2 blocks per SM: <= 128 registers
+    pack_kernel(Source src, float* __restrict__ err, uint8_t* __restrict__ bits, float* __restrict__ scales,
+                int64_t n, int64_t chunk, int64_t nchunks) {
+  constexpr int kGroups = kThreads / kLanes;
+  const int group = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  const int warp_lane = threadIdx.x % kWarp;
+  const int64_t steps = ceil_div(chunk, kLanes);  // the same for every group: the ballots need the whole warp
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * kGroups; first < nchunks;
        first += static_cast<int64_t>(gridDim.x) * kGroups) {
     const int64_t c = first + group;
     const int64_t lo = c * chunk;
     const int64_t len = c < nchunks ? (chunk < n - lo ? chunk : n - lo) : 0;
-    const float* xc = x + lo;
     float* ec = kError ? err + lo : nullptr;
 
-    float cache[kCache];
+    // Pass 1: v = source (+ error); max|v| bits (NaN/Inf check) and this CPU
+    // lane's sum of |v|, in element order.
+    float cache[K];
+    src.fill(cache, c, lo, len, lane);
     int amax = 0;
     float sum = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t i = lane + static_cast<int64_t>(k) * G;
-      cache[k] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const int64_t i = lane + static_cast<int64_t>(k) * kLanes;
       if (i < len) {
-        cache[k] = load_v(xc, ec, i, kError);
+        if (kError) cache[k] = __fadd_rn(cache[k], ec[i]);
         amax = max(amax, abs_bits(cache[k]));
         sum = __fadd_rn(sum, fabsf(cache[k]));
       }
     }
-    for (int64_t i = lane + static_cast<int64_t>(kCache) * G; i < len; i += G) {
-      const float v = load_v(xc, ec, i, kError);
+    for (int64_t i = lane + static_cast<int64_t>(K) * kLanes; i < len; i += kLanes) {
+      float v = src.value(c, lo + i);
+      if (kError) v = __fadd_rn(v, ec[i]);
       amax = max(amax, abs_bits(v));
       sum = __fadd_rn(sum, fabsf(v));
     }
-    amax = group_reduce<G>(amax, MaxOp{}, smem_i);
-    sum = group_reduce<G>(sum, AddOp{}, smem_f);
+    amax = group_max<kLanes>(amax);
+#pragma unroll
+    for (int width = kLanes / 2; width > 0; width /= 2) {
+      sum = __fadd_rn(sum, __shfl_down_sync(0xffffffffu, sum, width, kLanes));
+    }
+    sum = __shfl_sync(0xffffffffu, sum, 0, kLanes);  // lane 0 holds the CPU's acc[0]
     const bool finite = amax < kNonFiniteAbsBits;
-    const float scale = finite ? __fdiv_rn(sum, static_cast<float>(len > 0 ? len : 1)) : __int_as_float(0x7fc00000);
+    const float scale = finite ? __fdiv_rn(sum, static_cast<float>(len > 0 ? len : 1)) : nan_float();
     if (lane == 0 && len > 0) scales[c] = scale;
 
-    // Every lane runs every step (the ballot needs the whole warp).
+    // Pass 2: at step k lane j holds element 16 k + j, so each aligned run of
+    // 8 lanes owns one byte and a warp ballot packs the signs (padding bits 0).
     auto emit = [&](float v, int64_t i) {
       const bool in = i < len;
       const unsigned mask = __ballot_sync(0xffffffffu, in && v >= 0.0f);
-      if (in && warp_lane % 8 == 0) bits[(lo + i) / 8] = static_cast<uint8_t>(mask >> warp_lane);
+      if (in && warp_lane % 8 == 0) bits[(lo + i) >> 3] = static_cast<uint8_t>(mask >> warp_lane);
       if (kError && in && finite) ec[i] = __fsub_rn(v, v >= 0.0f ? scale : -scale);
     };
 #pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      if (k < steps) emit(cache[k], lane + static_cast<int64_t>(k) * G);
+    for (int k = 0; k < K; ++k) {
+      if (k < steps) emit(cache[k], lane + static_cast<int64_t>(k) * kLanes);
     }
-    for (int64_t k = kCache; k < steps; ++k) {
-      const int64_t i = lane + k * G;
-      emit(i < len ? load_v(xc, ec, i, kError) : 0.0f, i);
+    for (int64_t k = K; k < steps; ++k) {
+      const int64_t i = lane + k * kLanes;
+      float v = 0.0f;
+      if (i < len) {
+        v = src.value(c, lo + i);
+        if (kError) v = __fadd_rn(v, ec[i]);
+      }
+      emit(v, i);
     }
   }
 }
 
-template <typename Index>
+// out = (accumulate ? out : 0) + alpha * (dec[0] + dec[1] + ...), rows in
+// order. A group of G lanes owns one chunk; each lane decodes kBytes bytes
+// (8 kBytes elements) of every row into registers, reading each rank's row
+// and scale once, then writes its elements (2 float4 per byte when aligned).
+constexpr int kBytesPerLane = 4;
+
+template <int G, bool kVecOut>
 __global__ void __launch_bounds__(kThreads)
     unpack_kernel(float* __restrict__ out, const uint8_t* __restrict__ bits, int64_t b_row_stride,
-                  const float* __restrict__ scales, int64_t s_row_stride, int64_t rows, Index n, Index chunk,
-                  float alpha, bool accumulate) {
-  for (Index i = static_cast<Index>(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += static_cast<Index>(gridDim.x) * kThreads) {
-    const Index c = i / chunk, byte = i / 8;
-    const unsigned bit = i % 8;
-    float s = scales[c];
-    float sum = (bits[byte] >> bit) & 1u ? s : -s;
-    for (int64_t r = 1; r < rows; ++r) {
-      s = scales[r * s_row_stride + c];
-      sum = __fadd_rn(sum, (bits[r * b_row_stride + byte] >> bit) & 1u ? s : -s);
+                  const float* __restrict__ scales, int64_t s_row_stride, int64_t rows, int64_t n, int64_t chunk,
+                  int64_t nchunks, float alpha, bool accumulate) {
+  constexpr int kGroups = kThreads / G, kSlab = G * kBytesPerLane * 8;
+  const int group = threadIdx.x / G, lane = threadIdx.x % G;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kGroups + group; c < nchunks;
+       c += static_cast<int64_t>(gridDim.x) * kGroups) {
+    const int64_t lo = c * chunk;
+    const int64_t len = chunk < n - lo ? chunk : n - lo;
+    for (int64_t slab = 0; slab < len; slab += kSlab) {
+      const int64_t slab_len = len - slab;
+      const int64_t first_byte = (lo + slab) >> 3;
+      float acc[kBytesPerLane][8];
+      for (int64_t r = 0; r < rows; ++r) {
+        const float s = scales[r * s_row_stride + c];
+        const uint8_t* br = bits + r * b_row_stride + first_byte;
+#pragma unroll
+        for (int k = 0; k < kBytesPerLane; ++k) {
+          const int u = lane + k * G;
+          if (static_cast<int64_t>(u) * 8 < slab_len) {
+            const uint8_t byte = br[u];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const float d = sign_value(byte, j, s);
+              acc[k][j] = r == 0 ? d : __fadd_rn(acc[k][j], d);
+            }
+          }
+        }
+      }
+      float* ob = out + lo + slab;
+#pragma unroll
+      for (int k = 0; k < kBytesPerLane; ++k) {
+        const int64_t i = static_cast<int64_t>(lane + k * G) * 8;
+        if (i >= slab_len) continue;
+        const bool whole = kVecOut && i + 8 <= slab_len;
+        float o[8];
+        if (accumulate) {
+          if (whole) {
+            VecIO<float, 8>::load(ob + i, o);
+          } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) o[j] = i + j < slab_len ? ob[i + j] : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float add = __fmul_rn(alpha, acc[k][j]);
+          o[j] = accumulate ? __fadd_rn(o[j], add) : add;
+        }
+        if (whole) {
+          VecIO<float, 8>::store(ob + i, o);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            if (i + j < slab_len) ob[i + j] = o[j];
+          }
+        }
+      }
     }
-    const float add = __fmul_rn(alpha, sum);
-    out[i] = accumulate ? __fadd_rn(out[i], add) : add;
+  }
+}
+
+// Chunks of up to 128 elements (the hooks' default) in 8 registers per lane,
+// up to 1024 in 64.
+template <bool kError, typename Source>
+void launch_pack(Source src, float* error, uint8_t* bits, float* scales, int64_t n, int64_t chunk,
+                 cudaStream_t stream) {
+  const int64_t nchunks = ceil_div(n, chunk);
+  const int64_t groups = kThreads / kLanes;
+  if (chunk <= 8 * kLanes) {
+    launch<pack_kernel<8, kError, Source>>(nchunks, groups, stream, src, error, bits, scales, n, chunk, nchunks);
+  } else {
+    launch<pack_kernel<64, kError, Source>>(nchunks, groups, stream, src, error, bits, scales, n, chunk, nchunks);
   }
 }
 
@@ -103,18 +241,20 @@ __global__ void __launch_bounds__(kThreads)
 cudaError_t onebit_pack(const float* x, float* error, uint8_t* bits, float* scales, int64_t n, int64_t chunk,
                         cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const int64_t nchunks = ceil_div(n, chunk);
-  const int g = group_size(chunk, 8);
-  auto launch = [&](auto group) {
-    constexpr int kG = decltype(group)::value;
-    const int grid = grid_for(nchunks, kThreads / kG);
-    if (error) {
-      pack_kernel<kG, true><<<grid, kThreads, 0, stream>>>(x, error, bits, scales, n, chunk, nchunks);
-    } else {
-      pack_kernel<kG, false><<<grid, kThreads, 0, stream>>>(x, nullptr, bits, scales, n, chunk, nchunks);
-    }
-  };
-  dispatch_group<8>(g, launch);
+  if (error) {
+    launch_pack<true>(PlainSource{x}, error, bits, scales, n, chunk, stream);
+  } else {
+    launch_pack<false>(PlainSource{x}, nullptr, bits, scales, n, chunk, stream);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t onebit_average_repack(const uint8_t* bits, int64_t b_row_stride, const float* scales,
+                                  int64_t s_row_stride, int64_t rows, float alpha, float* error, uint8_t* out_bits,
+                                  float* out_scales, int64_t n, int64_t chunk, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  launch_pack<true>(DecodeSource{bits, b_row_stride, scales, s_row_stride, rows, alpha}, error, out_bits, out_scales,
+                    n, chunk, stream);
   return cudaGetLastError();
 }
 
@@ -122,16 +262,19 @@ cudaError_t onebit_unpack_accumulate(float* out, const uint8_t* bits, int64_t b_
                                      int64_t s_row_stride, int64_t rows, int64_t n, int64_t chunk, float alpha,
                                      bool accumulate, cudaStream_t stream) {
   if (n == 0 || rows == 0) return cudaSuccess;
-  const int grid = grid_for(n, kThreads);
-  if (n <= INT32_MAX) {
-    unpack_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(out, bits, b_row_stride, scales, s_row_stride, rows,
-                                                          static_cast<uint32_t>(n),
-                                                          static_cast<uint32_t>(chunk < n ? chunk : n), alpha,
-                                                          accumulate);
-  } else {
-    unpack_kernel<int64_t><<<grid, kThreads, 0, stream>>>(out, bits, b_row_stride, scales, s_row_stride, rows, n,
-                                                         chunk, alpha, accumulate);
-  }
+  const int64_t nchunks = ceil_div(n, chunk);
+  const bool vec_out = aligned_to(16, out);  // chunks start on multiples of 8 elements: 32 bytes
+  dispatch_lanes(lanes_for(chunk, 8 * kBytesPerLane), [&](auto lanes) {
+    constexpr int kG = decltype(lanes)::value;
+    const int64_t groups = kThreads / kG;
+    if (vec_out) {
+      launch<unpack_kernel<kG, true>>(nchunks, groups, stream, out, bits, b_row_stride, scales, s_row_stride, rows,
+                                      n, chunk, nchunks, alpha, accumulate);
+    } else {
+      launch<unpack_kernel<kG, false>>(nchunks, groups, stream, out, bits, b_row_stride, scales, s_row_stride, rows,
+                                       n, chunk, nchunks, alpha, accumulate);
+    }
+  });
   return cudaGetLastError();
 }
 

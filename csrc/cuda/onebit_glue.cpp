@@ -1,9 +1,12 @@
-// CUDA registrations of onebit_pack_out / onebit_unpack_accumulate_ (kernels in onebit.cu).
+// CUDA registrations of onebit_pack_out / onebit_unpack_accumulate_ / onebit_average_repack
+// (kernels in onebit.cu).
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "cuda/glue.h"
 #include "cuda/kernels.h"
 #include "ops/common.h"
+#include "ops/ops.h"
 
 namespace ddpx::cuda {
 namespace {
@@ -34,10 +37,27 @@ void onebit_unpack_accumulate_(at::Tensor& out, const at::Tensor& bits_in, const
                "onebit_unpack_accumulate_");
 }
 
+void onebit_average_repack(const at::Tensor& bits_in, const at::Tensor& scales_in, int64_t chunk, double alpha,
+                           at::Tensor& error, at::Tensor& out_bits, at::Tensor& out_scales) {
+  auto [bits, scales] = ops::detail::check_onebit_unpack(error, bits_in, scales_in, chunk);
+  ops::detail::check_onebit_pack(error, chunk, error, out_bits, out_scales);
+  const c10::DeviceGuard guard(error.device());
+  if (error.numel() > 0 && bits.size(0) == 0) {  // an average of nothing: zeros, packed (as the CPU kernel)
+    ops::onebit_pack_out(at::zeros({error.numel()}, error.options()), chunk, error, out_bits, out_scales);
+    return;
+  }
+  check_launch(onebit_average_repack(bits.const_data_ptr<uint8_t>(), bits.stride(0), scales.const_data_ptr<float>(),
+                                     scales.stride(0), bits.size(0), static_cast<float>(alpha),
+                                     error.mutable_data_ptr<float>(), out_bits.mutable_data_ptr<uint8_t>(),
+                                     out_scales.mutable_data_ptr<float>(), error.numel(), chunk, current_stream(error)),
+               "onebit_average_repack");
+}
+
 }  // namespace
 }  // namespace ddpx::cuda
 
 TORCH_LIBRARY_IMPL(ddpx, CUDA, m) {
+  m.impl("onebit_average_repack", &ddpx::cuda::onebit_average_repack);
   m.impl("onebit_pack_out", &ddpx::cuda::onebit_pack_out);
   m.impl("onebit_unpack_accumulate_", &ddpx::cuda::onebit_unpack_accumulate_);
 }
