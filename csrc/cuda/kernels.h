@@ -28,9 +28,10 @@ cudaError_t onebit_unpack_accumulate(float* out, const uint8_t* bits, int64_t b_
                                      bool accumulate, cudaStream_t stream);
 // 1-bit phase 2: v = alpha * sum_r decoded rows, then onebit_pack(v) with error
 // feedback into error (n elements, rows >= 1).
-cudaError_t onebit_average_repack(const uint8_t* bits, int64_t b_row_stride, const float* scales,
-                                  int64_t s_row_stride, int64_t rows, float alpha, float* error, uint8_t* out_bits,
-                                  float* out_scales, int64_t n, int64_t chunk, cudaStream_t stream);
+cudaError_t onebit_average_repack_rows(const uint8_t* bits, int64_t b_row_stride, const float* scales,
+                                       int64_t s_row_stride, int64_t rows, float alpha, float* error,
+                                       uint8_t* out_bits, float* out_scales, int64_t n, int64_t chunk,
+                                       cudaStream_t stream);
 
 // Multi-tensor copy: dst[p][i] = src[p][i] (* scale) for every piece p.
 enum class ElemType { kFloat32, kFloat64, kFloat16, kBFloat16 };

@@ -249,9 +249,10 @@ cudaError_t onebit_pack(const float* x, float* error, uint8_t* bits, float* scal
   return cudaGetLastError();
 }
 
-cudaError_t onebit_average_repack(const uint8_t* bits, int64_t b_row_stride, const float* scales,
-                                  int64_t s_row_stride, int64_t rows, float alpha, float* error, uint8_t* out_bits,
-                                  float* out_scales, int64_t n, int64_t chunk, cudaStream_t stream) {
+cudaError_t onebit_average_repack_rows(const uint8_t* bits, int64_t b_row_stride, const float* scales,
+                                       int64_t s_row_stride, int64_t rows, float alpha, float* error,
+                                       uint8_t* out_bits, float* out_scales, int64_t n, int64_t chunk,
+                                       cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   launch_pack<true>(DecodeSource{bits, b_row_stride, scales, s_row_stride, rows, alpha}, error, out_bits, out_scales,
                     n, chunk, stream);

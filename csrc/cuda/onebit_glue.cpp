@@ -46,10 +46,12 @@ void onebit_average_repack(const at::Tensor& bits_in, const at::Tensor& scales_i
     ops::onebit_pack_out(at::zeros({error.numel()}, error.options()), chunk, error, out_bits, out_scales);
     return;
   }
-  check_launch(onebit_average_repack(bits.const_data_ptr<uint8_t>(), bits.stride(0), scales.const_data_ptr<float>(),
-                                     scales.stride(0), bits.size(0), static_cast<float>(alpha),
-                                     error.mutable_data_ptr<float>(), out_bits.mutable_data_ptr<uint8_t>(),
-                                     out_scales.mutable_data_ptr<float>(), error.numel(), chunk, current_stream(error)),
+  check_launch(onebit_average_repack_rows(bits.const_data_ptr<uint8_t>(), bits.stride(0),
+                                          scales.const_data_ptr<float>(), scales.stride(0), bits.size(0),
+                                          static_cast<float>(alpha),
+                                          error.mutable_data_ptr<float>(), out_bits.mutable_data_ptr<uint8_t>(),
+                                          out_scales.mutable_data_ptr<float>(), error.numel(), chunk,
+                                          current_stream(error)),
                "onebit_average_repack");
 }
 
