@@ -5,6 +5,7 @@ Exact comparisons everywhere the format is deterministic: int8 q/scales/error,
 tolerance is the 1-bit mean|v| scale, whose summation order differs.
 """
 
+import json
 import math
 import os
 
@@ -519,6 +520,46 @@ def test_bench_kernels_json_shape():
         assert op["gbps"] > 0 and op["torch_reference_gbps"] > 0
 
 
+def test_bench_kernels_cuda_targets_name_the_failing_kernels():
+    from ddpx.bench import kernels
+
+    def run(size_mb, ratios, lowrank_vs_torch=1.0):
+        ops_ = [{"name": name, "ratio_to_memcpy": r, "speedup_vs_torch": 9.9} for name, r in ratios.items()]
+        ops_.append({"name": "lowrank_project_rank4", "ratio_to_memcpy": 0.4, "speedup_vs_torch": lowrank_vs_torch})
+        return {"device": "NVIDIA H200", "size_mb": size_mb, "ops": ops_}
+
+    large = run(1024, {"scale_cast_fp16": 0.86, "int8_dequant_accumulate_2ranks": 0.84,
+                       "flatten_9378tensors": 0.51, "unflatten_9378tensors": 0.49})
+    bucket = run(4, {"scale_cast_fp16": 0.61, "onebit_unpack_accumulate_2ranks": 0.59,
+                     "flatten_37tensors": 0.1}, lowrank_vs_torch=0.9)
+    misses = kernels.missed_targets({"device": "NVIDIA H200", "runs": [large, bucket]})
+    assert misses == [
+        "1024 MiB int8_dequant_accumulate_2ranks: 84% of the copy < 85%",
+        "1024 MiB unflatten_9378tensors: 49% of the copy < 50%",
+        "4 MiB onebit_unpack_accumulate_2ranks: 59% of the copy < 60%",
+        "4 MiB lowrank_project_rank4: 0.90x torch's matmul < 0.95x",
+    ]
+    assert kernels.missed_targets(run(1024, {"cast_scale_copy_bf16": 0.9})) == []
+
+
+def test_bench_kernels_several_sizes_and_check_exit(tmp_path, capsys):
+    import importlib.util
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels_script", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "k.json"
+    # --check exits 1 exactly when a target is missed (at 1 KiB call overhead dominates: usually)
+    code = bench.main(["--sizes-mb", "0.001", "0.002", "--repeats", "1", "--check", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["size_mb"] for r in result["runs"]] == [0.001, 0.002]
+    assert all(len(r["ops"]) == len(result["runs"][0]["ops"]) >= 8 for r in result["runs"])
+    assert code == (1 if result["missed_targets"] else 0)
+    assert bench.main(["--size-mb", "1", "--sizes-mb", "1", "2"]) == 2
+    assert "give --size-mb or --sizes-mb, not both" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA, reason="needs a machine without CUDA")
 def test_bench_kernels_script_bad_device_is_one_line():
@@ -639,11 +680,133 @@ def test_cuda_matches_cpu(n):
         bits, s = ops.onebit_pack(x, chunk, e)
         bitsc, sc = ops.onebit_pack(xc, chunk, ec)
         same(bitsc.cpu(), bits)
-        torch.testing.assert_close(sc.cpu(), s, rtol=1e-5, atol=0, equal_nan=True)
+        same(sc.cpu(), s)  # mean|v| summed in the CPU's lane order: the same bits
+        same(ec.cpu(), e)
         rows_b, rows_s = torch.stack([bits, bits]), torch.stack([s, s * 2])
         out = ops.onebit_unpack_accumulate_(torch.zeros_like(x), rows_b, rows_s, chunk, 0.5)
         outc = ops.onebit_unpack_accumulate_(torch.zeros_like(xc), rows_b.cuda(), rows_s.cuda(), chunk, 0.5)
         same(outc.cpu(), out)
+
+
+def shifted(t, offset, device="cuda"):
+    """t's values at `offset` elements into a larger buffer on device: a view whose data
+    pointer is misaligned for 16-byte vectors when offset is not a multiple of 16 bytes."""
+    buf = torch.zeros(t.numel() + offset + 5, dtype=t.dtype, device=device)
+    view = buf[offset:offset + t.numel()]
+    view.copy_(t.reshape(-1))
+    return view
+
+
+# element counts around the vector widths and block sizes; 1 << 20 fp32 is a 4 MiB bucket
+CUDA_SIZES = [0, 1, 3, 7, 8, 9, 15, 17, 31, 33, 1000, 4099, 65537, 1 << 20]
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", CUDA_SIZES)
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_cuda_casts_match_cpu_at_any_alignment(n, offset):
+    x = make(n, seed=n + offset, magnitude=1e3, specials=[(3, float("nan")), (9, 1e6), (11, -0.0)])
+    for dtype in (torch.float16, torch.bfloat16):
+        out_c = shifted(torch.zeros(n, dtype=dtype), 2 * offset)
+        ops.scale_cast(shifted(x, offset), 0.25, dtype, out=out_c)
+        same(out_c.cpu(), ops.scale_cast(x, 0.25, dtype))
+        h = x.to(dtype)
+        dst_c = shifted(torch.zeros(n), (offset + 1) % 4)
+        ops.cast_scale_copy_(dst_c, shifted(h, offset), 3.0)
+        same(dst_c.cpu(), ops.cast_scale_copy_(torch.empty(n), h, 3.0))
+
+
+def receive_rows(rows, layout, dtype, generator, low, high):
+    """A [rows, m] buffer of random values and its [rows, n] views, on the CPU and (same
+    strides) on the GPU. layout "16": rows 16-byte aligned; "4": 4-byte aligned; "odd": misaligned."""
+    n = rows[1]
+    pad, width = {"16": (0, n + -n % 16), "4": (4, n + 4 + -n % 4 + 4), "odd": (3, n + 5)}[layout]
+    buf = torch.randint(low, high, (rows[0], width), generator=generator).to(dtype)
+    buf_c = buf.cuda()
+    return buf[:, pad:pad + n], buf_c[:, pad:pad + n]
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", CUDA_SIZES)
+@pytest.mark.parametrize("block", [1, 7, 64, 256, 1024, 3000])  # 3000: more than a lane group holds
+@pytest.mark.parametrize("layout", ["16", "4", "odd"])
+def test_cuda_int8_matches_cpu(n, block, layout):
+    off = 1 if layout == "odd" else 0
+    x = make(n, seed=n + block, specials=[(n // 2, float("inf"))] if n > 5000 else [])
+    e = make(n, seed=1, magnitude=0.01)
+    for with_error in (True, False):
+        err, err_c = (e.clone(), shifted(e, off)) if with_error else (None, None)
+        q, s = ops.int8_quantize(x, block, err)
+        q_c = shifted(torch.zeros(n, dtype=torch.int8), 3 * off)
+        s_c = torch.empty(-(-n // block), device="cuda")
+        ops.int8_quantize(shifted(x, off), block, err_c, out_q=q_c, out_scales=s_c)
+        same(q_c.cpu(), q)
+        same(s_c.cpu(), s)
+        if with_error:
+            same(err_c.cpu(), err)
+    # three ranks' rows as strided views into one receive buffer, as the hooks use them
+    g = torch.Generator().manual_seed(n)
+    rows_q, rows_q_c = receive_rows((3, n), layout, torch.int8, g, -127, 128)
+    rows_s = torch.rand(3, -(-n // block) + 1, generator=g)[:, :-1]
+    for accumulate in (False, True):
+        start = make(n, seed=7)
+        out = ops.int8_dequant_accumulate_(start.clone(), rows_q, rows_s, block, 1 / 3, accumulate)
+        out_c = shifted(start, off)
+        ops.int8_dequant_accumulate_(out_c, rows_q_c, rows_s.cuda(), block, 1 / 3, accumulate)
+        same(out_c.cpu(), out)
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", CUDA_SIZES)
+@pytest.mark.parametrize("chunk", [8, 24, 128, 1024, 2048])  # 2048: more than the registers hold
+@pytest.mark.parametrize("layout", ["16", "odd"])
+def test_cuda_onebit_matches_cpu(n, chunk, layout):
+    off = 1 if layout == "odd" else 0
+    x = make(n, seed=n + chunk, magnitude=1e-3, specials=[(n // 3, float("nan"))] if n > 5000 else [])
+    e = make(n, seed=2, magnitude=1e-4)
+    for with_error in (True, False):
+        err, err_c = (e.clone(), shifted(e, off)) if with_error else (None, None)
+        bits, s = ops.onebit_pack(x, chunk, err)
+        bits_c = shifted(torch.zeros(-(-n // 8), dtype=torch.uint8), off)
+        s_c = torch.empty(-(-n // chunk), device="cuda")
+        ops.onebit_pack(shifted(x, off), chunk, err_c, out_bits=bits_c, out_scales=s_c)
+        same(bits_c.cpu(), bits)
+        same(s_c.cpu(), s)
+        if with_error:
+            same(err_c.cpu(), err)
+    g = torch.Generator().manual_seed(n)
+    nbytes, nc = -(-n // 8), -(-n // chunk)
+    bit_rows, bit_rows_c = receive_rows((3, nbytes), layout, torch.uint8, g, 0, 256)
+    scale_rows = torch.rand(3, nc + 1, generator=g)[:, :nc]
+    if nc:
+        scale_rows[2, nc // 2] = float("nan")
+    for accumulate in (False, True):
+        start = make(n, seed=8)
+        out = ops.onebit_unpack_accumulate_(start.clone(), bit_rows, scale_rows, chunk, 1 / 3, accumulate)
+        out_c = shifted(start, off)
+        ops.onebit_unpack_accumulate_(out_c, bit_rows_c, scale_rows.cuda(), chunk, 1 / 3, accumulate)
+        same(out_c.cpu(), out)
+    # phase 2 in one pass: the CPU's bits, and the CUDA unpack-then-pack's
+    for ranks in (0, 1, 3):
+        error = make(n, seed=9, magnitude=0.1)
+        expected = [error.clone(), torch.empty(nbytes, dtype=torch.uint8), torch.empty(nc)]
+        ops.onebit_average_repack(bit_rows[:ranks], scale_rows[:ranks], chunk, 0.5, *expected)
+        got = [shifted(error, off), torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+               torch.empty(nc, device="cuda")]
+        ops.onebit_average_repack(bit_rows_c[:ranks], scale_rows[:ranks].cuda(), chunk, 0.5, *got)
+        for a, b in zip(got, expected):
+            same(a.cpu(), b)
+        if ranks:
+            err2 = shifted(error, off)
+            average = ops.onebit_unpack_accumulate_(torch.empty(n, device="cuda"), bit_rows_c[:ranks],
+                                                    scale_rows[:ranks].cuda(), chunk, 0.5)
+            bits2, s2 = ops.onebit_pack(average, chunk, err2)
+            same(got[1].cpu(), bits2.cpu())
+            same(got[2].cpu(), s2.cpu())
+            same(got[0].cpu(), err2.cpu())
 
 
 @cuda_only
@@ -659,6 +822,40 @@ def test_cuda_flatten_matches_cpu(dtype):
     ops.unflatten_(flat_c, dests, 2.0 if scale != 1.0 else 1.0)
     expected = [torch.empty(t.shape, dtype=dtype) for t in ts]
     ops.unflatten_(flat, expected, 2.0 if scale != 1.0 else 1.0)
+    for d, e in zip(dests, expected):
+        same(d.cpu(), e)
+
+
+@cuda_only
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                                   torch.uint8])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_cuda_flatten_many_tiny_and_empty_tensors_match_cpu(dtype, scale):
+    """3000 tensors (more than one launch's table): tiny, empty, large, and views at odd
+    offsets so sources and slots are aligned differently."""
+    if scale != 1.0 and not dtype.is_floating_point:
+        return
+    g = torch.Generator().manual_seed(0)
+    sizes = [[0, 1, 2, 3, 5, 8, 17, 0, 64, 1000][i % 10] + (40000 if i % 997 == 0 else 0) for i in range(3000)]
+    pool = (torch.randn(sum(sizes) + 3000, generator=g) * 100).to(dtype)
+    ts, pos = [], 0
+    for i, size in enumerate(sizes):
+        pos += i % 3  # odd gaps: every alignment of the views' data pointers
+        ts.append(pool[pos:pos + size])
+        pos += size
+    ts[5] = torch.randn(6, 4, generator=g).to(dtype).t()  # one strided tensor
+    flat = ops.flatten(ts, scale)
+    flat_c = ops.flatten([t.cuda() for t in ts], scale)
+    same(flat_c.cpu(), flat)
+    out_c = torch.full((flat.numel() + 9,), 7, dtype=dtype, device="cuda")[3:]  # a misaligned destination
+    ops.flatten([t.cuda() for t in ts], scale, out=out_c)
+    same(out_c[:flat.numel()].cpu(), flat)
+    assert torch.all(out_c[flat.numel():].cpu() == 7)
+    dests = [torch.zeros(t.shape, dtype=dtype, device="cuda") for t in ts]
+    ops.unflatten_(out_c, dests, 1.0 / scale)
+    expected = [torch.zeros(t.shape, dtype=dtype) for t in ts]
+    ops.unflatten_(flat, expected, 1.0 / scale)
     for d, e in zip(dests, expected):
         same(d.cpu(), e)
 
