@@ -704,16 +704,19 @@ CUDA_SIZES = [0, 1, 3, 7, 8, 9, 15, 17, 31, 33, 1000, 4099, 65537, 1 << 20]
 @cuda_only
 @pytest.mark.cuda
 @pytest.mark.parametrize("n", CUDA_SIZES)
-@pytest.mark.parametrize("offset", [0, 1, 3])
-def test_cuda_casts_match_cpu_at_any_alignment(n, offset):
-    x = make(n, seed=n + offset, magnitude=1e3, specials=[(3, float("nan")), (9, 1e6), (11, -0.0)])
+# (fp32 offset, 16-bit offset) in elements: both aligned; a scalar head before aligned
+# vectors (1, 1) and (3, 3); never aligned together (1, 2) and (2, 0)
+@pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (3, 3), (1, 2), (2, 0)])
+def test_cuda_casts_match_cpu_at_any_alignment(n, offsets):
+    o32, o16 = offsets
+    x = make(n, seed=n + o32, magnitude=1e3, specials=[(3, float("nan")), (9, 1e6), (11, -0.0)])
     for dtype in (torch.float16, torch.bfloat16):
-        out_c = shifted(torch.zeros(n, dtype=dtype), 2 * offset)
-        ops.scale_cast(shifted(x, offset), 0.25, dtype, out=out_c)
+        out_c = shifted(torch.zeros(n, dtype=dtype), o16)
+        ops.scale_cast(shifted(x, o32), 0.25, dtype, out=out_c)
         same(out_c.cpu(), ops.scale_cast(x, 0.25, dtype))
         h = x.to(dtype)
-        dst_c = shifted(torch.zeros(n), (offset + 1) % 4)
-        ops.cast_scale_copy_(dst_c, shifted(h, offset), 3.0)
+        dst_c = shifted(torch.zeros(n), o32)
+        ops.cast_scale_copy_(dst_c, shifted(h, o16), 3.0)
         same(dst_c.cpu(), ops.cast_scale_copy_(torch.empty(n), h, 3.0))
 
 
