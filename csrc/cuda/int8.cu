@@ -159,6 +159,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t slab_len = len - slab;
       float* ob = out + lo + slab;
       float acc[kUnits][kVec];
+#pragma unroll 2  // two ranks' loads in flight together; the adds stay in row order
       for (int64_t r = 0; r < rows; ++r) {
         const float s = scales[r * s_row_stride + b];
         const int8_t* qb = q + r * q_row_stride + lo + slab;

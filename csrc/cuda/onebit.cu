@@ -6,10 +6,12 @@
 //
 // The CPU sums |v| of a chunk in 16 fixed lanes (lane j: elements j, j + 16,
 // j + 32, ... in order) and then adds the lanes pairwise (j += j + 8, then
-// + 4, + 2, + 1). Here a chunk belongs to a group of 16 lanes of one warp and
-// lane j holds exactly the elements of CPU lane j, summed in the same order;
-// the pairwise step is four shuffles. Loads are 4-byte scalars (coalesced: the
-// 16 lanes read 64 contiguous bytes per step), which that layout needs.
+// + 4, + 2, + 1). Here a chunk belongs to one warp; at step k lane l holds
+// element 32 k + l, so CPU lane j's elements at step k are those of lanes j
+// and j + 16, in that order: lane j adds its own |v|, then lane j + 16's
+// (a shuffle), and keeps the CPU's order exactly; the pairwise step is four
+// more shuffles. Loads are 4-byte scalars, coalesced (a warp reads 128
+// contiguous bytes per step), which this layout needs.
 #include <cuda_runtime.h>
 
 #include "cuda/common.cuh"
@@ -19,7 +21,7 @@ namespace ddpx::cuda {
 namespace {
 
 constexpr int kLanes = 16;  // the CPU's fixed summation lanes (csrc/cpu/onebit_kernel.cpp)
-static_assert(kWarp % kLanes == 0, "a chunk's lanes share one warp");
+static_assert(kWarp == 2 * kLanes, "a warp holds two elements of each CPU lane per step");
 
 // decoded = bit ? +s : -s (the CPU's +-1 * s, the same value).
 __device__ __forceinline__ float sign_value(uint8_t byte, int bit, float s) { return (byte >> bit) & 1u ? s : -s; }
@@ -27,12 +29,12 @@ __device__ __forceinline__ float sign_value(uint8_t byte, int bit, float s) { re
 // The values a chunk packs: x itself...
 struct PlainSource {
   const float* x;
-  // cache[k] = x[lo + lane + 16 k] for the elements of the chunk in the cache.
+  // cache[k] = x[lo + lane + 32 k] for the elements of the chunk in the cache.
   template <int K>
   __device__ __forceinline__ void fill(float (&cache)[K], int64_t, int64_t lo, int64_t len, int lane) const {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t i = lane + static_cast<int64_t>(k) * kLanes;
+      const int64_t i = lane + static_cast<int64_t>(k) * kWarp;
       cache[k] = i < len ? x[lo + i] : 0.0f;
     }
   }
@@ -59,7 +61,7 @@ struct DecodeSource {
       const uint8_t* br = bits + r * b_row_stride;
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        const int64_t e = lo + lane + static_cast<int64_t>(k) * kLanes;
+        const int64_t e = lo + lane + static_cast<int64_t>(k) * kWarp;
         if (e < lo + len) {
           const float d = sign_value(br[e >> 3], static_cast<int>(e & 7), s);
           cache[k] = r == 0 ? d : __fadd_rn(cache[k], d);
@@ -79,69 +81,81 @@ struct DecodeSource {
   }
 };
 
-// One group of 16 lanes per chunk, K values per lane kept in registers between
-// the two passes (chunks of up to 16 K elements are read once; the rest of a
-// larger chunk is read again in pass 2).
+// Lane j < 16 adds |v| of its element and then of lane j + 16's: CPU lane j's
+// next two elements, in order. Every lane of the warp must call it.
+__device__ __forceinline__ float add_pair(float sum, float v, bool in, int lane) {
+  const float a = in ? fabsf(v) : 0.0f;  // + 0 leaves a sum of |v| unchanged
+  const float upper = __shfl_down_sync(0xffffffffu, a, kLanes);
+  return lane < kLanes ? __fadd_rn(__fadd_rn(sum, a), upper) : sum;
+}
+
+// One warp per chunk, K values per lane kept in registers between the two
+// passes (chunks of up to 32 K elements are read once; the rest of a larger
+// chunk is read again in pass 2).
 template <int K, bool kError, typename Source>
-__global__ void __launch_bounds__(kThreads, 2)  // at least 2 blocks per SM: <= 128 registers
+__global__ void __launch_bounds__(kThreads)
     pack_kernel(Source src, float* __restrict__ err, uint8_t* __restrict__ bits, float* __restrict__ scales,
                 int64_t n, int64_t chunk, int64_t nchunks) {
-  constexpr int kGroups = kThreads / kLanes;
-  const int group = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-  const int warp_lane = threadIdx.x % kWarp;
-  const int64_t steps = ceil_div(chunk, kLanes);  // the same for every group: the ballots need the whole warp
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kGroups; first < nchunks;
-       first += static_cast<int64_t>(gridDim.x) * kGroups) {
-    const int64_t c = first + group;
+  constexpr int kGroups = kThreads / kWarp;
+  const int group = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t steps = ceil_div(chunk, kWarp);
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kGroups + group; c < nchunks;
+       c += static_cast<int64_t>(gridDim.x) * kGroups) {  // the same trips for the whole warp
     const int64_t lo = c * chunk;
-    const int64_t len = c < nchunks ? (chunk < n - lo ? chunk : n - lo) : 0;
+    const int64_t len = chunk < n - lo ? chunk : n - lo;
     float* ec = kError ? err + lo : nullptr;
 
-    // Pass 1: v = source (+ error); max|v| bits (NaN/Inf check) and this CPU
-    // lane's sum of |v|, in element order.
+    // Pass 1: v = source (+ error); max|v| bits (NaN/Inf check) and the CPU
+    // lanes' sums of |v|, in element order.
     float cache[K];
     src.fill(cache, c, lo, len, lane);
     int amax = 0;
     float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t i = lane + static_cast<int64_t>(k) * kLanes;
-      if (i < len) {
+      const int64_t i = lane + static_cast<int64_t>(k) * kWarp;
+      const bool in = i < len;
+      if (in) {
         if (kError) cache[k] = __fadd_rn(cache[k], ec[i]);
         amax = max(amax, abs_bits(cache[k]));
-        sum = __fadd_rn(sum, fabsf(cache[k]));
       }
+      sum = add_pair(sum, cache[k], in, lane);
     }
-    for (int64_t i = lane + static_cast<int64_t>(K) * kLanes; i < len; i += kLanes) {
-      float v = src.value(c, lo + i);
-      if (kError) v = __fadd_rn(v, ec[i]);
-      amax = max(amax, abs_bits(v));
-      sum = __fadd_rn(sum, fabsf(v));
+    for (int64_t k = K; k < steps; ++k) {
+      const int64_t i = lane + k * kWarp;
+      const bool in = i < len;
+      float v = 0.0f;
+      if (in) {
+        v = src.value(c, lo + i);
+        if (kError) v = __fadd_rn(v, ec[i]);
+        amax = max(amax, abs_bits(v));
+      }
+      sum = add_pair(sum, v, in, lane);
     }
-    amax = group_max<kLanes>(amax);
+    amax = group_max<kWarp>(amax);
 #pragma unroll
-    for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int width = kLanes / 2; width > 0; width /= 2) {  // lanes 0..15: the CPU's pairwise step
       sum = __fadd_rn(sum, __shfl_down_sync(0xffffffffu, sum, width, kLanes));
     }
-    sum = __shfl_sync(0xffffffffu, sum, 0, kLanes);  // lane 0 holds the CPU's acc[0]
+    sum = __shfl_sync(0xffffffffu, sum, 0);  // lane 0 holds the CPU's acc[0]
     const bool finite = amax < kNonFiniteAbsBits;
-    const float scale = finite ? __fdiv_rn(sum, static_cast<float>(len > 0 ? len : 1)) : nan_float();
-    if (lane == 0 && len > 0) scales[c] = scale;
+    const float scale = finite ? __fdiv_rn(sum, static_cast<float>(len)) : nan_float();
+    if (lane == 0) scales[c] = scale;
 
-    // Pass 2: at step k lane j holds element 16 k + j, so each aligned run of
+    // Pass 2: at step k lane l holds element 32 k + l, so each aligned run of
     // 8 lanes owns one byte and a warp ballot packs the signs (padding bits 0).
     auto emit = [&](float v, int64_t i) {
       const bool in = i < len;
       const unsigned mask = __ballot_sync(0xffffffffu, in && v >= 0.0f);
-      if (in && warp_lane % 8 == 0) bits[(lo + i) >> 3] = static_cast<uint8_t>(mask >> warp_lane);
+      if (in && lane % 8 == 0) bits[(lo + i) >> 3] = static_cast<uint8_t>(mask >> lane);
       if (kError && in && finite) ec[i] = __fsub_rn(v, v >= 0.0f ? scale : -scale);
     };
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      if (k < steps) emit(cache[k], lane + static_cast<int64_t>(k) * kLanes);
+      if (k < steps) emit(cache[k], lane + static_cast<int64_t>(k) * kWarp);
     }
     for (int64_t k = K; k < steps; ++k) {
-      const int64_t i = lane + k * kLanes;
+      const int64_t i = lane + k * kWarp;
       float v = 0.0f;
       if (i < len) {
         v = src.value(c, lo + i);
@@ -173,6 +187,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t slab_len = len - slab;
       const int64_t first_byte = (lo + slab) >> 3;
       float acc[kBytesPerLane][8];
+#pragma unroll 2  // two ranks' loads in flight together; the adds stay in row order
       for (int64_t r = 0; r < rows; ++r) {
         const float s = scales[r * s_row_stride + c];
         const uint8_t* br = bits + r * b_row_stride + first_byte;
@@ -222,17 +237,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Chunks of up to 128 elements (the hooks' default) in 8 registers per lane,
-// up to 1024 in 64.
+// Chunks of up to 128 elements (the hooks' default) in 4 registers per lane,
+// up to 1024 in 32.
 template <bool kError, typename Source>
 void launch_pack(Source src, float* error, uint8_t* bits, float* scales, int64_t n, int64_t chunk,
                  cudaStream_t stream) {
   const int64_t nchunks = ceil_div(n, chunk);
-  const int64_t groups = kThreads / kLanes;
-  if (chunk <= 8 * kLanes) {
-    launch<pack_kernel<8, kError, Source>>(nchunks, groups, stream, src, error, bits, scales, n, chunk, nchunks);
+  const int64_t groups = kThreads / kWarp;
+  if (chunk <= 4 * kWarp) {
+    launch<pack_kernel<4, kError, Source>>(nchunks, groups, stream, src, error, bits, scales, n, chunk, nchunks);
   } else {
-    launch<pack_kernel<64, kError, Source>>(nchunks, groups, stream, src, error, bits, scales, n, chunk, nchunks);
+    launch<pack_kernel<32, kError, Source>>(nchunks, groups, stream, src, error, bits, scales, n, chunk, nchunks);
   }
 }
 
