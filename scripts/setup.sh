@@ -20,7 +20,7 @@ sys.exit(0 if not in_venv and os.path.exists(marker) else 1)'
 }
 VENV=""
 if externally_managed "$PY"; then
-    VENV=.venv
+    VENV=${DDPX_VENV:-.venv}
     echo "setup.sh: $PY is externally managed (PEP 668): installing into $VENV"
     if [ ! -x "$VENV/bin/python" ]; then
         "$PY" -m venv "$VENV" || { echo "setup.sh: cannot create $VENV: install python3-venv (apt install python3-venv) or set PYTHON=/path/to/a/venv/python" >&2; exit 1; }
