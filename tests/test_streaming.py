@@ -109,10 +109,12 @@ def test_variable_length_samples_name_the_collate_key():
     assert "samples of different sizes need data.collate: module.function" in str(info.value)
     _module(pad=lambda batch: torch.nn.utils.rnn.pad_sequence(batch, batch_first=True),
             broken=lambda batch: 1 / 0)
-    assert Collate("streams_under_test.pad")(samples).shape == (2, 5)
+    from ddpx_plugins.sampler import _collate
+
+    assert _collate("streams_under_test.pad")(samples).shape == (2, 5)
     with pytest.raises(CollateError, match="data.collate streams_under_test.broken failed on a batch of 2 samples: "
                                            "ZeroDivisionError"):
-        Collate("streams_under_test.broken")(samples)
+        _collate("streams_under_test.broken")(samples)
 
 
 def test_a_collate_error_from_a_worker_is_cut_back_to_one_line():

@@ -12,7 +12,6 @@ from typing import Callable, Optional
 from torch.utils.data import default_collate
 
 from ..errors import DdpxError
-from ..imports import resolve
 
 
 class CollateError(DdpxError):
@@ -28,11 +27,12 @@ class CollateError(DdpxError):
 
 
 class Collate:
-    """A picklable collate function (workers get a copy) wrapping ``data.collate``."""
+    """The loader's collate function: ``fn`` (``data.collate``, resolved; None: torch's
+    default) with one-line errors. Workers get a pickled copy (``fn`` by reference)."""
 
-    def __init__(self, target: Optional[str]):
+    def __init__(self, target: Optional[str] = None, fn: Optional[Callable] = None):
         self.target = target
-        self.fn: Callable = resolve(target, "data.collate") if target else default_collate
+        self.fn: Callable = fn if fn is not None else default_collate
 
     def __call__(self, samples):
         try:
@@ -44,9 +44,3 @@ class Collate:
                                    f"{type(exc).__name__}: {first}") from None
             raise CollateError(f"cannot collate a batch of {len(samples)} samples ({type(exc).__name__}: {first}); "
                                "samples of different sizes need data.collate: module.function (e.g. padding)") from None
-
-    def __getstate__(self):
-        return {"target": self.target}
-
-    def __setstate__(self, state):
-        self.__init__(state["target"])

@@ -34,7 +34,6 @@ def ddpx_config_defaults():
 def ddpx_build_dataloaders(trainer, train_set, eval_set):
     from torch.utils.data import DataLoader, IterableDataset
 
-    from ddpx.data.collate import Collate
     from ddpx.data.sampler import ResumableDistributedBatchSampler, ShardSampler
     from ddpx.data.seeded import SeededDataset
 
@@ -44,7 +43,7 @@ def ddpx_build_dataloaders(trainer, train_set, eval_set):
         "num_workers": settings.num_workers,
         "pin_memory": trainer.device.type == "cuda",
         "persistent_workers": settings.num_workers > 0,
-        "collate_fn": Collate(trainer.config.data.collate),
+        "collate_fn": _collate(trainer.config.data.collate),
     }
     if isinstance(train_set, IterableDataset):
         train_loader = _stream_loader(trainer, train_set, loader_options)
@@ -76,6 +75,13 @@ def ddpx_build_dataloaders(trainer, train_set, eval_set):
             ShardSampler(len(eval_set), trainer.rank, trainer.world_size)
         eval_loader = DataLoader(eval_set, batch_size=settings.eval_batch_size, sampler=sampler, **loader_options)
     return train_loader, eval_loader
+
+
+def _collate(target):
+    from ddpx.data.collate import Collate
+    from ddpx.imports import resolve
+
+    return Collate(target, resolve(target, "data.collate") if target else None)
 
 
 def _stream_loader(trainer, train_set, loader_options):
