@@ -129,3 +129,41 @@ def test_data_collate_must_resolve():
 
     with pytest.raises(DdpxError, match="data.collate"):
         load_config(None, ["data.collate=no_such_module.fn"])
+
+
+STREAM_MODULE = '''
+import torch
+from torch.utils.data import IterableDataset
+
+class Numbers(IterableDataset):
+    def __init__(self, n):
+        self.n = n
+    def __len__(self):
+        return self.n
+    def __iter__(self):
+        for i in range(self.n):
+            x = torch.zeros(64)
+            x[0] = i
+            yield x, i % 10
+
+def numbers(n):
+    return Numbers(n)
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_with_uneven_shards_and_workers_run_the_same_steps_without_hanging(ranks, tmp_path):
+    """97 samples on 2 ranks x 2 workers, batches of 8: shards of 49 and 48 samples, worker shares
+    of 25/24 (4 + 3 batches) and 24/24 (3 + 3): both ranks train 6 batches (the smallest) per epoch
+    and end every epoch together, although rank 0's loader has a seventh."""
+    (tmp_path / "stream_data.py").write_text(STREAM_MODULE)
+    config = tmp_path / "c.yaml"
+    run_dir = tmp_path / "run"
+    config.write_text(f"run_dir: {run_dir}\ndata: {{target: stream_data.numbers, args: {{n: 97}}}}\n"
+                      "trainer: {epochs: 2, batch_size: 8, num_workers: 2, eval_every_epochs: 0}\n"
+                      "logging: {progress: false}\n")
+    ranks.train(run_dir, config, 2, timeout=240)
+    import json
+
+    epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["epoch"], e["step"]) for e in epochs if "epoch" in e and "step" in e][-2:] == [(0, 6), (1, 12)]

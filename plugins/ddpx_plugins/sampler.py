@@ -32,6 +32,7 @@ def ddpx_config_defaults():
 
 @hookimpl
 def ddpx_build_dataloaders(trainer, train_set, eval_set):
+    import torch
     from torch.utils.data import DataLoader, IterableDataset
 
     from ddpx.data.sampler import ResumableDistributedBatchSampler, ShardSampler
@@ -39,6 +40,7 @@ def ddpx_build_dataloaders(trainer, train_set, eval_set):
 
     cfg = trainer.config.section("sampler")
     settings = trainer.config.trainer
+    trainer.sampler.generator = torch.Generator()  # reseeded every epoch in ddpx_epoch_start
     loader_options = {
         "num_workers": settings.num_workers,
         "pin_memory": trainer.device.type == "cuda",
@@ -68,7 +70,10 @@ def ddpx_build_dataloaders(trainer, train_set, eval_set):
                                "trainer.batch_size" if cfg["drop_last"] else "; use more data or fewer ranks"))
         # Seeds per worker and epoch, or per sample (ddpx/seeding.py): the keys carry the epoch.
         seeded = SeededDataset(train_set, trainer.config.seed, trainer.rank, settings.seed_per_sample)
-        train_loader = DataLoader(seeded, batch_sampler=batch_sampler, **loader_options)
+        # The loader draws its workers' base seed from its own generator, not from the rank's
+        # stream: a resumed run's new iterator must not shift the stream the checkpoint restored.
+        train_loader = DataLoader(seeded, batch_sampler=batch_sampler, generator=trainer.sampler.generator,
+                                  **loader_options)
     eval_loader = None
     if eval_set is not None:
         sampler = None if isinstance(eval_set, IterableDataset) else \
@@ -102,7 +107,8 @@ def _stream_loader(trainer, train_set, loader_options):
                         "fewer ranks")
     stream = ShardedStream(train_set, trainer.rank, trainer.world_size, trainer.config.seed,
                            settings.seed_per_sample)
-    return StreamLoader(DataLoader(stream, batch_size=settings.batch_size, **loader_options), stream, steps)
+    loader = DataLoader(stream, batch_size=settings.batch_size, generator=trainer.sampler.generator, **loader_options)
+    return StreamLoader(loader, stream, steps)
 
 
 def _stream(trainer):
@@ -125,6 +131,7 @@ class SamplerState:
 
     def __init__(self):
         self.synced = 0  # batches of trainer.epoch_batches already in the sampler's position
+        self.generator = None  # the training loader's own generator
 
 
 @hookimpl
@@ -134,6 +141,10 @@ def ddpx_setup(trainer):
 
 @hookimpl(tryfirst=True)  # before anything reads len(train_loader) for this epoch
 def ddpx_epoch_start(trainer, epoch):
+    from ddpx.seeding import derive_seed
+
+    if trainer.sampler.generator is not None:
+        trainer.sampler.generator.manual_seed(derive_seed(trainer.config.seed, trainer.rank, epoch))
     stream = _stream(trainer)
     if stream is not None:
         stream.set_epoch(epoch)
