@@ -132,28 +132,25 @@ def model_bytes(config) -> Optional[int]:
 
 
 def check_run_dir(run_dir: str, config) -> None:
-    """Before any worker starts: ``run_dir`` can be created and written, no other run
+    """Before any worker starts: ``run_dir`` can be created and written (its nearest existing
+    directory is writable: nothing is created here), no other run
     holds it (ddpx/runlock.py), and its file system has room for about one checkpoint
     (weights plus optimizer state, counted as 3x the parameters)."""
     import shutil
 
     from .runlock import read_holder, refusal, stale_reason
 
-    path = Path(run_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".ddpx-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise DdpxError(f"run_dir {run_dir} is not writable ({exc.strerror or exc}); choose another with "
-                        "run_dir=DIR") from None
+    path = Path(run_dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())  # nothing is created here
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "not a directory" if not existing.is_dir() else "no write permission or a read-only file system"
+        raise DdpxError(f"run_dir {run_dir} is not writable ({existing}: {why}); choose another with run_dir=DIR")
     holder = read_holder(path)
     if holder and stale_reason(holder) is None:
         raise DdpxError(refusal(path, holder))
     params = model_bytes(config)
     if params:
-        needed, free = 3 * params, shutil.disk_usage(path).free
+        needed, free = 3 * params, shutil.disk_usage(existing).free
         if free < needed:
             raise DdpxError(f"run_dir {run_dir} has {free / 2**20:.0f} MB free, a checkpoint needs about "
                             f"{needed / 2**20:.0f} MB; free some space or choose another run_dir")
@@ -332,8 +329,8 @@ def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOpt
         run_dir = default_run_dir()
         overrides = [*overrides, f"run_dir={run_dir}"]
     check_run_dir(run_dir, config)
+    argv = torchrun_argv(opts, config.launch, config_path, overrides)  # checks ports, nothing created yet
     _record_launch(run_dir, config_path, overrides)
-    argv = torchrun_argv(opts, config.launch, config_path, overrides)
     try:
         code = run_torchrun(argv)
     except DdpxError:
@@ -363,6 +360,7 @@ def _record_launch(run_dir: str, config_path: Optional[str], overrides: Sequence
     record = {"config": os.path.abspath(config_path) if config_path else None,
               "overrides": [o for o in overrides if not o.startswith("run_dir=")], "started": time.time()}
     try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
         Path(run_dir, LAUNCH_RECORD).write_text(json.dumps(record))
     except OSError:
         pass  # check_run_dir found it writable; a vanishing directory shows up in the workers
