@@ -138,7 +138,7 @@ def check_run_dir(run_dir: str, config) -> None:
     (weights plus optimizer state, counted as 3x the parameters)."""
     import shutil
 
-    from .runlock import read_holder, refusal, stale_reason
+    from .runlock import job_id, read_holder, refusal, stale_reason
 
     path = Path(run_dir).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())  # nothing is created here
@@ -146,7 +146,7 @@ def check_run_dir(run_dir: str, config) -> None:
         why = "not a directory" if not existing.is_dir() else "no write permission or a read-only file system"
         raise DdpxError(f"run_dir {run_dir} is not writable ({existing}: {why}); choose another with run_dir=DIR")
     holder = read_holder(path)
-    if holder and stale_reason(holder) is None:
+    if holder and holder.get("job") != job_id() and stale_reason(holder) is None:
         raise DdpxError(refusal(path, holder))
     params = model_bytes(config)
     if params:
@@ -322,23 +322,44 @@ class WorkerCrashed(DdpxError):
 def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOptions) -> int:
     """Validate the config here (one-line errors, nothing spawned), then run torchrun.
     When training does not finish, the last line says how to resume."""
+    from .runlock import JOB_ENV
+
     config = load_config(config_path, overrides)  # raises DdpxError before any worker exists
     check_options(opts)
     run_dir = config.run_dir
     if run_dir is None:  # one for the whole launch: a restarted worker group resumes there
         run_dir = default_run_dir()
         overrides = [*overrides, f"run_dir={run_dir}"]
-    check_run_dir(run_dir, config)
-    argv = torchrun_argv(opts, config.launch, config_path, overrides)  # checks ports, nothing created yet
-    _record_launch(run_dir, config_path, overrides)
+    given_job = os.environ.get(JOB_ENV)
+    os.environ[JOB_ENV] = given_job or job_identity(opts)  # the run_dir lock's owner (ddpx/runlock.py)
+    started = False
     try:
+        check_run_dir(run_dir, config)
+        argv = torchrun_argv(opts, config.launch, config_path, overrides)  # checks ports, nothing created yet
+        _record_launch(run_dir, config_path, overrides)
+        started = True
         code = run_torchrun(argv)
     except DdpxError:
-        _print_resume_command(config_path, overrides, run_dir)
+        if started:
+            _print_resume_command(config_path, overrides, run_dir)
         raise
+    finally:
+        if given_job is None:
+            os.environ.pop(JOB_ENV, None)
     if code != 0:
         _print_resume_command(config_path, overrides, run_dir)
     return code
+
+
+def job_identity(opts: LaunchOptions) -> str:
+    """This launch's job for the run_dir lock: the rendezvous every node of a multi-node job
+    names alike, or this launcher's host and pid on one node."""
+    opts = from_environment(opts)
+    if opts.rdzv_endpoint:
+        return f"{opts.rdzv_id or DEFAULT_RDZV_ID}@{opts.rdzv_endpoint}"
+    if opts.master_addr and opts.nnodes not in (None, "1"):
+        return f"{opts.rdzv_id or DEFAULT_RDZV_ID}@{opts.master_addr}:{opts.master_port or DEFAULT_MASTER_PORT}"
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def resume_command(config_path: Optional[str], overrides: Sequence[str], run_dir: str) -> str:

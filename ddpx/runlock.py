@@ -1,13 +1,17 @@
 """One run per ``run_dir``: a lock file naming its holder.
 
-``<run_dir>/ddpx.lock`` holds ``{"host", "pid", "parent", "started"}`` of the
+``<run_dir>/ddpx.lock`` holds ``{"host", "pid", "job", "started"}`` of the
 process that trains there (rank 0 of the run). Another run on the same
 ``run_dir`` refuses to start, in one line naming the holder. A lock is stale,
 and taken over with a warning, when its pid is not running on this host, or,
 written on another host, when it was not refreshed for the lease
-(``DDPX_LOCK_LEASE_S``, 300 s; the holder refreshes it every lease / 5). A
-restarted worker group of the same ``ddpx train`` (same launcher, the
-``parent`` pid) takes the lock over without a warning.
+(``DDPX_LOCK_LEASE_S``, 300 s; the holder refreshes it every lease / 5).
+
+The same job takes the lock over without a word: a worker group restarted by
+``--max-restarts``, or re-formed after an elastic membership change (rank 0 may
+then be on another node). ``ddpx train`` names the job in ``DDPX_JOB_ID``: the
+rendezvous (``RDZV_ID@HOST:PORT``) across nodes, the launcher's host and pid on
+one node; workers started otherwise use their host and parent pid.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ from typing import Optional
 from .errors import DdpxError
 
 LOCK_NAME = "ddpx.lock"
+JOB_ENV = "DDPX_JOB_ID"
 LEASE_ENV = "DDPX_LOCK_LEASE_S"
 DEFAULT_LEASE_S = 300.0
 
 log = logging.getLogger("ddpx")
+
+
+def job_id() -> str:
+    return os.environ.get(JOB_ENV) or f"{socket.gethostname()}:{os.getppid()}"
 
 
 def lease_s() -> float:
@@ -86,7 +95,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_NAME
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "parent": os.getppid(), "started": time.time()}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time()}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -99,11 +108,11 @@ class RunLock:
                 holder = read_holder(self.path.parent)
                 if holder is None:
                     continue
+                same_job = holder.get("job") == self.me["job"]
                 reason = stale_reason(holder)
-                if reason is None:
+                if reason is None and not same_job:
                     raise DdpxError(refusal(self.path.parent, holder))
-                same_launch = holder.get("host") == self.me["host"] and holder.get("parent") == self.me["parent"]
-                if not same_launch:
+                if not same_job:
                     log.warning(f"taking over the stale lock of run_dir {self.path.parent} "
                                 f"({describe(holder)}: {reason})")
                 aside = self.path.with_name(f".{LOCK_NAME}.stale-{os.getpid()}")

@@ -20,7 +20,7 @@ def test_a_second_holder_is_refused_in_one_line_naming_the_first(tmp_path):
     holder = read_holder(tmp_path)
     assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
     second = RunLock(tmp_path)
-    second.me = {**second.me, "parent": -1}  # another launch
+    second.me = {**second.me, "job": "another"}  # another launch
     with pytest.raises(DdpxError) as info:
         second.acquire()
     message = str(info.value)
@@ -34,7 +34,7 @@ def test_a_second_holder_is_refused_in_one_line_naming_the_first(tmp_path):
 def test_a_dead_pid_on_this_host_is_taken_over_with_a_warning(tmp_path, caplog):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "parent": -1,
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "job": "old",
                                                   "started": time.time()}))
     lock = RunLock(tmp_path)
     with caplog.at_level("WARNING", logger="ddpx"):
@@ -46,7 +46,7 @@ def test_a_dead_pid_on_this_host_is_taken_over_with_a_warning(tmp_path, caplog):
 
 def test_another_hosts_lock_is_stale_only_after_the_lease(tmp_path, monkeypatch):
     path = tmp_path / LOCK_NAME
-    path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "parent": 0, "started": time.time()}))
+    path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "theirs", "started": time.time()}))
     with pytest.raises(DdpxError, match="pid 1 on elsewhere"):
         RunLock(tmp_path).acquire()
     monkeypatch.setenv("DDPX_LOCK_LEASE_S", "60")
@@ -58,6 +58,18 @@ def test_another_hosts_lock_is_stale_only_after_the_lease(tmp_path, monkeypatch)
     lock.release()
 
 
+def test_the_same_job_takes_its_lock_over_silently_even_from_another_host(tmp_path, monkeypatch, caplog):
+    """An elastic re-formation may put rank 0 on another node: same job, no refusal, no warning."""
+    monkeypatch.setenv("DDPX_JOB_ID", "ddpx@10.0.0.1:29400")
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "node1", "pid": 1, "job": "ddpx@10.0.0.1:29400",
+                                                  "started": time.time()}))
+    lock = RunLock(tmp_path)
+    with caplog.at_level("WARNING", logger="ddpx"):
+        lock.acquire()
+    assert read_holder(tmp_path)["pid"] == os.getpid() and "taking over" not in caplog.text
+    lock.release()
+
+
 def test_a_trainer_holds_the_lock_while_it_runs(make_config, tmp_path):
     config = make_config("trainer.epochs=1", "trainer.max_steps=2", "trainer.eval_every_epochs=0")
     trainer = Trainer(config)
@@ -65,7 +77,7 @@ def test_a_trainer_holds_the_lock_while_it_runs(make_config, tmp_path):
         trainer.setup()
         assert read_holder(tmp_path / "run")["pid"] == os.getpid()
         blocked = RunLock(tmp_path / "run")
-        blocked.me = {**blocked.me, "parent": -1}
+        blocked.me = {**blocked.me, "job": "another"}
         with pytest.raises(DdpxError, match="is in use by another run"):
             blocked.acquire()
     assert read_holder(tmp_path / "run") is None  # released by close()
