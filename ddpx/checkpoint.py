@@ -217,15 +217,21 @@ def tensor_bytes(obj: Any) -> int:
 
 
 def _out_of_space(exc: BaseException, directory: Path, needed: int) -> bool:
-    """Whether a failed write ran out of disk (torch's zip writer loses the errno:
-    "file write failed"; then the free space decides)."""
+    """Whether a failed write ran out of disk: an ENOSPC/EDQUOT anywhere in the exception's
+    chain (torch's zip writer raises its own RuntimeError on top), or a zip-writer failure
+    with less space left than the state needs."""
     import errno
     import shutil
 
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
+    seen, chain = exc, []
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
     try:
-        return "write failed" in str(exc) and shutil.disk_usage(directory).free < max(needed, 1 << 20)
+        writer_failed = any(w in str(exc) for w in ("write failed", "inline_container"))
+        return writer_failed and shutil.disk_usage(directory).free < max(needed, 1 << 20)
     except OSError:
         return False
 
