@@ -125,3 +125,15 @@ def test_two_ranks_refuse_a_malicious_checkpoint(ranks, tmp_path):
     assert code == 2, err
     assert "no checkpoint in" in err and "step-000000005.pt: not plain data" in err and "Traceback" not in err
     assert not marker.exists()
+
+
+@pytest.mark.slow  # six short runs
+@pytest.mark.parametrize("hook", ["allreduce", "bf16", "fp16", "int8", "onebit", "powersgd"])
+def test_every_comm_hook_state_is_saved_as_plain_data(make_config, tmp_path, hook):
+    Trainer(make_config("trainer.epochs=1", "trainer.max_steps=3", "trainer.eval_every_epochs=0",
+                        f"comm_hook.name={hook}")).run()
+    path = tmp_path / "run" / "checkpoints" / "step-000000003.pt"
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == []
+    state = load_file(path)
+    if hook != "allreduce":
+        assert state["ranks"][0]["plugins"]["comm_hook"]["state"]["name"] == hook

@@ -140,3 +140,11 @@ esac
     assert "pip on the system python" not in calls and "system -m venv" in calls
     assert "venv -m pip install --no-build-isolation -e .[test]" in calls
     assert f". {venv}/bin/activate" in result.stdout
+
+
+def test_the_epoch_end_checkpoint_names_the_epoch_that_ended(make_config, capfd):
+    from ddpx.trainer import Trainer
+
+    Trainer(make_config("trainer.epochs=1", "trainer.eval_every_epochs=0", "checkpoint.async_write=false")).run()
+    err = capfd.readouterr().err
+    assert "epoch 0 (step 45)" in err and "(end of epoch 0, step 45)" in err and "(epoch 1, step 45)" not in err
