@@ -137,3 +137,25 @@ def test_every_comm_hook_state_is_saved_as_plain_data(make_config, tmp_path, hoo
     state = load_file(path)
     if hook != "allreduce":
         assert state["ranks"][0]["plugins"]["comm_hook"]["state"]["name"] == hook
+
+
+class NotPlainState:
+    """A plugin whose ddpx_state_dict returns an object: refused at the first save, naming the key."""
+
+    from ddpx import hookimpl
+
+    @hookimpl
+    def ddpx_state_dict(self, trainer):
+        return {"mine": {"counter": NotPlainState}}
+
+
+def test_a_plugin_state_that_is_not_plain_data_stops_the_first_save(make_config, tmp_path):
+    from ddpx.plugin import make_plugin_manager
+
+    pm = make_plugin_manager(None)
+    pm.register(NotPlainState(), name="not_plain")
+    config = make_config("trainer.epochs=1", "trainer.max_steps=2", "trainer.eval_every_epochs=0",
+                         plugin_manager=pm)
+    with pytest.raises(DdpxError, match="checkpoint state/mine/counter is a builtins.type: checkpoint state must"):
+        Trainer(config).run()
+    assert not list((tmp_path / "run" / "checkpoints").glob("step-*.pt"))

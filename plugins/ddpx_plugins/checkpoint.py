@@ -334,13 +334,14 @@ def _epoch_exhausted(trainer) -> bool:
 
 
 def _save(trainer, session, at_epoch_end, metrics=None):
-    from ddpx.checkpoint import rng_state
+    from ddpx.checkpoint import check_plain, rng_state
 
     step = trainer.global_step
     if session.saved == (step, at_epoch_end):  # same on every rank: all skip the collective
         return
     session.saved = (step, at_epoch_end)
     state = trainer.state_dict()
+    check_plain(state, "checkpoint state")  # every rank, before any collective: all stop alike
     if not _finite_state(trainer, state):  # the same answer on every rank
         since = f"between optimizer steps {session.finite_at + 1} and {step}" if session.finite_at < step else \
             f"at optimizer step {step}"
