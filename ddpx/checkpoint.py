@@ -13,12 +13,19 @@
   background thread serializes and fsyncs. At most one write is in flight; the
   next save and :meth:`~AsyncCheckpointWriter.wait` wait for it.
 
-Checkpoints are pickles (``torch.load(weights_only=False)``): they hold
-optimizer, RNG and plugin state, not only tensors. Load only your own.
+What a checkpoint holds, and how it is read: only tensors, numbers, strings,
+``None``, lists, tuples and dicts (model, optimizer and scheduler state, RNG
+states, every plugin's state; :func:`check_plain` refuses anything else at
+save time, naming the key). Every load goes through :func:`load_file`, which
+uses ``torch.load(weights_only=True)``: a file that needs any other Python
+global (a pickled object whose ``__reduce__`` could run code) is refused with
+one line naming the file and that global, and nothing in it runs. What a load
+allows besides plain data is listed once, in :func:`allowed_globals`.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import logging
@@ -35,7 +42,27 @@ import torch
 log = logging.getLogger(__name__)
 
 FORMAT_KEY = "ddpx_checkpoint_format"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: plain data only, read with weights_only=True (1: pickles of ddpx <= 0.1)
+READABLE_VERSIONS = (1, 2)  # a version-1 file resumes when it loads safely (it holds plain data too)
+# What a load allows besides tensors, numbers, strings, None, lists, tuples and dicts: the one
+# place. SAFE_GLOBALS: ddpx-owned types a checkpoint may hold (empty: ddpx writes plain data only).
+# legacy_globals(): NumPy's array rebuild, nothing else of NumPy, because format-1 checkpoints
+# pickled NumPy's RNG state as an array (its parts are rebuilt through the same restricted loader).
+SAFE_GLOBALS: list = []
+
+
+def legacy_globals() -> list:
+    try:
+        import numpy
+    except ImportError:
+        return []
+    rebuild = numpy._core.multiarray._reconstruct if hasattr(numpy, "_core") else numpy.core.multiarray._reconstruct
+    return [(rebuild, "numpy._core.multiarray._reconstruct"), (rebuild, "numpy.core.multiarray._reconstruct"),
+            numpy.ndarray, numpy.dtype, type(numpy.dtype("uint32"))]
+
+
+def allowed_globals() -> list:
+    return [*SAFE_GLOBALS, *legacy_globals()]
 LATEST = "latest"
 BEST_INDEX = "best.json"  # the best checkpoints by the monitored metric, best first
 BEST_LINK = "best.pt"  # a symlink to the best one
@@ -121,7 +148,10 @@ def rng_state(device: Optional[torch.device] = None) -> dict:
     if device is not None and torch.device(device).type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     if "numpy" in sys.modules:
-        state["numpy"] = sys.modules["numpy"].random.get_state()
+        kind, keys, pos, has_gauss, gauss = sys.modules["numpy"].random.get_state()
+        # Plain data (weights_only loads no numpy array): the 624 uint32 words as int64.
+        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
     return state
 
 
@@ -134,7 +164,112 @@ def set_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        saved = state["numpy"]
+        if isinstance(saved, dict):
+            saved = (saved["kind"], saved["keys"].numpy().astype(numpy.uint32), saved["pos"],
+                     saved["has_gauss"], saved["cached_gaussian"])
+        numpy.random.set_state(saved)
+
+
+# --- plain data only: what is written, and how it is read -----------------------------
+
+
+_PLAIN_TYPES = (str, bytes, bool, int, float, complex, type(None))  # exact types: a subclass pickles by name
+_TORCH_LEAVES = (torch.Tensor, torch.dtype, torch.device, torch.Size)
+
+
+def check_plain(obj: Any, where: str = "checkpoint") -> None:
+    """Raise a one-line :class:`~ddpx.errors.DdpxError` naming the key of the first
+    value that ``torch.load(weights_only=True)`` could not read back."""
+    kind = type(obj)
+    if kind in _PLAIN_TYPES or isinstance(obj, _TORCH_LEAVES) or kind in SAFE_GLOBALS:
+        return
+    if kind in (dict, collections.OrderedDict):
+        for key, value in obj.items():
+            if type(key) not in (str, int):
+                _not_plain(key, f"{where} (a key)")
+            check_plain(value, f"{where}/{key}")
+        return
+    if kind in (list, tuple):
+        for i, value in enumerate(obj):
+            check_plain(value, f"{where}/{i}")
+        return
+    _not_plain(obj, where)
+
+
+def _not_plain(obj: Any, where: str) -> None:
+    from .errors import DdpxError
+
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    raise DdpxError(f"{where} is a {kind}: checkpoint state must be tensors, numbers, strings, lists and dicts "
+                    "(convert it in the plugin's ddpx_state_dict)")
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in ``obj`` (nested dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _out_of_space(exc: BaseException, directory: Path, needed: int) -> bool:
+    """Whether a failed write ran out of disk: an ENOSPC/EDQUOT anywhere in the exception's
+    chain (torch's zip writer raises its own RuntimeError on top), or a zip-writer failure
+    with less space left than the state needs."""
+    import errno
+    import shutil
+
+    seen, chain = exc, []
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        writer_failed = any(w in str(exc) for w in ("write failed", "inline_container"))
+        return writer_failed and shutil.disk_usage(directory).free < max(needed, 1 << 20)
+    except OSError:
+        return False
+
+
+class UnsafeCheckpoint(Exception):
+    """A checkpoint file that needs Python globals beyond plain data: not loaded."""
+
+
+def unsafe_globals(path: Path) -> list[str]:
+    """The globals ``path`` needs that a weights-only load refuses (read from the
+    pickle's opcodes, nothing runs); [] if none, or if the file cannot be scanned."""
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # not a zip checkpoint, truncated, ...: the load says why
+        return []
+
+
+def load_file(path: Path, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)``, with :func:`allowed_globals` allowed.
+
+    Raises :class:`UnsafeCheckpoint` (one line naming the file and the global it
+    needs) when the file holds anything else; nothing in it runs."""
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        needs = unsafe_globals(path)
+        if needs or "Weights only load failed" in str(exc):
+            what = ", ".join(needs) if needs else _refused_global(exc)
+            raise UnsafeCheckpoint(f"refusing checkpoint {path}: it needs {what}, which a ddpx checkpoint never "
+                                   "holds (loading it could run code); nothing in it was run") from None
+        raise
+
+
+def _refused_global(exc: Exception) -> str:
+    m = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc)) or re.search(r"Unsupported operand[^\n]*", str(exc))
+    return m.group(1) if m and m.groups() else (m.group(0) if m else "a Python object that is not plain data")
 
 
 # --- a directory of checkpoints ----------------------------------------------------------
@@ -175,6 +310,7 @@ class CheckpointDirectory:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path_for(step)
         state = {FORMAT_KEY: FORMAT_VERSION, **state}
+        check_plain(state)
         atomic_write(path, lambda f: torch.save(state, f))
         atomic_write(self.directory / LATEST, lambda f: f.write(path.name.encode() + b"\n"))
         if score is not None and self.keep_best > 0:
@@ -234,29 +370,45 @@ class CheckpointDirectory:
         """The newest complete checkpoint as ``(path, state)``, or None if none loads.
 
         Tries the file ``latest`` names first, then every other checkpoint,
-        newest first; an unreadable one, or one for which ``reject(state)``
-        returns a reason, is skipped with a warning.
+        newest first; an unreadable one, one that is not plain data (refused
+        unread, see :func:`load_file`), or one for which ``reject(state)``
+        returns a reason, is skipped with a warning. Raises
+        :class:`~ddpx.errors.DdpxError` when checkpoints exist but none loads:
+        starting afresh would silently train from step 0 over them.
         """
         pointed = self._pointer()
         order = [p for _, p in reversed(self.checkpoints())]
         if pointed is not None and pointed in order:
             order.remove(pointed)
             order.insert(0, pointed)
+        skipped = []
         for path in order:
             try:
-                state = torch.load(path, map_location=map_location, weights_only=False)
+                state = load_file(path, map_location)
+            except UnsafeCheckpoint as exc:
+                log.warning("%s", exc)
+                skipped.append(f"{path.name}: not plain data")
+                continue
             except Exception as exc:  # truncated zip, bad pickle, I/O error: try the next
                 log.warning("skipping unreadable checkpoint %s: %s", path, exc)
+                skipped.append(f"{path.name}: unreadable")
                 continue
-            if not isinstance(state, dict) or state.get(FORMAT_KEY) != FORMAT_VERSION:
+            if not isinstance(state, dict) or state.get(FORMAT_KEY) not in READABLE_VERSIONS:
                 log.warning("skipping %s: not a ddpx checkpoint (format %r)", path,
                             state.get(FORMAT_KEY) if isinstance(state, dict) else type(state))
+                skipped.append(f"{path.name}: not a ddpx checkpoint")
                 continue
             reason = reject(state) if reject is not None else None
             if reason:
                 log.warning("skipping checkpoint %s: %s", path, reason)
+                skipped.append(f"{path.name}: {reason}")
                 continue
             return path, state
+        if skipped:
+            from .errors import DdpxError
+
+            raise DdpxError(f"no checkpoint in {self.directory} can be resumed ({'; '.join(skipped)}); remove them, "
+                            "use another run_dir, or set checkpoint.resume=false to start afresh")
         return None
 
 
@@ -275,11 +427,14 @@ class AsyncCheckpointWriter:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._buffers: dict = {}
+        self._bytes = 0  # tensor bytes of the state being written (for a disk-full message)
         self.last_path: Optional[Path] = None
 
     def save(self, state: dict, step: int, on_done: Optional[Callable[[Path], None]] = None,
              score: Optional[dict] = None) -> None:
         self.wait()
+        check_plain(state)  # here, on the training thread: a one-line error naming the key
+        self._bytes = tensor_bytes(state)
         if not self.async_write:
             self._write(state, step, on_done, score)
             self._raise()
@@ -314,4 +469,10 @@ class AsyncCheckpointWriter:
     def _raise(self) -> None:
         if self._error is not None:
             exc, self._error = self._error, None
+            if _out_of_space(exc, self.directory.directory, self._bytes):
+                from .errors import DdpxError
+
+                raise DdpxError(f"checkpoint not saved: no space left on device in {self.directory.directory} "
+                                f"(needs about {max(1, round(self._bytes / 2**20))} MB); the previous checkpoint "
+                                "is intact: free some space and run the same command again to resume") from None
             raise RuntimeError(f"checkpoint write failed: {exc}") from exc

@@ -29,7 +29,14 @@ def main(argv=None):
     # TORCH_CPP_LOG_LEVEL=WARNING shows them again.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # `ddpx train cfg.yaml --nproc-per-node 1 trainer.epochs=3`: argparse stops collecting
+        # positionals at the first option; overrides may come anywhere.
+        if getattr(args, "overrides_anywhere", False) and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.parse_args(argv)  # argparse's own one-line error for what it does not know
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -28,7 +28,7 @@ CORE_DEFAULTS: dict = {
     "seed": 0,
     "run_dir": None,
     "model": {"target": "ddpx.models.DigitsMLP", "args": {"hidden": 128}},
-    "data": {"target": "ddpx.data.digits_split", "args": {"test_fraction": 0.2, "seed": 0}},
+    "data": {"target": "ddpx.data.digits_split", "args": {"test_fraction": 0.2, "seed": 0}, "collate": None},
     "loss": {"target": "torch.nn.CrossEntropyLoss", "args": {}},
     "optimizer": {"target": "torch.optim.SGD", "args": {"lr": 0.1, "momentum": 0.9}},
     "scheduler": {"target": None, "args": {}},
@@ -52,6 +52,7 @@ CORE_DEFAULTS: dict = {
         "eval_metric": None,
         "sync_batchnorm": False,
         "compile": False,
+        "seed_per_sample": False,
     },
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
@@ -63,6 +64,7 @@ CORE_TYPES: dict = {
     "run_dir": (str, type(None)),
     "loss.target": (str, type(None)),
     "scheduler.target": (str, type(None)),
+    "data.collate": (str, type(None)),
     "trainer.eval_metric": (str, type(None)),
     "trainer.compile": (bool, str),
     "trainer.grad_clip": (float, type(None)),
@@ -79,8 +81,9 @@ CHOICES: dict = {
     "trainer.nonfinite": ("stop", "warn"),
 }
 # Sections built from an import path; their ``args`` are free-form keyword
-# arguments, replaced as a whole, and reset to {} when only the target is given
-# (SGD's momentum must not leak into a user's Adam).
+# arguments: given with a target they replace the default's as a whole, and are
+# reset to {} when only the target is given (SGD's momentum must not leak into a
+# user's Adam); given without one they merge into the default's.
 TARGET_SECTIONS = ("model", "data", "loss", "optimizer", "scheduler")
 
 _TYPE_NAMES = {
@@ -261,6 +264,49 @@ def _validate(values: dict, defaults: Mapping, types: Mapping, prefix: str = "")
             _validate(value, default, types, prefix=f"{path}.")
 
 
+# Numeric ranges of core keys: (lowest allowed, whether the lowest itself is allowed, hint).
+RANGES: dict = {
+    "trainer.epochs": (1, True, "the number of passes over the data"),
+    "trainer.batch_size": (1, True, "samples per rank and step"),
+    "trainer.eval_batch_size": (1, True, "samples per rank and evaluation batch"),
+    "trainer.max_steps": (1, True, "null for no limit"),
+    "trainer.num_workers": (0, True, "0 loads in the training process"),
+    "trainer.eval_every_epochs": (0, True, "0 never evaluates"),
+    "trainer.grad_clip": (0, False, "null for no clipping"),
+    "trainer.bucket_cap_mb": (0, False, "null for DDP's default"),
+    "trainer.timeout_s": (0, False, "seconds"),
+    "trainer.first_timeout_s": (0, False, "seconds"),
+    "launch.max_restarts": (0, True, "0 for none"),
+}
+
+
+def check_ranges(values: Mapping) -> None:
+    """One-line errors for numbers out of range (``trainer.batch_size=0``), and for a
+    ``launch.nproc_per_node`` / ``launch.nnodes`` that torchrun would reject."""
+    for path, (low, inclusive, hint) in RANGES.items():
+        section, key = path.split(".")
+        value = values.get(section, {}).get(key)
+        if value is None or isinstance(value, bool):
+            continue
+        if value < low or (value == low and not inclusive):
+            bound = f">= {low}" if inclusive else f"> {low}"
+            raise DdpxError(f"config key '{path}' must be {bound} ({hint}), got {value}")
+    launch = values.get("launch", {})
+    check_nproc(launch.get("nproc_per_node"), "launch.nproc_per_node")
+    nnodes = str(launch.get("nnodes"))
+    if not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", nnodes):
+        raise DdpxError(f"config key 'launch.nnodes' must be a number of nodes >= 1 or MIN:MAX, got {nnodes!r}")
+
+
+def check_nproc(value, where: str) -> None:
+    """``auto`` or a whole number >= 1 (also as a string from the command line)."""
+    if value is None or value == "auto":
+        return
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise DdpxError(f"{where} must be a number of processes >= 1 or auto, got {value!r}")
+
+
 def _coerce_floats(values: dict, defaults: Mapping, types: Mapping, prefix: str = "") -> None:
     """Store ints given for float keys as floats, so plugins see the declared type."""
     for key, value in values.items():
@@ -343,11 +389,17 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
         given = raw.get(section) or {}
         if "target" in given and "args" not in given:
             values[section]["args"] = {}
+        elif "target" not in given and isinstance(given.get("args"), Mapping):
+            # `optimizer.args.lr=0.05` on a config without a target: into the default's args (SGD keeps momentum)
+            values[section]["args"] = {**defaults[section]["args"], **given["args"]}
         if values[section]["target"] is not None:
             resolve(values[section]["target"], f"{section}.target")
+    if values["data"]["collate"] is not None:
+        resolve(values["data"]["collate"], "data.collate")
     if values["trainer"]["eval_metric"] is not None:
         resolve(values["trainer"]["eval_metric"], "trainer.eval_metric")
     _coerce_floats(values, defaults, CORE_TYPES)
+    check_ranges(values)
 
     config = Config(_sections(values))
     config.source = path

@@ -11,15 +11,17 @@ code instead of an exception we can turn into one line naming the failed rank.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from . import net, slurm
-from .config import default_run_dir, load_config, user_module_dirs
+from .config import check_nproc, default_run_dir, load_config, user_module_dirs
 from .errors import DdpxError, TrainingDiverged
 
 WORKER_MODULE = "ddpx.worker"
@@ -93,7 +95,65 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise DdpxError(f"--rdzv-endpoint '{endpoint}' must be HOST:PORT, e.g. 10.0.0.1:29400")
+    check_port(int(port), f"--rdzv-endpoint {endpoint}: the port")
     return host.strip("[]"), int(port)
+
+
+def check_port(port: Optional[int], where: str) -> None:
+    if port is not None and not 1 <= int(port) <= 65535:
+        raise DdpxError(f"{where} must be a port number from 1 to 65535, got {port}")
+
+
+def check_options(opts: LaunchOptions) -> None:
+    """One-line errors for launch options torchrun would reject with a traceback."""
+    check_nproc(opts.nproc_per_node, "--nproc-per-node")
+    check_port(opts.master_port, "--master-port")
+    if opts.max_restarts is not None and opts.max_restarts < 0:
+        raise DdpxError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
+    if opts.node_rank is not None and opts.node_rank < 0:
+        raise DdpxError(f"--node-rank must be >= 0, got {opts.node_rank}")
+    if opts.nnodes is not None and not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", str(opts.nnodes)):
+        raise DdpxError(f"--nnodes must be a number of nodes >= 1 or MIN:MAX, got {opts.nnodes!r}")
+
+
+def model_bytes(config) -> Optional[int]:
+    """The model's parameter bytes, built on the meta device (no memory, no data); None
+    when the model cannot be built there."""
+    import torch
+
+    from .imports import instantiate
+
+    try:
+        with torch.device("meta"):
+            model = instantiate(config.model, "model")
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    except Exception:
+        return None
+
+
+def check_run_dir(run_dir: str, config) -> None:
+    """Before any worker starts: ``run_dir`` can be created and written (its nearest existing
+    directory is writable: nothing is created here), no other run
+    holds it (ddpx/runlock.py), and its file system has room for about one checkpoint
+    (weights plus optimizer state, counted as 3x the parameters)."""
+    import shutil
+
+    from .runlock import job_id, read_holder, refusal, stale_reason
+
+    path = Path(run_dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())  # nothing is created here
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "not a directory" if not existing.is_dir() else "no write permission or a read-only file system"
+        raise DdpxError(f"run_dir {run_dir} is not writable ({existing}: {why}); choose another with run_dir=DIR")
+    holder = read_holder(path)
+    if holder and holder.get("job") != job_id() and stale_reason(holder) is None:
+        raise DdpxError(refusal(path, holder))
+    params = model_bytes(config)
+    if params:
+        needed, free = 3 * params, shutil.disk_usage(existing).free
+        if free < needed:
+            raise DdpxError(f"run_dir {run_dir} has {free / 2**20:.0f} MB free, a checkpoint needs about "
+                            f"{needed / 2**20:.0f} MB; free some space or choose another run_dir")
 
 
 def from_environment(opts: LaunchOptions, env: Mapping[str, str] = os.environ) -> LaunchOptions:
@@ -250,13 +310,102 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
     return argv + list(overrides)
 
 
+LAUNCH_RECORD = "ddpx-launch.json"  # in run_dir: the config and overrides that started it (for --resume)
+
+
+class WorkerCrashed(DdpxError):
+    """A worker failed with something other than bad input (exit 1, as docs/checkpoints.md says)."""
+
+    exit_code = 1
+
+
 def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOptions) -> int:
-    """Validate the config here (one-line errors, nothing spawned), then run torchrun."""
+    """Validate the config here (one-line errors, nothing spawned), then run torchrun.
+    When training does not finish, the last line says how to resume."""
+    from .runlock import JOB_ENV
+
     config = load_config(config_path, overrides)  # raises DdpxError before any worker exists
-    if config.run_dir is None:  # one for the whole launch: a restarted worker group resumes there
-        overrides = [*overrides, f"run_dir={default_run_dir()}"]
-    argv = torchrun_argv(opts, config.launch, config_path, overrides)
-    return run_torchrun(argv)
+    check_options(opts)
+    run_dir = config.run_dir
+    if run_dir is None:  # one for the whole launch: a restarted worker group resumes there
+        run_dir = default_run_dir()
+        overrides = [*overrides, f"run_dir={run_dir}"]
+    given_job = os.environ.get(JOB_ENV)
+    os.environ[JOB_ENV] = given_job or job_identity(opts)  # the run_dir lock's owner (ddpx/runlock.py)
+    started = False
+    try:
+        check_run_dir(run_dir, config)
+        argv = torchrun_argv(opts, config.launch, config_path, overrides)  # checks ports, nothing created yet
+        _record_launch(run_dir, config_path, overrides)
+        started = True
+        code = run_torchrun(argv)
+    except DdpxError:
+        if started:
+            _print_resume_command(config_path, overrides, run_dir)
+        raise
+    finally:
+        if given_job is None:
+            os.environ.pop(JOB_ENV, None)
+    if code != 0:
+        _print_resume_command(config_path, overrides, run_dir)
+    return code
+
+
+def job_identity(opts: LaunchOptions) -> str:
+    """This launch's job for the run_dir lock: the rendezvous every node of a multi-node job
+    names alike, or this launcher's host and pid on one node."""
+    opts = from_environment(opts)
+    if opts.rdzv_endpoint:
+        return f"{opts.rdzv_id or DEFAULT_RDZV_ID}@{opts.rdzv_endpoint}"
+    if opts.master_addr and opts.nnodes not in (None, "1"):
+        return f"{opts.rdzv_id or DEFAULT_RDZV_ID}@{opts.master_addr}:{opts.master_port or DEFAULT_MASTER_PORT}"
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def resume_command(config_path: Optional[str], overrides: Sequence[str], run_dir: str) -> str:
+    import shlex
+
+    kept = [o for o in overrides if not o.startswith("run_dir=")]
+    words = ["ddpx", "train", *([config_path] if config_path else []), *kept, f"run_dir={run_dir}"]
+    return " ".join(shlex.quote(str(w)) for w in words)
+
+
+def _print_resume_command(config_path, overrides, run_dir) -> None:
+    print(f"ddpx: to resume this run: {resume_command(config_path, overrides, run_dir)}", file=sys.stderr,
+          flush=True)
+
+
+def _record_launch(run_dir: str, config_path: Optional[str], overrides: Sequence[str]) -> None:
+    import json
+
+    record = {"config": os.path.abspath(config_path) if config_path else None,
+              "overrides": [o for o in overrides if not o.startswith("run_dir=")], "started": time.time()}
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        Path(run_dir, LAUNCH_RECORD).write_text(json.dumps(record))
+    except OSError:
+        pass  # check_run_dir found it writable; a vanishing directory shows up in the workers
+
+
+def newest_run(config_path: Optional[str], runs: Optional[str] = None) -> str:
+    """``ddpx train CONFIG --resume``: the newest run directory under ``runs/`` (where
+    runs without ``run_dir`` go) that was started with this config file."""
+    import json
+
+    wanted = os.path.abspath(config_path) if config_path else None
+    base = Path(runs or os.path.dirname(default_run_dir()))
+    found = []
+    for record in base.glob(f"*/{LAUNCH_RECORD}"):
+        try:
+            data = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("config") == wanted:
+            found.append((float(data.get("started", 0)), str(record.parent)))
+    if not found:
+        raise DdpxError(f"--resume: no run of {config_path or 'the built-in config'} under {base}; "
+                        "pass the run directory: --resume RUN_DIR (or run_dir=RUN_DIR)")
+    return max(found)[1]
 
 
 def run_torchrun(argv: Sequence[str]) -> int:
@@ -300,7 +449,10 @@ def _run_agent(run, args, done_dir: str) -> int:
             print(f"ddpx: warning: training finished; rank {rank} then {why} while exiting{more}", file=sys.stderr)
             return 0
         node = f"node {args.local_addr}: " if args.local_addr else ""
-        raise DdpxError(f"{node}training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above") from None
+        message = f"{node}training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above"
+        if code == DdpxError.exit_code:  # the worker found bad input (one line above): exit 2 too
+            raise DdpxError(message) from None
+        raise WorkerCrashed(message) from None
     except RendezvousError as exc:
         if _every_local_worker_finished(args, done_dir):
             # The agent lost the c10d store because the node hosting it exited first

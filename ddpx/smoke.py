@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -160,7 +161,14 @@ def _train_steps(trainer, until_step: int) -> str:
     start = trainer.global_step
     trainer.train(until_step=until_step)
     loss = trainer.last_loss.item() if trainer.last_loss is not None else float("nan")
-    return f"{trainer.global_step - start} optimizer steps, last loss {loss:.4f}"
+    steps = trainer.global_step - start
+    if steps == 0:  # a run that does no work is not a pass
+        raise RuntimeError("0 optimizer steps: the data gave no batch (an empty data set, or sampler.drop_last "
+                           "with a batch larger than the data)")
+    if not math.isfinite(loss):
+        raise RuntimeError(f"{steps} optimizer steps, but the last loss is {loss}: fix the model, data or "
+                           "optimizer.args.lr")
+    return f"{steps} optimizer steps, last loss {loss:.4f}"
 
 
 def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:

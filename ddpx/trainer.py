@@ -38,6 +38,8 @@ from .errors import DdpxError, TrainingDiverged
 from .imports import instantiate
 from .losses import EpochLosses, LossWindow
 from .plugin import plugin_signature, raised_by, rank_prefix
+from .runlock import hold_run_dir
+from .seeding import seed_rank
 from .step_hooks import step_callers
 from .stopping import StopAgreement
 
@@ -170,6 +172,7 @@ class Trainer:
         self._saved_logger: Optional[tuple] = None  # what close() restores
         self._plugins_before: Optional[set] = None
         self._closed = False
+        self._run_lock = None  # rank 0's lock on run_dir (ddpx/runlock.py)
 
     @property
     def is_main(self) -> bool:
@@ -217,6 +220,7 @@ class Trainer:
         self._plugins_before = set(self.plugin_manager.get_plugins())
         self._install_signal_handlers()
         self._build()
+        seed_rank(self.config.seed, self.rank)  # built alike everywhere; from here one stream per rank
         self.hook.ddpx_train_start(trainer=self)  # checkpoint restore may move epoch/global_step
 
     def train(self, until_step: Optional[int] = None) -> list[dict]:
@@ -265,6 +269,8 @@ class Trainer:
             gc.collect()
             distributed.teardown()
         finally:
+            if self._run_lock is not None:
+                self._run_lock.release()
             # After every plugin's last message: leave the process as it was
             # (a later run or test in the same process sees its own settings).
             for plugin in set(self.plugin_manager.get_plugins()) - (self._plugins_before or set()):
@@ -335,6 +341,7 @@ class Trainer:
         distributed.set_timeout(cfg.timeout_s)
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world_size)  # one run per run_dir
         torch.manual_seed(self.config.seed)  # identical initial weights and default shuffles on every rank
         self.hook.ddpx_setup(trainer=self)
         if not self.log.handlers:

@@ -51,6 +51,28 @@ def test_readme_links_to_docs_resolve():
     assert not missing, missing
 
 
+def github_anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: str) -> set:
+    text = re.sub(r"^```.*?^```", "", open(path).read(), flags=re.S | re.M)  # no headings in code blocks
+    return {github_anchor(m) for m in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_links_between_docs_resolve_with_their_anchors():
+    pages = [os.path.join(ROOT, "README.md")] + [os.path.join(DOCS, n) for n in sorted(os.listdir(DOCS)) if n.endswith(".md")]
+    broken = []
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", open(page).read(), flags=re.S | re.M)
+        for target, anchor in re.findall(r"\]\(([^)#\s:]*\.md|)#([^)\s]+)\)", text):
+            path = os.path.normpath(os.path.join(os.path.dirname(page), target)) if target else page
+            if not os.path.exists(path) or anchor not in anchors(path):
+                broken.append(f"{os.path.relpath(page, ROOT)}: {target}#{anchor}")
+    assert not broken, broken
+
+
 def test_the_hook_reference_is_generated_from_hookspecs():
     """docs/hooks.md is made from ddpx/hookspecs.py; regenerate it with
     ``python -m ddpx.hookspecs > docs/hooks.md``."""

@@ -193,7 +193,7 @@ def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(ranks, tmp_path, tw
     out0 = host0.output
     assert (tmp_path / "marker").exists(), out0[-3000:]
     assert host1.returncode == -signal.SIGKILL or host1.returncode != 0
-    assert host0.returncode == 2, out0[-3000:]  # one line from ddpx train, not a hang
+    assert host0.returncode == 1, out0[-3000:]  # a crashed peer: one line from ddpx train (exit 1), not a hang
     assert "training failed: rank 0" in out0 and "by peer" in out0, out0[-3000:]  # gloo: closed or reset
 
     (tmp_path / "marker").unlink()  # the rerun runs normally

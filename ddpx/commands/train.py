@@ -1,6 +1,9 @@
 """``ddpx train [CONFIG] [KEY=VALUE ...]``: train through torchrun."""
 
-from ..launch import add_launch_arguments, launch, options_from_args, split_config_and_overrides
+import sys
+
+from ..launch import (add_launch_arguments, check_options, launch, newest_run, options_from_args,
+                      split_config_and_overrides)
 
 
 def register(subparsers):
@@ -20,12 +23,19 @@ def register(subparsers):
     p.add_argument("--smoke", action="store_true",
                    help="smoke run: a few steps, one evaluation, a checkpoint save and resume on a small data "
                         "slice with every configured plugin; prints a PASS/FAIL table (ddpx/smoke.py)")
-    p.set_defaults(func=run)
+    p.add_argument("--resume", nargs="?", const="newest", default=None, metavar="RUN_DIR",
+                   help="resume a run: the newest one started with this config under runs/, or RUN_DIR")
+    p.set_defaults(func=run, overrides_anywhere=True)  # KEY=VALUE also after the options (ddpx/cli.py)
 
 
 def run(args):
     config, overrides = split_config_and_overrides(args.config, args.overrides)
     opts = options_from_args(args)
+    check_options(opts)
+    if args.resume is not None:
+        run_dir = newest_run(config) if args.resume == "newest" else args.resume
+        print(f"ddpx: resuming {run_dir}", file=sys.stderr, flush=True)
+        overrides = [*overrides, f"run_dir={run_dir}"]
     if args.smoke:
         from ..smoke import launch_smoke  # torch: only for a smoke run
 

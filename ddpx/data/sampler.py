@@ -53,6 +53,7 @@ class ResumableDistributedBatchSampler(Sampler[List[int]]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        with_epoch: bool = False,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -65,6 +66,7 @@ class ResumableDistributedBatchSampler(Sampler[List[int]]):
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
+        self.with_epoch = bool(with_epoch)  # yield (epoch, index) keys (for ddpx.data.seeded.SeededDataset)
         self.epoch = 0
         self.consumed = 0
 
@@ -134,6 +136,11 @@ class ResumableDistributedBatchSampler(Sampler[List[int]]):
             return self.num_samples  # the last full batch takes the short tail
         return start + per_step
 
+    def epoch_batches(self) -> int:
+        """Batches of a whole epoch (from position 0)."""
+        full, tail = divmod(self.num_samples, self.world_size * self.batch_size)
+        return full + (1 if tail >= self.world_size and not self.drop_last else 0)
+
     def __len__(self) -> int:
         """Batches left in this epoch from the current position (same on every rank)."""
         full, tail = divmod(self.num_samples - self.consumed, self.world_size * self.batch_size)
@@ -147,7 +154,8 @@ class ResumableDistributedBatchSampler(Sampler[List[int]]):
             size = end - begin
             lo = begin + self.rank * size // self.world_size
             hi = begin + (self.rank + 1) * size // self.world_size
-            yield order[lo:hi].tolist()
+            batch = order[lo:hi].tolist()
+            yield [(self.epoch, i) for i in batch] if self.with_epoch else batch
             begin, end = end, self._next_end(end)
 
 

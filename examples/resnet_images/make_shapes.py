@@ -5,8 +5,10 @@ random colour, size and place, on a random dark background, with pixel noise.
 """
 
 import argparse
+import importlib.util
 import os
 import random
+import sys
 
 CLASSES = ("circle", "square", "triangle", "cross")
 
@@ -49,5 +51,7 @@ if __name__ == "__main__":
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if importlib.util.find_spec("PIL") is None:
+        sys.exit("make_shapes.py needs Pillow: pip install pillow (or the examples extra: pip install -e '.[examples]')")
     make_shapes(args.root, args.per_class, args.size, args.seed)
     print(f"{args.per_class * len(CLASSES)} images in {args.root}/{{{','.join(CLASSES)}}}")

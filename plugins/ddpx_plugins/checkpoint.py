@@ -334,13 +334,14 @@ def _epoch_exhausted(trainer) -> bool:
 
 
 def _save(trainer, session, at_epoch_end, metrics=None):
-    from ddpx.checkpoint import rng_state
+    from ddpx.checkpoint import check_plain, rng_state
 
     step = trainer.global_step
     if session.saved == (step, at_epoch_end):  # same on every rank: all skip the collective
         return
     session.saved = (step, at_epoch_end)
     state = trainer.state_dict()
+    check_plain(state, "checkpoint state")  # every rank, before any collective: all stop alike
     if not _finite_state(trainer, state):  # the same answer on every rank
         since = f"between optimizer steps {session.finite_at + 1} and {step}" if session.finite_at < step else \
             f"at optimizer step {step}"
@@ -370,8 +371,12 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     progress = state.get("progress", {})
     score = _score(trainer, session, metrics) if metrics is not None else None
 
+    # progress["epoch"] is the epoch a resume starts in: the next one once this one is done.
+    epoch = progress.get("epoch", trainer.epoch)
+    where = f"end of epoch {epoch - 1}" if epoch != trainer.epoch else f"in epoch {epoch}"
+
     def done(path):
-        trainer.log.info(f"saved checkpoint {path} (epoch {progress.get('epoch')}, step {step})")
+        trainer.log.info(f"saved checkpoint {path} ({where}, step {step})")
 
     session.writer.save(checkpoint, step, on_done=done, score=score)
 
@@ -411,16 +416,21 @@ def _resume(trainer, session):
     import torch
     import torch.distributed as dist
 
-    from ddpx.checkpoint import set_rng_state
+    from ddpx.checkpoint import load_file, set_rng_state
 
-    name = found = None
+    name = found = refusal = None
     if trainer.rank == 0:
-        found = session.directory.load_latest(reject=_nonfinite_weights)
+        try:
+            found = session.directory.load_latest(reject=_nonfinite_weights)
+        except DdpxError as exc:  # checkpoints exist, none can be resumed: every rank stops
+            refusal = str(exc)
         name = found[0].name if found else None
     if across_ranks(trainer):
-        box = [name]
+        box = [name, refusal]
         dist.broadcast_object_list(box, src=0)
-        name = box[0]
+        name, refusal = box
+    if refusal is not None:
+        raise DdpxError(refusal)
     if name is None:
         return
     path = session.directory.directory / name
@@ -429,7 +439,7 @@ def _resume(trainer, session):
         checkpoint = found[1]
     else:
         try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            checkpoint = load_file(path)  # weights_only: nothing in the file runs
         except Exception as exc:
             checkpoint, error = None, exc
     if across_ranks(trainer):  # every rank must have the file before anyone changes course
@@ -452,16 +462,63 @@ def _resume(trainer, session):
     if same_world:
         set_rng_state(mine["rng"], trainer.device)
     else:
+        from ddpx.seeding import seed_rank
+
+        seed_rank(trainer.config.seed, trainer.rank, trainer.global_step)  # not the fresh start's stream again
         if trainer.rank == 0:
+            batch, accumulation = trainer.config.trainer.batch_size, _accumulation_steps(trainer)
             trainer.log.warning(
                 f"resuming with {trainer.world_size} ranks from a checkpoint of {old_world}: the rest "
-                f"of epoch {trainer.epoch} is re-divided, the global batch is now {trainer.world_size} "
-                "x the per-rank batch, RNG states are freshly seeded, the learning rate is "
+                f"of epoch {trainer.epoch} is re-divided, the global batch is now {trainer.world_size} ranks x "
+                f"{batch} x {accumulation} accumulation steps = {trainer.world_size * batch * accumulation} "
+                "samples, RNG states are seeded from (seed, rank, step), the learning rate is "
                 + ("scaled linearly" if session.cfg["lr_scaling"] == "linear" else "unchanged")
             )
+            _warn_scheduler_horizon(trainer)
         if session.cfg["lr_scaling"] == "linear":
             _scale_lr(trainer, trainer.world_size / old_world)
     trainer.log.info(f"resumed from {path} (epoch {trainer.epoch}, step {trainer.global_step})")
+
+
+def _accumulation_steps(trainer) -> int:
+    return int(trainer.config.section("accumulation").get("steps", 1) or 1) if "accumulation" in trainer.config else 1
+
+
+def run_steps(trainer):
+    """Optimizer steps the whole run takes at this world size (None: unknown), counted
+    from the resumed position: trainer.max_steps, else the rest of this epoch plus the
+    remaining epochs."""
+    max_steps = trainer.config.trainer.max_steps
+    if max_steps is not None:
+        return max_steps
+    loader = trainer.train_loader
+    sampler = getattr(loader, "batch_sampler", None)
+    if sampler is None or not hasattr(sampler, "epoch_batches"):
+        return None
+    accumulation = _accumulation_steps(trainer)
+    rest = -(-len(sampler) // accumulation)
+    full = -(-sampler.epoch_batches() // accumulation)
+    return trainer.global_step + rest + full * (trainer.config.trainer.epochs - trainer.epoch - 1)
+
+
+# Scheduler attributes that count optimizer steps to the end of the schedule.
+STEP_HORIZONS = ("total_steps", "T_max", "total_iters")
+
+
+def _warn_scheduler_horizon(trainer) -> None:
+    """After a world-size change the run takes another number of steps: a schedule
+    sized in steps would end early or be overshot."""
+    scheduler = trainer.scheduler
+    horizon = next(((name, getattr(scheduler, name)) for name in STEP_HORIZONS
+                    if isinstance(getattr(scheduler, name, None), int)), None)
+    steps = run_steps(trainer)
+    if horizon is None or steps is None or horizon[1] == steps:
+        return
+    name, value = horizon
+    trainer.log.warning(f"scheduler {type(scheduler).__name__}'s {name}={value} counts optimizer steps, but at "
+                        f"{trainer.world_size} ranks this run takes {steps}: the schedule "
+                        + ("ends early" if value < steps else "is cut short")
+                        + f"; set scheduler.args.{name}={steps} for a schedule that ends with the run")
 
 
 def _nonfinite_weights(checkpoint):

@@ -11,7 +11,10 @@ after the last trained batch, even with a different number of ranks. Evaluation 
 contiguous shards without padding, so no sample is counted twice.
 
 Config section ``sampler``: ``shuffle`` (true), ``drop_last`` (false: the short
-tail of an epoch is divided across ranks instead of dropped). The loaders use
+tail of an epoch is divided across ranks instead of dropped). The training
+loader reads the set through :class:`~ddpx.data.seeded.SeededDataset`
+(DataLoader workers seeded from ``(seed, rank, worker, epoch)``, or each sample
+from ``(seed, epoch, index)`` with ``trainer.seed_per_sample``). The loaders use
 ``trainer.batch_size`` (per rank), ``trainer.eval_batch_size``,
 ``trainer.num_workers``; memory is pinned when training on CUDA.
 
@@ -19,6 +22,7 @@ Per-run state lives in ``trainer.sampler`` (a :class:`SamplerState`; docs/plugin
 """
 
 from ddpx import hookimpl
+from ddpx.errors import DdpxError
 
 
 @hookimpl
@@ -28,36 +32,90 @@ def ddpx_config_defaults():
 
 @hookimpl
 def ddpx_build_dataloaders(trainer, train_set, eval_set):
-    from torch.utils.data import DataLoader
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
 
     from ddpx.data.sampler import ResumableDistributedBatchSampler, ShardSampler
+    from ddpx.data.seeded import SeededDataset
 
     cfg = trainer.config.section("sampler")
     settings = trainer.config.trainer
-    batch_sampler = ResumableDistributedBatchSampler(
-        len(train_set),
-        settings.batch_size,
-        trainer.rank,
-        trainer.world_size,
-        shuffle=cfg["shuffle"],
-        seed=trainer.config.seed,
-        drop_last=cfg["drop_last"],
-    )
+    trainer.sampler.generator = torch.Generator()  # reseeded every epoch in ddpx_epoch_start
     loader_options = {
         "num_workers": settings.num_workers,
         "pin_memory": trainer.device.type == "cuda",
         "persistent_workers": settings.num_workers > 0,
+        "collate_fn": _collate(trainer.config.data.collate),
     }
-    train_loader = DataLoader(train_set, batch_sampler=batch_sampler, **loader_options)
+    if isinstance(train_set, IterableDataset):
+        train_loader = _stream_loader(trainer, train_set, loader_options)
+    else:
+        if len(train_set) == 0:
+            raise DdpxError(f"the training set of data.target {trainer.config.data.target} is empty: nothing to "
+                            "train on; check data.args")
+        batch_sampler = ResumableDistributedBatchSampler(
+            len(train_set),
+            settings.batch_size,
+            trainer.rank,
+            trainer.world_size,
+            shuffle=cfg["shuffle"],
+            seed=trainer.config.seed,
+            drop_last=cfg["drop_last"],
+            with_epoch=True,
+        )
+        if len(batch_sampler) == 0:  # every epoch would end at once: exit 0 with nothing done
+            raise DdpxError(f"zero steps per epoch: {len(train_set)} training samples do not fill one batch of "
+                            f"trainer.batch_size={settings.batch_size} on each of {trainer.world_size} ranks"
+                            + (" with sampler.drop_last=true; set sampler.drop_last=false or lower "
+                               "trainer.batch_size" if cfg["drop_last"] else "; use more data or fewer ranks"))
+        # Seeds per worker and epoch, or per sample (ddpx/seeding.py): the keys carry the epoch.
+        seeded = SeededDataset(train_set, trainer.config.seed, trainer.rank, settings.seed_per_sample)
+        # The loader draws its workers' base seed from its own generator, not from the rank's
+        # stream: a resumed run's new iterator must not shift the stream the checkpoint restored.
+        train_loader = DataLoader(seeded, batch_sampler=batch_sampler, generator=trainer.sampler.generator,
+                                  **loader_options)
     eval_loader = None
     if eval_set is not None:
-        eval_loader = DataLoader(
-            eval_set,
-            batch_size=settings.eval_batch_size,
-            sampler=ShardSampler(len(eval_set), trainer.rank, trainer.world_size),
-            **loader_options,
-        )
+        sampler = None if isinstance(eval_set, IterableDataset) else \
+            ShardSampler(len(eval_set), trainer.rank, trainer.world_size)
+        eval_loader = DataLoader(eval_set, batch_size=settings.eval_batch_size, sampler=sampler, **loader_options)
     return train_loader, eval_loader
+
+
+def _collate(target):
+    from ddpx.data.collate import Collate
+    from ddpx.imports import resolve
+
+    return Collate(target, resolve(target, "data.collate") if target else None)
+
+
+def _stream_loader(trainer, train_set, loader_options):
+    """An IterableDataset: sharded across ranks and workers, the same steps on every rank (ddpx/data/stream.py)."""
+    from torch.utils.data import DataLoader
+
+    from ddpx.data.stream import ShardedStream, StreamLoader, batches_per_rank, stream_length
+
+    settings = trainer.config.trainer
+    samples = stream_length(train_set, trainer.config.data.target)
+    workers = max(1, settings.num_workers)
+    itself = bool(getattr(train_set, "ddpx_shards_itself", False))
+    steps = min(batches_per_rank(samples, r, trainer.world_size, workers, settings.batch_size, itself)
+                for r in range(trainer.world_size))
+    if steps == 0:
+        raise DdpxError(f"zero steps per epoch: the stream of data.target {trainer.config.data.target} has "
+                        f"{samples} samples, not one for each of {trainer.world_size} ranks; use more data or "
+                        "fewer ranks")
+    stream = ShardedStream(train_set, trainer.rank, trainer.world_size, trainer.config.seed,
+                           settings.seed_per_sample)
+    loader = DataLoader(stream, batch_size=settings.batch_size, generator=trainer.sampler.generator, **loader_options)
+    return StreamLoader(loader, stream, steps)
+
+
+def _stream(trainer):
+    from ddpx.data.stream import StreamLoader
+
+    loader = getattr(trainer, "train_loader", None)
+    return loader if isinstance(loader, StreamLoader) else None
 
 
 def _batch_sampler(trainer):
@@ -73,6 +131,7 @@ class SamplerState:
 
     def __init__(self):
         self.synced = 0  # batches of trainer.epoch_batches already in the sampler's position
+        self.generator = None  # the training loader's own generator
 
 
 @hookimpl
@@ -82,6 +141,15 @@ def ddpx_setup(trainer):
 
 @hookimpl(tryfirst=True)  # before anything reads len(train_loader) for this epoch
 def ddpx_epoch_start(trainer, epoch):
+    from ddpx.seeding import derive_seed
+
+    if trainer.sampler.generator is not None:
+        trainer.sampler.generator.manual_seed(derive_seed(trainer.config.seed, trainer.rank, epoch))
+    stream = _stream(trainer)
+    if stream is not None:
+        stream.set_epoch(epoch)
+        trainer.sampler.synced = 0
+        return
     sampler = _batch_sampler(trainer)
     if sampler is None:
         return
@@ -105,12 +173,20 @@ def synced_sampler(trainer):
 
 @hookimpl
 def ddpx_state_dict(trainer):
+    stream = _stream(trainer)
+    if stream is not None:  # the batches of the epoch trained: those the trainer counted
+        stream.consumed += trainer.epoch_batches - trainer.sampler.synced
+        trainer.sampler.synced = trainer.epoch_batches
+        return {"stream": stream.state_dict()}
     sampler = synced_sampler(trainer)
     return None if sampler is None else {"sampler": sampler.state_dict()}
 
 
 @hookimpl
 def ddpx_load_state_dict(trainer, state):
+    stream = _stream(trainer)
+    if stream is not None and "stream" in state:
+        stream.load_state_dict(state["stream"], trainer.log)
     sampler = _batch_sampler(trainer)
     if sampler is not None and "sampler" in state:
         sampler.load_state_dict(state["sampler"])
