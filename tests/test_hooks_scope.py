@@ -249,3 +249,21 @@ def test_two_hosts_two_ranks_each_replicas_identical():
             assert rows[(name, sc)]["replicas_identical"] is True, (name, sc)
         if name != "powersgd":  # per rank across nodes: about 1/L x (N-1)/N of global's ring (R-1)/R
             assert rows[(name, "inter_node")]["wire_bytes"] < 0.5 * rows[(name, "global")]["wire_bytes"], name
+
+
+def test_bench_comm_recommendation_names_the_scope():
+    from ddpx.bench.comm import BASELINE, HookTiming, Measurement, format_report, recommend
+
+    m = Measurement(world_size=4, batch_size=8, accumulation=1, grad_bytes=50_000_000, link_bytes_per_s=62.5e6,
+                    allreduce_s=1.2, compute_s=0.05, nodes=2, ranks_per_node=2, intra_allreduce_s=0.05,
+                    inter_allreduce_s=0.8)
+    m.hooks = [HookTiming(BASELINE, 75_000_000, 1.25, 1.3),
+               HookTiming("int8", 19_000_000, 0.35, 0.40), HookTiming("int8", 6_400_000, 0.15, 0.22, scope="inter_node"),
+               HookTiming("fp16", 37_000_000, 0.65, 0.70), HookTiming("fp16", 12_000_000, 0.25, 0.30, scope="inter_node")]
+    advice = recommend(m)
+    assert (advice["hook"], advice["scope"]) == ("int8", "inter_node")
+    assert advice["lines"][0].startswith("recommendation: comm_hook.name: int8, comm_hook.options.scope: inter_node")
+    assert "scope global: 400.0 ms" in advice["lines"][0]
+    report = format_report(m, advice)
+    assert "nodes: 2 x 2 ranks; fp32 allreduce inside a node 50.00 ms, across nodes" in report
+    assert "int8 inter_node" in report

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .allreduce import allreduce_average
 from .base import LossyState, ring_allreduce_bytes
 from .twophase import Piece, Scoped
 
@@ -34,11 +33,9 @@ class HalfPrecisionState(Scoped, LossyState):
         lay.pieces = [Piece(0, 1)]
 
     def run_bucket(self, bucket):
-        plan = self.scope_plan()
-        if self.warming_up() or plan == "exact":
-            return allreduce_average(self, bucket)
-        if plan is not None:
-            return plan.run_bucket(bucket)
+        fut = self.run_scoped(bucket)
+        if fut is not None:
+            return fut
         buf = bucket.buffer()
         lay = self.layout(bucket.index(), bucket.parameters())
         world, group = self.world_size, self.process_group

@@ -28,6 +28,10 @@ onebit, the same range of blocks (chunks) of every rank's segment of the
 unsplit bucket, so the blocks, codes and error memory are the unsplit hook's
 and the results are bit-identical to it; for powersgd, a run of the bucket's
 matrices (see its docstring).
+
+``scope: inter_node`` (ddpx/comm_hooks/scope.py) runs this pipeline too, with the
+node-local stages around the phases of a state of the hook's own class (``Pipelined``
+is the pipeline, ``Scoped`` the scope's dispatch).
 """
 
 from __future__ import annotations
@@ -129,6 +133,14 @@ class Scoped:
         plan = self.inter_node()
         return plan.layout(index, params) if plan is not None else super().layout(index, params)
 
+    def run_scoped(self, bucket):
+        """The bucket's future where warm-up or the scope decides (warm-up, and inter_node on
+        one node: the exact average; inter_node: its plan); None for the hook's own path."""
+        plan = self.scope_plan()
+        if self.warming_up() or plan == "exact":
+            return allreduce_average(self, bucket)
+        return plan.run_bucket(bucket) if plan is not None else None
+
 
 class Pipelined:
     """The piece pipeline of the module docstring over ``start_phase1``, ``start_phase2``
@@ -205,11 +217,9 @@ class TwoPhaseState(Scoped, Pipelined, LossyState):
         return sum(2 * (self.world_size - 1) * pc.piece for pc in lay.pieces)
 
     def run_bucket(self, bucket):
-        plan = self.scope_plan()
-        if self.warming_up() or plan == "exact":
-            return allreduce_average(self, bucket)
-        if plan is not None:
-            return plan.run_bucket(bucket)
+        fut = self.run_scoped(bucket)
+        if fut is not None:
+            return fut
         buf = bucket.buffer()
         lay = self.layout(bucket.index(), bucket.parameters())
         last = bucket.is_last()
