@@ -241,6 +241,20 @@ def worker(args) -> int:
     return 0
 
 
+def _without_nproc(argv):
+    """The workers' arguments: --nproc is the launcher's (torchrun takes "--nproc" for its own
+    --nproc-per-node, ambiguously, even after the script)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ:
@@ -249,7 +263,7 @@ def main(argv=None) -> int:
         out = os.path.join(tmp, "rows.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", DDPX_BENCH_CONVERGENCE_OUT=out)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
+               os.path.abspath(__file__), *_without_nproc(sys.argv[1:] if argv is None else argv)]
         rc = subprocess.call(cmd, env=env)
         if rc:
             return rc
