@@ -62,17 +62,20 @@ DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb
 BLOCK_STEPS = 5  # timed steps per block; blocks with and without DDP alternate
 
 
-def _configs(names, settings=SETTINGS, paths=("native", "python")):
-    """(label, kind, name, native, setting) in run order; torch's PowerSGD last (it may crash the group)."""
+def _configs(names, settings=SETTINGS, paths=("native", "python"), scopes=("global",)):
+    """(label, kind, name, native, setting, scope) in run order; torch's PowerSGD last (it may crash the group).
+    A hook's scopes follow one another, so that their ratio compares neighbours in time."""
     import ddpx.comm_hooks
 
-    out = [("no hook", "none", None, None, "defaults"), ("DDP only: no-op hook", "noop", None, None, "tuned"),
-           ("torch fp16_compress_hook", "torch", "fp16", None, "defaults")]
+    out = [("no hook", "none", None, None, "defaults", None), ("DDP only: no-op hook", "noop", None, None, "tuned", None),
+           ("torch fp16_compress_hook", "torch", "fp16", None, "defaults", None)]
     for spec in names if names is not None else ddpx.comm_hooks.available():
         for path in paths:
             for setting in settings:
-                out.append((f"ddpx {spec} {path}", "ddpx", spec, path == "native", setting))
-    out.append(("torch powerSGD rank 4", "torch", "powersgd", None, "defaults"))
+                for scope in scopes if _parse_spec(spec)[0] != "allreduce" else ("global",):
+                    suffix = "" if scope == "global" else f" {scope}"
+                    out.append((f"ddpx {spec} {path}{suffix}", "ddpx", spec, path == "native", setting, scope))
+    out.append(("torch powerSGD rank 4", "torch", "powersgd", None, "defaults", None))
     return out
 
 
@@ -120,6 +123,18 @@ def _noop_hook(_, bucket):
     return fut
 
 
+def _replicas_identical(ddp) -> bool:
+    """Whether every rank holds the same gradients, bit for bit (after the last timed step)."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([p.grad.reshape(-1) for p in ddp.parameters() if p.grad is not None])
+    mine = torch.tensor([int(flat.view(torch.int32).to(torch.int64).sum()), int(flat.numel())])
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(e, everyone[0]) for e in everyone)
+
+
 def worker(args):
     import datetime
 
@@ -134,7 +149,8 @@ def worker(args):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.randn(args.batch, 1024)
-    results = {"world_size": world, "rate_bps": args.rate_bps, "steps": args.steps, "results": []}
+    results = {"world_size": world, "rate_bps": args.rate_bps, "steps": args.steps, "results": [],
+               "nproc_per_host": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
 
     def save():
         if rank == 0 and args.out:
@@ -156,11 +172,11 @@ def worker(args):
     save()
     timed_step(net)  # untimed: the first step allocates
 
-    for label, kind, name, native, setting in _configs(args.hooks, args.settings.split(","),
-                                                       args.paths.split(",")):
+    for label, kind, name, native, setting, scope in _configs(args.hooks, args.settings.split(","),
+                                                              args.paths.split(","), args.scopes.split(",")):
         # The host's speed drifts during a run, so every config's bound uses the
         # compute time measured in step with it (the header shows the range).
-        entry = {"label": label, "kind": kind, "name": name, "native": native, "setting": setting}
+        entry = {"label": label, "kind": kind, "name": name, "native": native, "setting": setting, "scope": scope}
         results["results"].append(entry)
         save()  # if this config kills the process, the parent knows which one it was
         # each config as a user gets it: DDP(model) as most write it, or with the DDP
@@ -178,6 +194,8 @@ def worker(args):
                 hook_name, hook_options = _parse_spec(name)
                 # time the compressed path, not the warm-up (unless the spec sets warmup_steps)
                 hook_options = {**ddpx.comm_hooks.without_warmup(hook_name), **hook_options}
+                if scope != "global":
+                    hook_options["scope"] = scope
                 state = ddpx.comm_hooks.register(ddp, hook_name, native=native, **hook_options)
                 entry["native"] = state.native
             elif kind == "noop":
@@ -202,6 +220,7 @@ def worker(args):
             if state is not None:
                 after = state.stats()
                 entry["wire_bytes"] = (after["wire_bytes"] - before["wire_bytes"]) / args.steps
+                entry["replicas_identical"] = _replicas_identical(ddp)
             elif kind == "none":
                 entry["wire_bytes"] = _ring(4 * n_params, world)
             elif kind == "noop":
@@ -239,6 +258,10 @@ def summarize(results, rate_bps):
         e["speedup_vs_torch_fp16"] = tfp16 / ms if tfp16 else None
         tuned = by.get((e["label"], "tuned"), {}).get("ms_per_step") if e.get("setting") == "defaults" else None
         e["vs_tuned"] = ms / tuned if tuned else None
+        # an inter_node config against its global twin: same hook, path and setting, same run
+        twin = by.get((e["label"][: -len(" " + e["scope"])], e.get("setting")), {}).get("ms_per_step") \
+            if e.get("scope") not in (None, "global") else None
+        e["vs_global"] = ms / twin if twin else None
         if rate_bps and "wire_bytes" in e:
             e["link_bound_ms"] = e["compute_ms"] + e["wire_bytes"] * 8 / rate_bps * 1e3
             e["vs_link_bound"] = ms / e["link_bound_ms"]
@@ -246,14 +269,14 @@ def summarize(results, rate_bps):
 
 
 def table(results):
-    rows = [("hook", "DDP", "bucket MB", "ms/step", "x allreduce", "x torch fp16", "/tuned", "wire MB/step",
-             "link-bound ms", "/bound")]
+    rows = [("hook", "DDP", "bucket MB", "ms/step", "x allreduce", "x torch fp16", "/tuned", "/global",
+             "wire MB/step", "link-bound ms", "/bound")]
     notes = []
     for e in results["results"]:
         setting = e.get("setting", "")
         if "ms_per_step" not in e:
             rows.append((e["label"], setting, f"{e.get('bucket_mb', DEFAULT_BUCKET_MB):g}", "FAILED", "", "", "", "",
-                         "", ""))
+                         "", "", ""))
             notes.append(f"{e['label']} ({setting}): {e.get('error', 'did not finish')}")
             continue
         rows.append((
@@ -264,6 +287,7 @@ def table(results):
             f"{e['speedup_vs_allreduce']:.2f}" if e.get("speedup_vs_allreduce") else "",
             f"{e['speedup_vs_torch_fp16']:.2f}" if e.get("speedup_vs_torch_fp16") else "",
             f"{e['vs_tuned']:.2f}" if e.get("vs_tuned") else "",
+            f"{e['vs_global']:.2f}" if e.get("vs_global") else "",
             f"{e['wire_bytes'] / 1e6:.1f}" if "wire_bytes" in e else "",
             f"{e['link_bound_ms']:.1f}" if "link_bound_ms" in e else "",
             f"{e['vs_link_bound']:.2f}" if "vs_link_bound" in e else "",
@@ -272,8 +296,13 @@ def table(results):
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     notes.insert(0, "DDP: defaults = DDP(model) + ddpx.comm_hooks.register (25 MB buckets, .grad copied out); "
-                 "tuned = DDP(model, **ddpx.comm_hooks.ddp_options(name))")
-    head = (f"{results['world_size']} ranks, {results['rate_bps'] / 1e9:g} Gbit/s links, "
+                 "tuned = DDP(model, **ddpx.comm_hooks.ddp_options(name)); /global: an inter_node row's step over "
+                 "its global twin's; wire MB: across nodes only for inter_node rows")
+    if any(e.get("replicas_identical") is False for e in results["results"]):
+        notes.append("REPLICAS DIFFER after: " + ", ".join(e["label"] for e in results["results"]
+                                                         if e.get("replicas_identical") is False))
+    head = (f"{results['world_size']} ranks ({results.get('nproc_per_host', 1)} per host), "
+            f"{results['rate_bps'] / 1e9:g} Gbit/s links, "
             f"compute alone {_compute_range(results)} ms/step, gradients {results['grad_bytes'] / 1e6:.1f} MB, "
             f"median of {results['steps']} steps")
     return head + "\n" + "\n".join(lines + notes)
@@ -382,7 +411,12 @@ def refuse_without_rights():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hosts", type=int, default=2, help="network-namespace hosts (one rank each)")
+    p.add_argument("--hosts", type=int, default=2, help="network-namespace hosts")
+    p.add_argument("--nproc-per-host", type=int, default=1,
+                   help="ranks per host (loopback between them, the shaped link between hosts)")
+    p.add_argument("--scopes", default="global",
+                   help="scope options of the ddpx hooks to time: global, inter_node, auto (comma-separated; "
+                        "inter_node needs --nproc-per-host 2 or more)")
     p.add_argument("--rate", default="1gbit", help="link rate per direction, tc syntax (default 1gbit)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per hook")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per hook (bucket rebuild, warm-up)")
@@ -403,7 +437,8 @@ def main(argv=None):
     p.add_argument("--rate-bps", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for value, known, flag in ((args.settings, SETTINGS, "--settings"), (args.paths, ("native", "python"), "--paths")):
+    for value, known, flag in ((args.settings, SETTINGS, "--settings"), (args.paths, ("native", "python"), "--paths"),
+                               (args.scopes, ("global", "inter_node", "auto"), "--scopes")):
         bad = [v for v in value.split(",") if v not in known]
         if bad or not value:
             p.error(f"{flag}: unknown {', '.join(bad) or 'empty value'}; choose from {', '.join(known)}")
@@ -435,12 +470,12 @@ def main(argv=None):
         here = os.path.abspath(__file__)
         for i, host in enumerate(nets.hosts):
             cmd = ["ip", "netns", "exec", host, sys.executable, "-m", "torch.distributed.run",
-                   f"--nnodes={args.hosts}", f"--node_rank={i}", "--nproc_per_node=1",
+                   f"--nnodes={args.hosts}", f"--node_rank={i}", f"--nproc_per_node={args.nproc_per_host}",
                    f"--master_addr={nets.addr(0)}", f"--master_port={PORT}",
                    here, "--worker", "--rate-bps", str(rate_bps), "--out", out_file,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
                    "--threads", str(args.threads), "--collective-timeout", str(args.collective_timeout),
-                   "--settings", args.settings, "--paths", args.paths]
+                   "--settings", args.settings, "--paths", args.paths, "--scopes", args.scopes]
             if args.bucket_mb is not None:
                 cmd += ["--bucket-mb", str(args.bucket_mb)]
             if args.hooks is not None:

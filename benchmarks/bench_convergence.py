@@ -23,6 +23,14 @@ One launch of 2 workers loops over every cell (start-up paid once):
 
 Without ``RANK`` in the environment it starts itself under
 ``torch.distributed.run --nproc_per_node 2`` (``--nproc`` changes that).
+
+Two levels (``scope: inter_node``, ddpx/comm_hooks/scope.py) on one machine:
+``--nproc 4 --nodes 2`` tells the ranks, as torchrun would on 2 nodes, that they
+are 2 nodes of 2 (``GROUP_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), and
+``--scope inter_node`` adds that option to every hook (``--bound`` sets the
+verdict's bound, e.g. 1.0 for inter_node)::
+
+    python benchmarks/bench_convergence.py --nproc 4 --nodes 2 --scope inter_node --bound 1.0
 """
 
 from __future__ import annotations
@@ -190,9 +198,16 @@ def parse(argv):
                         "(e.g. onebit:warmup_steps=0); default: every lossy hook at its default options")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=1, help="pretend nodes the --nproc ranks are split into")
+    p.add_argument("--scope", default=None, help="the hooks' scope option (global, inter_node, auto)")
+    p.add_argument("--bound", type=float, default=BOUND, help="points of test accuracy the verdict allows")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write the rows as JSON (to FILE, or stdout)")
     args = p.parse_args(argv)
+    if args.nodes < 1 or args.nproc % args.nodes:
+        p.error(f"--nodes {args.nodes} must divide --nproc {args.nproc}")
+    if args.scope:
+        args.hooks = ",".join(f"{h}:scope={args.scope}" for h in _csv(args.hooks))
     for run in _csv(args.runs):
         if run not in RUNS:
             p.error(f"--runs: unknown run {run!r}; known: {', '.join(RUNS)}")
@@ -205,6 +220,10 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if args.nodes > 1:  # what torchrun tells the ranks of `nodes` nodes
+        per_node = dist.get_world_size() // args.nodes
+        os.environ.update(GROUP_RANK=str(rank // per_node), LOCAL_RANK=str(rank % per_node),
+                          LOCAL_WORLD_SIZE=str(per_node))
 
     def log(row):
         if rank == 0:
@@ -222,6 +241,20 @@ def worker(args) -> int:
     return 0
 
 
+def _without_nproc(argv):
+    """The workers' arguments: --nproc is the launcher's (torchrun takes "--nproc" for its own
+    --nproc-per-node, ambiguously, even after the script)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ:
@@ -230,7 +263,7 @@ def main(argv=None) -> int:
         out = os.path.join(tmp, "rows.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", DDPX_BENCH_CONVERGENCE_OUT=out)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)]
+               os.path.abspath(__file__), *_without_nproc(sys.argv[1:] if argv is None else argv)]
         rc = subprocess.call(cmd, env=env)
         if rc:
             return rc
@@ -238,10 +271,10 @@ def main(argv=None) -> int:
             rows = json.load(f)
     hooks = _csv(args.hooks)
     print(table(rows, hooks))
-    bad = {h: round(v, 2) for h, v in worst(rows).items() if v > BOUND}
-    print(f"\nevery hook within {BOUND} points of allreduce in every cell: {'yes' if not bad else f'no {bad}'}")
+    bad = {h: round(v, 2) for h, v in worst(rows).items() if v > args.bound}
+    print(f"\nevery hook within {args.bound} points of allreduce in every cell: {'yes' if not bad else f'no {bad}'}")
     if args.json:
-        text = json.dumps({"bound": BOUND, "rows": rows}, indent=1)
+        text = json.dumps({"bound": args.bound, "nproc": args.nproc, "nodes": args.nodes, "rows": rows}, indent=1)
         if args.json == "-":
             print(text)
         else:

@@ -50,6 +50,44 @@ class Cast final : public NativeAlgorithm {
   double inv_;
 };
 
+// The compressed values alone in the two-phase shape, as HalfPrecisionState's phase
+// functions: stage 2 of scope=inter_node (inter_node.cpp). One allreduce.
+class CastPhases final : public TwoPhaseAlgorithm {
+ public:
+  explicit CastPhases(HookCore& core) : inv_(1.0 / static_cast<double>(core.world())) {}
+
+  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout&) override {
+    const at::Tensor& wire = lay.tensor("wire");
+    for (const auto& r : lay.comp) {
+      at::Tensor out = wire.narrow(0, r.packed, r.numel);
+      ddpx::ops::scale_cast_out(buf.narrow(0, r.offset, r.numel), inv_, out);
+    }
+    std::vector<at::Tensor> t{wire};
+    return core.worker_group().allreduce(t);
+  }
+
+  WorkPtr start_phase2(HookCore&, const at::Tensor&, const Layout&, const Layout&, c10d::Work& reduce) override {
+    return WorkPtr::reclaim_copy(&reduce);  // no second collective
+  }
+
+  void finish(HookCore&, const at::Tensor& buf, const Layout& lay, const Layout&, c10d::Work& reduce) override {
+    reduce.wait();
+    const at::Tensor& wire = lay.tensor("wire");
+    for (const auto& r : lay.comp) {
+      at::Tensor dst = buf.narrow(0, r.offset, r.numel);
+      ddpx::ops::cast_scale_copy_(dst, wire.narrow(0, r.packed, r.numel), 1.0);
+    }
+  }
+
+  int64_t wire_bytes(HookCore& core, const Layout& lay) const override {
+    return ring_allreduce_bytes(2 * lay.n_comp, core.world());
+  }
+
+ private:
+  double inv_;
+};
+
 }  // namespace
 DDPX_REGISTER_NATIVE_HOOK("cast", Cast);
+DDPX_REGISTER_NATIVE_HOOK("cast_phases", CastPhases);
 }  // namespace ddpx::comm_hooks

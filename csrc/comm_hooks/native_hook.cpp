@@ -115,6 +115,32 @@ void read_attributes(const py::handle& obj, Layout& out) {
     }
   }
 }
+
+// A Python BucketLayout: runs, attributes, pieces (with the layout's n_comp and
+// n_plain) and, for scope=inter_node, the stage-2 layout whose pieces are its own.
+std::shared_ptr<Layout> read_layout(const py::handle& lay) {
+  auto out = std::make_shared<Layout>();
+  out->comp = read_runs(lay.attr("comp_runs"));
+  out->plain = read_runs(lay.attr("plain_runs"));
+  out->n_comp = lay.attr("n_comp").cast<int64_t>();
+  out->n_plain = lay.attr("n_plain").cast<int64_t>();
+  read_attributes(lay, *out);
+  py::object inner = py::getattr(lay, "inner", py::none());
+  if (!inner.is_none()) {
+    auto in = read_layout(inner);
+    out->pieces = in->pieces;
+    out->inner = std::move(in);
+  } else if (py::hasattr(lay, "pieces")) {
+    for (auto item : lay.attr("pieces")) {
+      auto pc = std::make_shared<Layout>();
+      pc->n_comp = out->n_comp;
+      pc->n_plain = out->n_plain;
+      read_attributes(item, *pc);
+      out->pieces.push_back(std::move(pc));
+    }
+  }
+  return out;
+}
 }  // namespace
 
 // ---------------------------------------------------------------- HookCore
@@ -183,23 +209,8 @@ std::shared_ptr<const Layout> HookCore::layout(c10d::GradBucket& bucket) {
   py::gil_scoped_acquire gil;
   py::list plist;
   for (const auto& p : params) plist.append(py::cast(p));
-  py::object lay = state_.attr("layout")(index, plist);
-  auto out = std::make_shared<Layout>();
+  auto out = read_layout(state_.attr("layout")(index, plist));
   out->signature = std::move(signature);
-  out->comp = read_runs(lay.attr("comp_runs"));
-  out->plain = read_runs(lay.attr("plain_runs"));
-  out->n_comp = lay.attr("n_comp").cast<int64_t>();
-  out->n_plain = lay.attr("n_plain").cast<int64_t>();
-  read_attributes(lay, *out);
-  if (py::hasattr(lay, "pieces")) {
-    for (auto item : lay.attr("pieces")) {
-      auto pc = std::make_shared<Layout>();
-      pc->n_comp = out->n_comp;
-      pc->n_plain = out->n_plain;
-      read_attributes(item, *pc);
-      out->pieces.push_back(std::move(pc));
-    }
-  }
   std::lock_guard<std::mutex> lock(layouts_mu_);
   layouts_[index] = out;
   return out;

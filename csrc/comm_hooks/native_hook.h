@@ -50,6 +50,9 @@ struct Layout {
   // `pieces`, ddpx/comm_hooks/twophase.py): their own ints and tensors; n_comp and
   // n_plain are the bucket's. Empty for single-phase hooks.
   std::vector<std::shared_ptr<const Layout>> pieces;
+  // scope=inter_node (ddpx/comm_hooks/scope.py): the stage-2 layout, whose pieces are
+  // `pieces`; null otherwise.
+  std::shared_ptr<const Layout> inner;
 
   const at::Tensor& tensor(const std::string& name) const;
   int64_t integer(const std::string& name) const;
@@ -116,7 +119,7 @@ class TwoPhaseAlgorithm : public NativeAlgorithm {
  public:
   FuturePtr run(HookCore& core, c10d::GradBucket& bucket) final;
 
- protected:
+  // Public so that scope=inter_node (inter_node.cpp) can run them as its stage 2.
   using WorkPtr = c10::intrusive_ptr<c10d::Work>;
   // Code piece `pc` of the bucket; return its first collective, started.
   virtual WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc) = 0;
@@ -184,6 +187,9 @@ class HookCore {
   std::string str_option(const char* name) const;
 
   c10d::ProcessGroup& group() { return *pg_; }
+  // The Python state (use under the GIL) and the algorithm running it.
+  const pybind11::object& state() const { return state_; }
+  NativeAlgorithm& algorithm() { return *algorithm_; }
   c10d::ProcessGroup& worker_group();
   int64_t world() const { return world_; }
   int64_t rank() const { return rank_; }

@@ -16,6 +16,11 @@ the job's ranks). Each rank builds the configured model and data, then:
    ``ddpx.comm_hooks.register`` as a plain script writes it (only the config's own
    ``trainer`` DDP options), so the report shows what the options buy.
 
+On a job of more than one node with more than one rank each (as the launcher
+tells it: ddpx/comm_hooks/scope.py), every hook is also timed with ``scope:
+inter_node`` (exact inside a node, compressed across nodes), the fp32 allreduce is
+also timed inside a node and across nodes, and the recommendation names the scope.
+
 The baseline row ``allreduce`` is DDP's own fp32 allreduce (no hook). A hook
 is advised only when the link matters (the isolated allreduce is at least 15%
 of compute + allreduce) and its measured step is at least 10% faster than the
@@ -59,6 +64,7 @@ class HookTiming:
     measured_s: Optional[float]  # with the DDP options the hook asks for (ddpx.comm_hooks.ddp_options)
     error: str = ""
     defaults_s: Optional[float] = None  # DDP(model) with DDP's defaults + ddpx.comm_hooks.register
+    scope: str = "global"  # the hook's scope option (ddpx/comm_hooks/scope.py); wire_bytes: across nodes for inter_node
 
 
 @dataclass
@@ -71,6 +77,10 @@ class Measurement:
     allreduce_s: float  # fp32 allreduce of the gradients
     compute_s: float  # one optimizer step without communication
     hooks: list = field(default_factory=list)  # [HookTiming], the baseline first
+    nodes: int = 1  # as the launcher tells them (ddpx/comm_hooks/scope.py); 1 where it does not
+    ranks_per_node: int = 0
+    intra_allreduce_s: Optional[float] = None  # fp32 allreduce of the gradients inside a node
+    inter_allreduce_s: Optional[float] = None  # ... among one local rank of every node
 
 
 # --- the decision (pure: unit-tested with synthetic measurements) ---------------------
@@ -103,11 +113,12 @@ def recommend(m: Measurement) -> dict:
     share = comm_s / base_s if base_s > 0 else 0.0
     link_share = m.allreduce_s / (m.compute_s + m.allreduce_s) if m.allreduce_s > 0 else 0.0
     candidates = [h for h in m.hooks if h.name != BASELINE and h.measured_s and not h.error]
+    scoped = len({h.scope for h in candidates}) > 1
     best = min(candidates, key=lambda h: h.measured_s, default=None)
     speedup = base_s / best.measured_s if best else 1.0
     lines = []
     advice = {"comm_share": share, "link_share": link_share, "baseline_s": base_s, "comm_s": comm_s,
-              "hook": None, "speedup": 1.0, "small_batch_trap": False, "slower_than_one_process": False,
+              "hook": None, "scope": None, "speedup": 1.0, "small_batch_trap": False, "slower_than_one_process": False,
               "accumulation_steps": None}
     pct = f"{100 * share:.0f}%"
     if link_share < NEGLIGIBLE_SHARE or best is None or speedup < MIN_SPEEDUP:
@@ -116,14 +127,16 @@ def recommend(m: Measurement) -> dict:
                    "of a step: the link is not the bottleneck")
         else:
             why = (f"no hook makes the step {100 * (MIN_SPEEDUP - 1):.0f}% faster"
-                   + (f" (best: {best.name}, {speedup:.2f}x)" if best else ""))
+                   + (f" (best: {best.name} scope {best.scope}, {speedup:.2f}x)" if best else ""))
         lines.append(f"recommendation: no compression (comm_hook.name: {BASELINE}): {why}; "
                      "compression would only add work and error")
     else:
-        advice.update(hook=best.name, speedup=speedup)
-        lines.append(f"recommendation: comm_hook.name: {best.name} -- step {speedup:.2f}x faster "
-                     f"({1e3 * base_s:.1f} -> {1e3 * best.measured_s:.1f} ms); it is lossy: check convergence "
-                     "on a short run first")
+        advice.update(hook=best.name, scope=best.scope, speedup=speedup)
+        other = [h for h in candidates if h.name == best.name and h.scope != best.scope]
+        versus = f"; scope {other[0].scope}: {1e3 * other[0].measured_s:.1f} ms" if other and scoped else ""
+        lines.append(f"recommendation: comm_hook.name: {best.name}, comm_hook.options.scope: {best.scope} -- step "
+                     f"{speedup:.2f}x faster ({1e3 * base_s:.1f} -> {1e3 * best.measured_s:.1f} ms{versus}); it is "
+                     "lossy: check convergence on a short run first")
     if share > COMM_BOUND_SHARE:
         # k micro-batches per allreduce: communication becomes at most half of the step when
         # k * compute >= comm, i.e. k = ceil(comm / compute).
@@ -143,6 +156,10 @@ def recommend(m: Measurement) -> dict:
     return advice
 
 
+def _label(h: HookTiming) -> str:
+    return h.name if h.scope == "global" or h.name == BASELINE else f"{h.name} {h.scope}"
+
+
 def format_report(m: Measurement, advice: dict) -> str:
     gb = 1e9
     lines = [
@@ -150,26 +167,30 @@ def format_report(m: Measurement, advice: dict) -> str:
         f"gradients {m.grad_bytes / 1e6:.2f} MB",
         f"link: fp32 allreduce of the gradients {1e3 * m.allreduce_s:.2f} ms "
         f"({m.link_bytes_per_s / gb:.3f} GB/s sent per rank)",
+        f"nodes: {m.nodes} x {m.ranks_per_node} ranks" + (
+            f"; fp32 allreduce inside a node {1e3 * m.intra_allreduce_s:.2f} ms, across nodes (one rank per node) "
+            f"{1e3 * m.inter_allreduce_s:.2f} ms" if m.intra_allreduce_s is not None else
+            " (scope inter_node needs more than one node with more than one rank each: only global measured)"),
         f"compute (forward + backward, no communication): {1e3 * m.compute_s:.2f} ms per step",
         f"communication share of a step with {BASELINE}: {100 * advice['comm_share']:.0f}% measured, "
         f"{100 * advice.get('link_share', 0.0):.0f}% from the link alone",
         "",
-        f"{'hook':<12} {'MB sent/step':>12} {'predicted ms':>13} {'measured ms':>12} {'vs ' + BASELINE:>13} "
+        f"{'hook':<20} {'MB sent/step':>12} {'predicted ms':>13} {'measured ms':>12} {'vs ' + BASELINE:>13} "
         f"{'DDP defaults ms':>16} {'vs ' + BASELINE:>13}",
     ]
     base_s = advice["baseline_s"]
     for h in m.hooks:
         if h.error:
-            lines.append(f"{h.name:<12} {'':>12} {'':>13} {'failed':>12}  {h.error}")
+            lines.append(f"{_label(h):<20} {'':>12} {'':>13} {'failed':>12}  {h.error}")
             continue
         ratio = f"{base_s / h.measured_s:.2f}x" if h.measured_s else "-"
         measured = f"{1e3 * h.measured_s:.2f}" if h.measured_s else "-"
         defaults = f"{1e3 * h.defaults_s:.2f}" if h.defaults_s else "-"
         dratio = f"{base_s / h.defaults_s:.2f}x" if h.defaults_s else "-"
-        lines.append(f"{h.name:<12} {h.wire_bytes / 1e6:>12.3f} {1e3 * h.predicted_s:>13.2f} {measured:>12} "
+        lines.append(f"{_label(h):<20} {h.wire_bytes / 1e6:>12.3f} {1e3 * h.predicted_s:>13.2f} {measured:>12} "
                      f"{ratio:>13} {defaults:>16} {dratio:>13}")
     lines.append("measured ms: DDP(model, **ddpx.comm_hooks.ddp_options(name)), as ddpx train wraps it; DDP defaults ms: "
-                 "DDP(model) + ddpx.comm_hooks.register(ddp, name)")
+                 "DDP(model) + ddpx.comm_hooks.register(ddp, name); inter_node rows: MB sent across nodes")
     lines.append("")
     lines += advice["lines"]
     return "\n".join(lines)
@@ -260,21 +281,33 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
 
     try:
         import ddpx.comm_hooks as hooks
+        from ddpx.comm_hooks.scope import topology
     except Exception as exc:  # noqa: BLE001 - the baseline is still worth reporting
         trainer.log.warning(f"ddpx.comm_hooks does not load ({exc}); measuring the baseline only")
         return m
+    import torch.distributed as dist
+
     names = list(hook_names) if hook_names is not None else [n for n in hooks.available() if n != BASELINE]
     native = bool(trainer.config.section("comm_hook").get("native", True)) if "comm_hook" in trainer.config else True
-    for name in names:
+    scopes = ["global"]
+    topo = topology(dist.group.WORLD)  # the nodes as the launcher tells them (every rank)
+    if topo.reason is None:
+        m.nodes, m.ranks_per_node = topo.nodes, topo.local_world
+    if topo.local_group is not None:  # more than one node, more than one rank each: both scopes
+        m.intra_allreduce_s = measure_allreduce_seconds(grad_bytes, group=topo.local_group, device=device)
+        m.inter_allreduce_s = measure_allreduce_seconds(grad_bytes, group=topo.cross_group, device=device)
+        scopes.append("inter_node")
+    for name, scope in [(n, s) for n in names for s in scopes]:
         if name == BASELINE:
             continue
+        options = dict(hooks.without_warmup(name), **({} if scope == "global" else {"scope": scope}))
         ddp = fresh_ddp([hooks.ddp_options(name)] if name in hooks.available() else [])  # else: fails below
         step = _step_fn(ddp, trainer.loss_fn, batch, accumulation, True)
         try:  # a hook that fails here fails the same way on every rank
-            state = hooks.register(ddp, name, native=native, **hooks.without_warmup(name))
+            state = hooks.register(ddp, name, native=native, **options)
             step()  # one step to learn the bytes the hook sends per step
         except Exception as exc:  # noqa: BLE001 - reported in the table, the other hooks still run
-            m.hooks.append(HookTiming(name, 0, 0.0, None, f"{type(exc).__name__}: {exc}"[:200]))
+            m.hooks.append(HookTiming(name, 0, 0.0, None, f"{type(exc).__name__}: {exc}"[:200], scope=scope))
             continue
         wire = int(state.stats()["wire_bytes"]) // max(1, state.stats()["steps"])
         seconds = _time_steps(step, steps, device, warmup=1)
@@ -282,9 +315,10 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
         # the same hook as a plain script gets it: DDP(model) (only the config's own options)
         ddp = fresh_ddp()
         step = _step_fn(ddp, trainer.loss_fn, batch, accumulation, True)
-        state = hooks.register(ddp, name, native=native, **hooks.without_warmup(name))
+        state = hooks.register(ddp, name, native=native, **options)
         defaults = _time_steps(step, steps, device, warmup=2)
-        m.hooks.append(HookTiming(name, wire, predict_step_s(compute_s, wire, link), seconds, defaults_s=defaults))
+        m.hooks.append(HookTiming(name, wire, predict_step_s(compute_s, wire, link), seconds, defaults_s=defaults,
+                                  scope=scope))
         del ddp, state
     return m
 

@@ -105,9 +105,18 @@ def _warn_if_nothing_compresses(ddp_model, state) -> None:
                 "smaller matrices", state.name, max(p.numel() for p in params), state.min_numel)
 
 
+def _native_kind(state) -> str | None:
+    """The C++ algorithm that runs `state` with its resolved scope (ddpx/comm_hooks/scope.py)."""
+    plan = state.scope_plan() if hasattr(state, "scope_plan") else None
+    if plan is None or state.native_kind is None:
+        return state.native_kind
+    return "allreduce" if plan == "exact" else "inter_node"
+
+
 def _native_unavailable(ddp_model, state) -> str | None:
     """Why the native hook cannot be used here, or None."""
-    if state.native_kind is None:
+    kind = _native_kind(state)
+    if kind is None:
         return f"hook {state.name!r} has no native implementation"
     try:
         from .. import _C
@@ -115,8 +124,8 @@ def _native_unavailable(ddp_model, state) -> str | None:
         return f"the ddpx._C extension failed to load ({exc})"
     if not getattr(_C, "has_native_hooks", False):
         return "this ddpx._C build has no native comm hooks (torch without distributed headers)"
-    if state.native_kind not in _C.native_hook_kinds():
-        return f"this ddpx._C build has no native {state.native_kind!r} hook (rebuild the extension)"
+    if kind not in _C.native_hook_kinds():
+        return f"this ddpx._C build has no native {kind!r} hook (rebuild the extension)"
     if getattr(ddp_model, "reducer", None) is None:
         return f"{type(ddp_model).__name__} has no DDP reducer"
     return None
@@ -136,9 +145,9 @@ def register(ddp_model, name: str, native: bool = True, **options) -> HookState:
         from .. import _C
 
         try:
-            worker_group = state.worker_group if state.multi_phase else None
-            _C.register_native_comm_hook(ddp_model.reducer, state.process_group, worker_group, state,
-                                         state.native_kind)
+            kind = _native_kind(state)
+            worker_group = state.worker_group if state.multi_phase and kind == state.native_kind else None
+            _C.register_native_comm_hook(ddp_model.reducer, state.process_group, worker_group, state, kind)
         except (TypeError, RuntimeError) as exc:
             reason = f"the reducer did not accept the native hook ({exc})"
         else:

@@ -443,6 +443,9 @@ class LossyState(HookState):
         "warmup_steps": Option(int, 0, non_negative, "iterations of plain fp32 allreduce before compression starts"),
         "min_numel": Option(int, 1024, non_negative, "parameters with fewer elements are sent uncompressed"),
         "compress_vectors": Option(bool, False, None, "compress 1-D parameters (biases, norms) too"),
+        "scope": Option(str, "global", lambda v: None if v in ("global", "inter_node", "auto") else
+                        "must be global, inter_node or auto", "where the compressed reduction runs "
+                        "(ddpx/comm_hooks/scope.py)"),
     }
 
     def compressible(self, p):

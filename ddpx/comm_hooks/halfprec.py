@@ -16,22 +16,26 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .allreduce import allreduce_average
 from .base import LossyState, ring_allreduce_bytes
+from .twophase import Piece, Scoped
 
 
-class HalfPrecisionState(LossyState):
+class HalfPrecisionState(Scoped, LossyState):
     dtype = torch.float16
     native_kind = "cast"
+    # as the stage 2 of scope=inter_node (ddpx/comm_hooks/scope.py): the phase functions below, natively
+    phase_kind = "cast_phases"
 
     def build_layout(self, lay):
         dev = lay.params[0].device
         lay.wire = torch.empty(lay.n_comp, dtype=self.dtype, device=dev)
         lay.plain = torch.empty(lay.n_plain, dtype=torch.float32, device=dev)
+        lay.pieces = [Piece(0, 1)]
 
     def run_bucket(self, bucket):
-        if self.warming_up():
-            return allreduce_average(self, bucket)
+        fut = self.run_scoped(bucket)
+        if fut is not None:
+            return fut
         buf = bucket.buffer()
         lay = self.layout(bucket.index(), bucket.parameters())
         world, group = self.world_size, self.process_group
@@ -56,6 +60,21 @@ class HalfPrecisionState(LossyState):
             return buf
 
         return torch.futures.collect_all(futs).then(finish)
+
+    # The two-phase shape (ddpx/comm_hooks/twophase.py) of the compressed values alone, for
+    # stage 2 of scope=inter_node, whose shard has no exempt values: one allreduce.
+    def start_phase1(self, buf, lay, pc):
+        for off, n, poff in lay.comp_runs:
+            ops.scale_cast(buf.narrow(0, off, n), 1.0 / self.world_size, self.dtype, out=lay.wire.narrow(0, poff, n))
+        return dist.all_reduce(lay.wire, group=self.worker_group, async_op=True)
+
+    def start_phase2(self, buf, lay, pc, reduce):
+        return reduce  # no second collective
+
+    def finish(self, buf, lay, pc, reduce):
+        reduce.wait()
+        for off, n, poff in lay.comp_runs:
+            ops.cast_scale_copy_(buf.narrow(0, off, n), lay.wire.narrow(0, poff, n), 1.0)
 
 
 class Fp16State(HalfPrecisionState):

@@ -85,7 +85,9 @@ class PowerSGDState(TwoPhaseState):
         "seed": Option(int, 0, non_negative, "seed of the initial Q (identical on every rank)"),
         "piece_mb": Option(float, 16.0, non_negative,
                            "MB of fp32 gradient (whole matrices) per pipelined piece of a bucket (0: one piece)"),
+        "scope": LossyState.options["scope"],
     }
+    keep_matrices_whole = True  # scope=inter_node: exact allreduce in the node, then this (ddpx/comm_hooks/scope.py)
     memories = ("error", "q", "p")  # error: the last step's M (see above); p: its P
 
     # HookState.rank is the process rank; the option of the same name (the

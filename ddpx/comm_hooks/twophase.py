@@ -28,17 +28,26 @@ onebit, the same range of blocks (chunks) of every rank's segment of the
 unsplit bucket, so the blocks, codes and error memory are the unsplit hook's
 and the results are bit-identical to it; for powersgd, a run of the bucket's
 matrices (see its docstring).
+
+``scope: inter_node`` (ddpx/comm_hooks/scope.py) runs this pipeline too, with the
+node-local stages around the phases of a state of the hook's own class (``Pipelined``
+is the pipeline, ``Scoped`` the scope's dispatch).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from typing import Any
+
 from .allreduce import allreduce_average
 from .base import LossyState
 
+_UNRESOLVED = object()
+
 # torch 2.13 renamed all_gather_into_tensor (deprecated there, with a warning on every call)
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def segment_spans(slices, seg: int, unit: int) -> list:
@@ -100,39 +109,47 @@ class Piece:
         self.__dict__.update(attrs)
 
 
-class TwoPhaseState(LossyState):
-    multi_phase = True
+class Scoped:
+    """Mixin of the states with a ``scope`` option (ddpx/comm_hooks/scope.py): resolves it
+    once, at the first bucket or ``ddpx.comm_hooks.register`` (the same point on every
+    rank: the first resolution is a collective), and hands ``inter_node`` layouts out."""
 
-    def __init__(self, process_group=None, **opts):
-        super().__init__(process_group, **opts)
+    _plan: Any = _UNRESOLVED
+
+    def scope_plan(self):
+        """None (global), ``scope.EXACT`` or the ``scope.InterNode`` plan."""
+        if self._plan is _UNRESOLVED:
+            from .scope import resolve
+
+            self._plan = resolve(self)
+        return self._plan
+
+    def inter_node(self):
+        """The ``scope.InterNode`` plan, or None."""
+        plan = self.scope_plan()
+        return plan if isinstance(plan, Pipelined) else None
+
+    def layout(self, index, params):
+        plan = self.inter_node()
+        return plan.layout(index, params) if plan is not None else super().layout(index, params)
+
+    def run_scoped(self, bucket):
+        """The bucket's future where warm-up or the scope decides (warm-up, and inter_node on
+        one node: the exact average; inter_node: its plan); None for the hook's own path."""
+        plan = self.scope_plan()
+        if self.warming_up() or plan == "exact":
+            return allreduce_average(self, bucket)
+        return plan.run_bucket(bucket) if plan is not None else None
+
+
+class Pipelined:
+    """The piece pipeline of the module docstring over ``start_phase1``, ``start_phase2``
+    and ``finish`` (the two-phase states' own, or ``scope.InterNode``'s around them)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._advancing = None  # the job whose second collective the next job starts
         self._finishing: list = []  # jobs whose second collective is in flight
-
-    def start_phase1(self, buf, lay, pc):
-        """Code piece `pc` of the bucket; return its first collective, started."""
-        raise NotImplementedError
-
-    def start_phase2(self, buf, lay, pc, first):
-        """Wait for the piece's first collective, compute; return the second, started."""
-        raise NotImplementedError
-
-    def finish(self, buf, lay, pc, second):
-        """Wait for the piece's second collective, write its result into the bucket."""
-        raise NotImplementedError
-
-    def wire_bytes(self, lay) -> int:
-        """Bytes this rank sends per step for the bucket (``stats()``); the all-to-all
-        + all-gather hooks send (R-1)/R of each piece's R-row message twice."""
-        return sum(2 * (self.world_size - 1) * pc.piece for pc in lay.pieces)
-
-    def run_bucket(self, bucket):
-        if self.warming_up():
-            return allreduce_average(self, bucket)
-        buf = bucket.buffer()
-        lay = self.layout(bucket.index(), bucket.parameters())
-        last = bucket.is_last()
-        self.count(buf.numel(), self.wire_bytes(lay), last)
-        return self.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
 
     def _pipeline(self, buf, lay, last, fut):
         """The worker job of one bucket: its pieces, one pipeline step each."""
@@ -177,3 +194,34 @@ class TwoPhaseState(LossyState):
                 if job[2].last and not job[4].done():
                     job[4].set_result(job[0])
         self._finishing = finishing
+
+
+class TwoPhaseState(Scoped, Pipelined, LossyState):
+    multi_phase = True
+
+    def start_phase1(self, buf, lay, pc):
+        """Code piece `pc` of the bucket; return its first collective, started."""
+        raise NotImplementedError
+
+    def start_phase2(self, buf, lay, pc, first):
+        """Wait for the piece's first collective, compute; return the second, started."""
+        raise NotImplementedError
+
+    def finish(self, buf, lay, pc, second):
+        """Wait for the piece's second collective, write its result into the bucket."""
+        raise NotImplementedError
+
+    def wire_bytes(self, lay) -> int:
+        """Bytes this rank sends per step for the bucket (``stats()``); the all-to-all
+        + all-gather hooks send (R-1)/R of each piece's R-row message twice."""
+        return sum(2 * (self.world_size - 1) * pc.piece for pc in lay.pieces)
+
+    def run_bucket(self, bucket):
+        fut = self.run_scoped(bucket)
+        if fut is not None:
+            return fut
+        buf = bucket.buffer()
+        lay = self.layout(bucket.index(), bucket.parameters())
+        last = bucket.is_last()
+        self.count(buf.numel(), self.wire_bytes(lay), last)
+        return self.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)

@@ -1,5 +1,8 @@
 """``ddpx doctor --collectives``: real collectives between local processes, and a
-consistency check of every comm hook (ranks must hold the same gradients).
+consistency check of every comm hook (ranks must hold the same gradients), in both
+scopes (ddpx/comm_hooks/scope.py): with 4 or more processes (an even count) they
+are told, as torchrun would, that they are 2 nodes of half of them each, and every
+lossy hook is checked with ``scope: inter_node`` too.
 
 :func:`run_collectives` starts the ranks as ``python -m ddpx.doctor.collectives``.
 """
@@ -31,8 +34,10 @@ def run_collectives(nproc: int, timeout_s: float = 120.0, nbytes: int = COLLECTI
     outdir = tempfile.mkdtemp(prefix="ddpx-doctor-")
     port = free_port()
     procs = []
+    per_node = nproc // 2 if nproc >= 4 and nproc % 2 == 0 else nproc  # 2 pretend nodes: both scopes
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank % per_node),
+                   GROUP_RANK=str(rank // per_node), LOCAL_WORLD_SIZE=str(per_node),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    DDPX_DOCTOR_OUT=outdir, DDPX_DOCTOR_BYTES=str(nbytes),
                    DDPX_DOCTOR_TIMEOUT=str(max(10, int(timeout_s / 2))))
@@ -88,7 +93,7 @@ def _report(name, status, message, fix=""):
         f.write(json.dumps({"name": name, "status": status, "message": message, "fix": fix}) + "\n")
 
 
-def _hook_consistency(name: str, rank: int, world: int, native: bool) -> tuple[str, str]:
+def _hook_consistency(name: str, rank: int, world: int, native: bool, scope: str = "global") -> tuple[str, str]:
     """Two DDP steps of a small multi-bucket model with hook ``name`` (the Python
     hook, or the native C++ one): ranks must agree. Returns (status, message)
     with the relative error of the first step vs the exact mean."""
@@ -117,6 +122,8 @@ def _hook_consistency(name: str, rank: int, world: int, native: bool) -> tuple[s
     ddp = DDP(model, bucket_cap_mb=0.1)  # several buckets, the case that breaks naive hooks
     # check the compressed path itself, not the hook's warm-up of plain allreduce
     warm = ddpx.comm_hooks.without_warmup(name)
+    if scope != "global":
+        warm["scope"] = scope
     if native:
         state = ddpx.comm_hooks.register(ddp, name, native=True, **warm)
         if not getattr(state, "native", False):
@@ -189,15 +196,18 @@ def _collectives_worker() -> int:
             except Exception as exc:  # noqa: BLE001 - reported, not fatal to the other checks
                 _report("hooks", FAIL, f"ddpx.comm_hooks does not load: {exc}", "rebuild ddpx (pip install -e .)")
                 names = ""
+        two_level = int(os.environ.get("LOCAL_WORLD_SIZE", world)) not in (1, world)
         for name in filter(None, names.split(",")):
-            for native in (False, True):
-                label = f"hook {name}" + (" native" if native else "")
+            scopes = ["global"] + (["inter_node"] if two_level and name != "allreduce" else [])
+            for scope, native in [(s, n) for s in scopes for n in (False, True)]:
+                label = f"hook {name}" + ("" if scope == "global" else f" {scope}") + (" native" if native else "")
                 try:
-                    status, message = _hook_consistency(name, rank, world, native)
+                    status, message = _hook_consistency(name, rank, world, native, scope)
                 except Exception as exc:  # noqa: BLE001 - a failing hook is a finding
                     first_line = (str(exc).splitlines() or [""])[0][:160]
                     status, message = FAIL, f"raised {type(exc).__name__}: {first_line}"
                 fix = "" if status == OK else (f"do not use comm_hook.name={name}"
+                                               + ("" if scope == "global" else f" with comm_hook.options.scope={scope}")
                                                + (" with comm_hook.native=true" if native else ""))
                 _report(label, status, message, fix)
     finally:

@@ -1,0 +1,120 @@
+// Native twin of ddpx/comm_hooks/scope.py (InterNode): scope=inter_node for every hook.
+// Stage 1: exact fp32 reduce-scatter of the bucket inside the node (powersgd: allreduce);
+// stage 2: the hook's own two-phase algorithm on this rank's shard among the ranks of
+// the same local rank across nodes, run by a HookCore of its own on the Python plan's
+// `inner` state; stage 3: exact all-gather inside the node. Pipelined piece by piece by
+// TwoPhaseAlgorithm, like the hooks themselves; same layouts, same calls, same results
+// as the Python path.
+#include <unordered_map>
+
+#include "comm_hooks/native_hook.h"
+#include "ops/ops.h"
+
+namespace py = pybind11;
+
+namespace ddpx::comm_hooks {
+namespace {
+
+c10::intrusive_ptr<c10d::ProcessGroup> group_of(const py::handle& obj) {
+  return c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(obj.cast<c10d::ProcessGroup*>());
+}
+
+class InterNode final : public TwoPhaseAlgorithm {
+ public:
+  explicit InterNode(HookCore& core) {
+    py::object plan = core.state().attr("scope_plan")();
+    py::object topo = plan.attr("topo");
+    local_world_ = topo.attr("local_world").cast<int64_t>();
+    world_ = local_world_ * topo.attr("nodes").cast<int64_t>();
+    local_ = group_of(plan.attr("local_group"));
+    cross_ = group_of(plan.attr("cross_group"));
+    inner_core_ = std::make_unique<HookCore>(cross_, cross_, plan.attr("inner"),
+                                             plan.attr("inner_kind").cast<std::string>());
+    inner_ = dynamic_cast<TwoPhaseAlgorithm*>(&inner_core_->algorithm());
+    TORCH_CHECK(inner_, "ddpx native comm hook: scope=inter_node needs a two-phase stage-2 algorithm");
+  }
+
+  // A bucket with nothing to compress (no inner layout) still runs through the pipeline,
+  // whose last bucket drains it; its collective is the exempt values' allreduce.
+  WorkPtr start_phase1(HookCore&, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
+    if (pc.integer("first")) stage_in(buf, lay);
+    if (!lay.inner) return plain_work_.at(&lay);
+    return inner_->start_phase1(*inner_core_, shard(buf, lay), *lay.inner, pc);
+  }
+
+  WorkPtr start_phase2(HookCore&, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+                       c10d::Work& first) override {
+    if (!lay.inner) return WorkPtr::reclaim_copy(&first);
+    return inner_->start_phase2(*inner_core_, shard(buf, lay), *lay.inner, pc, first);
+  }
+
+  void finish(HookCore&, const at::Tensor& buf, const Layout& lay, const Layout& pc, c10d::Work& second) override {
+    if (lay.inner) inner_->finish(*inner_core_, shard(buf, lay), *lay.inner, pc, second);
+    if (pc.integer("last")) stage_out(buf, lay);
+  }
+
+  // Across nodes only, as InterNode.wire_bytes.
+  int64_t wire_bytes(HookCore&, const Layout& lay) const override {
+    int64_t cross = lay.inner ? inner_->wire_bytes(*inner_core_, *lay.inner) : 0;
+    if (!lay.integer("whole")) cross += ring_allreduce_bytes(4 * lay.tensor("shard_plain").numel(), inner_core_->world());
+    return cross;
+  }
+
+ private:
+  static at::Tensor shard(const at::Tensor& buf, const Layout& lay) {
+    return lay.integer("whole") ? buf : lay.tensor("shard_comp");
+  }
+
+  void stage_in(const at::Tensor& buf, const Layout& lay) {
+    if (lay.integer("whole")) {
+      buf.mul_(1.0 / static_cast<double>(local_world_));
+      std::vector<at::Tensor> t{buf};
+      local_->allreduce(t)->wait();
+      return;
+    }
+    at::Tensor comp = lay.tensor("comp"), plain = lay.tensor("plain");
+    if (lay.n_comp) {
+      at::Tensor comp_head = comp.narrow(0, 0, lay.n_comp), shard_comp = lay.tensor("shard_comp");
+      ddpx::ops::flatten_out(run_views(buf, lay.comp), 1.0 / static_cast<double>(local_world_), comp_head);
+      comp.narrow(0, lay.n_comp, comp.numel() - lay.n_comp).zero_();  // the last all-gather wrote there
+      local_->_reduce_scatter_base(shard_comp, comp)->wait();
+    }
+    if (lay.n_plain) {
+      at::Tensor plain_head = plain.narrow(0, 0, lay.n_plain), shard_plain = lay.tensor("shard_plain");
+      ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0 / static_cast<double>(world_), plain_head);
+      local_->_reduce_scatter_base(shard_plain, plain)->wait();
+      std::vector<at::Tensor> t{shard_plain};
+      plain_work_[&lay] = cross_->allreduce(t);
+    }
+  }
+
+  void stage_out(const at::Tensor& buf, const Layout& lay) {
+    if (lay.integer("whole")) return;
+    at::Tensor comp = lay.tensor("comp"), plain = lay.tensor("plain"), shard_comp = lay.tensor("shard_comp");
+    if (lay.n_comp) {
+      local_->_allgather_base(comp, shard_comp)->wait();
+      ddpx::ops::unflatten_(comp.narrow(0, 0, lay.n_comp), run_views(buf, lay.comp));
+    }
+    if (lay.n_plain) {
+      auto it = plain_work_.find(&lay);
+      TORCH_CHECK(it != plain_work_.end(), "ddpx inter_node: a bucket finished before its stage 1");
+      WorkPtr work = std::move(it->second);
+      plain_work_.erase(it);
+      work->wait();
+      at::Tensor shard_plain = lay.tensor("shard_plain");
+      local_->_allgather_base(plain, shard_plain)->wait();
+      ddpx::ops::unflatten_(plain.narrow(0, 0, lay.n_plain), run_views(buf, lay.plain));
+    }
+  }
+
+  int64_t local_world_, world_;
+  c10::intrusive_ptr<c10d::ProcessGroup> local_, cross_;
+  std::unique_ptr<HookCore> inner_core_;
+  TwoPhaseAlgorithm* inner_;  // inner_core_'s algorithm
+  // the exempt values' cross-node allreduce per bucket in flight; worker thread only
+  std::unordered_map<const Layout*, WorkPtr> plain_work_;
+};
+
+}  // namespace
+DDPX_REGISTER_NATIVE_HOOK("inter_node", InterNode);
+}  // namespace ddpx::comm_hooks

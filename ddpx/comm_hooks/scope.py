@@ -1,0 +1,332 @@
+"""The ``scope`` option of every lossy hook: where the compressed reduction runs.
+
+``global`` (the default): the hook compresses the whole bucket among all ranks.
+``inter_node``: two levels. Links inside a node (NVLink, PCIe, shared memory)
+are 10-100x faster than the links between nodes, so only the slow link carries
+compressed data::
+
+      node 0: ranks 0 1          node 1: ranks 2 3
+    1. reduce-scatter (fp32, exact) inside each node: local rank l holds shard l
+       of the node's sum
+    2. the hook's compressed reduction of shard l among the ranks with local rank
+       l on every node (0 <-> 2, 1 <-> 3): one group per local rank
+    3. all-gather (fp32, exact) inside each node
+
+``powersgd`` keeps its matrices whole instead (a matrix's P and Q need all of
+it): exact fp32 allreduce inside the node, then PowerSGD on the whole bucket
+among the ranks of one local rank across nodes (see ``InterNode``).
+``auto``: ``inter_node`` when the job has more than one node and more than one
+rank per node, else ``global``.
+
+Nodes come from the launcher's facts, not from hostnames: torchrun's
+``GROUP_RANK`` / ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` or SLURM's ``SLURM_NODEID``
+/ ``SLURM_LOCALID``, gathered from every rank and checked to be uniform (every
+node the same rank count, local ranks 0..L-1). A job that is not falls back to
+``global`` with one line saying why; one node only makes ``inter_node`` an exact
+allreduce (nothing crosses a slow link), said once.
+
+The stage-2 state (error feedback, warm starts) is an ordinary hook state of
+the same class (``InterNode.inner``) whose memory dict *is* the user-facing
+state's, so ``state_dict()`` / ``load_state_dict()`` keep it per rank as for
+``global``. Its keys name the set of parameters in the bucket and the node
+layout (``shard_key``): a checkpoint resumed on another layout (2 x 2 -> 1 x 2,
+2 x 1, ...) finds no memory under its keys and starts it from zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .base import BucketLayout, ring_allreduce_bytes
+from .twophase import Piece, Pipelined, all_gather_single, reduce_scatter_single
+
+log = logging.getLogger("ddpx.comm_hooks")
+
+EXACT = "exact"  # a resolved scope: plain fp32 allreduce (inter_node on one node)
+_SAID: set[str] = set()
+
+
+def _say_once(msg: str, *args) -> None:
+    text = msg % args
+    if text not in _SAID:
+        _SAID.add(text)
+        log.warning("%s", text)
+
+
+def node_facts(env=os.environ):
+    """(node, local rank, local world size or None) from the launcher, or None if it told nothing."""
+    if "GROUP_RANK" in env and "LOCAL_RANK" in env:  # torchrun
+        lws = env.get("LOCAL_WORLD_SIZE")
+        return int(env["GROUP_RANK"]), int(env["LOCAL_RANK"]), int(lws) if lws else None
+    if "SLURM_NODEID" in env and "SLURM_LOCALID" in env:  # srun
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+        return int(env["SLURM_NODEID"]), int(env["SLURM_LOCALID"]), int(per_node) if per_node.isdigit() else None
+    return None
+
+
+class Topology:
+    """The job's nodes as the launcher describes them, checked on every rank.
+
+    ``reason`` is None when the layout is uniform: ``nodes`` x ``local_world``
+    ranks, this rank is ``local_rank`` on node ``node``; otherwise it says why
+    not and the hooks run ``global``. ``local_group`` (this node's ranks) and
+    ``cross_group`` (this local rank on every node) exist when both counts are
+    above one; ``facts`` are every rank's ``node_facts()``, ``me`` this rank; every rank creates every node's and every local rank's group, in
+    the same order."""
+
+    def __init__(self, facts: list, me: int):
+        self.reason = None
+        self.nodes = self.local_world = 1
+        self.node = self.local_rank = 0
+        self.local_group = self.cross_group = None
+        world = len(facts)
+        if any(f is None for f in facts):
+            missing = [r for r, f in enumerate(facts) if f is None]
+            self.reason = (f"rank(s) {missing[:4]} have no node facts from the launcher (torchrun's GROUP_RANK/"
+                           "LOCAL_RANK/LOCAL_WORLD_SIZE or SLURM_NODEID/SLURM_LOCALID)")
+            return
+        by_node: dict[int, list[tuple[int, int]]] = {}
+        for r, (node, local, _) in enumerate(facts):
+            by_node.setdefault(node, []).append((local, r))
+        counts = {n: len(v) for n, v in by_node.items()}
+        if len(set(counts.values())) != 1:
+            self.reason = "nodes have different rank counts (" + ", ".join(
+                f"node {n}: {c}" for n, c in sorted(counts.items())) + ")"
+            return
+        size = next(iter(counts.values()))
+        for n, members in by_node.items():
+            if sorted(local for local, _ in members) != list(range(size)):
+                self.reason = f"node {n}'s local ranks are {sorted(m[0] for m in members)}, not 0..{size - 1}"
+                return
+        stated = {f[2] for f in facts if f[2] is not None}
+        if stated and stated != {size}:
+            self.reason = f"LOCAL_WORLD_SIZE says {sorted(stated)}, the ranks per node are {size}"
+            return
+        self.nodes, self.local_world = len(by_node), size
+        self.node_ids = sorted(by_node)
+        self.nodes_members = [[r for _, r in sorted(by_node[n])] for n in self.node_ids]  # [node][local] -> rank
+        self.node, self.local_rank = next((i, m.index(me)) for i, m in enumerate(self.nodes_members) if me in m)
+        assert world == self.nodes * self.local_world
+
+    def make_groups(self, backend) -> None:
+        """One group per node, then one per local rank: on every rank, in this order."""
+        if self.local_group is not None or self.nodes == 1 or self.local_world == 1:
+            return
+        for i, members in enumerate(self.nodes_members):
+            g = dist.new_group(ranks=members, backend=backend)
+            if i == self.node:
+                self.local_group = g
+        for j in range(self.local_world):
+            g = dist.new_group(ranks=[m[j] for m in self.nodes_members], backend=backend)
+            if j == self.local_rank:
+                self.cross_group = g
+
+
+_TOPOLOGIES: dict = {}  # the world group -> Topology (groups shared by every hook state of the process)
+
+
+def topology(group) -> Topology:
+    """The job's node layout (a collective on `group`, the world group: call on every rank)."""
+    topo = _TOPOLOGIES.get(group)
+    if topo is None:
+        facts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(facts, node_facts(), group=group)
+        topo = Topology(facts, dist.get_rank())
+        if topo.reason is None:
+            topo.make_groups(dist.get_backend(group))
+        _TOPOLOGIES.clear()  # an earlier world (destroyed process group) is gone
+        _TOPOLOGIES[group] = topo
+    return topo
+
+
+def resolve(state):
+    """The plan of `state`'s scope: None (global), EXACT or an :class:`InterNode`.
+    A collective the first time (see ``topology``): call at the same point on every rank."""
+    scope = state.opts.get("scope", "global")
+    if scope == "global":
+        return None
+    name = f"comm hook {state.name!r} scope={scope}"
+    group = state.process_group
+    if dist.get_world_size(group) != dist.get_world_size():
+        _say_once("%s: runs global: its process group is not the world group", name)
+        return None
+    topo = topology(group)
+    if topo.reason is not None:
+        if scope == "inter_node":
+            _say_once("%s: runs global: %s", name, topo.reason)
+        return None
+    if scope == "auto":
+        return InterNode(state, topo) if topo.nodes > 1 and topo.local_world > 1 else None
+    if topo.nodes == 1:
+        _say_once("%s: one node (%d ranks): an exact fp32 allreduce, nothing crosses a slow link", name,
+                  topo.local_world)
+        return EXACT
+    if topo.local_world == 1:
+        _say_once("%s: one rank per node: the same as scope=global", name)
+        return None
+    return InterNode(state, topo)
+
+
+def shard_key(param_keys, topo) -> int:
+    """The stage-2 memory key of a bucket: its parameter set and the node layout (above
+    the parameter ordinals, which ``global`` uses)."""
+    text = repr((sorted(param_keys), topo.nodes, topo.local_world))
+    return (1 << 40) + zlib.crc32(text.encode())
+
+
+class InterNode(Pipelined):
+    """The ``inter_node`` plan of one hook state: layouts and the three stages, pipelined
+    as the two-phase hooks are (ddpx/comm_hooks/twophase.py), on the state's worker.
+
+    Stage 2 is ``inner``, a state of the hook's own class on ``cross_group``, run
+    through its phase functions on the node's shard of each bucket (``fp16``/``bf16``:
+    one allreduce; the others: their two collectives). Exempt values (small and 1-D
+    parameters) travel exactly: reduce-scatter in the node, an fp32 allreduce of the
+    shard across nodes, all-gather.
+
+    PowerSGD (``keep_whole``) reduces inside the node with an exact allreduce and runs
+    on the whole bucket across nodes: a rank-r approximation is of a whole matrix, and
+    cutting matrices into shards would approximate each slice separately (the shards'
+    P and Q would not be the matrix's, and rank r per slice multiplies the wire). Every
+    local rank of a node then computes the same P and Q for the same matrices, which
+    is what ``global`` computes on every rank too, and the cross-node ring has N ranks
+    instead of N x L. Assigning matrices to local ranks would send 1/L of it across
+    nodes but needs a reduce and a broadcast per matrix in the node and balanced matrix
+    sizes; P and Q are already tiny (r (n + m) per matrix).
+    """
+
+    def __init__(self, state, topo: Topology):
+        super().__init__()
+        self.state, self.topo = state, topo
+        self.local_group, self.cross_group = topo.local_group, topo.cross_group
+        self.keep_whole = bool(getattr(state, "keep_matrices_whole", False))
+        cls = type(state)
+        opts = dict(state.opts, scope="global")
+        if "warmup_steps" in cls.options:  # the outer state warms up
+            opts["warmup_steps"] = 0
+        if not self.keep_whole:  # the shard is one compressed tensor
+            opts.update({k: v for k, v in (("min_numel", 0), ("compress_vectors", True)) if k in cls.options})
+        self.inner = cls(process_group=topo.cross_group, **opts)
+        self.inner._worker_group = topo.cross_group  # private to the hooks: the worker may use it directly
+        self.inner.memory = state.memory
+        if self.keep_whole:  # the same parameter keys: memory is the global hook's, per parameter
+            self.inner.key_of = state.key_of
+        self.inner_kind = getattr(state, "phase_kind", state.native_kind)
+        self.layouts: dict[int, BucketLayout] = {}
+        self.unit = getattr(state, "block_size", None) or getattr(state, "chunk_size", None) or 1
+
+    # ------------------------------------------------------------------ layouts
+    def layout(self, index: int, params: list[torch.Tensor]) -> BucketLayout:
+        lay = self.layouts.get(index)
+        if lay is None or not lay.matches(params):
+            st = self.state
+            lay = BucketLayout(index, params, [st.key_of(p) for p in params], [st.compressible(p) for p in params])
+            self._build(lay)
+            self.layouts[index] = lay
+        return lay
+
+    def _build(self, lay: BucketLayout) -> None:
+        """The bucket's shard buffers and the stage-2 layout (whose pieces are the bucket's)."""
+        L, dev = self.topo.local_world, lay.params[0].device
+        lay.whole = int(self.keep_whole)
+        lay.plain_work = None
+        if self.keep_whole:
+            lay.inner = self.inner.layout(lay.index, lay.params)
+            lay.shard_comp = lay.shard_plain = None
+        else:
+            f32 = dict(dtype=torch.float32, device=dev)
+            sc = ops.ceil_div(ops.ceil_div(lay.n_comp, L), self.unit) * self.unit
+            sp = ops.ceil_div(lay.n_plain, L)
+            lay.comp = torch.zeros(L * sc, **f32)  # [node's compressed values | zero padding]
+            lay.plain = torch.zeros(L * sp, **f32)
+            lay.shard_comp = torch.zeros(sc, **f32)  # stage 2's bucket: one tensor, compressed
+            lay.shard_plain = torch.zeros(sp, **f32)
+            lay.inner = None  # nothing to compress: stages 1 and 3 and the exempt values' allreduce
+            if lay.n_comp:
+                self.inner._keys[id(lay.shard_comp)] = shard_key(lay.keys, self.topo)
+                self.inner._key_params.append(lay.shard_comp)
+                lay.inner = self.inner.layout(lay.index, [lay.shard_comp])
+        lay.pieces = lay.inner.pieces if lay.inner is not None else [Piece(0, 1)]
+
+    def wire_bytes(self, lay) -> int:
+        """Bytes this rank sends across nodes per step for the bucket (the node-local
+        stages are not counted: they are on the fast link)."""
+        n = self.topo.nodes
+        inner = self.inner
+        if lay.inner is None:
+            cross = 0
+        elif hasattr(inner, "wire_bytes"):
+            cross = inner.wire_bytes(lay.inner)
+        else:  # fp16/bf16: one allreduce of the 16-bit shard
+            cross = ring_allreduce_bytes(2 * lay.inner.n_comp, n)
+        if not self.keep_whole:
+            cross += ring_allreduce_bytes(4 * lay.shard_plain.numel(), n)
+        return cross
+
+    # ------------------------------------------------------------------- stages
+    def run_bucket(self, bucket) -> torch.futures.Future:
+        st = self.state
+        buf = bucket.buffer()
+        lay = self.layout(bucket.index(), bucket.parameters())
+        last = bucket.is_last()
+        st.count(buf.numel(), self.wire_bytes(lay), last)
+        return st.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
+
+    def _stage_in(self, buf, lay) -> None:
+        """Stage 1, inside the node, exact: the node's sum of this rank's shard (or of the
+        whole bucket for powersgd), pre-scaled so that stage 2's average is the world's."""
+        L, world = self.topo.local_world, self.topo.nodes * self.topo.local_world
+        if lay.whole:
+            buf.mul_(1.0 / L)
+            dist.all_reduce(buf, group=self.local_group)
+            return
+        if lay.n_comp:
+            ops.flatten(lay.runs(buf, True), 1.0 / L, out=lay.comp.narrow(0, 0, lay.n_comp))
+            lay.comp.narrow(0, lay.n_comp, lay.comp.numel() - lay.n_comp).zero_()  # the last all-gather wrote there
+            reduce_scatter_single(lay.shard_comp, lay.comp, group=self.local_group)
+        if lay.n_plain:  # exempt values: the world's sum, exactly, across nodes too
+            ops.flatten(lay.runs(buf, False), 1.0 / world, out=lay.plain.narrow(0, 0, lay.n_plain))
+            reduce_scatter_single(lay.shard_plain, lay.plain, group=self.local_group)
+            lay.plain_work = dist.all_reduce(lay.shard_plain, group=self.cross_group, async_op=True)
+
+    def _stage_out(self, buf, lay) -> None:
+        """Stage 3, inside the node, exact: every shard into the bucket."""
+        if lay.whole:
+            return
+        if lay.n_comp:
+            all_gather_single(lay.comp, lay.shard_comp, group=self.local_group)
+            ops.unflatten_(lay.comp.narrow(0, 0, lay.n_comp), lay.runs(buf, True))
+        if lay.n_plain:
+            work, lay.plain_work = lay.plain_work, None
+            work.wait()
+            all_gather_single(lay.plain, lay.shard_plain, group=self.local_group)
+            ops.unflatten_(lay.plain.narrow(0, 0, lay.n_plain), lay.runs(buf, False))
+
+    def _shard(self, buf, lay):
+        return buf if lay.whole else lay.shard_comp
+
+    # A bucket with nothing to compress (lay.inner None) still runs through the pipeline,
+    # whose last bucket drains it; its collective is the exempt values' allreduce.
+    def start_phase1(self, buf, lay, pc):
+        if pc.first:
+            self._stage_in(buf, lay)
+        if lay.inner is None:
+            return lay.plain_work
+        return self.inner.start_phase1(self._shard(buf, lay), lay.inner, pc)
+
+    def start_phase2(self, buf, lay, pc, first):
+        if lay.inner is None:
+            return first
+        return self.inner.start_phase2(self._shard(buf, lay), lay.inner, pc, first)
+
+    def finish(self, buf, lay, pc, second):
+        if lay.inner is not None:
+            self.inner.finish(self._shard(buf, lay), lay.inner, pc, second)
+        if pc.last:
+            self._stage_out(buf, lay)
