@@ -160,6 +160,7 @@ class MetricsLog:
         if self.every_steps:
             line = (step // self.every_steps + 1) * self.every_steps
             due = line if due is None else min(due, line)
+            trainer.watch_grad_norm(line)  # that step's gradient norm, computed then (every step with grad_clip)
         if due is not None:
             trainer.call_at_step(due, self.at_step)
 
@@ -191,6 +192,8 @@ class MetricsLog:
             "samples_per_s": samples_per_s,
             "time": now - self.start,
         }
+        if trainer.grad_norm_step == trainer.global_step:
+            record["grad_norm"] = trainer.grad_norm.item()
         self.write(record, flush=False)  # flushed at most once a second, and with every epoch line
         if self.tensorboard is not None:
             self.add_scalars("train", record, trainer.global_step)
