@@ -99,6 +99,7 @@ BUILTIN_PLUGINS = [
     "checkpoint = ddpx_plugins.checkpoint",
     "comm_monitor = ddpx_plugins.comm_monitor",
     "early_stopping = ddpx_plugins.early_stopping",
+    "ema = ddpx_plugins.ema",
 ]
 
 setup(

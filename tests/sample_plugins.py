@@ -126,3 +126,16 @@ class NanGradAtStep:
             trainer.module.net[2].weight.grad[0, 0] = float("nan")
         return None
 
+
+class WeightRecorder:
+    """Records into EVENTS ``(global_step, [parameter copies])``: the initial weights at
+    the start of training, then the weights after every optimizer step."""
+
+    @hookimpl
+    def ddpx_train_start(self, trainer):
+        EVENTS.append((trainer.global_step, [p.detach().clone() for p in trainer.module.parameters()]))
+
+    @hookimpl
+    def ddpx_batch_end(self, trainer, stepped):
+        if stepped:
+            EVENTS.append((trainer.global_step, [p.detach().clone() for p in trainer.module.parameters()]))
