@@ -100,6 +100,7 @@ BUILTIN_PLUGINS = [
     "comm_monitor = ddpx_plugins.comm_monitor",
     "early_stopping = ddpx_plugins.early_stopping",
     "ema = ddpx_plugins.ema",
+    "profiler = ddpx_plugins.profiler",
 ]
 
 setup(

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .allreduce import allreduce_average
-from .base import LossyState
+from .base import LossyState, profiled
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there, with a warning on every call)
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -152,14 +152,16 @@ class TwoPhaseState(LossyState):
         advancing, self._advancing = self._advancing, None
         finishing, self._finishing = self._finishing, []
         try:
-            started[3] = self.start_phase1(started[0], started[1], started[2])
+            with profiled("ddpx::encode"):
+                started[3] = self.start_phase1(started[0], started[1], started[2])
         except BaseException as exc:
             for job in ([advancing] if advancing else []) + finishing:
                 self._fail(job, exc)
             raise
         for job in ([advancing] if advancing else []) + ([started] if last else []):
             try:
-                job[3] = self.start_phase2(job[0], job[1], job[2], job[3])
+                with profiled("ddpx::collective"):
+                    job[3] = self.start_phase2(job[0], job[1], job[2], job[3])
             except BaseException as exc:
                 self._fail(job, exc)
             else:
@@ -170,7 +172,8 @@ class TwoPhaseState(LossyState):
         while len(finishing) > keep:
             job = finishing.pop(0)
             try:
-                self.finish(job[0], job[1], job[2], job[3])
+                with profiled("ddpx::decode"):
+                    self.finish(job[0], job[1], job[2], job[3])
             except BaseException as exc:
                 self._fail(job, exc)
             else:
