@@ -52,6 +52,7 @@ import os
 import pathlib
 import sys
 import time
+import uuid
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
@@ -194,7 +195,7 @@ class WandbBackend(Backend):
         import wandb
 
         id_path = os.path.join(run_dir, self.ID_FILE)
-        run_id = _read_id(id_path) or wandb.util.generate_id()
+        run_id = _read_id(id_path) or uuid.uuid4().hex[:8]  # W&B's own ids: 8 lowercase letters and digits
         _write_id(id_path, run_id)
         self.run = wandb.init(project=cfg["project"], entity=cfg["entity"], name=cfg["name"],
                               tags=list(cfg["tags"]) or None, mode=cfg["mode"], dir=run_dir, id=run_id,
