@@ -99,6 +99,8 @@ BUILTIN_PLUGINS = [
     "checkpoint = ddpx_plugins.checkpoint",
     "comm_monitor = ddpx_plugins.comm_monitor",
     "early_stopping = ddpx_plugins.early_stopping",
+    "ema = ddpx_plugins.ema",
+    "profiler = ddpx_plugins.profiler",
 ]
 
 setup(
@@ -119,8 +121,10 @@ setup(
     install_requires=["torch>=2.4", "pybind11", "ninja", "pluggy>=1.2", "pyyaml", "tqdm", "numpy"],
     extras_require={
         "tensorboard": ["tensorboard"],  # logging.tensorboard: true
+        "wandb": ["wandb"],  # logging.wandb.project
+        "mlflow": ["mlflow"],  # logging.mlflow.experiment (the full package: the tests start `mlflow server`)
         "examples": ["pillow"],  # examples/resnet_images without torchvision
-        "test": ["pytest", "pytest-timeout", "hypothesis", "pillow", "tensorboard"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "pillow", "tensorboard", "wandb", "mlflow"],
     },
     entry_points={
         "console_scripts": ["ddpx = ddpx.cli:main"],

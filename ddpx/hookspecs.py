@@ -97,10 +97,13 @@ TRAINER_ATTRIBUTES = {
     "end_reason": "why training ends early, set through :meth:`end_training`",
     "last_finite_checkpoint": "the newest checkpoint saved or resumed (all hold finite weights)",
     "skips_nonfinite_steps": "a plugin skips optimizer steps with non-finite gradients (fp16 AMP)",
+    "grad_norm": "the total gradient norm (0-dim device tensor) of the latest step that computed it, or None",
+    "grad_norm_step": "the optimizer step ``grad_norm`` belongs to",
 }
 
 TRAINER_METHODS = {
     "clip_gradients()": "clip the gradient norm to ``trainer.grad_clip``; returns the norm",
+    "watch_grad_norm(step)": "compute ``grad_norm`` at optimizer step ``step`` also without ``grad_clip``",
     "evaluate(loader=None)": "metrics on ``loader`` (default: the eval loader), reduced over all ranks",
     "state_dict()": "every plugin's ``ddpx_state_dict`` entries, merged",
     "request_stop(signum)": "stop at the next batch boundary (every rank at the same step)",

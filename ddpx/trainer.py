@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from . import distributed, hookspecs
 from .batchnorm import convert_sync_batchnorm
 from .config import Config, default_run_dir
-from .core import CorePlugin, batch_size, ddp_options, model_loss, to_device  # noqa: F401  (their old home)
+from .core import CorePlugin, GradientNorms, batch_size, ddp_options, model_loss, to_device  # noqa: F401  (their old home)
 from .errors import DdpxError, TrainingDiverged
 from .imports import instantiate
 from .losses import EpochLosses, LossWindow
@@ -166,6 +166,10 @@ class Trainer:
         self._next_due = NEVER
         self._losses = EpochLosses()  # this epoch's micro-batch losses, summed only when read
         self._grad_clip = config.trainer.grad_clip  # read every step
+        self._grad_norms: Optional[GradientNorms] = None  # made with the model
+        self._grad_norm_due = NEVER  # the next step whose gradient norm a logger asked for (watch_grad_norm)
+        self.grad_norm: Optional[torch.Tensor] = None  # see clip_gradients
+        self.grad_norm_step: Optional[int] = None
         self._previous_signal_handlers: dict = {}
         self.stop_agreement: Optional[StopAgreement] = None  # see agree_on_stops
         self._batches = None  # the running epoch's (index, batch) iterator, kept while train() pauses
@@ -351,6 +355,7 @@ class Trainer:
         if cfg.sync_batchnorm:
             self.module = convert_sync_batchnorm(self.module, self.device)
         self.loss_fn = instantiate(self.config.loss, "loss") if self.config.loss.target else None
+        self._grad_norms = GradientNorms(self.module)
         self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
         self.hook.ddpx_model_wrapped(trainer=self, model=self.model)  # comm hooks go on the DDP model
         if cfg.compile:
@@ -479,9 +484,11 @@ class Trainer:
         if self.skips_nonfinite_steps and not by_step_skipper:
             return  # fp16 AMP skipped those steps; it reports a scale that collapses itself
         if self.config.trainer.nonfinite == "warn":
-            self._warn_once_per_epoch("loss", f"the loss went non-finite {where}; going on (trainer.nonfinite=warn)")
+            self._warn_once_per_epoch("loss", f"the loss went non-finite {where}{self._first_nonfinite_gradient()}; "
+                                      "going on (trainer.nonfinite=warn)")
             return
-        raise TrainingDiverged(f"the loss went non-finite {where}; {self._finite_checkpoint_advice()}")
+        raise TrainingDiverged(f"the loss went non-finite {where}{self._first_nonfinite_gradient()}; "
+                               f"{self._finite_checkpoint_advice()}")
 
     def nonfinite_weights(self, where: str) -> None:
         """The weights or optimizer state are non-finite ``where`` (the checkpoint
@@ -490,7 +497,19 @@ class Trainer:
             self._warn_once_per_epoch("weights", f"the weights are non-finite {where}: no checkpoint written "
                                       "(trainer.nonfinite=warn)")
             return
-        raise TrainingDiverged(f"the weights went non-finite {where}; {self._finite_checkpoint_advice()}")
+        raise TrainingDiverged(f"the weights went non-finite {where}{self._first_nonfinite_gradient()}; "
+                               f"{self._finite_checkpoint_advice()}")
+
+    def _first_nonfinite_gradient(self) -> str:
+        """Where the gradients first went non-finite, for the guard's message (one host read)."""
+        if self.skips_nonfinite_steps or self._grad_norms is None:
+            return ""  # fp16 AMP skips such steps: its non-finite gradients are overflows, not divergence
+        found = self._grad_norms.first_nonfinite()
+        if found is not None:
+            return f"; the first non-finite gradient was {found[0]}'s, at optimizer step {found[1]}"
+        if self._grad_clip:
+            return "; every step's gradients were finite"
+        return " (set trainer.grad_clip to check every step's gradients and name the first non-finite one)"
 
     def _warn_once_per_epoch(self, kind: str, message: str) -> None:
         if self._nonfinite_warned.get(kind) != self.epoch:
@@ -511,11 +530,30 @@ class Trainer:
         return self.hook.ddpx_evaluate(trainer=self, loader=loader or self.eval_loader) or {}
 
     def clip_gradients(self) -> Optional[torch.Tensor]:
-        """Clip the gradient norm to ``trainer.grad_clip`` (no-op when null); returns the norm."""
+        """Clip the gradient norm to ``trainer.grad_clip``; returns the norm (None when
+        no norm was computed). Called right before the optimizer step, with true
+        (unscaled) gradients. The total norm is computed every step with
+        ``grad_clip`` and otherwise only at the steps asked for with
+        :meth:`watch_grad_norm`; it is kept, on the device, in ``grad_norm``
+        (``grad_norm_step``: the optimizer step it belongs to)."""
         max_norm = self._grad_clip
-        if not max_norm:
+        step = self.global_step + 1  # this optimizer step's number
+        if not max_norm and step < self._grad_norm_due:
             return None
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        norm = self._grad_norms.compute(step, track=not self.skips_nonfinite_steps)
+        self.grad_norm, self.grad_norm_step = norm, step
+        if step >= self._grad_norm_due:
+            self._grad_norm_due = NEVER  # done: the logger asks for its next one
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), max_norm, norm)
+        return norm
+
+    def watch_grad_norm(self, step: int) -> None:
+        """Compute the total gradient norm (``grad_norm``) at the optimizer step that
+        brings ``global_step`` to ``step`` (the first one at or after it), even
+        without ``grad_clip``: a logger asks for the steps it writes, so the other
+        steps pay one integer comparison."""
+        self._grad_norm_due = min(self._grad_norm_due, int(step))
 
     # --- checkpoints -------------------------------------------------------------------
 

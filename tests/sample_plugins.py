@@ -102,3 +102,40 @@ class LastAtBatchEnd:
     @hookimpl(trylast=True)
     def ddpx_batch_end(self, loss, batch_index):
         EVENTS.append(("last", batch_index, round(float(loss), 6)))
+
+
+class GradNormRecorder:
+    """Records into EVENTS ``(step, total gradient norm)`` of every optimizer step, computed
+    by torch's own ``get_total_norm`` before the core clips and steps."""
+
+    @hookimpl
+    def ddpx_optimizer_step(self, trainer):
+        import torch
+
+        grads = [p.grad for p in trainer.module.parameters() if p.grad is not None]
+        EVENTS.append((trainer.global_step + 1, float(torch.nn.utils.get_total_norm(grads))))
+        return None  # the core clips and steps
+
+
+class NanGradAtStep:
+    """Optimizer step 3 gets a NaN in the gradient of ``net.2.weight`` (the second layer)."""
+
+    @hookimpl
+    def ddpx_optimizer_step(self, trainer):
+        if trainer.global_step + 1 == 3:
+            trainer.module.net[2].weight.grad[0, 0] = float("nan")
+        return None
+
+
+class WeightRecorder:
+    """Records into EVENTS ``(global_step, [parameter copies])``: the initial weights at
+    the start of training, then the weights after every optimizer step."""
+
+    @hookimpl
+    def ddpx_train_start(self, trainer):
+        EVENTS.append((trainer.global_step, [p.detach().clone() for p in trainer.module.parameters()]))
+
+    @hookimpl
+    def ddpx_batch_end(self, trainer, stepped):
+        if stepped:
+            EVENTS.append((trainer.global_step, [p.detach().clone() for p in trainer.module.parameters()]))

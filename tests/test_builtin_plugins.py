@@ -421,7 +421,7 @@ def test_progress_bar_loss_follows_training(capsys):
     from ddpx_plugins.logging import MetricsLog
 
     losses = EpochLosses()  # what the trainer keeps
-    log = MetricsLog(path=None, every_steps=50, progress=True, samples_per_batch=32)
+    log = MetricsLog(every_steps=50, progress=True, samples_per_batch=32)
     log.window, log.bar_window = losses.open_window(), losses.open_window()
     log.start_bar(0, 10)
     losses.append(torch.tensor(2.0))

@@ -2,6 +2,7 @@
 // fetched from the Python state, counters, and the plain fp32 average.
 #include "comm_hooks/native_hook.h"
 
+#include <ATen/record_function.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -299,6 +300,7 @@ void TwoPhaseAlgorithm::step(HookCore& core, Job started, bool last) {
   std::deque<Job> finishing = std::move(finishing_);
   finishing_.clear();
   try {
+    RECORD_USER_SCOPE("ddpx::encode");  // profiler ranges, as in the Python hook: a flag test when none runs
     started.work = start_phase1(core, started.buf, *started.lay, *started.pc);
   } catch (...) {  // fail every bucket in flight: they surface in loss.backward()
     if (advancing) fail(*advancing, std::current_exception());
@@ -310,6 +312,7 @@ void TwoPhaseAlgorithm::step(HookCore& core, Job started, bool last) {
   if (last) to_advance.push_back(&started);
   for (Job* job : to_advance) {
     try {
+      RECORD_USER_SCOPE("ddpx::collective");
       job->work = start_phase2(core, job->buf, *job->lay, *job->pc, *job->work);
     } catch (...) {
       fail(*job, std::current_exception());
@@ -323,6 +326,7 @@ void TwoPhaseAlgorithm::step(HookCore& core, Job started, bool last) {
     Job job = std::move(finishing.front());
     finishing.pop_front();
     try {
+      RECORD_USER_SCOPE("ddpx::decode");
       finish(core, job.buf, *job.lay, *job.pc, *job.work);
     } catch (...) {
       fail(job, std::current_exception());

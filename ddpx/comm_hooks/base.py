@@ -30,6 +30,7 @@ interleave differently on different ranks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -65,6 +66,15 @@ def positive_multiple_of(k):
         return None if v > 0 and v % k == 0 else f"must be a positive multiple of {k}"
 
     return check
+
+
+def profiled(name: str):
+    """A named range (``record_function``) for torch.profiler: the comm-hook phases
+    ``ddpx::encode``, ``ddpx::collective``, ``ddpx::decode``, named the same in the
+    native hook. Nothing but a flag test when no profiler runs."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def ring_allreduce_bytes(nbytes: int, world: int) -> int:

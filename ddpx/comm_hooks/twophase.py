@@ -41,7 +41,7 @@ import torch.distributed as dist
 from typing import Any
 
 from .allreduce import allreduce_average
-from .base import LossyState
+from .base import LossyState, profiled
 
 _UNRESOLVED = object()
 
@@ -169,14 +169,16 @@ class Pipelined:
         advancing, self._advancing = self._advancing, None
         finishing, self._finishing = self._finishing, []
         try:
-            started[3] = self.start_phase1(started[0], started[1], started[2])
+            with profiled("ddpx::encode"):
+                started[3] = self.start_phase1(started[0], started[1], started[2])
         except BaseException as exc:
             for job in ([advancing] if advancing else []) + finishing:
                 self._fail(job, exc)
             raise
         for job in ([advancing] if advancing else []) + ([started] if last else []):
             try:
-                job[3] = self.start_phase2(job[0], job[1], job[2], job[3])
+                with profiled("ddpx::collective"):
+                    job[3] = self.start_phase2(job[0], job[1], job[2], job[3])
             except BaseException as exc:
                 self._fail(job, exc)
             else:
@@ -187,7 +189,8 @@ class Pipelined:
         while len(finishing) > keep:
             job = finishing.pop(0)
             try:
-                self.finish(job[0], job[1], job[2], job[3])
+                with profiled("ddpx::decode"):
+                    self.finish(job[0], job[1], job[2], job[3])
             except BaseException as exc:
                 self._fail(job, exc)
             else:

@@ -16,13 +16,19 @@
   micro-batch losses come from a loss window of the trainer
   (``trainer.open_loss_window``): device tensors, summed and read (one
   ``.item()``) only on logged steps.
-* ``tensorboard: true`` (the extra ``ddpx[tensorboard]``): rank 0 also writes
-  ``<run_dir>/tensorboard`` through ``torch.utils.tensorboard``: at each step
-  line ``train/loss``, ``train/lr``, ``train/samples_per_s``, ``train/amp_scale``
-  (fp16), ``comm/compression`` and ``comm/wire_bytes_per_step`` (the comm
-  hook's counters, this rank's sent bytes per optimizer step); at each epoch end
-  ``epoch/<metric>`` for every number in the epoch's metrics (``loss``,
-  ``eval_loss``, ``accuracy``, ...). The x axis is the optimizer step.
+* Every step line also carries ``grad_norm`` (the total gradient norm of that
+  step: ``trainer.watch_grad_norm``), ``amp_scale`` (fp16), and the comm hook's
+  ``comm_wire_bytes_per_step`` (this rank's sent bytes per optimizer step since
+  the previous line) and ``comm_compression``.
+* The same records go to every backend (:class:`Backend`: log the resolved
+  config once, log metrics at a step, log a file, close), all on rank 0:
+  ``metrics.jsonl`` always; ``tensorboard: true`` (``ddpx[tensorboard]``):
+  ``<run_dir>/tensorboard``; ``wandb.project`` set (``ddpx[wandb]``): a Weights
+  & Biases run; ``mlflow.experiment`` set (``ddpx[mlflow]``): an MLflow run.
+  Scalar names there: ``train/<key>`` for step lines (``comm/<key>`` for the
+  comm hook's), ``epoch/<metric>`` for epoch lines; the x axis is the
+  optimizer step. W&B and MLflow runs are resumed (the run id is kept in the
+  run directory), and get ``metrics.jsonl`` and the final checkpoint as files.
 * Nothing runs per step: on rank 0, when there is a bar or step lines, the
   plugin is called (``trainer.call_at_step``) at logged steps and, for the
   bar, about every ``BAR_SECONDS`` (the number of steps adapts to the step
@@ -31,17 +37,22 @@
 Config section ``logging``: ``progress`` (true), ``all_ranks`` (false),
 ``every_steps`` (50, as Lightning's ``log_every_n_steps``; 0 writes only
 per-epoch lines), ``metrics_file`` (``metrics.jsonl``; relative to the run
-directory), ``tensorboard`` (false).
+directory), ``tensorboard`` (false), ``wandb`` (``project``, ``entity``,
+``name``, ``tags``, ``mode``), ``mlflow`` (``tracking_uri``, ``experiment``,
+``run_name``).
 
 Per-run state lives in ``trainer.logging`` (a :class:`MetricsLog`; docs/plugins.md, "Per-run state").
 """
 
+import importlib.util
 import json
 import logging
 import math
 import os
+import pathlib
 import sys
 import time
+import uuid
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
@@ -94,17 +105,218 @@ def configure_logger(rank, all_ranks, level=logging.INFO):
     return logger
 
 
-class MetricsLog:
-    """What one run of the logging plugin holds. Rank 0 shows the bar and writes
-    the file; other ranks do nothing per step."""
+# --- backends: where rank 0's records go ---------------------------------------------------
 
-    def __init__(self, path, every_steps, progress, samples_per_batch):
+
+def scalar_names(kind, values):
+    """The numbers of a record under the names the scalar backends share:
+    ``train/<key>`` (``comm/<key>`` for ``comm_<key>``) on step lines, ``epoch/<key>`` on epoch lines."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or key in ("step", "epoch", "time"):
+            continue
+        if kind == "epoch":
+            out[f"epoch/{key}"] = value
+        elif key.startswith("comm_"):
+            out[f"comm/{key[len('comm_'):]}"] = value
+        else:
+            out[f"train/{key}"] = value
+    return out
+
+
+class Backend:
+    """One place rank 0's metrics go. ``log_metrics`` gets every record: ``kind`` is
+    ``"step"`` (a step line) or ``"epoch"``, ``step`` the optimizer step, ``values``
+    the record (numbers, and for epochs whatever the metrics hold)."""
+
+    def log_config(self, config: dict) -> None:
+        """The resolved config, once, at the start."""
+
+    def log_metrics(self, kind: str, step: int, values: dict) -> None:
+        raise NotImplementedError
+
+    def log_file(self, path: str) -> None:
+        """A file of the run (``metrics.jsonl``, the final checkpoint), at the end."""
+
+    def close(self, failed: bool = False) -> None:
+        """The run ended (``failed``: by an exception)."""
+
+
+class JsonlBackend(Backend):
+    """``metrics.jsonl``: one JSON object per record, appended (a resumed run continues it)."""
+
+    def __init__(self, path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
+        self.file = open(path, "a")
+        self.flushed = 0.0  # perf_counter of the last flush
+
+    def log_metrics(self, kind, step, values):
+        self.file.write(json.dumps({"kind": kind, "step": step, **values}, default=_plain) + "\n")
+        now = time.perf_counter()
+        if kind == "epoch" or now - self.flushed >= FLUSH_EVERY_S:  # step lines: a flush at most once a second
+            self.file.flush()
+            self.flushed = now
+
+    def close(self, failed=False):
+        self.file.close()
+
+
+class TensorBoardBackend(Backend):
+    """``<run_dir>/tensorboard`` through ``torch.utils.tensorboard`` (``logging.tensorboard``)."""
+
+    def __init__(self, run_dir):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def log_config(self, config):
+        import yaml
+
+        self.writer.add_text("config", "```\n" + yaml.safe_dump(config, sort_keys=False) + "```", 0)
+
+    def log_metrics(self, kind, step, values):
+        for name, value in scalar_names(kind, values).items():
+            self.writer.add_scalar(name, value, step)
+        if kind == "epoch":
+            self.writer.flush()
+
+    def close(self, failed=False):
+        self.writer.close()
+
+
+class WandbBackend(Backend):
+    """A Weights & Biases run (``logging.wandb``). Its id is kept in ``<run_dir>/wandb_run_id``:
+    a resumed run (same run directory) continues the same W&B run."""
+
+    ID_FILE = "wandb_run_id"
+
+    def __init__(self, run_dir, cfg, config):
+        import wandb
+
+        id_path = os.path.join(run_dir, self.ID_FILE)
+        run_id = _read_id(id_path) or uuid.uuid4().hex[:8]  # W&B's own ids: 8 lowercase letters and digits
+        _write_id(id_path, run_id)
+        self.run = wandb.init(project=cfg["project"], entity=cfg["entity"], name=cfg["name"],
+                              tags=list(cfg["tags"]) or None, mode=cfg["mode"], dir=run_dir, id=run_id,
+                              resume="allow", config=config, reinit="create_new")
+
+    def log_metrics(self, kind, step, values):
+        self.run.log(scalar_names(kind, values), step=step)
+
+    def log_file(self, path):
+        self.run.save(path, base_path=os.path.dirname(path), policy="now")
+
+    def close(self, failed=False):
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class MlflowBackend(Backend):
+    """An MLflow run (``logging.mlflow``) through ``MlflowClient``: the config as params,
+    metrics per step, files as artifacts. The tracking URI defaults to a local store in
+    ``<run_dir>/mlruns``; the run id is kept in ``<run_dir>/mlflow_run_id``, so a resumed
+    run continues the same MLflow run."""
+
+    ID_FILE = "mlflow_run_id"
+    BATCH = 100  # params per log_batch call (MLflow's limit)
+
+    def __init__(self, run_dir, cfg, log):
+        from mlflow.tracking import MlflowClient
+
+        uri = cfg["tracking_uri"] or local_mlflow_uri(run_dir)
+        # The local store keeps its artifacts beside it (MLflow's default is ./mlruns in the current directory).
+        artifacts = None if cfg["tracking_uri"] else pathlib.Path(run_dir, "mlruns", "artifacts").absolute().as_uri()
+        self.client = MlflowClient(tracking_uri=uri)
+        self.log = log
+        experiment = self.client.get_experiment_by_name(cfg["experiment"])
+        experiment_id = experiment.experiment_id if experiment else \
+            self.client.create_experiment(cfg["experiment"], artifact_location=artifacts)
+        id_path = os.path.join(run_dir, self.ID_FILE)
+        self.run_id = _read_id(id_path)
+        if self.run_id is not None:
+            try:
+                self.client.update_run(self.run_id, status="RUNNING")
+            except Exception as exc:  # e.g. another tracking URI now
+                log.warning(f"logging.mlflow: cannot continue run {self.run_id} of {id_path} ({exc}); starting a new run")
+                self.run_id = None
+        if self.run_id is None:
+            name = cfg["run_name"] or os.path.basename(os.path.normpath(run_dir))
+            self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+            _write_id(id_path, self.run_id)
+
+    def log_config(self, config):
+        from mlflow.entities import Param
+
+        logged = self.client.get_run(self.run_id).data.params  # a resumed run has them already
+        params = [Param(k, v) for k, v in _flat(config).items() if k not in logged]
+        changed = [k for k, v in _flat(config).items() if k in logged and logged[k] != v]
+        if changed:
+            self.log.warning(f"logging.mlflow: the resumed run keeps its first values of {', '.join(changed)} "
+                             "(MLflow params cannot change)")
+        for i in range(0, len(params), self.BATCH):
+            self.client.log_batch(self.run_id, params=params[i:i + self.BATCH])
+
+    def log_metrics(self, kind, step, values):
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(name, float(value), now, step) for name, value in scalar_names(kind, values).items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def log_file(self, path):
+        self.client.log_artifact(self.run_id, path)
+
+    def close(self, failed=False):
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def local_mlflow_uri(run_dir):
+    """The default MLflow store: a SQLite database (its artifacts beside it) in ``<run_dir>/mlruns``."""
+    directory = os.path.join(run_dir, "mlruns")
+    os.makedirs(directory, exist_ok=True)
+    return "sqlite:///" + os.path.abspath(os.path.join(directory, "mlflow.db"))
+
+
+def _read_id(path):
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _write_id(path, run_id):
+    with open(path, "w") as f:
+        f.write(run_id + "\n")
+
+
+def _flat(config, prefix=""):
+    """``{"trainer.batch_size": "32", ...}``: the config as MLflow params (strings)."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)[:MAX_PARAM_CHARS]
+    return out
+
+
+MAX_PARAM_CHARS = 6000  # MLflow's limit on a param's value
+
+
+# --- the run's state ------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """What one run of the logging plugin holds. Rank 0 shows the bar and feeds the
+    backends; other ranks do nothing per step."""
+
+    def __init__(self, every_steps, progress, samples_per_batch):
         self.every_steps = every_steps
         self.progress = progress
         self.samples_per_batch = samples_per_batch
-        self.file = None
-        self.tensorboard = None  # rank 0's SummaryWriter with logging.tensorboard
+        self.backends: list = []  # rank 0's Backend objects, metrics.jsonl first
         self.comm_counted = (0, 0)  # (wire bytes, steps) of the comm hook at the last step line
         self.bar = None
         self.window = None  # the trainer's LossWindow since the last step line (rank 0)
@@ -114,18 +326,12 @@ class MetricsLog:
         self.epoch_base = 0  # micro-batches of the window from before this epoch: not in the throughput
         self.bar_steps = 1  # optimizer steps between bar updates, adapted to the step time
         self.last_call = (0, 0.0)  # (global_step, perf_counter) of the last scheduled call
-        self.flushed = 0.0  # perf_counter of the last flush of the metrics file
         self.mark = time.perf_counter()  # start of the throughput's time span
         self.start = self.mark
 
-    def write(self, record, flush=True):
-        if self.file is None:
-            return
-        self.file.write(json.dumps(record, default=_plain) + "\n")
-        now = time.perf_counter()
-        if flush or now - self.flushed >= FLUSH_EVERY_S:
-            self.file.flush()
-            self.flushed = now
+    def log_metrics(self, kind, step, values):
+        for backend in self.backends:
+            backend.log_metrics(kind, step, values)
 
     def start_bar(self, epoch, batches_left):
         """One bar for the whole run, as the Hugging Face Trainer shows (a tqdm per
@@ -160,6 +366,7 @@ class MetricsLog:
         if self.every_steps:
             line = (step // self.every_steps + 1) * self.every_steps
             due = line if due is None else min(due, line)
+            trainer.watch_grad_norm(line)  # that step's gradient norm, computed then (every step with grad_clip)
         if due is not None:
             trainer.call_at_step(due, self.at_step)
 
@@ -183,55 +390,62 @@ class MetricsLog:
         samples_per_s = batches * self.samples_per_batch / max(now - self.mark, 1e-9)
         self.mark = now
         record = {
-            "kind": "step",
-            "step": trainer.global_step,
             "epoch": trainer.epoch,
             "loss": mean_loss,
             "lr": trainer.optimizer.param_groups[0]["lr"],
             "samples_per_s": samples_per_s,
             "time": now - self.start,
         }
-        self.write(record, flush=False)  # flushed at most once a second, and with every epoch line
-        if self.tensorboard is not None:
-            self.add_scalars("train", record, trainer.global_step)
-            self.add_training_state(trainer)
+        if trainer.grad_norm_step == trainer.global_step:
+            record["grad_norm"] = trainer.grad_norm.item()
+        record.update(self.training_state(trainer))
+        self.log_metrics("step", trainer.global_step, record)
         if self.bar is not None:
             self.postfix["samples_s"] = f"{samples_per_s:.0f}"
             self.bar.set_postfix(self.postfix, refresh=False)
 
-    def add_scalars(self, prefix, values, step):
-        for key, value in values.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "epoch", "time"):
-                self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
-
-    def add_training_state(self, trainer):
-        """The AMP scale and the comm hook's compression, read at step lines only."""
-        step = trainer.global_step
+    def training_state(self, trainer):
+        """The AMP scale and the comm hook's traffic since the last step line."""
+        state = {}
         amp = getattr(trainer, "amp", None)
         if amp is not None and amp.scaler is not None:
-            self.tensorboard.add_scalar("train/amp_scale", amp.scaler.get_scale(), step)
+            state["amp_scale"] = amp.scaler.get_scale()
         hook = getattr(trainer, "comm_hook", None)
         if hook is not None and hasattr(hook, "stats"):
             stats = hook.stats()
             wire, steps = self.comm_counted
             if stats["steps"] > steps:
-                self.tensorboard.add_scalar("comm/wire_bytes_per_step", (stats["wire_bytes"] - wire) /
-                                            (stats["steps"] - steps), step)
+                state["comm_wire_bytes_per_step"] = (stats["wire_bytes"] - wire) / (stats["steps"] - steps)
             if stats["compression"] is not None:
-                self.tensorboard.add_scalar("comm/compression", stats["compression"], step)
+                state["comm_compression"] = stats["compression"]
             self.comm_counted = (stats["wire_bytes"], stats["steps"])
+        return state
 
-    def close(self):
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+    def close(self, trainer=None, failed=False):
+        """Close the bar and every backend; ``trainer`` (a normal end): hand them the
+        run's files first (``metrics.jsonl``, the final checkpoint, the EMA weights)."""
         if self.bar is not None:
             self.advance_bar()
             self.bar.close()
             self.bar = None
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        backends, self.backends = self.backends, []
+        if backends:
+            backends[0].file.flush()  # metrics.jsonl, complete before it is copied
+        files = _run_files(trainer, backends[0].path) if trainer is not None and backends else []
+        for backend in backends:
+            try:
+                for path in files:
+                    backend.log_file(path)
+            finally:
+                backend.close(failed=failed)
+
+
+def _run_files(trainer, metrics_path):
+    files = [metrics_path, trainer.last_finite_checkpoint]
+    ema = getattr(trainer, "ema", None)
+    if ema is not None:
+        files.append(ema.export_path)
+    return [path for path in files if path and os.path.isfile(path)]
 
 
 def _plain(value):
@@ -241,10 +455,27 @@ def _plain(value):
     return str(value)
 
 
+# --- hooks -----------------------------------------------------------------------------------
+
+EXTRAS = {  # config key -> (import name, extra)
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+}
+
+
 @hookimpl
 def ddpx_config_defaults():
     return {"logging": {"progress": True, "all_ranks": False, "every_steps": 50, "metrics_file": "metrics.jsonl",
-                        "tensorboard": False}}
+                        "tensorboard": False,
+                        "wandb": {"project": None, "entity": None, "name": None, "tags": [], "mode": None},
+                        "mlflow": {"tracking_uri": None, "experiment": None, "run_name": None}}}
+
+
+def wanted_backends(cfg):
+    """The optional backends a ``logging`` section turns on."""
+    return [name for name, on in (("tensorboard", cfg["tensorboard"]), ("wandb", cfg["wandb"]["project"]),
+                                  ("mlflow", cfg["mlflow"]["experiment"])) if on]
 
 
 @hookimpl
@@ -254,21 +485,61 @@ def ddpx_configure(config):
         raise DdpxError(f"logging.every_steps must be 0 (epoch lines only) or more (got {cfg['every_steps']})")
     if not cfg["metrics_file"]:
         raise DdpxError("logging.metrics_file must name a file (e.g. metrics.jsonl)")
-    if cfg["tensorboard"]:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError:
-            raise DdpxError("logging.tensorboard needs the tensorboard package: pip install 'ddpx[tensorboard]' "
-                            "(or set logging.tensorboard=false)") from None
+    mode = cfg["wandb"]["mode"]
+    if mode not in (None, "online", "offline", "disabled"):
+        raise DdpxError(f"logging.wandb.mode must be online, offline, disabled or null (got {mode!r})")
+    if cfg["wandb"]["project"] is not None and not isinstance(cfg["wandb"]["project"], str):
+        raise DdpxError(f"logging.wandb.project must be a project name (got {cfg['wandb']['project']!r})")
+    if cfg["mlflow"]["experiment"] is not None and not isinstance(cfg["mlflow"]["experiment"], str):
+        raise DdpxError(f"logging.mlflow.experiment must be an experiment name (got {cfg['mlflow']['experiment']!r})")
+    for name in wanted_backends(cfg):
+        module, extra = EXTRAS[name]
+        if not _importable("torch.utils.tensorboard" if name == "tensorboard" else module):
+            turn_off = {"tensorboard": "tensorboard=false", "wandb": "wandb.project=null",
+                        "mlflow": "mlflow.experiment=null"}[name]
+            raise DdpxError(f"logging.{name} needs the {module} package: pip install 'ddpx[{extra}]' "
+                            f"(or set logging.{turn_off})")
+
+
+def _importable(module):
+    try:
+        if module == "torch.utils.tensorboard":
+            import torch.utils.tensorboard  # noqa: F401  (itself checks for the tensorboard package)
+
+            return True
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
 
 
 @hookimpl(tryfirst=True)  # before other plugins log from their setup hooks
 def ddpx_setup(trainer):
     cfg = trainer.config.section("logging")
     configure_logger(trainer.rank, cfg["all_ranks"])
-    path = os.path.join(str(trainer.run_dir), cfg["metrics_file"])
     samples_per_batch = trainer.world_size * trainer.config.trainer.batch_size
-    trainer.logging = MetricsLog(path, cfg["every_steps"], cfg["progress"], samples_per_batch)
+    trainer.logging = MetricsLog(cfg["every_steps"], cfg["progress"], samples_per_batch)
+
+
+def open_backends(trainer, cfg):
+    """Rank 0's backends: ``metrics.jsonl``, then the optional ones the config names."""
+    run_dir = str(trainer.run_dir)
+    backends = [JsonlBackend(os.path.join(run_dir, cfg["metrics_file"]))]
+    wanted = wanted_backends(cfg)
+    config = trainer.config.to_dict()
+    try:
+        if "tensorboard" in wanted:
+            backends.append(TensorBoardBackend(run_dir))
+        if "wandb" in wanted:
+            backends.append(WandbBackend(run_dir, cfg["wandb"], config))
+        if "mlflow" in wanted:
+            backends.append(MlflowBackend(run_dir, cfg["mlflow"], trainer.log))
+        for backend in backends:
+            backend.log_config(config)
+    except BaseException:
+        for backend in backends:
+            backend.close(failed=True)
+        raise
+    return backends
 
 
 @hookimpl
@@ -277,12 +548,7 @@ def ddpx_train_start(trainer):
     log.start = log.mark = time.perf_counter()
     if trainer.rank != 0:
         return
-    os.makedirs(os.path.dirname(log.path) or ".", exist_ok=True)
-    log.file = open(log.path, "a")  # a resumed run continues the same file
-    if trainer.config.section("logging")["tensorboard"]:
-        from torch.utils.tensorboard import SummaryWriter
-
-        log.tensorboard = SummaryWriter(os.path.join(str(trainer.run_dir), "tensorboard"))
+    log.backends = open_backends(trainer, trainer.config.section("logging"))
     if log.progress or log.every_steps > 0:
         log.window = trainer.open_loss_window()
         if log.progress:
@@ -313,10 +579,8 @@ def ddpx_epoch_end(trainer, epoch, metrics):
     if trainer.rank != 0:
         return
     log.advance_bar()
-    log.write({"kind": "epoch", "step": trainer.global_step, "epoch": epoch, **metrics})
-    if log.tensorboard is not None:
-        log.add_scalars("epoch", metrics, trainer.global_step)
-        log.tensorboard.flush()
+    log.log_metrics("epoch", trainer.global_step, {"epoch": epoch, **{k: v for k, v in metrics.items()
+                                                                        if k != "step"}})
     shown = "  ".join(f"{k} {_format(v)}" for k, v in metrics.items() if k not in ("epoch", "step"))
     trainer.log.info("epoch %d (step %d): %s", epoch, trainer.global_step, shown)
 
@@ -327,13 +591,15 @@ def _format(value):
     return str(value)
 
 
-@hookimpl
+@hookimpl(wrapper=True)  # around every other plugin's: the final checkpoint is written when it closes
 def ddpx_train_end(trainer):
-    trainer.logging.close()
+    result = yield
+    trainer.logging.close(trainer)
+    return result
 
 
 @hookimpl
 def ddpx_exception(trainer, exc):
     log = getattr(trainer, "logging", None)
     if log is not None:
-        log.close()
+        log.close(failed=True)
