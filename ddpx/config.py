@@ -52,6 +52,7 @@ CORE_DEFAULTS: dict = {
         "eval_metric": None,
         "sync_batchnorm": False,
         "compile": False,
+        "compile_dynamic": "batch",
     },
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
@@ -77,6 +78,7 @@ CORE_TYPES: dict = {
 CHOICES: dict = {
     "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
     "trainer.nonfinite": ("stop", "warn"),
+    "trainer.compile_dynamic": ("batch", "auto", "static", "all"),
 }
 # Sections built from an import path; their ``args`` are free-form keyword
 # arguments, replaced as a whole, and reset to {} when only the target is given
