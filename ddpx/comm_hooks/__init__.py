@@ -137,8 +137,8 @@ def register(ddp_model, name: str, native: bool = True, **options) -> HookState:
 
         try:
             worker_group = state.worker_group if state.multi_phase else None
-            _C.register_native_comm_hook(ddp_model.reducer, state.process_group, worker_group, state,
-                                         state.native_kind)
+            state._native_close = _C.register_native_comm_hook(ddp_model.reducer, state.process_group,
+                                                               worker_group, state, state.native_kind)
         except (TypeError, RuntimeError) as exc:
             reason = f"the reducer did not accept the native hook ({exc})"
         else:
