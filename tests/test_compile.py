@@ -93,7 +93,7 @@ def counting_backend():
     yield GRAPHS
 
 
-@pytest.mark.parametrize("hook", ["allreduce", "int8"])
+@pytest.mark.parametrize("hook", ["allreduce", pytest.param("int8", marks=pytest.mark.slow)])
 def test_short_last_batch_compiles_no_second_graph(tmp_path, counting_backend, hook):
     """The default trainer.compile_dynamic=batch: every graph is compiled in the first
     step, with a symbolic batch size; three epochs, each ending with a short batch, add none."""
@@ -106,6 +106,7 @@ def test_short_last_batch_compiles_no_second_graph(tmp_path, counting_backend, h
     assert len(counting_backend) == len(first_step)  # no recompile: not at the short batch, not in a later epoch
 
 
+@pytest.mark.slow  # four epochs twice: torch's own behaviour, documented
 @pytest.mark.parametrize("dynamic", ["auto", "static"])
 def test_other_dynamic_choices_recompile_once_for_the_short_batch(tmp_path, counting_backend, dynamic):
     """torch's own choices: the short batch compiles once more in the first epoch, never in later ones."""
