@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from benchjson import emit
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CHAR_GPT = os.path.join(ROOT, "examples", "char_gpt")
@@ -247,12 +249,7 @@ def main(argv=None) -> int:
                                 "hand_peak_memory_bytes": hand["peak_memory_bytes"]}
     report = {"device": args.device, "torch": torch.__version__, "warmup": args.warmup, "steps": args.steps,
               "runs": runs, "summary": summary, "logdir": logdir}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.json:
-        print(json.dumps(report))
-    else:
+    if not emit(report, args.out, args.json):
         for variant, s in summary.items():
             mem = (f", peak {s['ddpx_peak_memory_bytes'] / 2**20:.0f} / {s['hand_peak_memory_bytes'] / 2**20:.0f} MiB"
                    if s["ddpx_peak_memory_bytes"] is not None else "")

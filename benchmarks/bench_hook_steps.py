@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
 import time
+
+from benchjson import emit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAR_GPT = os.path.join(ROOT, "examples", "char_gpt")
@@ -182,12 +183,7 @@ def main(argv=None) -> int:
                for hook in args.hooks.split(",") for path in args.paths.split(",")]
     report = {"ddpx": os.path.dirname(ddpx.__file__), "torch": torch.__version__, "device": args.device,
               "threads": args.threads, "rounds": args.rounds, "steps": args.steps, "results": results}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.json:
-        print(json.dumps(report))
-    else:
+    if not emit(report, args.out, args.json):
         print(f"ddpx from {report['ddpx']}, torch {torch.__version__}, {args.device}, {args.threads} thread(s)")
         for r in results:
             c = r["aten_calls_per_step"]

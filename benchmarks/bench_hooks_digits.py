@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from benchjson import emit
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MAX_ACCURACY_DROP = 0.015
@@ -154,12 +156,7 @@ def main(argv=None) -> int:
     report = {"device": args.device, "torch": torch.__version__, "epochs": args.epochs, "results": results,
               "verdicts": verdicts(results)}
     report["ok"] = all(v["ok"] for v in report["verdicts"].values())
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.json:
-        print(json.dumps(report))
-    else:
+    if not emit(report, args.out, args.json):
         for hook, r in results.items():
             v = report["verdicts"][hook]
             detail = r.get("error") or (f"accuracy {r['accuracy']:.4f}, replicas differ by {r['replica_max_abs_diff']:.3g}, "

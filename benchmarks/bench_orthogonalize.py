@@ -16,9 +16,10 @@ Usage: python benchmarks/bench_orthogonalize.py [--device cpu|cuda] [--repeat 50
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+
+from benchjson import emit
 
 SHAPES = [(4, 384, 4), (4, 512, 4), (8, 128, 4), (1, 64, 4), (12, 1024, 4), (12, 1024, 1), (12, 1024, 2)]
 
@@ -85,12 +86,7 @@ def main(argv=None) -> int:
             row[f"{name}_us"] = (time.perf_counter() - start) / args.repeat * 1e6
         rows.append(row)
     report = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.json:
-        print(json.dumps(report))
-    else:
+    if not emit(report, args.out, args.json):
         for row in rows:
             print(row["shape"], ", ".join(f"{m} {row[m + '_us']:.0f} us" for m in METHODS))
     return 0
