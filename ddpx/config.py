@@ -53,6 +53,7 @@ CORE_DEFAULTS: dict = {
         "sync_batchnorm": False,
         "compile": False,
         "seed_per_sample": False,
+        "compile_dynamic": "batch",
     },
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
@@ -79,6 +80,7 @@ CORE_TYPES: dict = {
 CHOICES: dict = {
     "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
     "trainer.nonfinite": ("stop", "warn"),
+    "trainer.compile_dynamic": ("batch", "auto", "static", "all"),
 }
 # Sections built from an import path; their ``args`` are free-form keyword
 # arguments: given with a target they replace the default's as a whole, and are

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.utils.data import DataLoader
 
 from . import distributed, hookspecs
@@ -73,12 +74,19 @@ def _restore_logger(log: logging.Logger, settings: tuple) -> None:
     log.propagate = propagate
 
 
-def compile_model(model: torch.nn.Module, backend, device: torch.device) -> torch.nn.Module:
+# trainer.compile_dynamic -> torch.compile's `dynamic`; "batch" marks dim 0 of the inputs itself
+COMPILE_DYNAMIC = {"batch": None, "auto": None, "static": False, "all": True}
+
+
+def compile_model(model: torch.nn.Module, backend, device: torch.device, dynamic: str = "batch") -> torch.nn.Module:
     """``trainer.compile``: ``torch.compile`` of the DDP-wrapped model, torch's DDP-aware
     path (graphs split at bucket boundaries so communication overlaps the backward);
     the comm hook registered on the DDP model stays in charge of communication.
-    ``backend``: true for inductor, or a torch.compile backend name. Where it cannot
-    work, a one-line error before training."""
+    ``backend``: true for inductor, or a torch.compile backend name. ``dynamic``
+    (``trainer.compile_dynamic``): ``batch`` compiles the batch dimension (dim 0 of every
+    input tensor) as dynamic from the first call, so the epoch's short last batch runs
+    the same graph; ``auto``, ``static``, ``all`` are torch.compile's ``dynamic=None``,
+    ``False``, ``True``. Where it cannot work, a one-line error before training."""
     backend = "inductor" if backend is True else backend
     import torch._dynamo
 
@@ -88,6 +96,8 @@ def compile_model(model: torch.nn.Module, backend, device: torch.device) -> torc
     if backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise DdpxError(f"trainer.compile: unknown backend {backend!r}; use true (inductor) or one of "
                         f"{', '.join(torch._dynamo.list_backends())}")
+    if dynamic not in COMPILE_DYNAMIC:
+        raise DdpxError(f"trainer.compile_dynamic must be one of {', '.join(COMPILE_DYNAMIC)}, got {dynamic!r}")
     if backend == "inductor" and device.type == "cpu":
         import shutil
 
@@ -100,7 +110,19 @@ def compile_model(model: torch.nn.Module, backend, device: torch.device) -> torc
 
         if not has_triton():
             raise DdpxError("trainer.compile: inductor on CUDA needs triton (pip install triton); or set trainer.compile=false")
-    return torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend=backend, dynamic=COMPILE_DYNAMIC[dynamic])
+    if dynamic == "batch":
+        # before each call, outside the compiled code (the wrapper's own hook)
+        compiled.register_forward_pre_hook(_mark_batch_dynamic, with_kwargs=True)
+    return compiled
+
+
+def _mark_batch_dynamic(module, args, kwargs):
+    """Dim 0 of every input tensor is the batch: compile it as a symbol, not a constant
+    (``maybe``: a model that needs it fixed still compiles, with a recompile per size)."""
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def default_log_handler(log: logging.Logger, rank: int) -> None:
@@ -359,7 +381,7 @@ class Trainer:
         self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
         self.hook.ddpx_model_wrapped(trainer=self, model=self.model)  # comm hooks go on the DDP model
         if cfg.compile:
-            self.model = compile_model(self.model, cfg.compile, self.device)
+            self.model = compile_model(self.model, cfg.compile, self.device, cfg.compile_dynamic)
         self.optimizer = instantiate(self.config.optimizer, "optimizer", self.module.parameters())
         if self.config.scheduler.target:
             self.scheduler = instantiate(self.config.scheduler, "scheduler", self.optimizer)

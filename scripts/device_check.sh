@@ -1,35 +1,121 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one prepared run (device time is short, so nothing
-# here is interactive): build the CUDA extension against the machine's own torch,
-# run the CUDA tests (kernels against the CPU, every comm hook over NCCL), then the
-# kernel benchmark on the GPU and on the CPU. Logs and
-# JSON go to $OUT (the device tool's output folder; ./device-out elsewhere).
-#   bash scripts/device_check.sh
+# here is interactive), under 8 minutes, ending with ONE JSON line (also written to
+# $OUT/device_check.json): every step's status, time and figures.
+#
+#   bash scripts/device_check.sh          # on the GPU machine (the device tool: $OUT is its folder)
+#   OUT=/tmp/dc bash scripts/device_check.sh   # anywhere else: a dry run, GPU steps skip with a reason
+#
+# Steps, most wanted first (a step that would not fit in what is left of the budget
+# is skipped, and says so): build the CUDA extension in place against the machine's
+# torch; the CUDA tests (kernels, every hook over NCCL, compile); the char GPT's
+# steps/s and peak memory for no hook, int8, powersgd and compile, each against a
+# hand-written DDP loop (benchmarks/bench_char_gpt.py, TORCH_LOGS=recompiles for the
+# compile runs); every hook across 2 ranks over gloo with CUDA tensors
+# (benchmarks/bench_hooks_digits.py); the fast lane; PowerSGD's orthogonalization
+# three ways; the kernel benchmarks. Without a GPU the benchmark scripts still run, on
+# the CPU and short, so a broken script shows before the device time is spent.
 # Each step runs even if an earlier one failed; the exit status is the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-460}  # the whole run, in seconds: under 8 minutes
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # built in place, not installed: tests' worker processes import ./ddpx
+START=$(date +%s)
+STEPS="$OUT/steps.jsonl"
+: >"$STEPS"
 status=0
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember the first failure
+GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+NO_GPU="no CUDA device (torch.cuda.is_available() is false): a dry run"
+
+record() {  # record NAME STATUS RC SECONDS REASON
+    "$PY" -c 'import json, sys; n, s, rc, t, why = sys.argv[1:]; print(json.dumps({"step": n, "status": s, "rc": int(rc), "seconds": float(t), "reason": why}))' "$@" >>"$STEPS"
+}
+
+# step NAME [gpu] ESTIMATE_S CAP_S COMMAND...: run with a timeout of min(CAP_S, what is left),
+# log to $OUT/NAME.log; skipped when `gpu` and there is none, or when ESTIMATE_S no longer fits.
+step() {
     local name=$1; shift
-    echo "== $name: $*"
-    "$@" >"$OUT/$name.log" 2>&1
+    local needs_gpu=0
+    if [ "$1" = gpu ]; then needs_gpu=1; shift; fi
+    local estimate=$1 cap=$2; shift 2
+    local left=$((BUDGET_S - ($(date +%s) - START)))
+    if [ $needs_gpu -eq 1 ] && [ "$GPU" != 1 ]; then
+        echo "== $name: skipped ($NO_GPU)"; record "$name" skipped 0 0 "$NO_GPU"; return 0
+    fi
+    if [ "$left" -lt "$estimate" ]; then
+        local why="time budget: ${left} s left of ${BUDGET_S}, the step needs about ${estimate}"
+        echo "== $name: skipped ($why)"; record "$name" skipped 0 0 "$why"; return 0
+    fi
+    local limit=$(( cap < left ? cap : left ))
+    echo "== $name: $* (limit ${limit} s)"
+    local t0; t0=$(date +%s.%N)
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
-    tail -n 25 "$OUT/$name.log"
-    echo "== $name: exit $rc"
+    local took; took=$("$PY" -c "import sys; print(round($(date +%s.%N) - $t0, 1))")
+    tail -n 15 "$OUT/$name.log"
+    echo "== $name: exit $rc after ${took} s"
+    local why=""
+    [ $rc -eq 124 ] && why="timed out after ${limit} s"
+    record "$name" "$([ $rc -eq 0 ] && echo ok || echo failed)" "$rc" "$took" "$why"
     [ $rc -ne 0 ] && [ $status -eq 0 ] && status=$rc
     return 0
 }
 
-step env bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'"
+step env 20 30 bash -c "nvidia-smi || true; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), \"tf32 matmul\", torch.backends.cuda.matmul.allow_tf32, \"cudnn\", torch.backends.cudnn.allow_tf32)'"
 # The machine's torch is not this project's pin: build against it, in place, no install.
-step build env DDPX_CUDA=1 MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace
-step tests_cuda "$PY" -m pytest -q -rs -m cuda tests/test_kernels.py tests/test_hooks_cuda.py
-step tests_kernels "$PY" -m pytest -q tests/test_kernels.py
-step bench_kernels_cuda "$PY" benchmarks/bench_kernels.py --device cuda --json --out "$OUT/bench_kernels_cuda.json"
-step bench_kernels_cpu "$PY" benchmarks/bench_kernels.py --device cpu --json --out "$OUT/bench_kernels_cpu.json"
+step build gpu 90 150 env DDPX_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace
+step tests_cuda gpu 60 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_kernels.py tests/test_hooks_cuda.py \
+    tests/test_compile.py tests/test_hook_threads.py
+if [ "$GPU" = 1 ]; then
+    step char_gpt 200 260 "$PY" benchmarks/bench_char_gpt.py --device cuda --warmup 100 --steps 400 --timeout 120 \
+        --variants none,int8,powersgd,compile,compile_int8 --logdir "$OUT" --out "$OUT/bench_char_gpt.json"
+    step hooks_2ranks 45 120 "$PY" benchmarks/bench_hooks_digits.py --device cuda --out "$OUT/bench_hooks_digits.json"
+else  # the scripts themselves, on the CPU, short
+    step char_gpt 60 150 "$PY" benchmarks/bench_char_gpt.py --device cpu --warmup 2 --steps 4 --timeout 100 \
+        --variants none,powersgd --logdir "$OUT" --out "$OUT/bench_char_gpt.json"
+    step hooks_2ranks 30 150 "$PY" benchmarks/bench_hooks_digits.py --device cpu --epochs 3 --out "$OUT/bench_hooks_digits.json"
+fi
+step fast_lane 60 200 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests
+step orthogonalize gpu 15 60 "$PY" benchmarks/bench_orthogonalize.py --device cuda --out "$OUT/bench_orthogonalize.json"
+step bench_kernels_cuda gpu 30 90 "$PY" benchmarks/bench_kernels.py --device cuda --json --out "$OUT/bench_kernels_cuda.json"
+step bench_kernels_cpu 30 60 "$PY" benchmarks/bench_kernels.py --device cpu --json --out "$OUT/bench_kernels_cpu.json"
+
+# The one JSON: steps, the test counts, the benchmarks' figures, the recompiles of the compile runs.
+"$PY" - "$OUT" "$STEPS" "$GPU" "$(( $(date +%s) - START ))" "$status" <<'EOF' | tee "$OUT/device_check.json"
+import glob, json, os, re, sys
+out, steps_file, gpu, seconds, status = sys.argv[1:]
+steps = [json.loads(line) for line in open(steps_file)]
+for s in steps:  # pytest's summary line: "3 failed, 40 passed, 2 skipped in 12.3s"
+    log = os.path.join(out, s["step"] + ".log")
+    if s["step"].startswith(("tests", "fast_lane")) and os.path.exists(log):
+        lines = [l for l in open(log, errors="replace") if re.search(r"\d+ (passed|failed|error)", l)]
+        if lines:
+            s["summary"] = lines[-1].strip().strip("=").strip()
+def load(name):
+    path = os.path.join(out, name)
+    try:
+        return json.load(open(path))
+    except (OSError, ValueError):
+        return None
+char_gpt = load("bench_char_gpt.json")
+hooks = load("bench_hooks_digits.json")
+recompiles = {}
+for log in sorted(glob.glob(os.path.join(out, "char_gpt_compile*.log"))):
+    lines = [l.rstrip() for l in open(log, errors="replace") if "Recompiling" in l or "triggered by" in l]
+    recompiles[os.path.basename(log)] = lines[:20]
+report = {
+    "device_check": "gpu" if gpu == "1" else "dry-run (no GPU: GPU steps skipped, benchmark scripts run short on the CPU)",
+    "seconds": int(seconds), "exit": int(status), "steps": steps,
+    "char_gpt": char_gpt and {"summary": char_gpt.get("summary"), "runs": char_gpt.get("runs")},
+    "hooks_2ranks": hooks and {"ok": hooks.get("ok"), "verdicts": hooks.get("verdicts"), "results": hooks.get("results")},
+    "recompiles": recompiles,
+    "orthogonalize": load("bench_orthogonalize.json"),
+    "bench_kernels_cuda": "written" if load("bench_kernels_cuda.json") is not None else None,
+}
+print(json.dumps(report))
+EOF
 exit $status

@@ -21,10 +21,14 @@ void bind(pybind11::module_& m) {
         c10::intrusive_ptr<c10d::ProcessGroup> worker_pg;
         if (worker_group) worker_pg = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(worker_group);
         auto core = std::make_shared<HookCore>(std::move(pg), std::move(worker_pg), std::move(state), kind);
+        std::weak_ptr<HookCore> weak = core;  // the reducer owns the hook; close() must not keep it
         reducer.register_comm_hook(std::make_unique<NativeHook>(std::move(core)));
+        return py::cpp_function([weak] {
+          if (auto hook = weak.lock()) hook->close();
+        });
       },
       py::arg("reducer"), py::arg("process_group"), py::arg("worker_group"), py::arg("state"), py::arg("kind"),
       "Register the native ddpx comm hook `kind` on a DDP reducer; `state` is the Python ddpx.comm_hooks state that "
-      "owns options, counters and buffers.");
+      "owns options, counters and buffers. Returns a function that ends the hook's worker thread (HookState.close).");
 }
 }  // namespace ddpx::comm_hooks

@@ -6,6 +6,10 @@
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <pthread.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+#include <chrono>
 
 namespace py = pybind11;
 
@@ -31,35 +35,78 @@ std::vector<std::string> algorithm_kinds() {
 }
 
 // ------------------------------------------------------------ SerialWorker
-SerialWorker::~SerialWorker() {
+namespace {
+// How often an idle worker checks that its process group still exists.
+constexpr auto kIdleCheck = std::chrono::seconds(1);
+}  // namespace
+
+SerialWorker::SerialWorker(std::string name, std::function<bool()> alive)
+    : name_(std::move(name)), alive_(std::move(alive)) {}
+
+SerialWorker::~SerialWorker() { stop(); }
+
+void SerialWorker::stop() {
+  std::thread thread;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    thread = std::move(thread_);
   }
   cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  if (!thread.joinable()) return;
+  if (thread.get_id() == std::this_thread::get_id()) {
+    thread.detach();  // the last job released the hook: the thread ends after it
+    return;
+  }
+  // A job may wait for the GIL (a new bucket layout): never join holding it.
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    thread.join();
+  } else {
+    thread.join();
+  }
 }
 
 void SerialWorker::submit(std::function<void()> job) {
+  std::thread finished;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    TORCH_CHECK(!stop_, name_, ": this comm hook was closed; register a new one with ddpx.comm_hooks.register()");
+    if (!running_) {
+      finished = std::move(thread_);  // one that ended idle: already out of loop()
+      running_ = true;
+      thread_ = std::thread([this] { loop(); });
+    }
     jobs_.push_back(std::move(job));
   }
   cv_.notify_one();
+  if (finished.joinable()) finished.join();
 }
 
 void SerialWorker::loop() {
+  pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());  // Linux: at most 15 characters
+  std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    std::function<void()> job;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stopping and drained
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
+    if (!cv_.wait_for(lock, kIdleCheck, [this] { return stop_ || !jobs_.empty(); })) {
+      lock.unlock();
+      const bool alive = !alive_ || alive_();
+      lock.lock();
+      if (!alive && jobs_.empty() && !stop_) {
+        running_ = false;  // the next submit starts a new thread
+        return;
+      }
+      continue;
     }
+    if (jobs_.empty()) {  // stopping and drained
+      running_ = false;
+      return;
+    }
+    std::function<void()> job = std::move(jobs_.front());
+    jobs_.pop_front();
+    lock.unlock();
     job();
+    job = nullptr;  // release what it holds before waiting again
+    lock.lock();
   }
 }
 
@@ -145,9 +192,26 @@ std::shared_ptr<Layout> read_layout(const py::handle& lay) {
 }  // namespace
 
 // ---------------------------------------------------------------- HookCore
+namespace {
+// Whether `pg` is still registered with torch.distributed (destroy_process_group unregisters it).
+std::function<bool()> registered(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  if (!pg) return nullptr;
+  return [raw = pg.get(), name = pg->getGroupName()] {
+    try {
+      return c10d::resolve_process_group(name).get() == raw;
+    } catch (const std::exception&) {
+      return false;
+    }
+  };
+}
+}  // namespace
+
 HookCore::HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
                    py::object state, const std::string& kind)
-    : pg_(std::move(pg)), worker_pg_(std::move(worker_pg)), state_(std::move(state)) {
+    : pg_(std::move(pg)),
+      worker_pg_(std::move(worker_pg)),
+      state_(std::move(state)),
+      worker_("ddpx-" + kind, registered(worker_pg_)) {
   world_ = state_.attr("world_size").cast<int64_t>();
   rank_ = state_.attr("rank").cast<int64_t>();
   counters_ = state_.attr("counters").cast<at::Tensor>();
@@ -158,6 +222,7 @@ HookCore::HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr
 }
 
 HookCore::~HookCore() {
+  worker_.stop();  // first: its jobs use the state
   // The Python state may only be released under the GIL, and not at all once
   // the interpreter is gone.
   if (Py_IsInitialized()) {
@@ -167,6 +232,8 @@ HookCore::~HookCore() {
     state_.release();
   }
 }
+
+void HookCore::close() { worker_.stop(); }
 
 c10d::ProcessGroup& HookCore::worker_group() {
   TORCH_CHECK(worker_pg_, "ddpx native comm hook: this hook was registered without a worker group");
@@ -254,11 +321,15 @@ FuturePtr HookCore::submit_deferred(const at::Tensor& buf, std::function<void(co
     ready->record(impl.getStream(device));
   }
   auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices);
-  worker_.submit([fut, ready, device, work = std::move(work)]() {
+  worker_.submit([this, fut, ready, device, work = std::move(work)]() {
     try {
       if (ready) {
         c10::impl::VirtualGuardImpl impl(device.type());
-        c10::StreamGuard guard(impl.getStreamFromGlobalPool(device));
+        // One stream for every job, as the Python worker: torch keeps a cuBLAS workspace
+        // per (handle, stream), 32 MiB each on sm90, so a pool stream per job (32 of
+        // them in turn) held about 1 GiB for PowerSGD's matmuls.
+        if (!side_stream_ || side_stream_->device() != device) side_stream_ = impl.getStreamFromGlobalPool(device);
+        c10::StreamGuard guard(*side_stream_);
         ready->block(impl.getStream(device));
         work(fut);  // completing a future records readiness on this stream
       } else {

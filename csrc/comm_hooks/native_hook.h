@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -53,6 +54,9 @@ struct Layout {
   // scope=inter_node (ddpx/comm_hooks/scope.py): the stage-2 layout, whose pieces are
   // `pieces`; null otherwise.
   std::shared_ptr<const Layout> inner;
+  // An algorithm's own data for this layout or piece (e.g. views of its buffers), made
+  // on first use by the worker thread and gone with the layout.
+  mutable std::shared_ptr<void> cache;
 
   const at::Tensor& tensor(const std::string& name) const;
   int64_t integer(const std::string& name) const;
@@ -82,18 +86,27 @@ void for_each_span(const Layout& lay, F f) {
 }
 
 // Runs jobs one after another on one thread, in submission order, so every
-// rank issues the multi-phase collectives in DDP's bucket order.
+// rank issues the multi-phase collectives in DDP's bucket order. The thread
+// (named `name`, as ddpx.comm_hooks.base.SerialWorker's) ends on stop() (the
+// hook's close(), its destruction) and when, idle, it finds `alive()` false
+// (the process group destroyed); a later submit starts a new one.
 class SerialWorker {
  public:
+  SerialWorker(std::string name, std::function<bool()> alive);
   ~SerialWorker();
   void submit(std::function<void()> job);
+  // Runs the jobs already queued, ends the thread and waits for it; submit fails after.
+  void stop();
 
  private:
   void loop();
+  std::string name_;
+  std::function<bool()> alive_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> jobs_;
   bool stop_ = false;
+  bool running_ = false;  // the thread is in loop(); false once it decided to end
   std::thread thread_;
 };
 
@@ -165,6 +178,8 @@ class HookCore {
   HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
            pybind11::object state, const std::string& kind);
   ~HookCore();
+  // Ends the worker thread (ddpx.comm_hooks.base.HookState.close()); the hook must not run again.
+  void close();
 
   FuturePtr run(c10d::GradBucket& bucket);
 
@@ -203,7 +218,8 @@ class HookCore {
   std::mutex layouts_mu_;
   std::unordered_map<size_t, std::shared_ptr<const Layout>> layouts_;
   std::unique_ptr<NativeAlgorithm> algorithm_;
-  SerialWorker worker_;  // last member: joined first on destruction
+  std::optional<c10::Stream> side_stream_;  // the worker's stream on accelerators (worker thread only)
+  SerialWorker worker_;  // last member: stopped first on destruction
 };
 
 class NativeHook : public c10d::CppCommHookInterface<std::shared_ptr<HookCore>> {

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -148,6 +149,13 @@ class BucketLayout:
         return [buf.narrow(0, off, n) for off, n, _ in (self.comp_runs if compressed else self.plain_runs)]
 
 
+# How often an idle worker thread checks that its process group still exists
+# (one wake-up per interval while idle, nothing per step).
+IDLE_CHECK_S = 1.0
+# How long close() waits for a job in progress to end.
+CLOSE_TIMEOUT_S = 30.0
+
+
 class SerialWorker:
     """A FIFO worker thread: jobs run one after another, in submission order.
 
@@ -156,13 +164,19 @@ class SerialWorker:
     ``fn(fut)``, which completes the future itself, possibly from a later job
     (software pipelining across buckets). One thread runs every job of a state,
     so collectives are issued in the order DDP hands buckets over -- the same
-    on every rank."""
+    on every rank.
 
-    def __init__(self, name: str):
-        self._name = name
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+    The thread (named ``name``) ends when the worker is closed (``close()``,
+    also when the worker is garbage-collected with its hook state) and when,
+    idle, it finds ``group`` destroyed; a later submit after that starts a new one.
+    """
+
+    def __init__(self, name: str, group=None):
+        self._jobs = _JobQueue(name, group)
+        # the queue, not the worker, runs the thread: so the thread does not keep
+        # the worker (and the hook state owning it) alive
+        self._finalizer = weakref.finalize(self, self._jobs.close)
+        self._finalizer.atexit = False  # at exit the daemon thread just ends: no wait for a stuck job
 
     def submit(self, fn: Callable[[], torch.Tensor], device: torch.device) -> torch.futures.Future:
         return self._put(lambda fut: fut.set_result(fn()), device)
@@ -170,35 +184,93 @@ class SerialWorker:
     def submit_deferred(self, fn: Callable[[torch.futures.Future], None], device: torch.device):
         return self._put(fn, device)
 
+    def close(self) -> None:
+        """Run the jobs already queued, end the thread and wait for it; no job is accepted after."""
+        self._finalizer()
+
     def _put(self, fn, device):
         fut = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
         ready = None
         if device.type == "cuda":  # the bucket was produced on the caller's stream
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
         self._jobs.put((fn, fut, ready, device))
         return fut
 
-    def _loop(self):
-        stream = None
+
+class _JobQueue:
+    """A SerialWorker's jobs and the thread that runs them."""
+
+    def __init__(self, name: str, group):
+        self.name = name
+        self.group = group
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.closed = False
+        # one side stream for every job, also across thread restarts: torch keeps a
+        # cuBLAS workspace per (handle, stream), 32 MiB each on sm90
+        self.stream = None
+
+    def put(self, job) -> None:
+        with self.lock:
+            if self.closed:
+                raise DdpxError(f"{self.name}: this comm hook state was closed; make a new one with "
+                                "ddpx.comm_hooks.make() or ddpx.comm_hooks.register()")
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+                self.thread.start()
+            self.jobs.put(job)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            thread, self.thread = self.thread, None
+            if thread is None:
+                return
+            self.jobs.put(None)  # after the jobs already queued
+        if thread is not threading.current_thread():  # a finalizer may run on the thread itself
+            thread.join(CLOSE_TIMEOUT_S)
+
+    def group_alive(self) -> bool:
+        if not dist.is_initialized():
+            return False
+        try:
+            dist.get_backend(self.group)  # raises once the group is destroyed
+        except (ValueError, RuntimeError):
+            return False
+        return True
+
+    def run(self) -> None:
         while True:
-            fn, fut, ready, device = self._jobs.get()
+            try:
+                job = self.jobs.get(timeout=IDLE_CHECK_S)
+            except queue.Empty:
+                if self.group_alive():
+                    continue
+                with self.lock:
+                    if self.jobs.empty():  # else a job arrived meanwhile: run it
+                        self.thread = None
+                        return
+                continue
+            if job is None:
+                return
+            fn, fut, ready, device = job
+            del job  # a finished job must not keep its hook state alive (see the finally)
             try:
                 if ready is None:
                     fn(fut)
                     continue
-                if stream is None:
-                    stream = torch.cuda.Stream(device)
-                with torch.cuda.device(device), torch.cuda.stream(stream):
-                    stream.wait_event(ready)
+                if self.stream is None:
+                    self.stream = torch.cuda.Stream(device)
+                with torch.cuda.device(device), torch.cuda.stream(self.stream):
+                    self.stream.wait_event(ready)
                     fn(fut)  # completing a future records readiness on this stream
             except BaseException as exc:  # surfaces in loss.backward() on this rank
                 if not fut.done():
                     fut.set_exception(exc)
+            finally:
+                del fn, fut, ready
 
 
 class HookState:
@@ -243,6 +315,7 @@ class HookState:
         self._worker: SerialWorker | None = None
         self._worker_group = None
         self.native = False  # set by ddpx.comm_hooks.register when the C++ hook runs it
+        self._native_close: Callable[[], None] | None = None  # ends the native hook's worker (register sets it)
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------- options
@@ -366,9 +439,18 @@ class HookState:
     def worker(self) -> SerialWorker:
         """The FIFO worker of multi-phase hooks; call from run_bucket (DDP's thread)."""
         if self._worker is None:
-            self.worker_group
-            self._worker = SerialWorker(f"ddpx-{self.name}-hook")
+            self._worker = SerialWorker(f"ddpx-{self.name}-hook", self.worker_group)
         return self._worker
+
+    def close(self) -> None:
+        """End this hook's worker thread (the native hook's too) after the jobs in
+        flight; the hook must not run again. Garbage collection of the state (and of
+        the DDP model, for the native hook) does the same, and an idle worker ends
+        by itself once its process group is destroyed."""
+        if self._worker is not None:
+            self._worker.close()
+        if self._native_close is not None:
+            self._native_close()
 
     def stats(self) -> dict:
         """Totals since creation: ``raw_bytes`` (fp32 gradient bytes handed to the

@@ -7,8 +7,8 @@ n x prod(rest)) plus its error feedback, M, is approximated as P Q^T:
 1. M = G + (the previous step's M - P' Q'^T), P = M Q for every matrix; all
    P's of the bucket and the uncompressed parameters (vectors, small tensors;
    fp32, pre-divided by world) go in one buffer and one allreduce.
-2. Orthogonalize each P (``torch.linalg.qr``), Q = M^T P; all Q's in one
-   allreduce, divided by world.
+2. Orthogonalize the P's (``torch.linalg.qr``, one batched call per matrix
+   shape of the piece), Q = M^T P; all Q's in one allreduce, divided by world.
 3. P Q^T is written into the bucket. The averaged Q is the next step's
    starting Q (warm start).
 
@@ -113,31 +113,12 @@ class PowerSGDState(TwoPhaseState):
     def build_layout(self, lay):
         dev = lay.params[0].device
         f32 = dict(dtype=torch.float32, device=dev)
-        mats = []  # (key, bucket_offset, n, m, r, p_offset, q_offset, packed_offset)
-        p_total = q_total = 0
+        mats = []  # (key, bucket_offset, n, m, r, packed_offset), in bucket order
         off = 0
         for key, p, poff in zip(lay.keys, lay.params, lay.param_packed_offset):
             if poff is not None:
-                n, m = _matrix_shape(p)
-                r = self.r_of(p)
-                mats.append((key, off, n, m, r, p_total, q_total, poff))
-                p_total += n * r
-                q_total += m * r
+                mats.append((key, off, *_matrix_shape(p), self.r_of(p), poff))
             off += p.numel()
-        lay.matrices = torch.tensor(mats, dtype=torch.int64).reshape(-1, 8)  # also read by the C++ hook
-        lay.pbuf = torch.zeros(lay.n_plain + p_total, **f32)  # [plain | P's]: one allreduce
-        lay.q = torch.zeros(q_total, **f32)  # Q's: one allreduce, and the warm-start memory
-        # scratch for one matrix's Q^T (r x m): every pass then reads M row by row
-        lay.qt = torch.zeros(max([m * r for _, _, _, m, r, *_ in mats], default=0), **f32)
-        lay.p_prev = torch.zeros(p_total, **f32)  # the last step's P's (not overwritten by the allreduce)
-        lay.error = torch.zeros(lay.n_comp, **f32)
-        for key, _, n, m, r, p_off, qoff, poff in mats:
-            self.adopt("error", key, lay.error.narrow(0, poff, n * m))
-            self.adopt("p", key, lay.p_prev.narrow(0, p_off, n * r))
-            q = lay.q.narrow(0, qoff, m * r)
-            self.adopt("q", key, q)
-            if not q.any():  # new parameter, or memory reset: start from the seeded draw
-                self._draw_q(key, q)
         # pieces: runs of consecutive matrices of about piece_mb of gradient; each
         # allreduces its own stretch of pbuf (the first also the exempt values) and of q
         groups, limit = [[]], self.piece_mb * (1 << 20) / 4
@@ -145,21 +126,69 @@ class PowerSGDState(TwoPhaseState):
             if groups[-1] and limit > 0 and sum(x[2] * x[3] for x in groups[-1]) >= limit:
                 groups.append([])
             groups[-1].append(row)
+        # Within a piece, matrices of one shape (n, m, r) sit side by side in pbuf, q and
+        # qt ("batches"), so one call orthogonalizes all their P's and one copy transposes
+        # all their Q's. Table rows: key, bucket_offset, n, m, r, p_offset, q_offset, packed_offset.
+        tables, batches, p_total, q_total = [], [], 0, 0
+        for group in groups:
+            shapes: dict[tuple, list] = {}
+            for row in group:
+                shapes.setdefault(row[2:5], []).append(row)
+            rows, spans = [], []
+            for (n, m, r), same in shapes.items():
+                spans.append((len(rows), len(same)))
+                for key, boff, _, _, _, poff in same:
+                    rows.append((key, boff, n, m, r, p_total, q_total, poff))
+                    p_total += n * r
+                    q_total += m * r
+            tables.append(rows)
+            batches.append(spans)
+        lay.matrices = torch.tensor([r for t in tables for r in t], dtype=torch.int64).reshape(-1, 8)
+        lay.pbuf = torch.zeros(lay.n_plain + p_total, **f32)  # [plain | P's]: one allreduce per piece
+        lay.q = torch.zeros(q_total, **f32)  # Q's (m x r each): allreduced, and the warm-start memory
+        lay.qt = torch.zeros(q_total, **f32)  # the same Q's transposed (r x m): the kernels read rows of it
+        lay.p_prev = torch.zeros(p_total, **f32)  # the last step's P's (not overwritten by the allreduce)
+        lay.error = torch.zeros(lay.n_comp, **f32)
+        for key, _, n, m, r, p_off, qoff, poff in lay.matrices.tolist():
+            self.adopt("error", key, lay.error.narrow(0, poff, n * m))
+            self.adopt("p", key, lay.p_prev.narrow(0, p_off, n * r))
+            q = lay.q.narrow(0, qoff, m * r)
+            self.adopt("q", key, q)
+            if not q.any():  # new parameter, or memory reset: start from the seeded draw
+                self._draw_q(key, q)
         lay.pieces = []
-        for j, group in enumerate(groups):
-            p0 = group[0][5] if group else 0
-            q0 = group[0][6] if group else 0
-            p_len = sum(x[2] * x[4] for x in group)
-            q_len = sum(x[3] * x[4] for x in group)
-            lay.pieces.append(Piece(
-                j, len(groups), matrices=torch.tensor(group, dtype=torch.int64).reshape(-1, 8),
-                pbuf=lay.pbuf.narrow(0, 0, lay.n_plain + p_len) if j == 0 else lay.pbuf.narrow(0, lay.n_plain + p0,
-                                                                                                 p_len),
-                q=lay.q.narrow(0, q0, q_len)))
+        for j, (rows, spans) in enumerate(zip(tables, batches)):
+            p0, q0 = (rows[0][5], rows[0][6]) if rows else (0, 0)
+            p_len = sum(x[2] * x[4] for x in rows)
+            q_len = sum(x[3] * x[4] for x in rows)
+            pbuf = lay.pbuf.narrow(0, 0, lay.n_plain + p_len) if j == 0 else lay.pbuf.narrow(0, lay.n_plain + p0, p_len)
+            pc = Piece(j, len(tables), matrices=torch.tensor(rows, dtype=torch.int64).reshape(-1, 8),
+                       batches=torch.tensor(spans, dtype=torch.int64).reshape(-1, 2), pbuf=pbuf,
+                       q=lay.q.narrow(0, q0, q_len), p_prev=lay.p_prev.narrow(0, p0, p_len),
+                       p=lay.pbuf.narrow(0, lay.n_plain + p0, p_len),
+                       # which matrices had a finite P this step (phase 2 writes it, finish reads it)
+                       finite=torch.ones(len(rows), dtype=torch.bool, device=dev))
+            # views of the layout's buffers, made once (the native hook makes its own)
+            pc.views = [(key, boff, n, m, lay.error.narrow(0, poff, n * m).view(n, m),
+                         lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r),
+                         lay.p_prev.narrow(0, p_off, n * r).view(n, r), lay.qt.narrow(0, qoff, m * r).view(r, m),
+                         lay.q.narrow(0, qoff, m * r).view(m, r))
+                        for key, boff, n, m, r, p_off, qoff, poff in rows]
+            pc.batch_views = []  # per shape: (P's [b, n, r], Q's [b, m, r], Q^T's [b, r, m], finite flags [b])
+            for first, count in spans:
+                key, boff, n, m, r, p_off, qoff, poff = rows[first]
+                pc.batch_views.append((lay.pbuf.narrow(0, lay.n_plain + p_off, count * n * r).view(count, n, r),
+                                       lay.q.narrow(0, qoff, count * m * r).view(count, m, r),
+                                       lay.qt.narrow(0, qoff, count * m * r).view(count, r, m),
+                                       pc.finite.narrow(0, first, count)))
+            pc.finite_host = _host_flags(pc.finite)
+            pc.finite_ready = None
+            pc.grads = (None, [])  # (the bucket's data_ptr, its matrix views), remade when DDP's bucket changes
+            lay.pieces.append(pc)
 
     def _draw_q(self, key: int, q: torch.Tensor) -> None:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
-        q.copy_(torch.randn(q.numel(), generator=g))
+        q.copy_(torch.randn(q.numel(), generator=g).view(q.shape))
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
@@ -177,55 +206,81 @@ class PowerSGDState(TwoPhaseState):
         return sum(ring_allreduce_bytes(4 * pc.pbuf.numel(), world) + ring_allreduce_bytes(4 * pc.q.numel(), world)
                    for pc in lay.pieces)
 
-    def _matrices(self, buf, lay, pc):
-        """(key, gradient, error, P, previous P, Q, Q^T scratch) views for every compressed matrix of the piece."""
-        out = []
-        for key, off, n, m, r, p_off, q_off, poff in pc.matrices.tolist():
-            out.append((key, buf.narrow(0, off, n * m).view(n, m), lay.error.narrow(0, poff, n * m).view(n, m),
-                        lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r),
-                        lay.p_prev.narrow(0, p_off, n * r).view(n, r),
-                        lay.q.narrow(0, q_off, m * r).view(m, r), lay.qt.narrow(0, 0, m * r).view(r, m)))
-        return out
+    @staticmethod
+    def _grads(buf, pc):
+        """The piece's gradient matrices: views of the bucket, made again only when DDP hands over a new buffer."""
+        if pc.grads[0] != buf.data_ptr():
+            pc.grads = (buf.data_ptr(), [buf.narrow(0, boff, n * m).view(n, m) for _, boff, n, m, *_ in pc.views])
+        return pc.grads[1]
 
     def start_phase1(self, buf, lay, pc):
         """M = G + error feedback, P = M Q for every matrix of the piece (with the exempt values
         in the first piece), in one allreduce."""
         if pc.first:
             ops.flatten(lay.runs(buf, False), 1.0 / self.world_size, out=lay.pbuf.narrow(0, 0, lay.n_plain))
-        for key, grad, error, p, p_prev, q, qt in self._matrices(buf, lay, pc):
-            qt.copy_(q.t())
+        for _, q, qt, _ in pc.batch_views:
+            qt.copy_(q.transpose(1, 2))
+        for grad, (key, _, _, _, error, p, p_prev, qt, q) in zip(self._grads(buf, pc), pc.views):
             ops.lowrank_project_(grad, error, p_prev, qt, p)  # error = (G + error) - P' Q'^T = M; P = M Q
         return dist.all_reduce(pc.pbuf, group=self.worker_group, async_op=True)
 
     def start_phase2(self, buf, lay, pc, reduce_p):
-        """Orthogonalize every P of the piece, Q = M^T P, all in one allreduce."""
+        """Orthogonalize the piece's P's, a batch per shape; Q = M^T P, all in one allreduce.
+        Which P's were finite is noted for finish() without waiting for the device."""
         reduce_p.wait()
-        pc.finite = []
-        for key, grad, error, p, p_prev, q, qt in self._matrices(buf, lay, pc):
-            ok = bool(torch.isfinite(p).all())  # p is identical on every rank: so is the decision
-            pc.finite.append(ok)
-            if ok:
-                p.copy_(torch.linalg.qr(p).Q)
+        for p, _, _, finite in pc.batch_views:
+            torch.all(torch.isfinite(p).flatten(1), 1, out=finite)  # p is identical on every rank: so is the decision
+            p.copy_(torch.linalg.qr(p).Q)  # a non-finite P comes out non-finite: finish() handles it
+        pc.finite_ready = _copy_to_host(pc.finite, pc.finite_host)
+        for key, _, _, _, error, p, p_prev, qt, q in pc.views:
             ops.lowrank_transpose_project_(error, p, qt)  # Q^T = P^T M, reading M row by row
-            q.copy_(qt.t())
+        for _, q, qt, _ in pc.batch_views:
+            q.copy_(qt.transpose(1, 2))
         return dist.all_reduce(pc.q, group=self.worker_group, async_op=True)
 
     def finish(self, buf, lay, pc, reduce_q):
         """P Q^T into the bucket, P kept for the next step; the exempt values back into the bucket."""
         reduce_q.wait()
         pc.q.mul_(1.0 / self.world_size)
-        for ok, (key, grad, error, p, p_prev, q, qt) in zip(pc.finite, self._matrices(buf, lay, pc)):
-            if ok:
-                qt.copy_(q.t())
+        for _, q, qt, _ in pc.batch_views:
+            qt.copy_(q.transpose(1, 2))
+        if pc.finite_ready is not None:
+            pc.finite_ready.synchronize()  # long done, as a rule: phase 2's flags, not the whole stream
+        finite = pc.finite_host.tolist() if not bool(pc.finite_host.all()) else None
+        for i, (grad, (key, _, _, _, error, p, p_prev, qt, q)) in enumerate(zip(self._grads(buf, pc), pc.views)):
+            if finite is None or finite[i]:
                 ops.lowrank_reconstruct_(grad, p, qt)
-                p_prev.copy_(p)
             else:  # a skipped step: back to the previous error, M - G (its rank's NaN/Inf elements restart at 0)
                 error.sub_(grad).nan_to_num_(0.0, 0.0, 0.0)
-                p_prev.zero_()
                 grad.fill_(float("nan"))
                 self._draw_q(key, q)
+        pc.p_prev.copy_(pc.p)
+        if finite is not None:
+            for i, (key, _, _, _, error, p, p_prev, qt, q) in enumerate(pc.views):
+                if not finite[i]:
+                    p_prev.zero_()
         if pc.first:
             ops.unflatten_(lay.pbuf.narrow(0, 0, lay.n_plain), lay.runs(buf, False))
+
+
+def _host_flags(flags: torch.Tensor) -> torch.Tensor:
+    """Where finish() reads the flags: the tensor itself on the CPU, pinned host memory on CUDA."""
+    if flags.device.type == "cpu":
+        return flags
+    return torch.ones(flags.shape, dtype=flags.dtype, pin_memory=flags.device.type == "cuda")
+
+
+def _copy_to_host(flags: torch.Tensor, host: torch.Tensor):
+    """Start copying the flags to `host`; returns the CUDA event to wait for, or None."""
+    if host is flags:
+        return None
+    if flags.device.type != "cuda":
+        host.copy_(flags)
+        return None
+    host.copy_(flags, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 HOOKS = {"powersgd": PowerSGDState}
