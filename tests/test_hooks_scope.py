@@ -65,10 +65,13 @@ def four_ranks(rank, world):
             out[(name, native)] = train(name, native, rank=rank, steps=4, scope="inter_node", **NO_WARMUP.get(name, {}))
     # every parameter exempt: every stage is exact fp32
     out["all_exempt"] = train("int8", True, rank=rank, steps=3, scope="inter_node", min_numel=10**9)
-    # error feedback across steps and through a checkpoint: resume at step 3 of 6
+    # error feedback across steps and through a checkpoint: resume at step 3 of 6. One bucket
+    # (25 MB), the same before and after DDP's rebuild: stage 2's memory is keyed by the
+    # bucket's parameter set (scope.shard_key), so a resumed run whose first-step buckets
+    # differ from the rebuilt ones restarts it from zero
     for name in ("int8", "onebit", "powersgd"):
         for native in (False, True):
-            opts = dict(scope="inter_node", **NO_WARMUP.get(name, {}))
+            opts = dict(scope="inter_node", bucket_cap_mb=25, **NO_WARMUP.get(name, {}))
             full = train(name, native, rank=rank, steps=6, **opts)
             model_sd, opt_sd, hook_sd = full["saved"]
             runs = {}

@@ -30,7 +30,9 @@ the same class (``InterNode.inner``) whose memory dict *is* the user-facing
 state's, so ``state_dict()`` / ``load_state_dict()`` keep it per rank as for
 ``global``. Its keys name the set of parameters in the bucket and the node
 layout (``shard_key``): a checkpoint resumed on another layout (2 x 2 -> 1 x 2,
-2 x 1, ...) finds no memory under its keys and starts it from zero.
+2 x 1, ...) finds no memory under its keys and starts it from zero, and so does a
+bucket whose parameter set DDP's rebuild changes (a shard mixes parameters, so its
+memory cannot follow them one by one; powersgd's is per matrix and does).
 """
 
 from __future__ import annotations
