@@ -81,7 +81,12 @@ else  # the scripts themselves, on the CPU, short
 fi
 step fast_lane 60 200 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests
 step orthogonalize gpu 15 60 "$PY" benchmarks/bench_orthogonalize.py --device cuda --out "$OUT/bench_orthogonalize.json"
-step bench_kernels_cuda gpu 30 90 "$PY" benchmarks/bench_kernels.py --device cuda --json --out "$OUT/bench_kernels_cuda.json"
+# the profiler plugin on CUDA: CUDA activity in the trace and the memory timeline (profile.memory)
+step profile_cuda gpu 40 90 bash -c "$PY -m ddpx train trainer.epochs=1 logging.progress=false profile.enabled=true \
+    profile.memory=true run_dir=$OUT/profile_run && ls -l $OUT/profile_run/profile && test -s $OUT/profile_run/profile/memory_rank0.html"
+# both sizes (1 GiB, 4 MiB) against the copy, and issue 32's targets: exit 1 names the kernels that miss them
+step bench_kernels_cuda gpu 30 90 "$PY" benchmarks/bench_kernels.py --device cuda --sizes-mb 1024 4 --check --json \
+    --out "$OUT/bench_kernels_cuda.json"
 step bench_kernels_cpu 30 60 "$PY" benchmarks/bench_kernels.py --device cpu --json --out "$OUT/bench_kernels_cpu.json"
 
 # The one JSON: steps, the test counts, the benchmarks' figures, the recompiles of the compile runs.
