@@ -148,3 +148,24 @@ def test_the_epoch_end_checkpoint_names_the_epoch_that_ended(make_config, capfd)
     Trainer(make_config("trainer.epochs=1", "trainer.eval_every_epochs=0", "checkpoint.async_write=false")).run()
     err = capfd.readouterr().err
     assert "epoch 0 (step 45)" in err and "(end of epoch 0, step 45)" in err and "(epoch 1, step 45)" not in err
+
+
+def test_resume_followed_by_an_override_resumes_the_newest_run_with_it(tmp_path, monkeypatch, capsys):
+    """`ddpx train cfg.yaml --resume trainer.epochs=31`: argparse hands the override to
+    --resume as its RUN_DIR; it must stay an override, and the newest run is resumed."""
+    import ddpx.commands.train as train_command
+    from ddpx import cli
+
+    launched = []
+    monkeypatch.setattr(train_command, "launch", lambda config, overrides, opts: launched.append(overrides) or 0)
+    config = tmp_path / "cfg.yaml"
+    config.write_text("trainer: {epochs: 1}\n")
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / "r1"
+    monkeypatch.setattr(train_command, "newest_run", lambda config_path: str(run_dir))
+    run_dir.mkdir(parents=True)
+    assert cli.main(["train", str(config), "--resume", "trainer.epochs=31"]) == 0
+    assert launched == [["trainer.epochs=31", f"run_dir={run_dir}"]]
+    assert cli.main(["train", str(config), "--resume", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no such run directory" in err and "nope" in err

@@ -1,7 +1,9 @@
 """``ddpx train [CONFIG] [KEY=VALUE ...]``: train through torchrun."""
 
+import os
 import sys
 
+from ..errors import DdpxError
 from ..launch import (add_launch_arguments, check_options, launch, newest_run, options_from_args,
                       split_config_and_overrides)
 
@@ -33,7 +35,12 @@ def run(args):
     opts = options_from_args(args)
     check_options(opts)
     if args.resume is not None:
+        if "=" in args.resume:  # `--resume KEY=VALUE`: argparse took the override for RUN_DIR
+            overrides, args.resume = [*overrides, args.resume], "newest"
         run_dir = newest_run(config) if args.resume == "newest" else args.resume
+        if not os.path.isdir(run_dir):
+            raise DdpxError(f"--resume {run_dir}: no such run directory; pass a run_dir of an earlier run, "
+                            "or --resume alone for the newest run of this config")
         print(f"ddpx: resuming {run_dir}", file=sys.stderr, flush=True)
         overrides = [*overrides, f"run_dir={run_dir}"]
     if args.smoke:
