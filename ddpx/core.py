@@ -263,27 +263,3 @@ class CorePlugin:
         if metric is not None:
             metrics.update({key: value / count for key, value in zip(keys, sums[4:].tolist())})
         return metrics
-
-    @hookimpl(trylast=True)
-    def ddpx_state_dict(self, trainer: "Trainer"):
-        progress = {
-            # The epoch to resume in: the next one once this epoch's batches are done.
-            "epoch": trainer.epoch + (1 if trainer.epoch_finished else 0),
-            "global_step": trainer.global_step,
-        }
-        state = {"model": trainer.module.state_dict(), "optimizer": trainer.optimizer.state_dict(), "progress": progress}
-        if trainer.scheduler is not None:
-            state["scheduler"] = trainer.scheduler.state_dict()
-        return state
-
-    @hookimpl(trylast=True)
-    def ddpx_load_state_dict(self, trainer: "Trainer", state):
-        if "model" in state:
-            trainer.module.load_state_dict(state["model"])
-        if "optimizer" in state:
-            trainer.optimizer.load_state_dict(state["optimizer"])
-        if "scheduler" in state and trainer.scheduler is not None:
-            trainer.scheduler.load_state_dict(state["scheduler"])
-        if "progress" in state:
-            trainer.epoch = int(state["progress"]["epoch"])
-            trainer.global_step = int(state["progress"]["global_step"])

@@ -105,7 +105,11 @@ TRAINER_METHODS = {
     "clip_gradients()": "clip the gradient norm to ``trainer.grad_clip``; returns the norm",
     "watch_grad_norm(step)": "compute ``grad_norm`` at optimizer step ``step`` also without ``grad_clip``",
     "evaluate(loader=None)": "metrics on ``loader`` (default: the eval loader), reduced over all ranks",
-    "state_dict()": "every plugin's ``ddpx_state_dict`` entries, merged",
+    "state_dict()": "the core's state, each plugin object's ``state_dict()`` under its name, ``ddpx_state_dict`` entries",
+    "load_state_dict(state)": "restore what ``state_dict()`` holds",
+    "plugin(name)": "the registered plugin ``name`` (a built-in plugin's object holds its per-run state); "
+                    "a one-line error when it is not loaded",
+    "has_plugin(name)": "whether plugin ``name`` is loaded",
     "request_stop(signum)": "stop at the next batch boundary (every rank at the same step)",
     "end_training(reason)": "finish normally after the running epoch (every rank in the same epoch)",
     "nonfinite_loss(where)": "act on ``trainer.nonfinite`` for a non-finite loss (every rank alike)",

@@ -14,6 +14,7 @@ import difflib
 import importlib.metadata
 import os
 import sys
+import types
 from typing import Any, Mapping, Optional
 
 import pluggy
@@ -91,6 +92,8 @@ def load_entry_points(pm: pluggy.PluginManager) -> None:
         origin = f" (entry point {ep.value} of {dist.name} {dist.version})" if dist else f" (entry point {ep.value})"
         try:
             plugin = ep.load()
+            if isinstance(plugin, type):  # a plugin class: one object per plugin manager holds its per-run state
+                plugin = plugin()
         except ModuleNotFoundError as exc:
             if exc.name and ep.module.startswith(exc.name):
                 # Stale metadata (the module was removed but the install record
@@ -221,6 +224,15 @@ def enable_tracing(pm: pluggy.PluginManager, write=None) -> None:
 def registered(pm: pluggy.PluginManager) -> list[tuple[str, Any]]:
     """``(name, plugin)`` in registration order, without blocked names (pluggy lists those as None)."""
     return [(name, plugin) for name, plugin in pm.list_name_plugin() if plugin is not None]
+
+
+def stateful_plugins(pm: pluggy.PluginManager) -> list[tuple[str, Any]]:
+    """``(name, plugin)`` of the registered plugin objects whose state goes into checkpoints:
+    those with ``state_dict()`` and ``load_state_dict(state)`` methods (a module's
+    functions of those names do not count: module plugins use the ``ddpx_state_dict`` hook)."""
+    return [(name, plugin) for name, plugin in registered(pm)
+            if not isinstance(plugin, types.ModuleType) and callable(getattr(plugin, "state_dict", None))
+            and callable(getattr(plugin, "load_state_dict", None))]
 
 
 def plugin_table(pm: pluggy.PluginManager) -> list[dict]:

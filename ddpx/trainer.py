@@ -38,7 +38,7 @@ from .core import CorePlugin, GradientNorms, batch_size, ddp_options, model_loss
 from .errors import DdpxError, TrainingDiverged
 from .imports import instantiate
 from .losses import EpochLosses, LossWindow
-from .plugin import plugin_signature, raised_by, rank_prefix
+from .plugin import plugin_signature, raised_by, rank_prefix, stateful_plugins
 from .runlock import hold_run_dir
 from .seeding import seed_rank
 from .step_hooks import step_callers
@@ -47,6 +47,7 @@ from .stopping import StopAgreement
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 NEVER = sys.maxsize  # the next due step when nothing is scheduled
+CORE_STATE = ("model", "optimizer", "scheduler", "progress")  # the core's entries in a checkpoint
 
 
 class TrainingStopped(Exception):
@@ -580,15 +581,66 @@ class Trainer:
     # --- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Everything a checkpoint holds: every plugin's ``ddpx_state_dict`` entries, merged."""
-        state: dict = {}
+        """Everything a checkpoint holds: the core's ``model``, ``optimizer``, ``scheduler``
+        and ``progress``; each plugin object's ``state_dict()`` filed under the plugin's
+        name (:func:`ddpx.plugin.stateful_plugins`; None files nothing); and the entries
+        of module plugins' ``ddpx_state_dict`` hooks."""
+        progress = {
+            # The epoch to resume in: the next one once this epoch's batches are done.
+            "epoch": self.epoch + (1 if self.epoch_finished else 0),
+            "global_step": self.global_step,
+        }
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "progress": progress}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        for name, plugin in stateful_plugins(self.plugin_manager):
+            if name in CORE_STATE:
+                raise DdpxError(f"plugin '{name}' cannot keep state under its name: {name!r} is the core's; rename the plugin")
+            part = plugin.state_dict()
+            if part is not None:
+                state[name] = part
         for part in reversed(self.hook.ddpx_state_dict(trainer=self)):  # registration order
             if part:
                 state.update(part)
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` holds. A plugin object gets the entry filed
+        under its name (or, for a checkpoint written before it was filed there, the
+        entries under its ``legacy_state_keys``, as ``{key: entry}``); module plugins get
+        the whole ``state`` through ``ddpx_load_state_dict``."""
+        if "model" in state:
+            self.module.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state and self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if "progress" in state:
+            self.epoch = int(state["progress"]["epoch"])
+            self.global_step = int(state["progress"]["global_step"])
+        for name, plugin in stateful_plugins(self.plugin_manager):
+            part = state.get(name)
+            if part is None:
+                part = {key: state[key] for key in getattr(plugin, "legacy_state_keys", ()) if key in state} or None
+            if part is not None:
+                plugin.load_state_dict(part)
         self.hook.ddpx_load_state_dict(trainer=self, state=state)
+
+    # --- plugins -----------------------------------------------------------------------
+
+    def plugin(self, name: str):
+        """The registered plugin ``name``: a built-in plugin is one object that holds its
+        per-run state (``trainer.plugin("comm_hook").state``). A plugin that is not
+        loaded is a one-line error; :meth:`has_plugin` asks first."""
+        found = self.plugin_manager.get_plugin(name)
+        if found is None:
+            raise DdpxError(f"plugin '{name}' is not loaded (blocked by plugins.block, or not installed: "
+                            "`ddpx plugins` lists what a run loads)")
+        return found
+
+    def has_plugin(self, name: str) -> bool:
+        """Whether plugin ``name`` is loaded in this run."""
+        return self.plugin_manager.get_plugin(name) is not None
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop at the next batch boundary. Every rank must call it at the same step

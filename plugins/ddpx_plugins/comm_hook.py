@@ -16,15 +16,18 @@ back into ``.grad`` is saved).
 Config section ``comm_hook``: ``name`` (``allreduce``), ``native`` (true),
 ``options`` (``{}``: keyword arguments of the hook, e.g. ``{rank: 4}``).
 
-Per-run state lives in ``trainer.comm_hook`` (the registered hook's state, or None).
+The plugin is one :class:`CommHookPlugin` object; ``trainer.plugin("comm_hook").state``
+is the registered hook's state (None: DDP's own all-reduce).
 """
 
 import importlib
+import logging
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
 
 BUILTIN = "allreduce"  # DDP's own all-reduce: no hook
+log = logging.getLogger("ddpx")  # trainer.log
 
 
 def _hooks_module():
@@ -36,73 +39,73 @@ def _hooks_module():
     return hooks if hasattr(hooks, "register") and hasattr(hooks, "available") else None
 
 
-@hookimpl
-def ddpx_config_defaults():
-    return {"comm_hook": {"name": BUILTIN, "native": True, "options": {}}}
+class CommHookPlugin:
+    """The comm hook of a run: ``state`` is the registered hook's state, or None."""
 
+    def __init__(self):
+        self.state = None
+        self.name = BUILTIN
 
-@hookimpl
-def ddpx_configure(config):
-    cfg = config.section("comm_hook")
-    hooks = _hooks_module()
-    if cfg["name"] == BUILTIN or hooks is None:
-        return
-    available = list(hooks.available())
-    if cfg["name"] not in available:
-        choices = [BUILTIN, *(n for n in available if n != BUILTIN)]
-        raise DdpxError(f"unknown comm_hook.name {cfg['name']!r}; choose one of: {', '.join(choices)}")
-    hooks.make_state(cfg["name"], **cfg["options"])  # bad options fail here, before any worker starts
+    @hookimpl
+    def ddpx_config_defaults(self):
+        return {"comm_hook": {"name": BUILTIN, "native": True, "options": {}}}
 
+    @hookimpl
+    def ddpx_configure(self, config):
+        cfg = config.section("comm_hook")
+        hooks = _hooks_module()
+        if cfg["name"] == BUILTIN or hooks is None:
+            return
+        available = list(hooks.available())
+        if cfg["name"] not in available:
+            choices = [BUILTIN, *(n for n in available if n != BUILTIN)]
+            raise DdpxError(f"unknown comm_hook.name {cfg['name']!r}; choose one of: {', '.join(choices)}")
+        hooks.make_state(cfg["name"], **cfg["options"])  # bad options fail here, before any worker starts
 
-@hookimpl
-def ddpx_ddp_options(trainer):
-    name = trainer.config.section("comm_hook")["name"]
-    hooks = _hooks_module()
-    return None if name == BUILTIN or hooks is None else hooks.ddp_options(name)
+    @hookimpl
+    def ddpx_ddp_options(self, trainer):
+        name = trainer.config.section("comm_hook")["name"]
+        hooks = _hooks_module()
+        return None if name == BUILTIN or hooks is None else hooks.ddp_options(name)
 
+    @hookimpl
+    def ddpx_model_wrapped(self, trainer, model):
+        from torch.nn.parallel import DistributedDataParallel
 
-@hookimpl
-def ddpx_model_wrapped(trainer, model):
-    from torch.nn.parallel import DistributedDataParallel
+        cfg = trainer.config.section("comm_hook")
+        self.state, self.name = None, cfg["name"]
+        if cfg["name"] == BUILTIN:
+            return
+        if not isinstance(model, DistributedDataParallel):
+            trainer.log.warning("comm_hook.name=%s ignored: the model is not wrapped in DDP", cfg["name"])
+            return
+        hooks = _hooks_module()
+        if hooks is None:
+            trainer.log.warning(
+                "ddpx.comm_hooks is not available; comm_hook.name=%s falls back to DDP's all-reduce", cfg["name"]
+            )
+            return
+        self.state = hooks.register(model, cfg["name"], native=cfg["native"], **cfg["options"])
+        kind = "native C++" if getattr(self.state, "native", False) else "Python"
+        bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
+        views = ", gradients as bucket views" if getattr(model, "gradient_as_bucket_view", False) else ""
+        trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)", cfg["name"], kind, bucket_mb, views)
 
-    trainer.comm_hook = None
-    cfg = trainer.config.section("comm_hook")
-    if cfg["name"] == BUILTIN:
-        return
-    if not isinstance(model, DistributedDataParallel):
-        trainer.log.warning("comm_hook.name=%s ignored: the model is not wrapped in DDP", cfg["name"])
-        return
-    hooks = _hooks_module()
-    if hooks is None:
-        trainer.log.warning(
-            "ddpx.comm_hooks is not available; comm_hook.name=%s falls back to DDP's all-reduce", cfg["name"]
-        )
-        return
-    trainer.comm_hook = hooks.register(model, cfg["name"], native=cfg["native"], **cfg["options"])
-    kind = "native C++" if getattr(trainer.comm_hook, "native", False) else "Python"
-    bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
-    views = ", gradients as bucket views" if getattr(model, "gradient_as_bucket_view", False) else ""
-    trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)", cfg["name"], kind, bucket_mb, views)
+    def stats(self):
+        """The hook's wire statistics (``wire_bytes``, ``raw_bytes``, ...), or None."""
+        return self.state.stats() if self.state is not None and hasattr(self.state, "stats") else None
 
+    def state_dict(self):
+        if self.state is None or not hasattr(self.state, "state_dict"):
+            return None
+        return {"name": self.name, "state": self.state.state_dict()}
 
-@hookimpl
-def ddpx_state_dict(trainer):
-    state = getattr(trainer, "comm_hook", None)
-    if state is None or not hasattr(state, "state_dict"):
-        return None
-    return {"comm_hook": {"name": trainer.config.section("comm_hook")["name"], "state": state.state_dict()}}
-
-
-@hookimpl
-def ddpx_load_state_dict(trainer, state):
-    hook_state = getattr(trainer, "comm_hook", None)
-    saved = state.get("comm_hook")
-    if hook_state is None or saved is None or not hasattr(hook_state, "load_state_dict"):
-        return
-    name = trainer.config.section("comm_hook")["name"]
-    if saved["name"] != name:
-        trainer.log.warning(
-            "checkpoint has state of comm hook %s, this run uses %s: starting the hook fresh", saved["name"], name
-        )
-        return
-    hook_state.load_state_dict(saved["state"])
+    def load_state_dict(self, saved):
+        if self.state is None or not hasattr(self.state, "load_state_dict"):
+            return
+        if saved["name"] != self.name:
+            log.warning(
+                "checkpoint has state of comm hook %s, this run uses %s: starting the hook fresh", saved["name"], self.name
+            )
+            return
+        self.state.load_state_dict(saved["state"])
