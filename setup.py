@@ -91,16 +91,16 @@ def _cmdclass():
 
 
 BUILTIN_PLUGINS = [
-    "sampler = ddpx_plugins.sampler",
-    "amp = ddpx_plugins.amp",
-    "accumulation = ddpx_plugins.accumulation",
+    "sampler = ddpx_plugins.sampler:SamplerPlugin",
+    "amp = ddpx_plugins.amp:AmpPlugin",
+    "accumulation = ddpx_plugins.accumulation:AccumulationPlugin",
     "comm_hook = ddpx_plugins.comm_hook:CommHookPlugin",
-    "logging = ddpx_plugins.logging",
-    "checkpoint = ddpx_plugins.checkpoint",
-    "comm_monitor = ddpx_plugins.comm_monitor",
-    "early_stopping = ddpx_plugins.early_stopping",
-    "ema = ddpx_plugins.ema",
-    "profiler = ddpx_plugins.profiler",
+    "logging = ddpx_plugins.logging:LoggingPlugin",
+    "checkpoint = ddpx_plugins.checkpoint:CheckpointPlugin",
+    "comm_monitor = ddpx_plugins.comm_monitor:CommMonitorPlugin",
+    "early_stopping = ddpx_plugins.early_stopping:EarlyStoppingPlugin",
+    "ema = ddpx_plugins.ema:EmaPlugin",
+    "profiler = ddpx_plugins.profiler:ProfilerPlugin",
 ]
 
 setup(

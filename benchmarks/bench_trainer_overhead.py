@@ -277,26 +277,25 @@ def end_both_loops(trainer) -> None:
 
 def own_work_us(trainer, rounds: int) -> float:
     """Main-thread CPU microseconds per step of ddpx's own work, without the model:
-    the epoch-start hooks, resolving the step callables, and the per-step
-    batch-end hooks and scheduled calls of every loaded plugin, as the loop
-    calls them. The interleaved ratio is this plus noise; here there is no
-    noise to hide in."""
-    from ddpx.step_hooks import step_callers
-
+    the epoch-start hooks, the step-window hook, and the per-step batch-end hooks
+    and scheduled calls of every loaded plugin, as the loop calls them (the
+    forward and optimizer-step hooks run the model, so they are left out). The
+    interleaved ratio is this plus noise; here there is no noise to hide in."""
     cpu, total_steps = 0.0, 0
     losses, loss = trainer.epoch_losses, trainer.last_loss
+    hook = trainer.hook
     for r in range(rounds):
         epoch = 10_000 + r
         start = time.thread_time()
-        trainer.hook.ddpx_epoch_start(trainer=trainer, epoch=epoch)
-        batch_end = step_callers(trainer.plugin_manager)["ddpx_batch_end"]
+        hook.ddpx_epoch_start(trainer=trainer, epoch=epoch)
         steps = len(trainer.train_loader)
         total_steps += steps
         for batch_index in range(steps):
+            hook.ddpx_step_window(trainer=trainer, batch_index=batch_index, num_batches=steps)
             trainer.global_step += 1
             losses.append(loss)
-            if batch_end is not None:
-                batch_end(trainer=trainer, batch_index=batch_index, loss=loss, stepped=True)
+            if hook.ddpx_batch_end.get_hookimpls():
+                hook.ddpx_batch_end(trainer=trainer, batch_index=batch_index, loss=loss, stepped=True)
             if trainer.global_step >= trainer.next_due_step:
                 trainer.run_due_calls()
         cpu += time.thread_time() - start

@@ -20,7 +20,6 @@ from .config import Config
 from .errors import DdpxError
 from .imports import instantiate, resolve
 from .markers import hookimpl
-from .step_hooks import step_callers
 
 if TYPE_CHECKING:  # imported only for the annotations
     from .trainer import Trainer
@@ -37,6 +36,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+# A GradScaler's scale this low means every step overflows: divergence, not an overflow now and then.
+MIN_LOSS_SCALE = 2.0 ** -16
 LABELS = "labels"  # the targets' key in a dict batch when the config names a loss
 
 
@@ -192,30 +193,31 @@ class CorePlugin:
         return train, evaluation
 
     @hookimpl(trylast=True)
-    def ddpx_should_step(self, trainer: "Trainer", batch_index: int, num_batches: int):
-        return True
-
-    @hookimpl(trylast=True)
-    def ddpx_micro_step(self, trainer: "Trainer", batch, sync: bool):
-        callers = trainer.step_callers or step_callers(trainer.plugin_manager)  # resolved once per epoch in the loop
-        loss = callers["ddpx_forward"](trainer=trainer, batch=batch)
-        callers["ddpx_backward"](trainer=trainer, loss=loss)
-        return loss.detach()
+    def ddpx_step_window(self, trainer: "Trainer", batch_index: int, num_batches: int):
+        return 1  # no accumulation: every micro-batch is an optimizer step
 
     @hookimpl(trylast=True)
     def ddpx_forward(self, trainer: "Trainer", batch):
         return model_loss(trainer.model, trainer.loss_fn, batch)[0]
 
     @hookimpl(trylast=True)
-    def ddpx_backward(self, trainer: "Trainer", loss: torch.Tensor):
-        loss.backward()
-        return True
-
-    @hookimpl(trylast=True)
     def ddpx_optimizer_step(self, trainer: "Trainer"):
+        scaler, optimizer = trainer.scaler, trainer.optimizer
+        if not scaler.is_enabled():
+            trainer.clip_gradients()
+            optimizer.step()
+            return True
+        scaler.unscale_(optimizer)  # clipping sees the true gradients
         trainer.clip_gradients()
-        trainer.optimizer.step()
-        return True
+        scale = scaler.get_scale()
+        scaler.step(optimizer)  # skipped inside when a gradient is inf/NaN
+        scaler.update()
+        new_scale = scaler.get_scale()
+        applied = new_scale >= scale  # update() lowers the scale only after an overflow
+        if not applied and new_scale < MIN_LOSS_SCALE:  # every step overflows (the same on every rank)
+            trainer.nonfinite_loss(f"by optimizer step {trainer.global_step + 1} (epoch {trainer.epoch}): every fp16 "
+                                   f"step overflowed until the loss scale fell to {new_scale:g}")
+        return applied
 
     @hookimpl(trylast=True)
     def ddpx_evaluate(self, trainer: "Trainer", loader: DataLoader):

@@ -16,6 +16,7 @@ for slow ranks (``trainer.first_timeout_s``); afterwards a hang is cut short by
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 import time
@@ -182,6 +183,8 @@ def agree(signature: Sequence[str], proposal: Any) -> Any:
 
 
 def teardown() -> None:
-    """Destroy the default process group if there is one (safe to call twice)."""
+    """Destroy the default process group if there is one (safe to call twice). Drop your
+    references to the DDP model first: its reducer holds the group."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()  # the dropped DDP models go before their group (else gloo aborts now and then at exit)
         dist.destroy_process_group()

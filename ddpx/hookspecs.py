@@ -8,25 +8,23 @@ subset of the arguments). Kinds of hook:
 * provider hooks (``firstresult=True``) stop at the first implementation that
   returns something other than ``None``; the core trainer registers the
   defaults last (``trylast``), so any plugin can take over;
-* wrapper hooks (``ddpx_forward``, ``ddpx_micro_step``) surround a step: a
-  plugin implements them with ``@hookimpl(wrapper=True)`` as a generator that
-  ``yield``\\ s once (inside e.g. ``autocast()`` or ``no_sync()``), receives the
-  inner result from the ``yield`` and returns it, possibly changed.
+* a provider hook may also be implemented as a wrapper, with
+  ``@hookimpl(wrapper=True)`` as a generator that ``yield``\\ s once, receives
+  the inner result from the ``yield`` and returns it, possibly changed (e.g.
+  around ``ddpx_forward``).
 
-The order of the hooks is :data:`HOOK_ORDER`; the trainer attributes and
+The order of the hooks is :data:`HOOK_ORDER` (:data:`START_HOOKS`,
+:data:`STEP_HOOKS`, :data:`EPOCH_END_HOOKS`, :data:`END_HOOKS`); the trainer attributes and
 methods a plugin may use are :data:`TRAINER_ATTRIBUTES` and
 :data:`TRAINER_METHODS`. This module is their one source: the
 :class:`ddpx.trainer.Trainer` docstring and the hook reference
-``docs/hooks.md`` are made from it (``python -m ddpx.hookspecs >
-docs/hooks.md``; ``tests/test_docs.py`` fails when the file is stale).
+``docs/hooks.md`` are made from it (``python docs/make_hooks_md.py``;
+``tests/test_docs.py`` fails when the file is stale).
 """
 
 from __future__ import annotations
 
-import inspect
-import re
-import sys
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Mapping, Optional
 
 from .markers import hookspec
 
@@ -38,24 +36,33 @@ if TYPE_CHECKING:  # imported only for the annotations
     from .trainer import Trainer
 
 
-HOOK_ORDER = """\
-At start-up (every rank): ddpx_configure -> ddpx_setup -> ddpx_build_model -> ddpx_ddp_options
-(asked by the core's ddpx_wrap_model) -> ddpx_wrap_model -> ddpx_model_wrapped -> ddpx_build_dataloaders
--> ddpx_train_start (a checkpoint is restored here).
+# The hooks of a run in the order the trainer calls them (tests/test_plugin_system.py reads these).
+START_HOOKS = ("ddpx_setup", "ddpx_build_model", "ddpx_ddp_options", "ddpx_wrap_model", "ddpx_model_wrapped",
+               "ddpx_build_dataloaders", "ddpx_autocast", "ddpx_grad_scaler", "ddpx_train_start")
+# One optimizer step; the MICRO_BATCH_HOOKS among them run once per micro-batch of the window.
+STEP_HOOKS = ("ddpx_step_window", "ddpx_forward", "ddpx_optimizer_step", "ddpx_batch_end")
+MICRO_BATCH_HOOKS = ("ddpx_forward", "ddpx_batch_end")
+EPOCH_END_HOOKS = ("ddpx_evaluate", "ddpx_epoch_end")
+END_HOOKS = ("ddpx_train_end",)
 
-Every epoch: ddpx_epoch_start, then for every micro-batch:
+HOOK_ORDER = f"""\
+At start-up (every rank): ddpx_configure (also in the launcher), then
+{" -> ".join(START_HOOKS)}
+(ddpx_ddp_options is asked by the core's ddpx_wrap_model; a checkpoint is restored in ddpx_train_start).
 
-    ddpx_should_step -> ddpx_micro_step [ ddpx_forward -> ddpx_backward ]
-    -> if sync: ddpx_optimizer_step -> (zero grads, scheduler step, global_step += 1)
-    -> ddpx_batch_end (after EVERY micro-batch, stepped or not; `stepped` tells which)
-    -> if sync: the calls scheduled with trainer.call_at_step
+Every epoch: ddpx_epoch_start, then for every optimizer step (Trainer.train_step):
 
-`sync` is true on the micro-batch that ends an optimizer step (the last of
-`accumulation.steps` micro-batches). At the epoch's end the epoch's loss is
-all-reduced (a non-finite one stops or warns, `trainer.nonfinite`),
-ddpx_evaluate runs, then ddpx_epoch_end.
+    ddpx_step_window (how many micro-batches)
+    -> for each micro-batch: ddpx_forward under the autocast context, backward
+       (all but the last micro-batch under no_sync: DDP communicates once per step)
+    -> ddpx_optimizer_step (clip, step) -> zero grads, scheduler step, global_step += 1
+    -> ddpx_batch_end for each micro-batch (`stepped` is true for the last one when the step was applied)
+    -> the calls scheduled with trainer.call_at_step
 
-At the end: ddpx_train_end (training finished normally) or ddpx_exception
+At the epoch's end the epoch's loss is all-reduced (a non-finite one stops or
+warns, `trainer.nonfinite`), then {" -> ".join(EPOCH_END_HOOKS)}.
+
+At the end: {" -> ".join(END_HOOKS)} (training finished normally) or ddpx_exception
 (training is aborting); ddpx_state_dict / ddpx_load_state_dict whenever a
 checkpoint is saved or restored."""
 
@@ -79,11 +86,10 @@ TRAINER_ATTRIBUTES = {
     "eval_loader": "the evaluation data loader, or None",
     "epoch": "the epoch running or about to run (0-based)",
     "global_step": "optimizer-step boundaries so far",
-    "batch_index": "the micro-batch in the epoch",
+    "batch_index": "the micro-batch in the epoch (the one training, or the last trained)",
     "num_batches": "micro-batches of the running epoch on this rank (``len(train_loader)`` at its start)",
     "epoch_batches": "micro-batches of the running epoch trained so far by this run",
     "epoch_finished": "whether every batch of the running epoch was trained",
-    "step_callers": "the per-step hook callables of the running epoch (:func:`ddpx.step_hooks.step_callers`)",
     "run_dir": "the run directory (``pathlib.Path``; exists on every rank)",
     "last_loss": "the detached loss tensor of the last micro-batch",
     "metrics": "one dict of metrics per finished epoch",
@@ -96,12 +102,17 @@ TRAINER_ATTRIBUTES = {
     "next_due_step": "the step of the next call scheduled with ``call_at_step``",
     "end_reason": "why training ends early, set through :meth:`end_training`",
     "last_finite_checkpoint": "the newest checkpoint saved or resumed (all hold finite weights)",
-    "skips_nonfinite_steps": "a plugin skips optimizer steps with non-finite gradients (fp16 AMP)",
+    "autocast": "the context every forward pass runs in (``ddpx_autocast``; a null context without AMP)",
+    "scaler": "the ``torch.amp.GradScaler`` (``ddpx_grad_scaler``; a disabled one without fp16 AMP)",
+    "skipped_steps": "optimizer steps the scaler skipped because gradients overflowed",
     "grad_norm": "the total gradient norm (0-dim device tensor) of the latest step that computed it, or None",
     "grad_norm_step": "the optimizer step ``grad_norm`` belongs to",
 }
 
 TRAINER_METHODS = {
+    "train_step(batches)": "one optimizer step over a window of micro-batches; returns (losses, applied)",
+    "forward_backward(batch, sync, window)": "forward and backward of one micro-batch (``no_sync`` unless ``sync``)",
+    "backward(loss)": "back-propagate ``loss`` through the scaler",
     "clip_gradients()": "clip the gradient norm to ``trainer.grad_clip``; returns the norm",
     "watch_grad_norm(step)": "compute ``grad_norm`` at optimizer step ``step`` also without ``grad_clip``",
     "evaluate(loader=None)": "metrics on ``loader`` (default: the eval loader), reduced over all ranks",
@@ -197,6 +208,20 @@ def ddpx_build_dataloaders(
     across ranks; the default is unsharded loaders (every rank sees all data)."""
 
 
+@hookspec(firstresult=True)
+def ddpx_autocast(trainer: "Trainer") -> Optional[ContextManager]:
+    """The context every forward pass (model and loss) runs in, e.g. ``torch.autocast(...)``
+    (the AMP plugin). Asked once, before ``ddpx_train_start``; entered once per
+    micro-batch, so it must be reusable. Default: none."""
+
+
+@hookspec(firstresult=True)
+def ddpx_grad_scaler(trainer: "Trainer") -> Optional["torch.amp.GradScaler"]:
+    """A ``torch.amp.GradScaler`` for the run (fp16 AMP), or None. The core back-propagates
+    ``scaler.scale(loss)``, unscales before clipping and skips an optimizer step whose
+    gradients overflowed (``trainer.skipped_steps``). Asked once, before ``ddpx_train_start``."""
+
+
 # --- the loop -------------------------------------------------------------------------
 
 
@@ -211,42 +236,32 @@ def ddpx_epoch_start(trainer: "Trainer", epoch: int) -> None:
 
 
 @hookspec(firstresult=True)
-def ddpx_should_step(trainer: "Trainer", batch_index: int, num_batches: int) -> Optional[bool]:
-    """Whether the micro-batch ``batch_index`` (of ``num_batches`` this epoch on
-    this rank) ends an optimizer step. Default: every batch steps."""
-
-
-@hookspec(firstresult=True)
-def ddpx_micro_step(trainer: "Trainer", batch: Any, sync: bool) -> "torch.Tensor":
-    """Forward and backward of one micro-batch; returns the loss (detached).
-
-    Wrapper hook: surround it to run the micro-batch in a context, e.g.
-    ``model.no_sync()`` when ``sync`` is False. The core implements the body.
-    """
+def ddpx_step_window(trainer: "Trainer", batch_index: int, num_batches: int) -> Optional[int]:
+    """How many micro-batches, from ``batch_index`` on (of ``num_batches`` this epoch
+    on this rank), make the next optimizer step. The core runs all but the last
+    under ``no_sync`` and divides each back-propagated loss by this number, so the
+    step's gradient is the window's mean (gradient accumulation). Called once per
+    optimizer step. Default: 1."""
 
 
 @hookspec(firstresult=True)
 def ddpx_forward(trainer: "Trainer", batch: Any) -> "torch.Tensor":
-    """Compute the loss of one micro-batch (the value that is back-propagated).
+    """Compute the loss of one micro-batch (runs inside ``trainer.autocast``).
 
-    Wrapper hook: surround it with ``autocast``, or change the returned loss
-    (e.g. scale it by 1/N for accumulation). The core implements the body:
-    :func:`ddpx.trainer.model_loss` (tuple or dict batches; the loss function,
-    or the model's own loss with ``loss.target: null``).
+    The core implements the body: :func:`ddpx.core.model_loss` (tuple or dict
+    batches; the loss function, or the model's own loss with ``loss.target: null``).
+    A plugin may provide the loss instead, or wrap the body
+    (``@hookimpl(wrapper=True)``) to change it.
     """
-
-
-@hookspec(firstresult=True)
-def ddpx_backward(trainer: "Trainer", loss: "torch.Tensor") -> Optional[bool]:
-    """Back-propagate ``loss``; return True when done. Default: ``loss.backward()``.
-    AMP provides ``scaler.scale(loss).backward()``."""
 
 
 @hookspec(firstresult=True)
 def ddpx_optimizer_step(trainer: "Trainer") -> Optional[bool]:
     """Clip (``trainer.clip_gradients()``) and step the optimizer; return True
-    if the step was applied, False if skipped (e.g. fp16 overflow). Default:
-    clip and ``optimizer.step()``. Gradients are zeroed by the core afterwards."""
+    if the step was applied, False if skipped. Default: through ``trainer.scaler``
+    (unscale, clip, ``scaler.step``, ``scaler.update``; False after an fp16
+    overflow), or clip and ``optimizer.step()`` without fp16 AMP. Gradients are
+    zeroed by the core afterwards."""
 
 
 @hookspec
@@ -255,7 +270,8 @@ def ddpx_batch_end(
 ) -> None:
     """A micro-batch finished; ``stepped`` tells whether the optimizer stepped.
 
-    Runs after every micro-batch: for work every N steps, schedule a call
+    Runs after every micro-batch, once its optimizer step is done (for each
+    micro-batch of the window, in order): for work every N steps, schedule a call
     with ``trainer.call_at_step`` instead (nothing then runs per step)."""
 
 
@@ -295,83 +311,27 @@ def ddpx_load_state_dict(trainer: "Trainer", state: Mapping[str, Any]) -> None:
     """Restore from a checkpoint; ``state`` holds every plugin's entries."""
 
 
+# --- replaced in 0.2: still called, with a warning, for one release (ddpx/legacy_hooks.py) -------------
+
+
+@hookspec(firstresult=True)
+def ddpx_should_step(trainer: "Trainer", batch_index: int, num_batches: int) -> Optional[bool]:
+    """Deprecated: implement ``ddpx_step_window`` instead. Whether the micro-batch
+    ``batch_index`` ends an optimizer step."""
+
+
+@hookspec(firstresult=True)
+def ddpx_micro_step(trainer: "Trainer", batch: Any, sync: bool) -> "torch.Tensor":
+    """Deprecated: wrap ``ddpx_forward`` instead (the core runs ``no_sync`` itself).
+    A wrapper around one micro-batch's forward and backward; returns the loss."""
+
+
+@hookspec(firstresult=True)
+def ddpx_backward(trainer: "Trainer", loss: "torch.Tensor") -> Optional[bool]:
+    """Deprecated: return a GradScaler from ``ddpx_grad_scaler`` instead. Back-propagate
+    ``loss`` and return True; None lets the core do it."""
+
+
 def all_hook_names() -> Iterable[str]:
     """Names of every hook specified here."""
     return sorted(n for n in globals() if n.startswith("ddpx_"))
-
-
-# --- the hook reference (docs/hooks.md) -------------------------------------------------------
-
-WRAPPERS = ("ddpx_micro_step", "ddpx_forward")
-
-
-def _kind(name: str) -> str:
-    if name in WRAPPERS:
-        return "wrapper"
-    opts = globals()[name].ddpx_spec
-    return "first result" if opts.get("firstresult") else "every plugin"
-
-
-def _markdown_doc(text: str) -> str:
-    """reST inline markup to Markdown: ``x`` -> `x`, :func:`x` -> `x`."""
-    text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
-    return text.replace("``", "`")
-
-
-def reference_markdown() -> str:
-    """docs/hooks.md: every hook with its signature and docstring, in the order of this
-    module, the hook order and the trainer's attributes and methods."""
-    out = [
-        "# Hook reference",
-        "",
-        "<!-- Generated from ddpx/hookspecs.py by `python -m ddpx.hookspecs > docs/hooks.md`;",
-        "     tests/test_docs.py fails when this file is stale. Edit ddpx/hookspecs.py, not this file. -->",
-        "",
-        "Every hook a ddpx plugin can implement, in the order of a run. Kinds: *every plugin* "
-        "(each implementation is called; results are collected), *first result* (the first "
-        "implementation returning something other than `None` wins; the core's default runs last), "
-        "*wrapper* (implement with `@hookimpl(wrapper=True)` as a generator that yields once). "
-        "Writing a plugin, and the built-in plugins: [plugins.md](plugins.md).",
-        "",
-        "## The order of the hooks",
-        "",
-        "```",
-        HOOK_ORDER,
-        "```",
-        "",
-        "## The hooks",
-        "",
-    ]
-    section = None
-    for name in _hooks_in_source_order(inspect.getsource(sys.modules[__name__])):
-        fn = globals()[name]
-        heading = _SECTIONS.get(name)
-        if heading and heading != section:
-            section = heading
-            out += [f"### {heading}", ""]
-        params = ", ".join(inspect.signature(fn).parameters)
-        doc = _markdown_doc(inspect.cleandoc(fn.__doc__ or ""))
-        out += [f"#### `{name}({params})`", "", f"*{_kind(name)}*", "", doc, ""]
-    out += ["## What a plugin may use on the trainer", "",
-            "Attributes of `trainer` (a `ddpx.trainer.Trainer`):", ""]
-    out += [f"- `{name}`: {_markdown_doc(text)}" for name, text in TRAINER_ATTRIBUTES.items()]
-    out += ["", "Methods:", ""]
-    out += [f"- `trainer.{name}`: {_markdown_doc(text)}" for name, text in TRAINER_METHODS.items()]
-    out += ["", "The lifecycle that `ddpx train`, the smoke run and the benchmarks drive, in this order:", ""]
-    out += [f"- `trainer.{name}`: {_markdown_doc(text)}" for name, text in TRAINER_LIFECYCLE.items()]
-    return "\n".join(out) + "\n"
-
-
-_SECTIONS = {
-    "ddpx_config_defaults": "Configuration and set-up",
-    "ddpx_train_start": "The loop",
-    "ddpx_state_dict": "Checkpoints",
-}
-
-
-def _hooks_in_source_order(source: str) -> list:
-    return re.findall(r"^def (ddpx_\w+)\(", source, flags=re.M)
-
-
-if __name__ == "__main__":
-    sys.stdout.write(reference_markdown())

@@ -148,9 +148,8 @@ def check_pending(pm: pluggy.PluginManager) -> None:
 
 def attach(pm: pluggy.PluginManager, plugin, name: str) -> None:
     """Register a per-run helper plugin under ``name`` (replacing an earlier one of a
-    previous run). Built-in plugins attach their per-step hooks this way only when
-    their feature is on, so a disabled feature costs nothing per step; the trainer
-    unregisters what was attached during its run at teardown."""
+    previous run); the trainer unregisters what was attached during its run at
+    teardown. The shims of ddpx/legacy_hooks.py attach this way."""
     if pm.get_plugin(name) is not None:
         pm.unregister(name=name)
     _register(pm, plugin, name, " (attached at run time)")
@@ -228,7 +227,7 @@ def registered(pm: pluggy.PluginManager) -> list[tuple[str, Any]]:
 
 def stateful_plugins(pm: pluggy.PluginManager) -> list[tuple[str, Any]]:
     """``(name, plugin)`` of the registered plugin objects whose state goes into checkpoints:
-    those with ``state_dict()`` and ``load_state_dict(state)`` methods (a module's
+    those with ``state_dict(trainer)`` and ``load_state_dict(trainer, state)`` methods (a module's
     functions of those names do not count: module plugins use the ``ddpx_state_dict`` hook)."""
     return [(name, plugin) for name, plugin in registered(pm)
             if not isinstance(plugin, types.ModuleType) and callable(getattr(plugin, "state_dict", None))

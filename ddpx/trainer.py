@@ -13,7 +13,7 @@ which is registered ``trylast`` so any plugin can take over.
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import heapq
 import itertools
 import logging
@@ -34,14 +34,15 @@ from torch.utils.data import DataLoader
 from . import distributed, hookspecs
 from .batchnorm import convert_sync_batchnorm
 from .config import Config, default_run_dir
-from .core import CorePlugin, GradientNorms, batch_size, ddp_options, model_loss, to_device  # noqa: F401  (their old home)
+from .core import GradientNorms, to_device
+from .core import CorePlugin, batch_size, ddp_options, model_loss  # noqa: F401  (their old home, for users' scripts)
 from .errors import DdpxError, TrainingDiverged
 from .imports import instantiate
+from .legacy_hooks import install_legacy_step_hooks
 from .losses import EpochLosses, LossWindow
 from .plugin import plugin_signature, raised_by, rank_prefix, stateful_plugins
 from .runlock import hold_run_dir
 from .seeding import seed_rank
-from .step_hooks import step_callers
 from .stopping import StopAgreement
 
 
@@ -166,6 +167,11 @@ class Trainer:
         self.global_step = 0
         self.batch_index = 0
         self.num_batches = 0
+        # Asked from the plugins once, before ddpx_train_start: the forward pass's
+        # context (AMP's autocast) and the GradScaler (fp16 AMP; a disabled one otherwise).
+        self.autocast = contextlib.nullcontext()
+        self.scaler = torch.amp.GradScaler("cpu", enabled=False)
+        self.skipped_steps = 0  # optimizer steps the scaler skipped (inf/NaN gradients)
         self.run_dir: Optional[pathlib.Path] = None
         self.last_loss: Optional[torch.Tensor] = None
         self.stop_requested = False
@@ -179,11 +185,7 @@ class Trainer:
         self.end_reason: Optional[str] = None  # set by end_training: the loop ends after this epoch
         # Set by the checkpoint plugin: named when training diverges.
         self.last_finite_checkpoint: Optional[str] = None
-        # A plugin skips optimizer steps with non-finite gradients (fp16 AMP's
-        # GradScaler): a non-finite loss is then an overflow, not divergence.
-        self.skips_nonfinite_steps = False
         self._nonfinite_warned: dict = {}  # what (loss, weights) was warned about in which epoch
-        self.step_callers: Optional[dict] = None  # the per-step hook callables of the running epoch
         self._due: list = []  # heap of (step, order, callback): see call_at_step
         self._due_order = itertools.count()  # same-step calls run in the order they were scheduled
         self._next_due = NEVER
@@ -195,7 +197,7 @@ class Trainer:
         self.grad_norm_step: Optional[int] = None
         self._previous_signal_handlers: dict = {}
         self.stop_agreement: Optional[StopAgreement] = None  # see agree_on_stops
-        self._batches = None  # the running epoch's (index, batch) iterator, kept while train() pauses
+        self._batches = None  # the running epoch's batch iterator, kept while train() pauses
         self._saved_logger: Optional[tuple] = None  # what close() restores
         self._plugins_before: Optional[set] = None
         self._closed = False
@@ -293,7 +295,6 @@ class Trainer:
             # destroying the group: otherwise torch 2.13 + gloo aborts at exit
             # now and then ("terminate called without an active exception").
             self.model = None
-            gc.collect()
             distributed.teardown()
         finally:
             if self._run_lock is not None:
@@ -390,6 +391,9 @@ class Trainer:
         self.train_loader, self.eval_loader = self.hook.ddpx_build_dataloaders(
             trainer=self, train_set=self.train_set, eval_set=self.eval_set
         )
+        self.autocast = self.hook.ddpx_autocast(trainer=self) or contextlib.nullcontext()
+        self.scaler = self.hook.ddpx_grad_scaler(trainer=self) or torch.amp.GradScaler(self.device.type, enabled=False)
+        install_legacy_step_hooks(self)
 
     def _propose_run_dir(self) -> str:
         if self.config.run_dir:
@@ -427,37 +431,26 @@ class Trainer:
             self._epoch_finished = False
             self._losses.start_epoch()
             self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
-            # Resolved after the epoch start: a plugin may attach step hooks there.
-            self.step_callers = step_callers(self.plugin_manager)
             self.num_batches = len(self.train_loader)
-            self._batches = enumerate(self.train_loader)
-        callers = self.step_callers
-        should_step, micro_step = callers["ddpx_should_step"], callers["ddpx_micro_step"]
-        optimizer_step, batch_end = callers["ddpx_optimizer_step"], callers["ddpx_batch_end"]
+            self._batches = iter(self.train_loader)
         stop_at = self._stop_step(until_step)
         self.module.train()
-        for batch_index, batch in self._batches:
-            self.batch_index = batch_index
-            if self.device.type != "cpu":  # .to() per tensor costs ~10k instructions even on CPU
-                batch = to_device(batch, self.device)
-            sync = should_step(trainer=self, batch_index=batch_index, num_batches=self.num_batches)
-            loss = micro_step(trainer=self, batch=batch, sync=sync)
-            stepped = False
-            if sync:
-                stepped = bool(optimizer_step(trainer=self))
-                self.optimizer.zero_grad(set_to_none=True)
-                if stepped and self.scheduler is not None:
-                    self.scheduler.step()
-                self.global_step += 1
-            self.last_loss = loss
-            self._losses.append(loss)  # summed when read: no per-step host sync
-            if batch_end is not None:
-                batch_end(trainer=self, batch_index=batch_index, loss=loss, stepped=stepped)
-            if sync and self.global_step >= self._next_due:
+        while self.epoch_batches < self.num_batches:
+            first = self.epoch_batches
+            window = self.hook.ddpx_step_window(trainer=self, batch_index=first, num_batches=self.num_batches)
+            batches = list(itertools.islice(self._batches, window))
+            if not batches:
+                break
+            losses, applied = self.train_step(batches)
+            if self.hook.ddpx_batch_end.get_hookimpls():
+                for i, loss in enumerate(losses):
+                    stepped = applied and i == len(losses) - 1
+                    self.hook.ddpx_batch_end(trainer=self, batch_index=first + i, loss=loss, stepped=stepped)
+            if self.global_step >= self._next_due:
                 self.run_due_calls()
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
-            if sync and stop_at is not None and self.global_step >= stop_at:
+            if stop_at is not None and self.global_step >= stop_at:
                 break
         # Finished unless max_steps (or until_step) cut it short before the epoch's last batch.
         self._epoch_finished = self.epoch_batches >= self.num_batches
@@ -466,7 +459,7 @@ class Trainer:
         self._batches = None
 
         metrics: dict = {"epoch": epoch, "step": self.global_step, **self._epoch_train_loss()}
-        if not math.isfinite(metrics.get("loss", 0.0)):
+        if not math.isfinite(metrics.get("loss", 0.0)) and not self.scaler.is_enabled():  # else fp16 overflows
             self.nonfinite_loss(f"in epoch {epoch} (its mean training loss is {metrics['loss']})")
         every = self.config.trainer.eval_every_epochs
         last = epoch + 1 >= self.config.trainer.epochs or self._max_steps_reached()
@@ -476,6 +469,46 @@ class Trainer:
         self.metrics.append(metrics)
         self.hook.ddpx_epoch_end(trainer=self, epoch=epoch, metrics=metrics)
         return metrics
+
+    def train_step(self, batches: list) -> tuple[list, bool]:
+        """One optimizer step over ``batches``, the micro-batches of one accumulation
+        window: forward and backward of each (DDP all-reduces the gradients on the
+        last one only), then ``ddpx_optimizer_step`` (clip and step), zero the
+        gradients, step the LR scheduler. Returns the micro-batches' losses (detached)
+        and whether the step was applied (fp16 AMP skips a step whose gradients
+        overflowed)."""
+        losses = []
+        for i, batch in enumerate(batches):
+            self.batch_index = self.epoch_batches
+            loss = self.forward_backward(batch, sync=i == len(batches) - 1, window=len(batches))
+            self._losses.append(loss)  # summed when read: no host sync per step
+            losses.append(loss)
+        self.last_loss = losses[-1]
+        applied = self.hook.ddpx_optimizer_step(trainer=self) is not False
+        if not applied:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if applied and self.scheduler is not None:
+            self.scheduler.step()
+        self.global_step += 1
+        return losses, applied
+
+    def forward_backward(self, batch, sync: bool, window: int) -> torch.Tensor:
+        """Forward (``ddpx_forward``, in ``autocast``) and backward of one micro-batch;
+        returns its loss, detached. The back-propagated loss is divided by ``window``,
+        so the step's gradient is the window's mean, that of one big batch. Without
+        ``sync``, DDP does not all-reduce (``no_sync``)."""
+        if self.device.type != "cpu":  # .to() per tensor costs ~10k instructions even on CPU
+            batch = to_device(batch, self.device)
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            with self.autocast:
+                loss = self.hook.ddpx_forward(trainer=self, batch=batch)
+            self.backward(loss / window if window > 1 else loss)
+        return loss.detach()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss``, scaled by the GradScaler under fp16 AMP."""
+        self.scaler.scale(loss).backward()
 
     def _epoch_train_loss(self) -> dict:
         """``{"loss": mean micro-batch loss of the epoch over all ranks}`` (empty if
@@ -497,15 +530,13 @@ class Trainer:
         if self.end_reason is None:
             self.end_reason = reason
 
-    def nonfinite_loss(self, where: str, by_step_skipper: bool = False) -> None:
+    def nonfinite_loss(self, where: str) -> None:
         """The loss went non-finite ``where`` (e.g. "in epoch 3"): act on
         ``trainer.nonfinite``. Called on every rank at the same boundary, from
         all-reduced values only: ``stop`` raises :class:`TrainingDiverged`
-        everywhere; ``warn`` logs a warning (rank 0) and goes on. Ignored while
-        ``skips_nonfinite_steps`` unless the plugin that skips steps calls it
-        (``by_step_skipper``: its skips no longer help)."""
-        if self.skips_nonfinite_steps and not by_step_skipper:
-            return  # fp16 AMP skipped those steps; it reports a scale that collapses itself
+        everywhere; ``warn`` logs a warning (rank 0) and goes on. Under fp16 AMP
+        the GradScaler skips steps with non-finite gradients, so the callers ask
+        only once its scale collapsed."""
         if self.config.trainer.nonfinite == "warn":
             self._warn_once_per_epoch("loss", f"the loss went non-finite {where}{self._first_nonfinite_gradient()}; "
                                       "going on (trainer.nonfinite=warn)")
@@ -525,7 +556,7 @@ class Trainer:
 
     def _first_nonfinite_gradient(self) -> str:
         """Where the gradients first went non-finite, for the guard's message (one host read)."""
-        if self.skips_nonfinite_steps or self._grad_norms is None:
+        if self.scaler.is_enabled() or self._grad_norms is None:
             return ""  # fp16 AMP skips such steps: its non-finite gradients are overflows, not divergence
         found = self._grad_norms.first_nonfinite()
         if found is not None:
@@ -563,7 +594,7 @@ class Trainer:
         step = self.global_step + 1  # this optimizer step's number
         if not max_norm and step < self._grad_norm_due:
             return None
-        norm = self._grad_norms.compute(step, track=not self.skips_nonfinite_steps)
+        norm = self._grad_norms.compute(step, track=not self.scaler.is_enabled())
         self.grad_norm, self.grad_norm_step = norm, step
         if step >= self._grad_norm_due:
             self._grad_norm_due = NEVER  # done: the logger asks for its next one
@@ -596,7 +627,7 @@ class Trainer:
         for name, plugin in stateful_plugins(self.plugin_manager):
             if name in CORE_STATE:
                 raise DdpxError(f"plugin '{name}' cannot keep state under its name: {name!r} is the core's; rename the plugin")
-            part = plugin.state_dict()
+            part = plugin.state_dict(self)
             if part is not None:
                 state[name] = part
         for part in reversed(self.hook.ddpx_state_dict(trainer=self)):  # registration order
@@ -623,7 +654,7 @@ class Trainer:
             if part is None:
                 part = {key: state[key] for key in getattr(plugin, "legacy_state_keys", ()) if key in state} or None
             if part is not None:
-                plugin.load_state_dict(part)
+                plugin.load_state_dict(self, part)
         self.hook.ddpx_load_state_dict(trainer=self, state=state)
 
     # --- plugins -----------------------------------------------------------------------

@@ -159,7 +159,7 @@ def test_comm_monitor_measures_occasionally_and_warns_once(monkeypatch):
 
     calls = []
 
-    def fake_share(trainer, step_s):
+    def fake_share(trainer, step_s, measure):
         calls.append(trainer.global_step)
         return 0.8, 0.008, 4_000_000
 
@@ -167,8 +167,9 @@ def test_comm_monitor_measures_occasionally_and_warns_once(monkeypatch):
     monkeypatch.setattr(comm_monitor, "warning_text", lambda *a: "communication dominates")
     cfg = {"enabled": True, "threshold": 0.5, "start_step": 3, "window_steps": 2, "every_steps": 5}
     trainer = _fake_trainer(cfg)
-    comm_monitor.ddpx_setup(trainer)
-    comm_monitor.ddpx_train_start(trainer)
+    plugin = comm_monitor.CommMonitorPlugin()
+    plugin.ddpx_setup(trainer)
+    plugin.ddpx_train_start(trainer)
     for step in range(1, 21):  # the trainer's loop at each optimizer-step boundary
         trainer.global_step = step
         if step >= trainer._next_due:
@@ -183,13 +184,14 @@ def test_comm_monitor_is_off_for_one_rank():
 
     trainer = _fake_trainer({"enabled": True, "threshold": 0.5, "start_step": 1, "window_steps": 1,
                              "every_steps": 1}, world_size=1)
-    comm_monitor.ddpx_setup(trainer)
-    assert trainer.comm_monitor is None
+    plugin = comm_monitor.CommMonitorPlugin()
+    plugin.ddpx_setup(trainer)
+    assert plugin.state is None
 
 
 def _monitor_enabled_args():
     installed = any(ep.name == "comm_monitor" for ep in importlib.metadata.entry_points(group="ddpx"))
-    return [] if installed else ["plugins.enable=[ddpx_plugins.comm_monitor]"]
+    return [] if installed else ["plugins.enable=[ddpx_plugins.comm_monitor.CommMonitorPlugin]"]
 
 
 def test_training_warns_once_with_the_options(ranks, tmp_path):

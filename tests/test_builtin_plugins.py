@@ -100,7 +100,7 @@ def ddpx_train_end(trainer):
     rec["global_step"] = trainer.global_step
     rec["scheduler_steps"] = None if trainer.scheduler is None else trainer.scheduler.last_epoch
     rec["lr"] = trainer.optimizer.param_groups[0]["lr"]
-    rec["comm_hook"] = type(getattr(trainer, "comm_hook", None)).__name__
+    rec["comm_hook"] = type(trainer.plugin("comm_hook").state).__name__
     rec["state_keys"] = sorted(trainer.state_dict())
     torch.save(rec, os.path.join(trainer.run_dir, f"record{trainer.rank}.pt"))
 
@@ -168,19 +168,18 @@ def epoch_order(num_samples, seed, epoch):
 # --- accumulation ---------------------------------------------------------------------------
 
 
-def test_should_step_windows_and_short_final_window():
+def test_step_windows_and_short_final_window():
     from types import SimpleNamespace
 
-    from ddpx_plugins import accumulation
+    from ddpx_plugins.accumulation import AccumulationPlugin
 
-    trainer = SimpleNamespace(accumulation=accumulation.AccumulationState(4))
-    hooks = accumulation.AccumulationSteps(trainer.accumulation)
-    steps, windows = [], []
-    for i in range(10):
-        steps.append(hooks.ddpx_should_step(trainer=trainer, batch_index=i, num_batches=10))
-        windows.append(trainer.accumulation.window)
-    assert [i + 1 for i, s in enumerate(steps) if s] == [4, 8, 10]
-    assert windows == [4] * 8 + [2, 2]
+    plugin = AccumulationPlugin()
+    plugin.ddpx_setup(trainer=SimpleNamespace(config=SimpleNamespace(section=lambda name: {"steps": 4})))
+    windows, index = [], 0
+    while index < 10:
+        windows.append(plugin.ddpx_step_window(trainer=None, batch_index=index, num_batches=10))
+        index += windows[-1]
+    assert windows == [4, 4, 2]  # steps after micro-batches 4, 8 and 10
 
 
 def test_accumulation_equals_one_big_batch(ranks, tmp_path):
@@ -249,25 +248,25 @@ def test_unknown_comm_hook_name_lists_the_choices():
     from types import SimpleNamespace
 
     from ddpx.errors import DdpxError
-    from ddpx_plugins import comm_hook
+    from ddpx_plugins.comm_hook import CommHookPlugin
 
     pytest.importorskip("ddpx.comm_hooks")
     config = SimpleNamespace(section=lambda name: {"name": "int7", "native": True, "options": {}})
     with pytest.raises(DdpxError, match="unknown comm_hook.name 'int7'; choose one of: allreduce, bf16, .*int8"):
-        comm_hook.ddpx_configure(config=config)
+        CommHookPlugin().ddpx_configure(config=config)
     config = SimpleNamespace(section=lambda name: {"name": "int8", "native": True, "options": {"blok": 3}})
     with pytest.raises(DdpxError, match="unknown option.*blok"):
-        comm_hook.ddpx_configure(config=config)
+        CommHookPlugin().ddpx_configure(config=config)
 
 
 # --- amp --------------------------------------------------------------------------------------
 
 
 def _amp_trainer(grad_clip=None, init_scale=1024.0):
-    """A stand-in trainer with what the AMP plugin reads, on CPU."""
+    """A stand-in trainer with what the AMP plugin and the core's optimizer step read, on CPU."""
     from types import SimpleNamespace
 
-    from ddpx_plugins import amp
+    from ddpx_plugins.amp import AmpPlugin
 
     model = torch.nn.Linear(4, 3)
     sections = {"amp": {"enabled": True, "dtype": "fp16", "init_scale": init_scale}}
@@ -277,6 +276,9 @@ def _amp_trainer(grad_clip=None, init_scale=1024.0):
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         norms_seen=[],
+        global_step=0,
+        epoch=0,
+        plugin=AmpPlugin(),
     )
 
     def clip_gradients():
@@ -284,35 +286,36 @@ def _amp_trainer(grad_clip=None, init_scale=1024.0):
         trainer.norms_seen.append(norm.item())
 
     trainer.clip_gradients = clip_gradients
-    amp.ddpx_setup(trainer=trainer)
+    trainer.plugin.ddpx_setup(trainer=trainer)
+    trainer.scaler = trainer.plugin.ddpx_grad_scaler(trainer=trainer)
     return trainer
 
 
 def test_amp_unscales_before_clipping_and_restores_the_scaler():
-    from ddpx_plugins import amp
+    from ddpx.core import CorePlugin
 
     trainer = _amp_trainer(grad_clip=0.5)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     loss = torch.nn.functional.cross_entropy(trainer.module(x), y)
     reference = torch.autograd.grad(loss, list(trainer.module.parameters()), retain_graph=True)
     true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in reference])).item()
-    steps = amp.ScaledSteps(trainer.amp)  # the per-step hooks fp16 attaches
-    assert steps.ddpx_backward(trainer=trainer, loss=loss) is True
+    trainer.scaler.scale(loss).backward()  # what Trainer.backward does
     assert trainer.module.weight.grad.abs().max() > 100 * reference[0].abs().max()  # scaled by 1024
-    assert steps.ddpx_optimizer_step(trainer=trainer) is True
+    core = CorePlugin()
+    assert core.ddpx_optimizer_step(trainer=trainer) is True
     assert trainer.norms_seen == [pytest.approx(true_norm, rel=1e-5)]  # clipping saw the true gradients
 
     trainer.module.weight.grad = torch.full_like(trainer.module.weight, math.inf)
     before = trainer.module.weight.detach().clone()
-    assert steps.ddpx_optimizer_step(trainer=trainer) is False
+    assert core.ddpx_optimizer_step(trainer=trainer) is False
     assert torch.equal(trainer.module.weight, before)
-    assert trainer.amp.skipped_steps == 1 and trainer.amp.scaler.get_scale() == 512.0
+    assert trainer.scaler.get_scale() == 512.0
 
-    state = amp.ddpx_state_dict(trainer=trainer)
+    state = trainer.plugin.state_dict(trainer)
     fresh = _amp_trainer(init_scale=65536.0)
-    amp.ddpx_load_state_dict(trainer=fresh, state=state)
-    assert fresh.amp.scaler.get_scale() == 512.0 and fresh.amp.skipped_steps == 1
-    assert fresh.amp.scaler.state_dict() == trainer.amp.scaler.state_dict()
+    fresh.plugin.load_state_dict(fresh, state)
+    assert fresh.scaler.get_scale() == 512.0
+    assert fresh.scaler.state_dict() == trainer.scaler.state_dict()
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank(ranks, tmp_path):

@@ -201,11 +201,12 @@ def test_bad_checkpoint_config_is_a_one_line_error(key, value, message):
     from types import SimpleNamespace
 
     from ddpx.errors import DdpxError
-    from ddpx_plugins.checkpoint import ddpx_config_defaults, ddpx_configure
+    from ddpx_plugins.checkpoint import CheckpointPlugin
 
-    section = {**ddpx_config_defaults()["checkpoint"], key: value}
+    plugin = CheckpointPlugin()
+    section = {**plugin.ddpx_config_defaults()["checkpoint"], key: value}
     with pytest.raises(DdpxError, match=message):
-        ddpx_configure(SimpleNamespace(section=lambda name: section))
+        plugin.ddpx_configure(SimpleNamespace(section=lambda name: section))
 
 
 def test_consecutive_async_saves_reusing_buffers_keep_each_checkpoint_intact(tmp_path):
@@ -226,9 +227,9 @@ def _stop_agreement(**cfg):
     from types import SimpleNamespace
 
     from ddpx.stopping import StopAgreement
-    from ddpx_plugins.checkpoint import ddpx_config_defaults
+    from ddpx_plugins.checkpoint import CheckpointPlugin
 
-    cfg = {**ddpx_config_defaults()["checkpoint"], **cfg}
+    cfg = {**CheckpointPlugin().ddpx_config_defaults()["checkpoint"], **cfg}
     trainer = SimpleNamespace(global_step=0, world_size=1, rank=0, device=torch.device("cpu"),
                               stop_signal_handler=None)
     stops = StopAgreement(trainer, cfg["stop_check_every"], cfg["stop_check_s"], cfg["stop_timeout_s"],

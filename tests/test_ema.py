@@ -32,10 +32,10 @@ def test_the_average_equals_one_computed_by_hand(make_config, tmp_path, start_st
     trainer.run()
     weights = dict(sample_plugins.EVENTS)
     expected = hand_ema(weights, 0.9, start_step, every_steps, 12)
-    for got, want, last in zip(trainer.ema.params, expected, weights[12]):
+    for got, want, last in zip(trainer.plugin("ema").state.params, expected, weights[12]):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)  # fp32 round-off: lerp vs the formula above
         assert (got - last).abs().max() > 1e-4  # an average, not the last weights
-    assert trainer.ema.updates == len(range(start_step + every_steps, 13, every_steps))
+    assert trainer.plugin("ema").state.updates == len(range(start_step + every_steps, 13, every_steps))
 
     exported = torch.load(tmp_path / "run" / "ema_weights.pt", weights_only=False)
     assert exported["weights"] == "ema" and exported["decay"] == 0.9 and exported["step"] == 12 - (12 - start_step) % every_steps

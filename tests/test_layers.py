@@ -25,7 +25,7 @@ LAYERS = [
     ["hookspecs", "distributed", "comm_hooks"],
     ["imports", "comm", "hooks"],  # hooks: the old import path of comm_hooks
     ["plugin"],
-    ["config", "step_hooks"],
+    ["config", "legacy_hooks"],
     ["core"],
     ["trainer", "launch"],
     ["worker", "doctor"],

@@ -9,6 +9,7 @@ import pluggy
 import pytest
 import torch.distributed as dist
 
+from ddpx import hookspecs
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
 from ddpx.plugin import make_plugin_manager, origin, plugin_table, raised_by, registered
@@ -20,47 +21,56 @@ RECORDER = '''
 import torch
 from ddpx import hookimpl
 
-calls = []
+calls = []    # hook names, in call order
+batches = []  # (batch_index, stepped, global_step) of every ddpx_batch_end
 
 @hookimpl
-def ddpx_configure(config): calls.append("configure")
+def ddpx_configure(config): calls.append("ddpx_configure")
 @hookimpl
-def ddpx_setup(trainer): calls.append("setup")
+def ddpx_setup(trainer): calls.append("ddpx_setup")
 @hookimpl
 def ddpx_build_model(trainer):
-    import torch
+    calls.append("ddpx_build_model")
     return torch.nn.Sequential(torch.nn.Linear(64, 10))  # overrides the core's default model
 @hookimpl
-def ddpx_model_wrapped(trainer, model): calls.append("model_wrapped")
-@hookimpl
-def ddpx_train_start(trainer): calls.append("train_start")
-@hookimpl
-def ddpx_epoch_start(trainer, epoch): calls.append(f"epoch_start {epoch}")
+def ddpx_ddp_options(trainer): calls.append("ddpx_ddp_options")
 @hookimpl(wrapper=True)
-def ddpx_micro_step(trainer, batch, sync):
-    calls.append("micro_step(")
-    loss = yield
-    calls.append(")")
-    return loss
+def ddpx_wrap_model(trainer, model):
+    wrapped = yield  # the core asks ddpx_ddp_options inside
+    calls.append("ddpx_wrap_model")
+    return wrapped
+@hookimpl
+def ddpx_model_wrapped(trainer, model): calls.append("ddpx_model_wrapped")
+@hookimpl
+def ddpx_build_dataloaders(trainer, train_set, eval_set): calls.append("ddpx_build_dataloaders")
+@hookimpl
+def ddpx_autocast(trainer): calls.append("ddpx_autocast")
+@hookimpl
+def ddpx_grad_scaler(trainer): calls.append("ddpx_grad_scaler")
+@hookimpl
+def ddpx_train_start(trainer): calls.append("ddpx_train_start")
+@hookimpl
+def ddpx_epoch_start(trainer, epoch): calls.append("ddpx_epoch_start")
+@hookimpl
+def ddpx_step_window(trainer, batch_index, num_batches): calls.append("ddpx_step_window")
 @hookimpl(wrapper=True)
 def ddpx_forward(trainer, batch):
-    calls.append("forward")
+    calls.append("ddpx_forward")
     return (yield)
 @hookimpl
-def ddpx_backward(trainer, loss): calls.append("backward")  # returns None: the core backpropagates
-@hookimpl
-def ddpx_optimizer_step(trainer): calls.append("optimizer_step")
+def ddpx_optimizer_step(trainer): calls.append("ddpx_optimizer_step")  # None: the core steps
 @hookimpl
 def ddpx_batch_end(trainer, batch_index, loss, stepped):
-    calls.append(f"batch_end {batch_index} {stepped} {trainer.global_step}")
+    calls.append("ddpx_batch_end")
+    batches.append((batch_index, stepped, trainer.global_step))
     if trainer.config.get("fail_at") == trainer.global_step:
         raise RuntimeError("boom")
 @hookimpl
-def ddpx_evaluate(trainer, loader): calls.append("evaluate")
+def ddpx_evaluate(trainer, loader): calls.append("ddpx_evaluate")
 @hookimpl
-def ddpx_epoch_end(trainer, epoch, metrics): calls.append(f"epoch_end {epoch} {sorted(metrics)}")
+def ddpx_epoch_end(trainer, epoch, metrics): calls.append("ddpx_epoch_end")
 @hookimpl
-def ddpx_train_end(trainer): calls.append("train_end")
+def ddpx_train_end(trainer): calls.append("ddpx_train_end")
 @hookimpl
 def ddpx_exception(trainer, exc): calls.append(f"exception {exc!r} {dist_alive()}")
 
@@ -97,7 +107,7 @@ def test_builtin_plugins_load_through_the_entry_point_group():
     rows = {row["name"]: row for row in plugin_table(pm)}
     assert rows["sampler"]["distribution"] == "ddpx"
     assert "ddpx_build_dataloaders" in rows["sampler"]["hooks"]
-    assert "ddpx_micro_step" in rows["core"]["hooks"]
+    assert "ddpx_forward" in rows["core"]["hooks"] and "ddpx_step_window" in rows["core"]["hooks"]
 
 
 def test_block_and_enable(plugin_dir):
@@ -128,43 +138,98 @@ def test_wrong_hook_arguments_and_import_errors(plugin_dir):
         make_plugin_manager({"enable": ["not_a_module_xyz"]}, entry_points=False)
 
 
-def run_in_process(plugin_dir, tmp_path, overrides=()):
+def run_in_process(plugin_dir, tmp_path, overrides=(), enable=()):
     name = plugin_dir("recorder", RECORDER)
-    pm = make_plugin_manager({"enable": [name]}, entry_points=False)
+    pm = make_plugin_manager({"enable": [*enable, name]}, entry_points=False)
     # 3 batches of 32 per epoch (96 training samples), every rank sees all data.
     config = load_config(None, ["trainer.epochs=2", "data.args.test_fraction=0.947", f"run_dir={tmp_path}/run", *overrides], plugin_manager=pm)
-    return Trainer(config), sys.modules[name].calls
+    return Trainer(config), sys.modules[name]
+
+
+def expected_calls(windows: list, epochs: int) -> list:
+    """The hook names of a run, from the order ddpx/hookspecs.py declares; ``windows``:
+    the micro-batches of each optimizer step of an epoch."""
+    calls = ["ddpx_configure", *hookspecs.START_HOOKS]
+    for _ in range(epochs):
+        calls.append("ddpx_epoch_start")
+        for window in windows:
+            for hook in hookspecs.STEP_HOOKS:
+                calls += [hook] * (window if hook in hookspecs.MICRO_BATCH_HOOKS else 1)
+        calls += hookspecs.EPOCH_END_HOOKS
+    return calls + list(hookspecs.END_HOOKS)
 
 
 def test_hooks_run_in_the_documented_order(plugin_dir, tmp_path):
-    trainer, calls = run_in_process(plugin_dir, tmp_path)
+    trainer, recorder = run_in_process(plugin_dir, tmp_path)
     trainer.run()
-    batch = ["micro_step(", "forward", "backward", ")", "optimizer_step"]
-    epoch0 = ["epoch_start 0"]
-    for i in range(3):
-        epoch0 += batch + [f"batch_end {i} True {i + 1}"]
-    epoch1 = ["epoch_start 1"]
-    for i in range(3):
-        epoch1 += batch + [f"batch_end {i} True {i + 4}"]
-    metrics = "['accuracy', 'epoch', 'eval_loss', 'loss', 'step']"
-    assert calls == (
-        ["configure", "setup", "model_wrapped", "train_start"]
-        + epoch0 + ["evaluate", f"epoch_end 0 {metrics}"]
-        + epoch1 + ["evaluate", f"epoch_end 1 {metrics}"]
-        + ["train_end"]
-    )
+    assert recorder.calls == expected_calls([1, 1, 1], epochs=2)
+    assert recorder.batches == [(i % 3, True, i + 1) for i in range(6)]  # (index in the epoch, stepped, step)
     # The plugin's provider result replaced the core's default model.
     assert isinstance(trainer.module, __import__("torch").nn.Sequential)
     assert trainer.global_step == 6 and not dist.is_initialized()  # torn down
 
 
+def test_hook_order_with_accumulation_windows(plugin_dir, tmp_path):
+    # 3 micro-batches per epoch in windows of 2: steps after micro-batches 2 and 3.
+    trainer, recorder = run_in_process(plugin_dir, tmp_path, ["accumulation.steps=2"],
+                                       enable=["ddpx_plugins.accumulation.AccumulationPlugin"])
+    trainer.run()
+    assert recorder.calls == expected_calls([2, 1], epochs=2)
+    # batch_end after the window's step: every micro-batch sees the step done, the last one stepped
+    assert recorder.batches == [(0, False, 1), (1, True, 1), (2, True, 2), (0, False, 3), (1, True, 3), (2, True, 4)]
+
+
+LEGACY_STEPS = '''
+from ddpx import hookimpl
+
+calls = []
+
+@hookimpl
+def ddpx_should_step(trainer, batch_index, num_batches):
+    return batch_index % 2 == 1  # windows of 2
+
+@hookimpl(wrapper=True)
+def ddpx_micro_step(trainer, batch, sync):
+    calls.append(("micro_step", sync))
+    return (yield)
+
+@hookimpl
+def ddpx_backward(trainer, loss):
+    calls.append("backward")  # None: the core back-propagates
+'''
+
+
+def test_replaced_step_hooks_still_run_for_one_release(plugin_dir, tmp_path, capfd):
+    import torch
+
+    def train(enable, overrides):
+        pm = make_plugin_manager({"enable": enable}, entry_points=False)
+        config = load_config(None, ["trainer.epochs=1", "data.args.test_fraction=0.947", f"run_dir={tmp_path}/{enable[0]}",
+                                    *overrides], plugin_manager=pm)
+        trainer = Trainer(config)
+        trainer.run()
+        return trainer.module.state_dict()
+
+    name = plugin_dir("legacy_steps", LEGACY_STEPS)
+    legacy = train([name], [])
+    err = capfd.readouterr().err
+    for hook in ("ddpx_should_step", "ddpx_micro_step", "ddpx_backward"):
+        assert err.count(f"plugin 'legacy_steps' implements {hook}, replaced in ddpx 0.2 and removed in 0.3: ") == 1
+    # 3 micro-batches: windows [0, 1] and [2]; the old wrapper saw no_sync's flag, the core back-propagated
+    assert sys.modules[name].calls == [("micro_step", False), "backward", ("micro_step", True), "backward",
+                                       ("micro_step", True), "backward"]
+    accumulated = train(["ddpx_plugins.accumulation.AccumulationPlugin"], ["accumulation.steps=2"])
+    assert all(torch.equal(legacy[k], accumulated[k]) for k in legacy)
+
+
 def test_exception_reaches_plugins_and_tears_down(plugin_dir, tmp_path):
-    trainer, calls = run_in_process(plugin_dir, tmp_path)
+    trainer, recorder = run_in_process(plugin_dir, tmp_path)
+    calls = recorder.calls
     trainer.config["fail_at"] = 2
     with pytest.raises(RuntimeError, match="boom"):
         trainer.run()
     assert calls[-1] == "exception RuntimeError('boom') True"  # told while the group still exists
-    assert "train_end" not in calls
+    assert "ddpx_train_end" not in calls
     assert not dist.is_initialized()
 
 

@@ -35,7 +35,7 @@ def test_a_profiled_run_writes_a_trace_and_a_summary(make_config, tmp_path):
     assert "aten::addmm" in names  # the model's forward
     summary = (tmp_path / "run" / "profile" / "summary_rank0.txt").read_text()
     assert "Self CPU" in summary and "aten::" in summary
-    assert trainer.profiler.running is False  # stopped after its last active step, not at the end
+    assert trainer.plugin("profiler").run.running is False  # stopped after its last active step, not at the end
 
 
 def test_bad_profile_settings_are_one_line_errors():

@@ -18,9 +18,11 @@ def test_calls_run_at_optimizer_step_boundaries_in_the_order_scheduled(make_conf
     calls = [event[1:] for event in events if event[0] == "call"]
     # (name, global_step, batch index): steps end on odd batches with 2 micro-batches per step
     assert calls == [("c", 1, 1), ("b", 3, 5), ("a", 3, 5), ("a-again", 4, 7), ("late", 7, 13)]
-    # each call runs after its micro-batch's batch-end hooks, before the next micro-batch
+    # each call runs after its step's batch-end hooks, before the next step (whose
+    # micro-batches' batch-end hooks run once that step is done)
     at = events.index(("call", "b", 3, 5))
-    assert events[at - 1] == ("batch_end", 5, 3) and events[at + 2] == ("batch_end", 6, 3)
+    assert events[at - 2:at] == [("batch_end", 4, 3), ("batch_end", 5, 3)]
+    assert events[at + 2:at + 4] == [("batch_end", 6, 4), ("batch_end", 7, 4)]
 
 
 @pytest.mark.parametrize("fold", [4096, 4])  # 4: the trainer folds kept losses many times an epoch

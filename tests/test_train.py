@@ -100,7 +100,7 @@ def test_default_run_converges(ranks, tmp_path):
 )
 def test_ddp_options_from_the_comm_hook_unless_the_config_sets_them(tmp_path, overrides, bucket_mb):
     from ddpx import hookimpl
-    from ddpx_plugins import comm_hook
+    from ddpx_plugins.comm_hook import CommHookPlugin
 
     seen = {}
 
@@ -109,10 +109,10 @@ def test_ddp_options_from_the_comm_hook_unless_the_config_sets_them(tmp_path, ov
         def ddpx_train_start(self, trainer):
             seen["bytes"] = trainer.model.bucket_bytes_cap
             seen["views"] = trainer.model.gradient_as_bucket_view
-            seen["hook"] = type(trainer.comm_hook).__name__
+            seen["hook"] = type(trainer.plugin("comm_hook").state).__name__
 
     pm = make_plugin_manager(None, entry_points=False)
-    pm.register(comm_hook, name="comm_hook")
+    pm.register(CommHookPlugin(), name="comm_hook")
     pm.register(Recorder(), name="recorder")
     config = load_config(None, [f"run_dir={tmp_path}/run", "trainer.max_steps=1", "trainer.eval_every_epochs=0",
                                 *overrides], plugin_manager=pm)

@@ -79,24 +79,17 @@ def test_sigterm_stops_the_run_cleanly(make_config, tmp_path, checkpoint, capfd)
     assert torch.is_grad_enabled()
 
 
-def test_batch_end_fast_path_calls_what_pluggy_calls(make_config, tmp_path):
-    """Without tracing the trainer calls batch-end implementations itself; with
-    tracing, through pluggy. Both must call the same functions, in the same
-    order, with the same arguments."""
+def test_batch_end_runs_for_each_micro_batch_in_pluggy_order_with_its_arguments(make_config, tmp_path):
+    """Each micro-batch's batch-end implementations, after its window's step, in pluggy's
+    order (tryfirst, plain, trylast), each with the subset of arguments it asks for."""
     plugins = "plugins.enable=[sample_plugins.LastAtBatchEnd,sample_plugins.SubsetAtBatchEnd,sample_plugins.FirstAtBatchEnd]"
-    recorded = sample_plugins.EVENTS
-    sequences = {}
-    for trace in (False, True):
-        recorded.clear()
-        Trainer(make_config(NO_EVAL, "trainer.epochs=1", "trainer.max_steps=3", "accumulation.steps=2",
-                            "checkpoint.enabled=false", plugins, f"plugins.trace={str(trace).lower()}",
-                            run_dir=tmp_path / str(trace) / "run")).run()
-        sequences[trace] = list(recorded)
-    assert sequences[False] == sequences[True]
-    calls = sequences[False]
+    calls = sample_plugins.EVENTS
+    calls.clear()
+    Trainer(make_config(NO_EVAL, "trainer.epochs=1", "trainer.max_steps=3", "accumulation.steps=2",
+                        "checkpoint.enabled=false", plugins, run_dir=tmp_path / "run")).run()
     assert [call[0] for call in calls] == ["first", "subset", "last"] * 6  # 3 steps of 2 micro-batches
     assert [call[1:3] for call in calls[:6:3]] == [(0, False), (1, True)]  # batch index, stepped
-    assert calls[1] == ("subset", False, 0) and calls[4] == ("subset", True, 1)
+    assert calls[1] == ("subset", False, 1) and calls[4] == ("subset", True, 1)  # both after step 1
     assert calls[0][4] == calls[2][2]  # the same loss reaches both
 
 

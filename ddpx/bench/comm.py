@@ -236,7 +236,7 @@ def _step_fn(ddp, loss_fn, batch, accumulation: int, communicate: bool):
     """One optimizer step's forward/backward (no optimizer: parameters stay put)."""
     import contextlib
 
-    from ..trainer import model_loss
+    from ..core import model_loss
 
     def step():
         ddp.zero_grad(set_to_none=True)
@@ -253,7 +253,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..net import measure_allreduce_seconds
-    from ..trainer import ddp_options, to_device
+    from ..core import ddp_options, to_device
 
     device, world = trainer.device, trainer.world_size
     if world < 2:

@@ -95,8 +95,8 @@ DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an 
 
 
 class CheckpointSession:
-    """What one run of the plugin holds (``trainer.checkpoint``): the directory and its
-    writer, the last saved step, and the run's stop agreement (``stops``)."""
+    """What one run of the plugin holds (``trainer.plugin("checkpoint").session``): the
+    directory and its writer, the last saved step, and the run's stop agreement (``stops``)."""
 
     def __init__(self, trainer, cfg):
         from ddpx.checkpoint import AsyncCheckpointWriter, CheckpointDirectory
@@ -144,92 +144,92 @@ class CheckpointSession:
             trainer.request_stop(self.stops.signal_received or signal.SIGTERM)
 
 
-@hookimpl
-def ddpx_config_defaults():
-    return {
-        "checkpoint": {
-            "enabled": True,
-            "every_steps": 0,
-            "keep": 3,
-            "dir": "checkpoints",
-            "resume": True,
-            "async_write": True,
-            "lr_scaling": "none",
-            "stop_timeout_s": 20.0,
-            "stop_check_every": 0,
-            "stop_check_s": 1.0,
-            "monitor": None,
-            "mode": "auto",
-            "keep_best": 1,
+class CheckpointPlugin:
+    """``session``: the run's :class:`CheckpointSession` (None before ``ddpx_setup``)."""
+
+    def __init__(self):
+        self.session = None
+
+    @hookimpl
+    def ddpx_config_defaults(self):
+        return {
+            "checkpoint": {
+                "enabled": True,
+                "every_steps": 0,
+                "keep": 3,
+                "dir": "checkpoints",
+                "resume": True,
+                "async_write": True,
+                "lr_scaling": "none",
+                "stop_timeout_s": 20.0,
+                "stop_check_every": 0,
+                "stop_check_s": 1.0,
+                "monitor": None,
+                "mode": "auto",
+                "keep_best": 1,
+            }
         }
-    }
 
+    @hookimpl
+    def ddpx_configure(self, config):
+        cfg = config.section("checkpoint")
+        if cfg["every_steps"] < 0:
+            raise DdpxError(f"checkpoint.every_steps must be >= 0 (0: only at epoch ends), got {cfg['every_steps']}")
+        if cfg["keep"] < 1:
+            raise DdpxError(f"checkpoint.keep must be >= 1, got {cfg['keep']}")
+        if cfg["stop_check_every"] < 0:
+            raise DdpxError(f"checkpoint.stop_check_every must be >= 0 (0: about every stop_check_s seconds), "
+                            f"got {cfg['stop_check_every']}")
+        if cfg["stop_check_s"] <= 0:
+            raise DdpxError(f"checkpoint.stop_check_s must be > 0, got {cfg['stop_check_s']}")
+        if cfg["stop_timeout_s"] <= 0:
+            raise DdpxError(f"checkpoint.stop_timeout_s must be > 0, got {cfg['stop_timeout_s']}")
+        if cfg["lr_scaling"] not in LR_SCALING:
+            raise DdpxError(f"checkpoint.lr_scaling must be one of {', '.join(LR_SCALING)}, got {cfg['lr_scaling']!r}")
+        Monitor.from_config(cfg, "checkpoint")  # one-line errors for a bad name or mode
+        if cfg["keep_best"] < 1:
+            raise DdpxError(f"checkpoint.keep_best must be >= 1, got {cfg['keep_best']}")
 
-@hookimpl
-def ddpx_configure(config):
-    cfg = config.section("checkpoint")
-    if cfg["every_steps"] < 0:
-        raise DdpxError(f"checkpoint.every_steps must be >= 0 (0: only at epoch ends), got {cfg['every_steps']}")
-    if cfg["keep"] < 1:
-        raise DdpxError(f"checkpoint.keep must be >= 1, got {cfg['keep']}")
-    if cfg["stop_check_every"] < 0:
-        raise DdpxError(f"checkpoint.stop_check_every must be >= 0 (0: about every stop_check_s seconds), "
-                        f"got {cfg['stop_check_every']}")
-    if cfg["stop_check_s"] <= 0:
-        raise DdpxError(f"checkpoint.stop_check_s must be > 0, got {cfg['stop_check_s']}")
-    if cfg["stop_timeout_s"] <= 0:
-        raise DdpxError(f"checkpoint.stop_timeout_s must be > 0, got {cfg['stop_timeout_s']}")
-    if cfg["lr_scaling"] not in LR_SCALING:
-        raise DdpxError(f"checkpoint.lr_scaling must be one of {', '.join(LR_SCALING)}, got {cfg['lr_scaling']!r}")
-    Monitor.from_config(cfg, "checkpoint")  # one-line errors for a bad name or mode
-    if cfg["keep_best"] < 1:
-        raise DdpxError(f"checkpoint.keep_best must be >= 1, got {cfg['keep_best']}")
+    @hookimpl
+    def ddpx_setup(self, trainer):
+        self.session = CheckpointSession(trainer, trainer.config.section("checkpoint"))
 
+    @hookimpl(tryfirst=True)  # restore before other plugins see the start of training
+    def ddpx_train_start(self, trainer):
+        session = self.session
+        if session.enabled:
+            _refuse_restart_after_divergence(trainer, session)
+            if session.cfg["resume"]:
+                _resume(trainer, session)
+        session.stops.start(trainer)  # the checks count from the resumed step
+        session.schedule(trainer)
 
-@hookimpl
-def ddpx_setup(trainer):
-    trainer.checkpoint = CheckpointSession(trainer, trainer.config.section("checkpoint"))
+    @hookimpl(trylast=True)
+    def ddpx_epoch_end(self, trainer, epoch, metrics):
+        if self.session.enabled:
+            _save(trainer, self.session, at_epoch_end=True, metrics=metrics)
 
-
-@hookimpl(tryfirst=True)  # restore before other plugins see the start of training
-def ddpx_train_start(trainer):
-    session = trainer.checkpoint
-    if session.enabled:
-        _refuse_restart_after_divergence(trainer, session)
-        if session.cfg["resume"]:
-            _resume(trainer, session)
-    session.stops.start(trainer)  # the checks count from the resumed step
-    session.schedule(trainer)
-
-
-@hookimpl(trylast=True)
-def ddpx_epoch_end(trainer, epoch, metrics):
-    if trainer.checkpoint.enabled:
-        _save(trainer, trainer.checkpoint, at_epoch_end=True, metrics=metrics)
-
-
-@hookimpl(trylast=True)
-def ddpx_train_end(trainer):
-    session = trainer.checkpoint
-    if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
-        _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
-    session.writer.wait()
-    report_best(trainer, session)
-
-
-@hookimpl
-def ddpx_exception(trainer, exc):
-    # No collective here: the other ranks may be gone. Finish the write in flight
-    # (it is a complete, consistent checkpoint) and leave.
-    session = getattr(trainer, "checkpoint", None)  # None: ddpx_setup did not run
-    if session is None:
-        return
-    try:
+    @hookimpl(trylast=True)
+    def ddpx_train_end(self, trainer):
+        session = self.session
+        if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
+            _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
         session.writer.wait()
-    except Exception as error:
-        trainer.log.warning(f"the last checkpoint write failed too: {error}")
-    if isinstance(exc, TrainingDiverged) and session.enabled and trainer.rank == 0:
-        _write_divergence_marker(trainer, session, exc)
+        report_best(trainer, session)
+
+    @hookimpl
+    def ddpx_exception(self, trainer, exc):
+        # No collective here: the other ranks may be gone. Finish the write in flight
+        # (it is a complete, consistent checkpoint) and leave.
+        session, self.session = self.session, None
+        if session is None:  # ddpx_setup did not run
+            return
+        try:
+            session.writer.wait()
+        except Exception as error:
+            trainer.log.warning(f"the last checkpoint write failed too: {error}")
+        if isinstance(exc, TrainingDiverged) and session.enabled and trainer.rank == 0:
+            _write_divergence_marker(trainer, session, exc)
 
 
 # --- a run that diverged is not restarted automatically -------------------------------------
@@ -481,7 +481,7 @@ def _resume(trainer, session):
 
 
 def _accumulation_steps(trainer) -> int:
-    return int(trainer.config.section("accumulation").get("steps", 1) or 1) if "accumulation" in trainer.config else 1
+    return trainer.plugin("accumulation").steps if trainer.has_plugin("accumulation") else 1
 
 
 def run_steps(trainer):
@@ -537,7 +537,7 @@ def _scale_lr(trainer, factor):
         group["lr"] *= factor
         if "initial_lr" in group:
             group["initial_lr"] *= factor
-    scheduler = getattr(trainer, "scheduler", None)
+    scheduler = trainer.scheduler
     if scheduler is not None and hasattr(scheduler, "base_lrs"):
         scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
         if hasattr(scheduler, "_last_lr"):

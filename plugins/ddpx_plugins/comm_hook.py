@@ -21,13 +21,10 @@ is the registered hook's state (None: DDP's own all-reduce).
 """
 
 import importlib
-import logging
-
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
 
 BUILTIN = "allreduce"  # DDP's own all-reduce: no hook
-log = logging.getLogger("ddpx")  # trainer.log
 
 
 def _hooks_module():
@@ -95,16 +92,16 @@ class CommHookPlugin:
         """The hook's wire statistics (``wire_bytes``, ``raw_bytes``, ...), or None."""
         return self.state.stats() if self.state is not None and hasattr(self.state, "stats") else None
 
-    def state_dict(self):
+    def state_dict(self, trainer):
         if self.state is None or not hasattr(self.state, "state_dict"):
             return None
         return {"name": self.name, "state": self.state.state_dict()}
 
-    def load_state_dict(self, saved):
+    def load_state_dict(self, trainer, saved):
         if self.state is None or not hasattr(self.state, "load_state_dict"):
             return
         if saved["name"] != self.name:
-            log.warning(
+            trainer.log.warning(
                 "checkpoint has state of comm hook %s, this run uses %s: starting the hook fresh", saved["name"], self.name
             )
             return

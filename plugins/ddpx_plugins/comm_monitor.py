@@ -51,7 +51,7 @@ class CommMonitor:
         step_s = (time.perf_counter() - started) / (step - first)
         self.window_start = None
         trainer.call_at_step(step + self.cfg["every_steps"], self.open_window)
-        share, comm_s, grad_bytes = measure_share(trainer, step_s)
+        share, comm_s, grad_bytes = measure_share(trainer, step_s, self.measure_allreduce_seconds)
         self.shares.append(share)
         if share > self.cfg["threshold"] and not self.warned:
             self.warned = True
@@ -66,42 +66,43 @@ def _sync(trainer):
         torch.cuda.synchronize(trainer.device)
 
 
-@hookimpl
-def ddpx_config_defaults():
-    return {"comm_monitor": {"enabled": True, "threshold": 0.5, "start_step": 20, "window_steps": 10,
-                             "every_steps": 1000}}
+class CommMonitorPlugin:
+    """``state``: the run's :class:`CommMonitor`, or None (disabled, or one rank)."""
+
+    def __init__(self):
+        self.state = None
+
+    @hookimpl
+    def ddpx_config_defaults(self):
+        return {"comm_monitor": {"enabled": True, "threshold": 0.5, "start_step": 20, "window_steps": 10,
+                                 "every_steps": 1000}}
+
+    @hookimpl
+    def ddpx_configure(self, config):
+        cfg = config.section("comm_monitor")
+        if not 0.0 <= cfg["threshold"] <= 1.0:
+            raise DdpxError(f"comm_monitor.threshold is a share of a step between 0 and 1, got {cfg['threshold']}")
+        for key in ("start_step", "window_steps", "every_steps"):
+            if cfg[key] < 1:
+                raise DdpxError(f"comm_monitor.{key} must be at least 1, got {cfg[key]}")
+
+    @hookimpl
+    def ddpx_setup(self, trainer):
+        cfg = trainer.config.section("comm_monitor")
+        self.state = CommMonitor(cfg) if cfg["enabled"] and trainer.world_size > 1 else None
+
+    @hookimpl
+    def ddpx_train_start(self, trainer):
+        if self.state is not None:  # every rank: the measurement's collectives line up
+            trainer.call_at_step(trainer.global_step + self.state.cfg["start_step"], self.state.open_window)
 
 
-@hookimpl
-def ddpx_configure(config):
-    cfg = config.section("comm_monitor")
-    if not 0.0 <= cfg["threshold"] <= 1.0:
-        raise DdpxError(f"comm_monitor.threshold is a share of a step between 0 and 1, got {cfg['threshold']}")
-    for key in ("start_step", "window_steps", "every_steps"):
-        if cfg[key] < 1:
-            raise DdpxError(f"comm_monitor.{key} must be at least 1, got {cfg[key]}")
-
-
-@hookimpl
-def ddpx_setup(trainer):
-    cfg = trainer.config.section("comm_monitor")
-    trainer.comm_monitor = CommMonitor(cfg) if cfg["enabled"] and trainer.world_size > 1 else None
-
-
-@hookimpl
-def ddpx_train_start(trainer):
-    monitor = getattr(trainer, "comm_monitor", None)
-    if monitor is not None:  # every rank: the measurement's collectives line up
-        trainer.call_at_step(trainer.global_step + monitor.cfg["start_step"], monitor.open_window)
-
-
-def measure_share(trainer, step_s):
+def measure_share(trainer, step_s, measure_allreduce_seconds):
     """(share of a step, communication seconds, gradient bytes): every rank, same collectives."""
     grad_bytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters() if p.requires_grad)
     # the fastest of 3: what the link needs, without another process's burst on a shared CPU
-    comm_s = trainer.comm_monitor.measure_allreduce_seconds(grad_bytes, iters=3, device=trainer.device, fastest=True)
-    hook = getattr(trainer, "comm_hook", None)
-    stats = hook.stats() if hook is not None and hasattr(hook, "stats") else None
+    comm_s = measure_allreduce_seconds(grad_bytes, iters=3, device=trainer.device, fastest=True)
+    stats = trainer.plugin("comm_hook").stats() if trainer.has_plugin("comm_hook") else None
     if stats and stats.get("wire_bytes") and stats.get("raw_bytes"):
         # the hook sends wire/raw of what an fp32 ring allreduce would
         world = trainer.world_size
@@ -113,10 +114,10 @@ def measure_share(trainer, step_s):
 def warning_text(trainer, share, comm_s, step_s, grad_bytes):
     cfg = trainer.config
     batch = cfg.trainer.batch_size
-    accumulation = cfg.section("accumulation").get("steps", 1) if "accumulation" in cfg else 1
+    accumulation = trainer.plugin("accumulation").steps if trainer.has_plugin("accumulation") else 1
     compute_s = max(step_s - comm_s, 1e-9)
     k = max(2, math.ceil(accumulation * comm_s / compute_s))
-    hook = cfg.section("comm_hook").get("name", "allreduce") if "comm_hook" in cfg else "allreduce"
+    hook = trainer.plugin("comm_hook").name if trainer.has_plugin("comm_hook") else "allreduce"
     return (
         f"communication takes about {100 * share:.0f}% of each optimizer step (gradient allreduce of "
         f"{grad_bytes / 1e6:.1f} MB: {1e3 * comm_s:.1f} ms of a {1e3 * step_s:.1f} ms step"

@@ -27,7 +27,7 @@ SECTION = "early_stopping"
 
 
 class EarlyStopping:
-    """What one run of the plugin holds (``trainer.early_stopping``)."""
+    """What one run of the plugin holds (``trainer.plugin("early_stopping").state``)."""
 
     def __init__(self, monitor: Monitor, patience: int):
         self.monitor = monitor
@@ -48,70 +48,67 @@ class EarlyStopping:
                 f"for {self.patience} epochs (best {self.best:.6g})")
 
 
-@hookimpl
-def ddpx_config_defaults():
-    return {SECTION: {"monitor": None, "patience": 3, "min_delta": 0.0, "mode": "auto"}}
+class EarlyStoppingPlugin:
+    """``state``: the run's :class:`EarlyStopping`, or None when no metric is monitored."""
 
+    def __init__(self):
+        self.state = None
 
-@hookimpl
-def ddpx_configure(config):
-    cfg = config.section(SECTION)
-    if cfg["patience"] < 1:
-        raise DdpxError(f"early_stopping.patience must be >= 1, got {cfg['patience']}")
-    Monitor.from_config(cfg, SECTION)  # one-line errors
+    @hookimpl
+    def ddpx_config_defaults(self):
+        return {SECTION: {"monitor": None, "patience": 3, "min_delta": 0.0, "mode": "auto"}}
 
+    @hookimpl
+    def ddpx_configure(self, config):
+        cfg = config.section(SECTION)
+        if cfg["patience"] < 1:
+            raise DdpxError(f"early_stopping.patience must be >= 1, got {cfg['patience']}")
+        Monitor.from_config(cfg, SECTION)  # one-line errors
 
-@hookimpl
-def ddpx_setup(trainer):
-    cfg = trainer.config.section(SECTION)
-    monitor = Monitor.from_config(cfg, SECTION)
-    trainer.early_stopping = EarlyStopping(monitor, cfg["patience"]) if monitor is not None else None
+    @hookimpl
+    def ddpx_setup(self, trainer):
+        cfg = trainer.config.section(SECTION)
+        monitor = Monitor.from_config(cfg, SECTION)
+        self.state = EarlyStopping(monitor, cfg["patience"]) if monitor is not None else None
 
+    @hookimpl
+    def ddpx_train_start(self, trainer):
+        state = self.state
+        if state is not None and state.stopped:  # restored from a run that already stopped early
+            trainer.end_training(state.reason())
 
-@hookimpl
-def ddpx_train_start(trainer):
-    state = trainer.early_stopping
-    if state is not None and state.stopped:  # restored from a run that already stopped early
-        trainer.end_training(state.reason())
+    @hookimpl(tryfirst=True)  # before the logging plugin writes the epoch's metrics and the checkpoint saves
+    def ddpx_epoch_end(self, trainer, epoch, metrics):
+        state = self.state
+        if state is None:
+            return
+        value = state.monitor.value(metrics)
+        if value is None:
+            return  # no evaluation this epoch
+        state.update(value)
+        if trainer.world_size > 1:
+            import torch.distributed as dist
 
+            box = [(state.best, state.wait, state.stopped)]
+            dist.broadcast_object_list(box, src=0)
+            state.best, state.wait, state.stopped = box[0]
+        metrics["early_stopping_wait"] = state.wait
+        if state.stopped:
+            metrics["early_stopped"] = True
+            trainer.end_training(state.reason())
 
-@hookimpl(tryfirst=True)  # before the logging plugin writes the epoch's metrics and the checkpoint saves
-def ddpx_epoch_end(trainer, epoch, metrics):
-    state = trainer.early_stopping
-    if state is None:
-        return
-    value = state.monitor.value(metrics)
-    if value is None:
-        return  # no evaluation this epoch
-    state.update(value)
-    if trainer.world_size > 1:
-        import torch.distributed as dist
+    def state_dict(self, trainer):
+        state = self.state
+        if state is None:
+            return None
+        return {"monitor": state.monitor.name, "best": state.best, "wait": state.wait, "stopped": state.stopped}
 
-        box = [(state.best, state.wait, state.stopped)]
-        dist.broadcast_object_list(box, src=0)
-        state.best, state.wait, state.stopped = box[0]
-    metrics["early_stopping_wait"] = state.wait
-    if state.stopped:
-        metrics["early_stopped"] = True
-        trainer.end_training(state.reason())
-
-
-@hookimpl
-def ddpx_state_dict(trainer):
-    state = trainer.early_stopping
-    if state is None:
-        return None
-    return {SECTION: {"monitor": state.monitor.name, "best": state.best, "wait": state.wait, "stopped": state.stopped}}
-
-
-@hookimpl
-def ddpx_load_state_dict(trainer, state):
-    mine = trainer.early_stopping
-    saved = state.get(SECTION)
-    if mine is None or saved is None:
-        return
-    if saved["monitor"] != mine.monitor.name:
-        trainer.log.warning(f"early stopping now watches {mine.monitor.name}, the checkpoint's counters are for "
-                            f"{saved['monitor']}: starting its patience afresh")
-        return
-    mine.best, mine.wait, mine.stopped = saved["best"], saved["wait"], saved["stopped"]
+    def load_state_dict(self, trainer, saved):
+        mine = self.state
+        if mine is None:
+            return
+        if saved["monitor"] != mine.monitor.name:
+            trainer.log.warning(f"early stopping now watches {mine.monitor.name}, the checkpoint's counters are for "
+                        f"{saved['monitor']}: starting its patience afresh")
+            return
+        mine.best, mine.wait, mine.stopped = saved["best"], saved["wait"], saved["stopped"]

@@ -27,7 +27,7 @@ size continues the same average. At the end of training rank 0 writes
 parameters (and buffers with ``buffers: true``), loadable with
 ``model.load_state_dict(torch.load(path)["state_dict"])``.
 
-Per-run state: ``trainer.ema`` (an :class:`EmaState`, None when off;
+Per-run state: ``trainer.plugin("ema").state`` (an :class:`EmaState`, None when off;
 docs/plugins.md, "Per-run state").
 """
 
@@ -137,112 +137,107 @@ def _schedule(trainer, ema):
     trainer.call_at_step(ema.next_step(trainer.global_step), at_step)
 
 
-@hookimpl
-def ddpx_config_defaults():
-    return {"ema": {"decay": None, "every_steps": 1, "start_step": 0, "eval": True, "buffers": False}}
+class EmaPlugin:
+    """``state``: the run's :class:`EmaState`, or None without ``ema.decay``."""
 
+    def __init__(self):
+        self.state = None
 
-@hookimpl
-def ddpx_configure(config):
-    cfg = config.section("ema")
-    decay = cfg["decay"]
-    if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1):
-        raise DdpxError(f"ema.decay must be a number between 0 and 1 (e.g. 0.999), or null for no EMA (got {decay!r})")
-    if cfg["every_steps"] < 1:
-        raise DdpxError(f"ema.every_steps must be >= 1 (got {cfg['every_steps']})")
-    if cfg["start_step"] < 0:
-        raise DdpxError(f"ema.start_step must be >= 0 (got {cfg['start_step']})")
+    @hookimpl
+    def ddpx_config_defaults(self):
+        return {"ema": {"decay": None, "every_steps": 1, "start_step": 0, "eval": True, "buffers": False}}
 
+    @hookimpl
+    def ddpx_configure(self, config):
+        cfg = config.section("ema")
+        decay = cfg["decay"]
+        if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1):
+            raise DdpxError(f"ema.decay must be a number between 0 and 1 (e.g. 0.999), or null for no EMA (got {decay!r})")
+        if cfg["every_steps"] < 1:
+            raise DdpxError(f"ema.every_steps must be >= 1 (got {cfg['every_steps']})")
+        if cfg["start_step"] < 0:
+            raise DdpxError(f"ema.start_step must be >= 0 (got {cfg['start_step']})")
 
-@hookimpl
-def ddpx_setup(trainer):
-    trainer.ema = None  # made with the model (ddpx_model_wrapped)
+    @hookimpl
+    def ddpx_setup(self, trainer):
+        self.state = None  # made with the model (ddpx_model_wrapped)
 
+    @hookimpl
+    def ddpx_model_wrapped(self, trainer, model):
+        cfg = trainer.config.section("ema")
+        if cfg["decay"] is not None:
+            self.state = EmaState(trainer.module, float(cfg["decay"]), cfg["every_steps"], cfg["start_step"],
+                                  cfg["buffers"])
 
-@hookimpl
-def ddpx_model_wrapped(trainer, model):
-    cfg = trainer.config.section("ema")
-    if cfg["decay"] is not None:
-        trainer.ema = EmaState(trainer.module, float(cfg["decay"]), cfg["every_steps"], cfg["start_step"],
-                               cfg["buffers"])
-
-
-@hookimpl(trylast=True)  # after the checkpoint plugin restored the average and global_step
-def ddpx_train_start(trainer):
-    ema = trainer.ema
-    if ema is None:
-        return
-    if ema.step is None and trainer.global_step >= ema.start_step:  # start_step 0: from the initial weights
-        if trainer.global_step > 0:
-            trainer.log.warning(f"ema: resumed at step {trainer.global_step} from a checkpoint without an EMA: "
-                                "the average starts from the resumed weights")
-        ema.update(trainer.global_step)
-    _schedule(trainer, ema)
-
-
-@hookimpl(tryfirst=True)  # before the logging and checkpoint plugins see the metrics
-def ddpx_epoch_end(trainer, epoch, metrics):
-    ema = trainer.ema
-    if ema is None or not trainer.config.section("ema")["eval"] or ema.step is None:
-        return
-    if trainer.eval_loader is None or "eval_loss" not in metrics:
-        return  # this epoch did not evaluate (trainer.eval_every_epochs)
-    with ema.swapped_in():
-        results = trainer.evaluate()
-    for key, value in results.items():
-        metrics["ema_" + ("eval_loss" if key == "loss" else key)] = value  # named as the raw metrics are
-
-
-@hookimpl
-def ddpx_state_dict(trainer):
-    ema = trainer.ema
-    if ema is None:
-        return None
-    # Identical on every rank: rank 0's entry carries it (the others hold a marker).
-    return {"ema": ema.state_dict() if trainer.rank == 0 else {"on_rank": 0}}
-
-
-@hookimpl
-def ddpx_load_state_dict(trainer, state):
-    ema = trainer.ema
-    if ema is None:
-        return
-    import torch
-    import torch.distributed as dist
-
-    from ddpx.stopping import across_ranks
-
-    saved = state.get("ema")
-    if across_ranks(trainer):
-        # rank 0 reads ranks[0] of the checkpoint at any world size: its copy is the one.
-        present = torch.tensor([1 if saved is not None else 0], device=trainer.device)
-        dist.broadcast(present, src=0)
-        if not int(present.item()):
+    @hookimpl(trylast=True)  # after the checkpoint plugin restored the average and global_step
+    def ddpx_train_start(self, trainer):
+        ema = self.state
+        if ema is None:
             return
-        if trainer.rank == 0:
+        if ema.step is None and trainer.global_step >= ema.start_step:  # start_step 0: from the initial weights
+            if trainer.global_step > 0:
+                trainer.log.warning(f"ema: resumed at step {trainer.global_step} from a checkpoint without an EMA: "
+                                    "the average starts from the resumed weights")
+            ema.update(trainer.global_step)
+        _schedule(trainer, ema)
+
+    @hookimpl(tryfirst=True)  # before the logging and checkpoint plugins see the metrics
+    def ddpx_epoch_end(self, trainer, epoch, metrics):
+        ema = self.state
+        if ema is None or not trainer.config.section("ema")["eval"] or ema.step is None:
+            return
+        if trainer.eval_loader is None or "eval_loss" not in metrics:
+            return  # this epoch did not evaluate (trainer.eval_every_epochs)
+        with ema.swapped_in():
+            results = trainer.evaluate()
+        for key, value in results.items():
+            metrics["ema_" + ("eval_loss" if key == "loss" else key)] = value  # named as the raw metrics are
+
+    def state_dict(self, trainer):
+        ema = self.state
+        if ema is None:
+            return None
+        # Identical on every rank: rank 0's entry carries it (the others hold a marker).
+        return ema.state_dict() if trainer.rank == 0 else {"on_rank": 0}
+
+    def load_state_dict(self, trainer, saved):
+        ema = self.state
+        if ema is None:
+            return
+        import torch
+        import torch.distributed as dist
+
+        from ddpx.stopping import across_ranks
+
+        if across_ranks(trainer):
+            # rank 0 reads ranks[0] of the checkpoint at any world size: its copy is the one.
+            present = torch.tensor([1 if saved is not None else 0], device=trainer.device)
+            dist.broadcast(present, src=0)
+            if not int(present.item()):
+                return
+            if trainer.rank == 0:
+                ema.load(saved)
+            meta = [ema.updates, ema.step] if trainer.rank == 0 else [None, None]
+            dist.broadcast_object_list(meta, src=0)
+            for tensor in ema.params + ema.buffers:
+                dist.broadcast(tensor, src=0)
+            ema.updates, ema.step = meta
+        elif saved is not None:
             ema.load(saved)
-        meta = [ema.updates, ema.step] if trainer.rank == 0 else [None, None]
-        dist.broadcast_object_list(meta, src=0)
-        for tensor in ema.params + ema.buffers:
-            dist.broadcast(tensor, src=0)
-        ema.updates, ema.step = meta
-    elif saved is not None:
-        ema.load(saved)
 
+    @hookimpl
+    def ddpx_train_end(self, trainer):
+        ema = self.state
+        if ema is None or trainer.rank != 0 or ema.step is None:
+            return
+        import torch
 
-@hookimpl
-def ddpx_train_end(trainer):
-    ema = trainer.ema
-    if ema is None or trainer.rank != 0 or ema.step is None:
-        return
-    import torch
+        from ddpx.checkpoint import atomic_write
 
-    from ddpx.checkpoint import atomic_write
-
-    path = os.path.join(str(trainer.run_dir), EXPORT)
-    export = {"weights": "ema", "decay": ema.decay, "step": ema.step, "updates": ema.updates,
-              "state_dict": ema.module_state_dict(trainer.module)}
-    atomic_write(path, lambda f: torch.save(export, f))
-    ema.export_path = path
-    trainer.log.info(f"wrote the EMA weights (decay {ema.decay}, {ema.updates} updates to step {ema.step}) to "
-                     f"{path}; the final checkpoint holds the raw weights")
+        path = os.path.join(str(trainer.run_dir), EXPORT)
+        export = {"weights": "ema", "decay": ema.decay, "step": ema.step, "updates": ema.updates,
+                  "state_dict": ema.module_state_dict(trainer.module)}
+        atomic_write(path, lambda f: torch.save(export, f))
+        ema.export_path = path
+        trainer.log.info(f"wrote the EMA weights (decay {ema.decay}, {ema.updates} updates to step {ema.step}) to "
+                         f"{path}; the final checkpoint holds the raw weights")

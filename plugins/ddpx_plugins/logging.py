@@ -41,7 +41,7 @@ directory), ``tensorboard`` (false), ``wandb`` (``project``, ``entity``,
 ``name``, ``tags``, ``mode``), ``mlflow`` (``tracking_uri``, ``experiment``,
 ``run_name``).
 
-Per-run state lives in ``trainer.logging`` (a :class:`MetricsLog`; docs/plugins.md, "Per-run state").
+Per-run state: ``trainer.plugin("logging").state`` (a :class:`MetricsLog`; docs/plugins.md, "Per-run state").
 """
 
 import importlib.util
@@ -407,12 +407,10 @@ class MetricsLog:
     def training_state(self, trainer):
         """The AMP scale and the comm hook's traffic since the last step line."""
         state = {}
-        amp = getattr(trainer, "amp", None)
-        if amp is not None and amp.scaler is not None:
-            state["amp_scale"] = amp.scaler.get_scale()
-        hook = getattr(trainer, "comm_hook", None)
-        if hook is not None and hasattr(hook, "stats"):
-            stats = hook.stats()
+        if trainer.scaler.is_enabled():
+            state["amp_scale"] = trainer.scaler.get_scale()
+        stats = trainer.plugin("comm_hook").stats() if trainer.has_plugin("comm_hook") else None
+        if stats is not None:
             wire, steps = self.comm_counted
             if stats["steps"] > steps:
                 state["comm_wire_bytes_per_step"] = (stats["wire_bytes"] - wire) / (stats["steps"] - steps)
@@ -442,7 +440,7 @@ class MetricsLog:
 
 def _run_files(trainer, metrics_path):
     files = [metrics_path, trainer.last_finite_checkpoint]
-    ema = getattr(trainer, "ema", None)
+    ema = trainer.plugin("ema").state if trainer.has_plugin("ema") else None
     if ema is not None:
         files.append(ema.export_path)
     return [path for path in files if path and os.path.isfile(path)]
@@ -464,41 +462,10 @@ EXTRAS = {  # config key -> (import name, extra)
 }
 
 
-@hookimpl
-def ddpx_config_defaults():
-    return {"logging": {"progress": True, "all_ranks": False, "every_steps": 50, "metrics_file": "metrics.jsonl",
-                        "tensorboard": False,
-                        "wandb": {"project": None, "entity": None, "name": None, "tags": [], "mode": None},
-                        "mlflow": {"tracking_uri": None, "experiment": None, "run_name": None}}}
-
-
 def wanted_backends(cfg):
     """The optional backends a ``logging`` section turns on."""
     return [name for name, on in (("tensorboard", cfg["tensorboard"]), ("wandb", cfg["wandb"]["project"]),
                                   ("mlflow", cfg["mlflow"]["experiment"])) if on]
-
-
-@hookimpl
-def ddpx_configure(config):
-    cfg = config.section("logging")
-    if cfg["every_steps"] < 0:
-        raise DdpxError(f"logging.every_steps must be 0 (epoch lines only) or more (got {cfg['every_steps']})")
-    if not cfg["metrics_file"]:
-        raise DdpxError("logging.metrics_file must name a file (e.g. metrics.jsonl)")
-    mode = cfg["wandb"]["mode"]
-    if mode not in (None, "online", "offline", "disabled"):
-        raise DdpxError(f"logging.wandb.mode must be online, offline, disabled or null (got {mode!r})")
-    if cfg["wandb"]["project"] is not None and not isinstance(cfg["wandb"]["project"], str):
-        raise DdpxError(f"logging.wandb.project must be a project name (got {cfg['wandb']['project']!r})")
-    if cfg["mlflow"]["experiment"] is not None and not isinstance(cfg["mlflow"]["experiment"], str):
-        raise DdpxError(f"logging.mlflow.experiment must be an experiment name (got {cfg['mlflow']['experiment']!r})")
-    for name in wanted_backends(cfg):
-        module, extra = EXTRAS[name]
-        if not _importable("torch.utils.tensorboard" if name == "tensorboard" else module):
-            turn_off = {"tensorboard": "tensorboard=false", "wandb": "wandb.project=null",
-                        "mlflow": "mlflow.experiment=null"}[name]
-            raise DdpxError(f"logging.{name} needs the {module} package: pip install 'ddpx[{extra}]' "
-                            f"(or set logging.{turn_off})")
 
 
 def _importable(module):
@@ -510,14 +477,6 @@ def _importable(module):
         return importlib.util.find_spec(module) is not None
     except ImportError:
         return False
-
-
-@hookimpl(tryfirst=True)  # before other plugins log from their setup hooks
-def ddpx_setup(trainer):
-    cfg = trainer.config.section("logging")
-    configure_logger(trainer.rank, cfg["all_ranks"])
-    samples_per_batch = trainer.world_size * trainer.config.trainer.batch_size
-    trainer.logging = MetricsLog(cfg["every_steps"], cfg["progress"], samples_per_batch)
 
 
 def open_backends(trainer, cfg):
@@ -542,64 +501,102 @@ def open_backends(trainer, cfg):
     return backends
 
 
-@hookimpl
-def ddpx_train_start(trainer):
-    log = trainer.logging
-    log.start = log.mark = time.perf_counter()
-    if trainer.rank != 0:
-        return
-    log.backends = open_backends(trainer, trainer.config.section("logging"))
-    if log.progress or log.every_steps > 0:
-        log.window = trainer.open_loss_window()
-        if log.progress:
-            log.bar_window = trainer.open_loss_window()
-        log.last_call = (trainer.global_step, log.start)
-        log.schedule(trainer)
-
-
-@hookimpl(trylast=True)  # after the sampler has set the epoch: len(train_loader) is this epoch's
-def ddpx_epoch_start(trainer, epoch):
-    log = trainer.logging
-    log.mark = time.perf_counter()
-    if log.window is None:
-        return
-    log.epoch_base = log.window.pending
-    # The bar's step time is measured within epochs: evaluation (or anything
-    # else between epochs) would make it look slow and the bar update every step.
-    log.last_call = (trainer.global_step, log.mark)
-    if log.progress:
-        epochs_left = trainer.config.trainer.epochs - epoch
-        has_len = hasattr(trainer.train_loader, "__len__")
-        log.start_bar(epoch, len(trainer.train_loader) * epochs_left if has_len else None)
-
-
-@hookimpl(trylast=True)  # after other plugins added their entries to ``metrics``
-def ddpx_epoch_end(trainer, epoch, metrics):
-    log = trainer.logging
-    if trainer.rank != 0:
-        return
-    log.advance_bar()
-    log.log_metrics("epoch", trainer.global_step, {"epoch": epoch, **{k: v for k, v in metrics.items()
-                                                                        if k != "step"}})
-    shown = "  ".join(f"{k} {_format(v)}" for k, v in metrics.items() if k not in ("epoch", "step"))
-    trainer.log.info("epoch %d (step %d): %s", epoch, trainer.global_step, shown)
-
-
 def _format(value):
     if isinstance(value, float) and math.isfinite(value):
         return f"{value:.4g}"
     return str(value)
 
 
-@hookimpl(wrapper=True)  # around every other plugin's: the final checkpoint is written when it closes
-def ddpx_train_end(trainer):
-    result = yield
-    trainer.logging.close(trainer)
-    return result
+class LoggingPlugin:
+    """``state``: the run's :class:`MetricsLog` (None before ``ddpx_setup``)."""
 
+    def __init__(self):
+        self.state = None
 
-@hookimpl
-def ddpx_exception(trainer, exc):
-    log = getattr(trainer, "logging", None)
-    if log is not None:
-        log.close(failed=True)
+    @hookimpl
+    def ddpx_config_defaults(self):
+        return {"logging": {"progress": True, "all_ranks": False, "every_steps": 50, "metrics_file": "metrics.jsonl",
+                            "tensorboard": False,
+                            "wandb": {"project": None, "entity": None, "name": None, "tags": [], "mode": None},
+                            "mlflow": {"tracking_uri": None, "experiment": None, "run_name": None}}}
+
+    @hookimpl
+    def ddpx_configure(self, config):
+        cfg = config.section("logging")
+        if cfg["every_steps"] < 0:
+            raise DdpxError(f"logging.every_steps must be 0 (epoch lines only) or more (got {cfg['every_steps']})")
+        if not cfg["metrics_file"]:
+            raise DdpxError("logging.metrics_file must name a file (e.g. metrics.jsonl)")
+        mode = cfg["wandb"]["mode"]
+        if mode not in (None, "online", "offline", "disabled"):
+            raise DdpxError(f"logging.wandb.mode must be online, offline, disabled or null (got {mode!r})")
+        if cfg["wandb"]["project"] is not None and not isinstance(cfg["wandb"]["project"], str):
+            raise DdpxError(f"logging.wandb.project must be a project name (got {cfg['wandb']['project']!r})")
+        if cfg["mlflow"]["experiment"] is not None and not isinstance(cfg["mlflow"]["experiment"], str):
+            raise DdpxError(f"logging.mlflow.experiment must be an experiment name (got {cfg['mlflow']['experiment']!r})")
+        for name in wanted_backends(cfg):
+            module, extra = EXTRAS[name]
+            if not _importable("torch.utils.tensorboard" if name == "tensorboard" else module):
+                turn_off = {"tensorboard": "tensorboard=false", "wandb": "wandb.project=null",
+                            "mlflow": "mlflow.experiment=null"}[name]
+                raise DdpxError(f"logging.{name} needs the {module} package: pip install 'ddpx[{extra}]' "
+                                f"(or set logging.{turn_off})")
+
+    @hookimpl(tryfirst=True)  # before other plugins log from their setup hooks
+    def ddpx_setup(self, trainer):
+        cfg = trainer.config.section("logging")
+        configure_logger(trainer.rank, cfg["all_ranks"])
+        samples_per_batch = trainer.world_size * trainer.config.trainer.batch_size
+        self.state = MetricsLog(cfg["every_steps"], cfg["progress"], samples_per_batch)
+
+    @hookimpl
+    def ddpx_train_start(self, trainer):
+        log = self.state
+        log.start = log.mark = time.perf_counter()
+        if trainer.rank != 0:
+            return
+        log.backends = open_backends(trainer, trainer.config.section("logging"))
+        if log.progress or log.every_steps > 0:
+            log.window = trainer.open_loss_window()
+            if log.progress:
+                log.bar_window = trainer.open_loss_window()
+            log.last_call = (trainer.global_step, log.start)
+            log.schedule(trainer)
+
+    @hookimpl(trylast=True)  # after the sampler has set the epoch: len(train_loader) is this epoch's
+    def ddpx_epoch_start(self, trainer, epoch):
+        log = self.state
+        log.mark = time.perf_counter()
+        if log.window is None:
+            return
+        log.epoch_base = log.window.pending
+        # The bar's step time is measured within epochs: evaluation (or anything
+        # else between epochs) would make it look slow and the bar update every step.
+        log.last_call = (trainer.global_step, log.mark)
+        if log.progress:
+            epochs_left = trainer.config.trainer.epochs - epoch
+            has_len = hasattr(trainer.train_loader, "__len__")
+            log.start_bar(epoch, len(trainer.train_loader) * epochs_left if has_len else None)
+
+    @hookimpl(trylast=True)  # after other plugins added their entries to ``metrics``
+    def ddpx_epoch_end(self, trainer, epoch, metrics):
+        log = self.state
+        if trainer.rank != 0:
+            return
+        log.advance_bar()
+        log.log_metrics("epoch", trainer.global_step, {"epoch": epoch, **{k: v for k, v in metrics.items()
+                                                                            if k != "step"}})
+        shown = "  ".join(f"{k} {_format(v)}" for k, v in metrics.items() if k not in ("epoch", "step"))
+        trainer.log.info("epoch %d (step %d): %s", epoch, trainer.global_step, shown)
+
+    @hookimpl(wrapper=True)  # around every other plugin's: the final checkpoint is written when it closes
+    def ddpx_train_end(self, trainer):
+        result = yield
+        self.state.close(trainer)
+        return result
+
+    @hookimpl
+    def ddpx_exception(self, trainer, exc):
+        log, self.state = self.state, None
+        if log is not None:  # None: ddpx_setup did not run
+            log.close(failed=True)

@@ -22,8 +22,8 @@ What it writes, in ``run_dir/profile/``:
 * ``summary_rank<r>.txt``: the top operators by self time; rank 0 also logs
   this table once, when the profiler stops.
 
-Per-run state: ``trainer.profiler`` (a :class:`ProfilerRun`, None when off or
-on a rank not profiled; docs/plugins.md, "Per-run state").
+Per-run state: ``trainer.plugin("profiler").run`` (a :class:`ProfilerRun`, None when off
+or on a rank not profiled; docs/plugins.md, "Per-run state").
 """
 
 from __future__ import annotations
@@ -108,48 +108,49 @@ class ProfilerRun:
                              f"(traces in {self.directory}):\n{table}")
 
 
-@hookimpl
-def ddpx_config_defaults():
-    return {"profile": {"enabled": False, "wait": 1, "warmup": 1, "active": 3, "ranks": [0],
-                        "record_shapes": False, "memory": False}}
+class ProfilerPlugin:
+    """``run``: the run's :class:`ProfilerRun`, or None (off, or this rank is not profiled)."""
 
+    def __init__(self):
+        self.run = None
 
-@hookimpl
-def ddpx_configure(config):
-    cfg = config.section("profile")
-    for key, least in (("wait", 0), ("warmup", 0), ("active", 1)):
-        if cfg[key] < least:
-            raise DdpxError(f"profile.{key} must be >= {least} (got {cfg[key]})")
-    ranks = cfg["ranks"]
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
-        raise DdpxError(f"profile.ranks must be a list of rank numbers, e.g. [0, 1] (got {ranks!r})")
+    @hookimpl
+    def ddpx_config_defaults(self):
+        return {"profile": {"enabled": False, "wait": 1, "warmup": 1, "active": 3, "ranks": [0],
+                            "record_shapes": False, "memory": False}}
 
+    @hookimpl
+    def ddpx_configure(self, config):
+        cfg = config.section("profile")
+        for key, least in (("wait", 0), ("warmup", 0), ("active", 1)):
+            if cfg[key] < least:
+                raise DdpxError(f"profile.{key} must be >= {least} (got {cfg[key]})")
+        ranks = cfg["ranks"]
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+            raise DdpxError(f"profile.ranks must be a list of rank numbers, e.g. [0, 1] (got {ranks!r})")
 
-@hookimpl
-def ddpx_setup(trainer):
-    cfg = trainer.config.section("profile")
-    profiled = cfg["enabled"] and trainer.rank in cfg["ranks"]
-    trainer.profiler = ProfilerRun(trainer, cfg) if profiled else None
+    @hookimpl
+    def ddpx_setup(self, trainer):
+        cfg = trainer.config.section("profile")
+        profiled = cfg["enabled"] and trainer.rank in cfg["ranks"]
+        self.run = ProfilerRun(trainer, cfg) if profiled else None
 
+    @hookimpl(trylast=True)  # after a checkpoint restored global_step: the steps count from here
+    def ddpx_train_start(self, trainer):
+        if self.run is not None:
+            self.run.start(trainer)
 
-@hookimpl(trylast=True)  # after a checkpoint restored global_step: the steps count from here
-def ddpx_train_start(trainer):
-    if trainer.profiler is not None:
-        trainer.profiler.start(trainer)
+    @hookimpl
+    def ddpx_train_end(self, trainer):
+        if self.run is not None:
+            self.run.stop(trainer)
 
-
-@hookimpl
-def ddpx_train_end(trainer):
-    if trainer.profiler is not None:
-        trainer.profiler.stop(trainer)
-
-
-@hookimpl
-def ddpx_exception(trainer, exc):
-    run = getattr(trainer, "profiler", None)
-    if run is not None and run.running:
-        run.running = False
-        try:
-            run.profile.stop()
-        except Exception:  # never hide the original error
-            pass
+    @hookimpl
+    def ddpx_exception(self, trainer, exc):
+        run = self.run
+        if run is not None and run.running:
+            run.running = False
+            try:
+                run.profile.stop()
+            except Exception:  # never hide the original error
+                pass

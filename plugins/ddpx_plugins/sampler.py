@@ -18,68 +18,11 @@ from ``(seed, epoch, index)`` with ``trainer.seed_per_sample``). The loaders use
 ``trainer.batch_size`` (per rank), ``trainer.eval_batch_size``,
 ``trainer.num_workers``; memory is pinned when training on CUDA.
 
-Per-run state lives in ``trainer.sampler`` (a :class:`SamplerState`; docs/plugins.md, "Per-run state").
+The plugin is one :class:`SamplerPlugin` object holding the run's position (docs/plugins.md, "Per-run state").
 """
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
-
-
-@hookimpl
-def ddpx_config_defaults():
-    return {"sampler": {"shuffle": True, "drop_last": False}}
-
-
-@hookimpl
-def ddpx_build_dataloaders(trainer, train_set, eval_set):
-    import torch
-    from torch.utils.data import DataLoader, IterableDataset
-
-    from ddpx.data.sampler import ResumableDistributedBatchSampler, ShardSampler
-    from ddpx.data.seeded import SeededDataset
-
-    cfg = trainer.config.section("sampler")
-    settings = trainer.config.trainer
-    trainer.sampler.generator = torch.Generator()  # reseeded every epoch in ddpx_epoch_start
-    loader_options = {
-        "num_workers": settings.num_workers,
-        "pin_memory": trainer.device.type == "cuda",
-        "persistent_workers": settings.num_workers > 0,
-        "collate_fn": _collate(trainer.config.data.collate),
-    }
-    if isinstance(train_set, IterableDataset):
-        train_loader = _stream_loader(trainer, train_set, loader_options)
-    else:
-        if len(train_set) == 0:
-            raise DdpxError(f"the training set of data.target {trainer.config.data.target} is empty: nothing to "
-                            "train on; check data.args")
-        batch_sampler = ResumableDistributedBatchSampler(
-            len(train_set),
-            settings.batch_size,
-            trainer.rank,
-            trainer.world_size,
-            shuffle=cfg["shuffle"],
-            seed=trainer.config.seed,
-            drop_last=cfg["drop_last"],
-            with_epoch=True,
-        )
-        if len(batch_sampler) == 0:  # every epoch would end at once: exit 0 with nothing done
-            raise DdpxError(f"zero steps per epoch: {len(train_set)} training samples do not fill one batch of "
-                            f"trainer.batch_size={settings.batch_size} on each of {trainer.world_size} ranks"
-                            + (" with sampler.drop_last=true; set sampler.drop_last=false or lower "
-                               "trainer.batch_size" if cfg["drop_last"] else "; use more data or fewer ranks"))
-        # Seeds per worker and epoch, or per sample (ddpx/seeding.py): the keys carry the epoch.
-        seeded = SeededDataset(train_set, trainer.config.seed, trainer.rank, settings.seed_per_sample)
-        # The loader draws its workers' base seed from its own generator, not from the rank's
-        # stream: a resumed run's new iterator must not shift the stream the checkpoint restored.
-        train_loader = DataLoader(seeded, batch_sampler=batch_sampler, generator=trainer.sampler.generator,
-                                  **loader_options)
-    eval_loader = None
-    if eval_set is not None:
-        sampler = None if isinstance(eval_set, IterableDataset) else \
-            ShardSampler(len(eval_set), trainer.rank, trainer.world_size)
-        eval_loader = DataLoader(eval_set, batch_size=settings.eval_batch_size, sampler=sampler, **loader_options)
-    return train_loader, eval_loader
 
 
 def _collate(target):
@@ -89,7 +32,7 @@ def _collate(target):
     return Collate(target, resolve(target, "data.collate") if target else None)
 
 
-def _stream_loader(trainer, train_set, loader_options):
+def _stream_loader(trainer, train_set, loader_options, generator):
     """An IterableDataset: sharded across ranks and workers, the same steps on every rank (ddpx/data/stream.py)."""
     from torch.utils.data import DataLoader
 
@@ -107,86 +50,134 @@ def _stream_loader(trainer, train_set, loader_options):
                         "fewer ranks")
     stream = ShardedStream(train_set, trainer.rank, trainer.world_size, trainer.config.seed,
                            settings.seed_per_sample)
-    loader = DataLoader(stream, batch_size=settings.batch_size, generator=trainer.sampler.generator, **loader_options)
+    loader = DataLoader(stream, batch_size=settings.batch_size, generator=generator, **loader_options)
     return StreamLoader(loader, stream, steps)
 
 
 def _stream(trainer):
     from ddpx.data.stream import StreamLoader
 
-    loader = getattr(trainer, "train_loader", None)
-    return loader if isinstance(loader, StreamLoader) else None
+    return trainer.train_loader if isinstance(trainer.train_loader, StreamLoader) else None
 
 
 def _batch_sampler(trainer):
     """The training loader's resumable sampler, or None if another plugin built the loader."""
     from ddpx.data.sampler import ResumableDistributedBatchSampler
 
-    sampler = getattr(getattr(trainer, "train_loader", None), "batch_sampler", None)
+    sampler = getattr(trainer.train_loader, "batch_sampler", None)
     return sampler if isinstance(sampler, ResumableDistributedBatchSampler) else None
 
 
-class SamplerState:
-    """What one run of the plugin holds (``trainer.sampler``)."""
+class SamplerPlugin:
+    """The run's training-loader generator and how much of the epoch its position holds."""
+
+    legacy_state_keys = ("stream",)  # a stream's position, before it was filed under "sampler"
 
     def __init__(self):
         self.synced = 0  # batches of trainer.epoch_batches already in the sampler's position
         self.generator = None  # the training loader's own generator
 
+    @hookimpl
+    def ddpx_config_defaults(self):
+        return {"sampler": {"shuffle": True, "drop_last": False}}
 
-@hookimpl
-def ddpx_setup(trainer):
-    trainer.sampler = SamplerState()
+    @hookimpl
+    def ddpx_build_dataloaders(self, trainer, train_set, eval_set):
+        import torch
+        from torch.utils.data import DataLoader, IterableDataset
 
+        from ddpx.data.sampler import ResumableDistributedBatchSampler, ShardSampler
+        from ddpx.data.seeded import SeededDataset
 
-@hookimpl(tryfirst=True)  # before anything reads len(train_loader) for this epoch
-def ddpx_epoch_start(trainer, epoch):
-    from ddpx.seeding import derive_seed
+        cfg = trainer.config.section("sampler")
+        settings = trainer.config.trainer
+        self.generator = torch.Generator()  # reseeded every epoch in ddpx_epoch_start
+        loader_options = {
+            "num_workers": settings.num_workers,
+            "pin_memory": trainer.device.type == "cuda",
+            "persistent_workers": settings.num_workers > 0,
+            "collate_fn": _collate(trainer.config.data.collate),
+        }
+        if isinstance(train_set, IterableDataset):
+            train_loader = _stream_loader(trainer, train_set, loader_options, self.generator)
+        else:
+            if len(train_set) == 0:
+                raise DdpxError(f"the training set of data.target {trainer.config.data.target} is empty: nothing to "
+                                "train on; check data.args")
+            batch_sampler = ResumableDistributedBatchSampler(
+                len(train_set),
+                settings.batch_size,
+                trainer.rank,
+                trainer.world_size,
+                shuffle=cfg["shuffle"],
+                seed=trainer.config.seed,
+                drop_last=cfg["drop_last"],
+                with_epoch=True,
+            )
+            if len(batch_sampler) == 0:  # every epoch would end at once: exit 0 with nothing done
+                raise DdpxError(f"zero steps per epoch: {len(train_set)} training samples do not fill one batch of "
+                                f"trainer.batch_size={settings.batch_size} on each of {trainer.world_size} ranks"
+                                + (" with sampler.drop_last=true; set sampler.drop_last=false or lower "
+                                   "trainer.batch_size" if cfg["drop_last"] else "; use more data or fewer ranks"))
+            # Seeds per worker and epoch, or per sample (ddpx/seeding.py): the keys carry the epoch.
+            seeded = SeededDataset(train_set, trainer.config.seed, trainer.rank, settings.seed_per_sample)
+            # The loader draws its workers' base seed from its own generator, not from the rank's
+            # stream: a resumed run's new iterator must not shift the stream the checkpoint restored.
+            train_loader = DataLoader(seeded, batch_sampler=batch_sampler, generator=self.generator,
+                                      **loader_options)
+        eval_loader = None
+        if eval_set is not None:
+            sampler = None if isinstance(eval_set, IterableDataset) else \
+                ShardSampler(len(eval_set), trainer.rank, trainer.world_size)
+            eval_loader = DataLoader(eval_set, batch_size=settings.eval_batch_size, sampler=sampler, **loader_options)
+        return train_loader, eval_loader
 
-    if trainer.sampler.generator is not None:
-        trainer.sampler.generator.manual_seed(derive_seed(trainer.config.seed, trainer.rank, epoch))
-    stream = _stream(trainer)
-    if stream is not None:
-        stream.set_epoch(epoch)
-        trainer.sampler.synced = 0
-        return
-    sampler = _batch_sampler(trainer)
-    if sampler is None:
-        return
-    sampler.set_epoch(epoch)  # the same epoch again (a resumed run) keeps the position
-    trainer.sampler.synced = 0
+    @hookimpl
+    def ddpx_setup(self, trainer):
+        self.synced, self.generator = 0, None
 
+    @hookimpl(tryfirst=True)  # before anything reads len(train_loader) for this epoch
+    def ddpx_epoch_start(self, trainer, epoch):
+        from ddpx.seeding import derive_seed
 
-def synced_sampler(trainer):
-    """The training sampler, its position advanced over the batches trained since
-    the last call (or None if another plugin built the loader)."""
-    sampler = _batch_sampler(trainer)
-    if sampler is None:
-        return None
-    state, done = trainer.sampler, trainer.epoch_batches
-    behind = done - state.synced
-    if behind > 0:
-        sampler.advance(behind)
-        state.synced = done
-    return sampler
+        if self.generator is not None:
+            self.generator.manual_seed(derive_seed(trainer.config.seed, trainer.rank, epoch))
+        stream = _stream(trainer)
+        if stream is not None:
+            stream.set_epoch(epoch)
+            self.synced = 0
+            return
+        sampler = _batch_sampler(trainer)
+        if sampler is None:
+            return
+        sampler.set_epoch(epoch)  # the same epoch again (a resumed run) keeps the position
+        self.synced = 0
 
+    def synced_sampler(self, trainer):
+        """The training sampler, its position advanced over the batches trained since
+        the last call (or None if another plugin built the loader)."""
+        sampler = _batch_sampler(trainer)
+        if sampler is None:
+            return None
+        behind = trainer.epoch_batches - self.synced
+        if behind > 0:
+            sampler.advance(behind)
+            self.synced = trainer.epoch_batches
+        return sampler
 
-@hookimpl
-def ddpx_state_dict(trainer):
-    stream = _stream(trainer)
-    if stream is not None:  # the batches of the epoch trained: those the trainer counted
-        stream.consumed += trainer.epoch_batches - trainer.sampler.synced
-        trainer.sampler.synced = trainer.epoch_batches
-        return {"stream": stream.state_dict()}
-    sampler = synced_sampler(trainer)
-    return None if sampler is None else {"sampler": sampler.state_dict()}
+    def state_dict(self, trainer):
+        stream = _stream(trainer)
+        if stream is not None:  # the batches of the epoch trained: those the trainer counted
+            stream.consumed += trainer.epoch_batches - self.synced
+            self.synced = trainer.epoch_batches
+            return {"stream": stream.state_dict()}
+        sampler = self.synced_sampler(trainer)
+        return None if sampler is None else sampler.state_dict()
 
-
-@hookimpl
-def ddpx_load_state_dict(trainer, state):
-    stream = _stream(trainer)
-    if stream is not None and "stream" in state:
-        stream.load_state_dict(state["stream"], trainer.log)
-    sampler = _batch_sampler(trainer)
-    if sampler is not None and "sampler" in state:
-        sampler.load_state_dict(state["sampler"])
+    def load_state_dict(self, trainer, state):
+        stream = _stream(trainer)
+        if stream is not None and "stream" in state:
+            stream.load_state_dict(state["stream"], trainer.log)
+        sampler = _batch_sampler(trainer)
+        if sampler is not None and "stream" not in state:
+            sampler.load_state_dict(state)

@@ -1,0 +1,45 @@
+"""The training step gives the same numbers as before its rewrite into ``Trainer.train_step``.
+
+``tests/fixtures/step_records.json`` holds the epoch records of ``ddpx train`` on
+the digits default, written by the code before the rewrite (9b8e6f0, the step
+spread over step_hooks, core, amp and accumulation). The same runs now must give
+the same records bit for bit on CPU: training loss, evaluation metrics, steps,
+AMP's skips and scale. Only the wall-clock fields differ between runs.
+"""
+
+import json
+import pathlib
+
+import pytest
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "step_records.json"
+# The runs: name -> overrides of the digits default (2 ranks, 23 micro-batches an epoch).
+RUNS = {
+    "default": ["trainer.epochs=3"],
+    # accumulation windows of 4, 4, ..., 3 (the epoch's short last window), fp16 AMP's
+    # GradScaler, and the int8 comm hook on the all-reduced steps
+    "amp_fp16_accumulation_int8": ["trainer.epochs=3", "amp.enabled=true", "amp.dtype=fp16",
+                                   "accumulation.steps=4", "comm_hook.name=int8"],
+}
+WALL_CLOCK = ("time", "elapsed_s", "samples_per_s", "epoch_s")
+
+
+def epoch_records(run_dir: pathlib.Path) -> list:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in records if r.get("kind") == "epoch"]
+
+
+def train(ranks, tmp_path, name: str) -> list:
+    run_dir = tmp_path / name
+    rc, out, err = ranks.cli(["train", *RUNS[name], "logging.progress=false", f"run_dir={run_dir}",
+                              "--nproc-per-node", "2"], timeout=240, cwd=tmp_path)
+    assert rc == 0, err
+    return epoch_records(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_epoch_records_equal_those_before_the_step_rewrite(ranks, tmp_path, name):
+    stored = json.loads(FIXTURE.read_text())
+    assert stored["runs"][name]["overrides"] == RUNS[name]
+    assert train(ranks, tmp_path, name) == stored["runs"][name]["records"]
