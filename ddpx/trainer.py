@@ -5,10 +5,12 @@ rank through the same public methods: :meth:`Trainer.setup`,
 :meth:`Trainer.train` (to the end, or up to a step), :meth:`Trainer.finish`,
 and :meth:`Trainer.close` on every exit path (:meth:`Trainer.run` is the four).
 
-The core only calls hooks (see :mod:`ddpx.hookspecs` for the order); samplers,
-AMP, accumulation, comm hooks, logging and checkpoints are plugins. The default
-bodies of the provider and wrapper hooks live in :class:`ddpx.core.CorePlugin`,
-which is registered ``trylast`` so any plugin can take over.
+One optimizer step is :meth:`Trainer.train_step`; :meth:`Trainer.train_epoch`
+feeds it windows of micro-batches and runs the checks between steps. Samplers,
+AMP, accumulation, comm hooks, logging and checkpoints are plugins that shape
+the step through hooks (see :mod:`ddpx.hookspecs` for the order). The default
+bodies of the provider hooks live in :class:`ddpx.core.CorePlugin`, which is
+registered ``trylast`` so any plugin can take over.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.utils.data import DataLoader
 
 from . import distributed, hookspecs
 from .batchnorm import convert_sync_batchnorm
+from .compile import compile_model
 from .config import Config, default_run_dir
 from .core import GradientNorms, to_device
 from .core import CorePlugin, batch_size, ddp_options, model_loss  # noqa: F401  (their old home, for users' scripts)
@@ -41,6 +43,7 @@ from .imports import instantiate
 from .legacy_hooks import install_legacy_step_hooks
 from .losses import EpochLosses, LossWindow
 from .plugin import plugin_signature, raised_by, rank_prefix, stateful_plugins
+from .rank_log import default_log_handler, logger_settings, restore_logger
 from .runlock import hold_run_dir
 from .seeding import seed_rank
 from .stopping import StopAgreement
@@ -58,82 +61,6 @@ class TrainingStopped(Exception):
     def __init__(self, signum: int, detail: str = ""):
         super().__init__(f"stopped by signal {signal.Signals(signum).name}{detail}")
         self.signum = signum
-
-
-def _logger_settings(log: logging.Logger) -> tuple:
-    return list(log.handlers), log.level, log.propagate
-
-
-def _restore_logger(log: logging.Logger, settings: tuple) -> None:
-    handlers, level, propagate = settings
-    for handler in list(log.handlers):
-        if handler not in handlers:
-            log.removeHandler(handler)
-    for handler in handlers:
-        if handler not in log.handlers:
-            log.addHandler(handler)
-    log.setLevel(level)
-    log.propagate = propagate
-
-
-# trainer.compile_dynamic -> torch.compile's `dynamic`; "batch" marks dim 0 of the inputs itself
-COMPILE_DYNAMIC = {"batch": None, "auto": None, "static": False, "all": True}
-
-
-def compile_model(model: torch.nn.Module, backend, device: torch.device, dynamic: str = "batch") -> torch.nn.Module:
-    """``trainer.compile``: ``torch.compile`` of the DDP-wrapped model, torch's DDP-aware
-    path (graphs split at bucket boundaries so communication overlaps the backward);
-    the comm hook registered on the DDP model stays in charge of communication.
-    ``backend``: true for inductor, or a torch.compile backend name. ``dynamic``
-    (``trainer.compile_dynamic``): ``batch`` compiles the batch dimension (dim 0 of every
-    input tensor) as dynamic from the first call, so the epoch's short last batch runs
-    the same graph; ``auto``, ``static``, ``all`` are torch.compile's ``dynamic=None``,
-    ``False``, ``True``. Where it cannot work, a one-line error before training."""
-    backend = "inductor" if backend is True else backend
-    import torch._dynamo
-
-    if not torch._dynamo.is_dynamo_supported():
-        raise DdpxError(f"trainer.compile: torch.compile does not support Python {sys.version.split()[0]} with torch "
-                        f"{torch.__version__}; set trainer.compile=false")
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise DdpxError(f"trainer.compile: unknown backend {backend!r}; use true (inductor) or one of "
-                        f"{', '.join(torch._dynamo.list_backends())}")
-    if dynamic not in COMPILE_DYNAMIC:
-        raise DdpxError(f"trainer.compile_dynamic must be one of {', '.join(COMPILE_DYNAMIC)}, got {dynamic!r}")
-    if backend == "inductor" and device.type == "cpu":
-        import shutil
-
-        compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
-        if not any(c and shutil.which(c) for c in compilers):
-            raise DdpxError("trainer.compile: inductor on CPU needs a C++ compiler (none found: install g++ or set CXX); "
-                            "or set trainer.compile=false")
-    if backend == "inductor" and device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        if not has_triton():
-            raise DdpxError("trainer.compile: inductor on CUDA needs triton (pip install triton); or set trainer.compile=false")
-    compiled = torch.compile(model, backend=backend, dynamic=COMPILE_DYNAMIC[dynamic])
-    if dynamic == "batch":
-        # before each call, outside the compiled code (the wrapper's own hook)
-        compiled.register_forward_pre_hook(_mark_batch_dynamic, with_kwargs=True)
-    return compiled
-
-
-def _mark_batch_dynamic(module, args, kwargs):
-    """Dim 0 of every input tensor is the batch: compile it as a symbol, not a constant
-    (``maybe``: a model that needs it fixed still compiles, with a recompile per size)."""
-    for t in pytree.tree_leaves((args, kwargs)):
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-
-
-def default_log_handler(log: logging.Logger, rank: int) -> None:
-    """A ``[rankN]`` stderr handler, rank 0 INFO only, for when no plugin configured the logger."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
-    log.addHandler(handler)
-    log.propagate = False
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 class Trainer:
@@ -245,7 +172,7 @@ class Trainer:
         """Start this rank's run: take SIGTERM/SIGINT, join the process group, build the
         model, optimizer and data through the hooks, then ``ddpx_train_start`` (a
         checkpoint is restored there). Pair it with :meth:`close`."""
-        self._saved_logger = _logger_settings(self.log)
+        self._saved_logger = logger_settings(self.log)
         self._plugins_before = set(self.plugin_manager.get_plugins())
         self._install_signal_handlers()
         self._build()
@@ -258,7 +185,7 @@ class Trainer:
         optimizer-step boundary with ``global_step >= until_step`` (a later call goes
         on from there, in the same epoch). Returns the metrics of every finished epoch."""
         epochs = self.config.trainer.epochs
-        while self.epoch < epochs and not self._steps_reached(until_step) and self.end_reason is None:
+        while self.epoch < epochs and self.global_step < self._stop_step(until_step) and self.end_reason is None:
             self.train_epoch(self.epoch, until_step)
             if not self._epoch_finished:
                 break  # cut short by max_steps or until_step: a later run or call continues this epoch
@@ -304,7 +231,7 @@ class Trainer:
             for plugin in set(self.plugin_manager.get_plugins()) - (self._plugins_before or set()):
                 self.plugin_manager.unregister(plugin)  # per-run helper plugins attached
             if self._saved_logger is not None:
-                _restore_logger(self.log, self._saved_logger)
+                restore_logger(self.log, self._saved_logger)
 
     def _report_exception(self, exc: BaseException) -> None:
         where = raised_by(self.plugin_manager, exc)  # before the run's plugins are detached
@@ -410,18 +337,9 @@ class Trainer:
 
     # --- the loop ----------------------------------------------------------------------
 
-    def _max_steps_reached(self) -> bool:
-        max_steps = self.config.trainer.max_steps
-        return max_steps is not None and self.global_step >= max_steps
-
-    def _stop_step(self, until_step: Optional[int]) -> Optional[int]:
-        """The step at which :meth:`train` stops: ``trainer.max_steps`` or ``until_step``."""
-        steps = [s for s in (self.config.trainer.max_steps, until_step) if s is not None]
-        return min(steps) if steps else None
-
-    def _steps_reached(self, until_step: Optional[int]) -> bool:
-        stop_at = self._stop_step(until_step)
-        return stop_at is not None and self.global_step >= stop_at
+    def _stop_step(self, until_step: Optional[int] = None) -> int:
+        """The step :meth:`train` stops at: ``trainer.max_steps`` or ``until_step``, the sooner."""
+        return min(s for s in (self.config.trainer.max_steps, until_step, NEVER) if s is not None)
 
     def train_epoch(self, epoch: int, until_step: Optional[int] = None) -> Optional[dict]:
         """One epoch (or its rest, after a resume), up to the step :meth:`train` stops at.
@@ -435,12 +353,12 @@ class Trainer:
             self._batches = iter(self.train_loader)
         stop_at = self._stop_step(until_step)
         self.module.train()
-        while self.epoch_batches < self.num_batches:
+        while self.epoch_batches < self.num_batches and self.global_step < stop_at:
             first = self.epoch_batches
             window = self.hook.ddpx_step_window(trainer=self, batch_index=first, num_batches=self.num_batches)
             batches = list(itertools.islice(self._batches, window))
             if not batches:
-                break
+                break  # the loader ended early
             losses, applied = self.train_step(batches)
             if self.hook.ddpx_batch_end.get_hookimpls():
                 for i, loss in enumerate(losses):
@@ -450,19 +368,19 @@ class Trainer:
                 self.run_due_calls()
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
-            if stop_at is not None and self.global_step >= stop_at:
-                break
-        # Finished unless max_steps (or until_step) cut it short before the epoch's last batch.
         self._epoch_finished = self.epoch_batches >= self.num_batches
-        if not self._epoch_finished and not self._max_steps_reached():
+        if not self._epoch_finished and self.global_step < self._stop_step():
             return None  # paused by until_step: no epoch end yet
         self._batches = None
+        return self._end_epoch(epoch)
 
+    def _end_epoch(self, epoch: int) -> dict:
+        """The epoch's all-reduced loss, the evaluation when due, then ``ddpx_epoch_end``."""
         metrics: dict = {"epoch": epoch, "step": self.global_step, **self._epoch_train_loss()}
         if not math.isfinite(metrics.get("loss", 0.0)) and not self.scaler.is_enabled():  # else fp16 overflows
             self.nonfinite_loss(f"in epoch {epoch} (its mean training loss is {metrics['loss']})")
         every = self.config.trainer.eval_every_epochs
-        last = epoch + 1 >= self.config.trainer.epochs or self._max_steps_reached()
+        last = epoch + 1 >= self.config.trainer.epochs or self.global_step >= self._stop_step()
         if self.eval_loader is not None and every and ((epoch + 1) % every == 0 or last):
             for key, value in self.evaluate().items():
                 metrics[key if key not in metrics else f"eval_{key}"] = value

@@ -19,9 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ddpx"
 # Bottom first. A module may import from strictly lower layers only; the parts of one
 # package (ddpx.comm_hooks.int8 -> ddpx.comm_hooks.base) may import each other.
 LAYERS = [
-    ["errors", "version", "_C", "seeding"],
+    ["errors", "version", "_C", "seeding", "rank_log"],
     ["markers", "net", "slurm", "monitor", "models", "data", "ops", "batchnorm", "checkpoint", "losses", "stopping",
-     "runlock"],
+     "runlock", "compile"],
     ["hookspecs", "distributed", "comm_hooks"],
     ["imports", "comm", "hooks"],  # hooks: the old import path of comm_hooks
     ["plugin"],
