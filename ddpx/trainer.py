@@ -356,6 +356,9 @@ class Trainer:
         while self.epoch_batches < self.num_batches and self.global_step < stop_at:
             first = self.epoch_batches
             window = self.hook.ddpx_step_window(trainer=self, batch_index=first, num_batches=self.num_batches)
+            if window < 1:
+                raise DdpxError(f"a ddpx_step_window hook returned {window} micro-batches at batch {first}; "
+                                "an optimizer step needs at least 1")
             batches = list(itertools.islice(self._batches, window))
             if not batches:
                 break  # the loader ended early
@@ -418,7 +421,7 @@ class Trainer:
         ``sync``, DDP does not all-reduce (``no_sync``)."""
         if self.device.type != "cpu":  # .to() per tensor costs ~10k instructions even on CPU
             batch = to_device(batch, self.device)
-        with contextlib.nullcontext() if sync else self.model.no_sync():
+        with self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else contextlib.nullcontext():
             with self.autocast:
                 loss = self.hook.ddpx_forward(trainer=self, batch=batch)
             self.backward(loss / window if window > 1 else loss)

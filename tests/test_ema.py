@@ -66,8 +66,9 @@ def test_a_resume_at_another_world_size_continues_the_same_average(ranks, make_c
     assert rc == 0, err[-3000:]
     resumed = Trainer(make_config(*common, "trainer.max_steps=20", run_dir=resumed_dir))
     resumed.run()
-    assert resumed.ema.updates == whole.ema.updates == 10
-    for got, want, raw in zip(resumed.ema.params, whole.ema.params, whole.module.parameters()):
+    resumed_ema, whole_ema = resumed.plugin("ema").state, whole.plugin("ema").state
+    assert resumed_ema.updates == whole_ema.updates == 10
+    for got, want, raw in zip(resumed_ema.params, whole_ema.params, whole.module.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         # An average restarted at the resume would sit near step 8..20's weights instead.
         assert (want - raw.detach()).abs().max() > 1e-3
