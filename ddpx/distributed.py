@@ -16,6 +16,7 @@ for slow ranks (``trainer.first_timeout_s``); afterwards a hang is cut short by
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 import time
@@ -182,6 +183,13 @@ def agree(signature: Sequence[str], proposal: Any) -> Any:
 
 
 def teardown() -> None:
-    """Destroy the default process group if there is one (safe to call twice)."""
+    """Destroy the default process group if there is one (safe to call twice).
+
+    Drop your own references to DDP models and comm-hook states first: the
+    collection here frees them, and whatever else they left in reference cycles,
+    while the group they hold still exists."""
     if dist.is_available() and dist.is_initialized():
+        # A DDP reducer that outlives its group makes torch 2.13 + gloo abort now and
+        # then ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
