@@ -1,6 +1,6 @@
-"""The ddpx.comm_hooks API, in this process: the hook names, options and their
-one-line errors, DDP options, and what ``register`` says when it falls back to the
-Python hook or has nothing to compress."""
+"""The ddpx.comm_hooks API, in this process: the hook names and the native algorithms
+behind them, options and their one-line errors, DDP options, and what ``register``
+says when it falls back to the Python hook or has nothing to compress."""
 
 import logging
 
@@ -107,3 +107,44 @@ def test_register_says_when_no_parameter_would_be_compressed(caplog, name, optio
     said = "no parameter of this model is compressed (the largest has 8192 elements, min_numel is 16384)"
     assert (said in caplog.text) is warned, caplog.text
 
+
+# ------------------------------ the hook names, and the native algorithms behind them
+def test_a_hook_name_given_twice_is_refused(monkeypatch):
+    from ddpx.comm_hooks import halfprec
+
+    monkeypatch.setattr(ddpx.comm_hooks, "_REGISTRY", None)  # built again, then restored
+    monkeypatch.setattr(halfprec, "HOOKS", (*halfprec.HOOKS, halfprec.Fp16State))
+    with pytest.raises(DdpxError, match="comm hook 'fp16' is defined twice: Fp16State and Fp16State"):
+        ddpx.comm_hooks.available()
+
+
+def built_kinds() -> list:
+    from ddpx import _C
+
+    if not getattr(_C, "has_native_hooks", False):
+        pytest.skip("this ddpx._C build has no native comm hooks")
+    return list(_C.native_hook_kinds())
+
+
+def test_each_native_kind_the_states_name_is_built_once_and_no_other():
+    built = built_kinds()
+    assert sorted(built) == sorted(ddpx.comm_hooks.native_kinds())
+    assert {"cast", "cast_phases", "int8", "inter_node"} <= set(built)  # fp16/bf16, their stage 2, the scope's
+    ddpx.comm_hooks.check_native_kinds(built)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda kinds: [k for k in kinds if k != "int8"], "named by a Python state but not built: int8"),
+    (lambda kinds: kinds + ["int4"], "built but named by no Python state: int4"),
+    (lambda kinds: kinds + ["cast"], "registered more than once: cast"),
+], ids=["missing", "extra", "twice"])
+def test_register_refuses_an_extension_whose_kinds_differ(monkeypatch, change, needle):
+    """Not a fallback to the Python hook: a stale build is an error, whichever hook asks first."""
+    from ddpx import _C
+
+    monkeypatch.setattr(_C, "native_hook_kinds", lambda kinds=change(built_kinds()): kinds)
+    model = NoReducer()
+    with pytest.raises(DdpxError) as info:
+        ddpx.comm_hooks.register(model, "fp16")
+    assert needle in str(info.value) and "rebuild the extension (pip install -e .)" in str(info.value)
+    assert not hasattr(model, "registered")
