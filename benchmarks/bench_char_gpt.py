@@ -130,6 +130,7 @@ def run_hand(variant: str, device: str, warmup: int, steps: int) -> dict:
     from torch.utils.data import DataLoader, DistributedSampler
 
     import ddpx.comm_hooks
+    from ddpx import distributed
 
     sys.path.insert(0, CHAR_GPT)
     import gpt
@@ -169,7 +170,7 @@ def run_hand(variant: str, device: str, warmup: int, steps: int) -> dict:
         epoch += 1
     result = clock.result(float(loss))
     del run, ddp  # the reducer before the group it holds
-    dist.destroy_process_group()
+    distributed.teardown()
     return result
 
 

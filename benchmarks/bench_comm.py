@@ -144,6 +144,7 @@ def worker(args):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ddpx.comm_hooks
+    from ddpx import distributed
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
@@ -239,7 +240,7 @@ def worker(args):
         del ddp, state
     save()
     dist.barrier()
-    dist.destroy_process_group()
+    distributed.teardown()
     return results
 
 

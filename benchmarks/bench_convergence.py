@@ -217,6 +217,8 @@ def parse(argv):
 def worker(args) -> int:
     import torch.distributed as dist
 
+    from ddpx import distributed
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -237,7 +239,7 @@ def worker(args) -> int:
         out = os.environ.get("DDPX_BENCH_CONVERGENCE_OUT")
         with open(out, "w") if out else open(os.devnull, "w") as f:
             json.dump(rows, f)
-    dist.destroy_process_group()
+    distributed.teardown()
     return 0
 
 

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddpx import distributed
+
 
 def _timed(fn, reps):
     fn()  # warm-up (connections, allocations)
@@ -105,7 +107,7 @@ def _worker(rank, world, port, args, queue):
         if rank == 0:
             queue.put(result)
     finally:
-        dist.destroy_process_group()
+        distributed.teardown()
 
 
 def main(argv=None):
@@ -124,7 +126,7 @@ def main(argv=None):
         result = measure(args)
         if dist.get_rank() == 0:
             _report(result, args.json)
-        dist.destroy_process_group()
+        distributed.teardown()
         return 0
 
     with socket.socket() as s:

@@ -191,9 +191,9 @@ def main(argv=None) -> int:
                   f"(ratio {r['ratio']:.3f}); operator calls/step {c['hook']:.0f} vs {c['plain']:.0f} "
                   f"(on the hook's worker thread {c['hook_worker_thread']:.0f}); "
                   f"buffers {r['hook_buffer_bytes'] / 1e6:.2f} MB for {r['grad_bytes'] / 1e6:.2f} MB of gradients")
-    import torch.distributed as dist
+    from ddpx import distributed
 
-    dist.destroy_process_group()
+    distributed.teardown()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (torch + gloo abort there now and then)
 

@@ -75,6 +75,8 @@ def rank_main(device: str, hooks: list[str], epochs: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from ddpx import distributed
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -87,7 +89,7 @@ def rank_main(device: str, hooks: list[str], epochs: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    distributed.teardown()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (torch + gloo abort there now and then)
 

@@ -45,7 +45,6 @@ Usage: python benchmarks/bench_trainer_overhead.py [--epochs 20] [--rounds 60] [
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import os
@@ -154,6 +153,7 @@ def hand_loop(epochs: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
 
+    from ddpx import distributed
     from ddpx.data import digits_split
     from ddpx.data.sampler import ResumableDistributedBatchSampler
     from ddpx.models import DigitsMLP
@@ -181,9 +181,8 @@ def hand_loop(epochs: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"epochs": timings, "train_start": train_start, "accuracy": correct / len(test_set)}, f)
-    del model  # the reducer before the group it holds (see interleaved)
-    gc.collect()
-    dist.destroy_process_group()
+    del model  # the reducer before the group it holds
+    distributed.teardown()
 
 
 def interleaved(rounds: int, overrides, out: str, noise_floor: bool = False) -> None:

@@ -183,8 +183,13 @@ def agree(signature: Sequence[str], proposal: Any) -> Any:
 
 
 def teardown() -> None:
-    """Destroy the default process group if there is one (safe to call twice). Drop your
-    references to the DDP model first: its reducer holds the group."""
+    """Destroy the default process group if there is one (safe to call twice).
+
+    Drop your own references to DDP models and comm-hook states first: the
+    collection here frees them, and whatever else they left in reference cycles,
+    while the group they hold still exists."""
     if dist.is_available() and dist.is_initialized():
-        gc.collect()  # the dropped DDP models go before their group (else gloo aborts now and then at exit)
+        # A DDP reducer that outlives its group makes torch 2.13 + gloo abort now and
+        # then ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()

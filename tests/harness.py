@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import gc
 import importlib
 import importlib.util
 import os
@@ -182,6 +181,8 @@ def _rank_main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
+    from ddpx import distributed
+
     module_path, fn_name, rank, world, port, args_file, out_file, timeout = argv
     rank, world = int(rank), int(world)
     torch.set_num_threads(1)
@@ -196,11 +197,7 @@ def _rank_main(argv: list[str]) -> None:
         torch.save(result, out_file)
         del result
     finally:
-        # DDP models and hook states hold the group: free them before destroying it,
-        # or torch 2.13 + gloo aborts now and then ("terminate called without an
-        # active exception").
-        gc.collect()
-        dist.destroy_process_group()
+        distributed.teardown()  # the DDP models and hook states the function left go first
     # The result is saved; skip interpreter teardown, the other place that abort hits.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,17 +1,19 @@
 """What the comm-hook tests share: the hook names under test, the tolerances of the
-lossy ones, the comparisons, and a small DDP training run with a hook (test modules
-do not import each other)."""
+lossy ones, the comparisons, a small DDP training run with a hook, and a training
+run on the digits (test modules do not import each other)."""
 
 import copy
+import logging
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx.comm_hooks
+from ddpx.data import digits_split
 
 LOSSY = ["fp16", "bf16", "int8"]
 ALL = ["allreduce"] + LOSSY
-PART2 = ["onebit", "powersgd"]  # most of their tests are in test_hooks_part2.py
+PART2 = ["onebit", "powersgd"]  # the hooks added after ALL (ALL + PART2 is every hook); both warm up by default
 # options that make a hook compress from the first step (onebit and powersgd warm up by default)
 NO_WARMUP = {"onebit": {"warmup_steps": 0}, "powersgd": {"warmup_steps": 0}}
 # max |hook - exact| / max |exact| per parameter after one step (first step: no error feedback yet)
@@ -105,3 +107,70 @@ def train(hook, native=False, steps=3, rank=0, mode=None, model=None, state_sd=N
         "saved": saved,
         "pieces": [len(lay.pieces) for lay in state.layouts.values() if hasattr(lay, "pieces")] if state else [],
     }
+
+
+# ---------------------------------------------- onebit and powersgd on the digits
+DIGITS_BATCH = 32
+
+
+def digits_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                               torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+class DigitsRun:
+    """DDP training on this rank's shard of the digits; batch t is a function of t only."""
+
+    def __init__(self, rank, world, name, opts, native=False, bucket_cap_mb=0.005):
+        self.model = digits_mlp()
+        # small buckets: every weight matrix in its own bucket, several in flight
+        self.ddp = DDP(self.model, bucket_cap_mb=bucket_cap_mb)
+        self.state = ddpx.comm_hooks.register(self.ddp, name, native=native, **opts) if name else None
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        train, self.test = digits_split()
+        x, y = train.tensors
+        self.x, self.y = x[rank::world], y[rank::world]
+        self.per_epoch = len(self.y) // DIGITS_BATCH
+
+    def batch(self, t):
+        epoch, i = divmod(t, self.per_epoch)
+        perm = torch.randperm(len(self.y), generator=torch.Generator().manual_seed(epoch))
+        idx = perm[i * DIGITS_BATCH:(i + 1) * DIGITS_BATCH]
+        return self.x[idx], self.y[idx]
+
+    def steps(self, start, stop):
+        for t in range(start, stop):
+            x, y = self.batch(t)
+            self.opt.zero_grad()
+            torch.nn.functional.cross_entropy(self.ddp(x), y).backward()
+            self.opt.step()
+
+    def accuracy(self):
+        x, y = self.test.tensors
+        with torch.no_grad():
+            return (self.model(x).argmax(1) == y).float().mean().item() * 100
+
+    def flat(self):
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+
+    def snapshot(self):
+        return copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                              "hook": self.state.state_dict()})
+
+    def restore(self, snap, hook=True):
+        self.model.load_state_dict(snap["model"])
+        self.opt.load_state_dict(snap["opt"])
+        if hook:
+            self.state.load_state_dict(snap["hook"])
+
+
+class WarningRecords(logging.Handler):
+    """The messages of the warnings it is given (add it to a logger)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())

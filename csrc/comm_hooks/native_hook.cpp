@@ -21,18 +21,21 @@ std::unordered_map<std::string, AlgorithmFactory>& algorithms() {
   static std::unordered_map<std::string, AlgorithmFactory> registry;
   return registry;
 }
+// Every registration, a kind registered twice included: ddpx.comm_hooks.check_native_kinds
+// refuses that (the map above keeps one of them) and any kind no Python state names.
+std::vector<std::string>& registered_kinds() {
+  static std::vector<std::string> kinds;
+  return kinds;
+}
 }  // namespace
 
 bool register_algorithm(const std::string& kind, AlgorithmFactory factory) {
+  registered_kinds().push_back(kind);
   algorithms()[kind] = std::move(factory);
   return true;
 }
 
-std::vector<std::string> algorithm_kinds() {
-  std::vector<std::string> kinds;
-  for (const auto& kv : algorithms()) kinds.push_back(kv.first);
-  return kinds;
-}
+std::vector<std::string> algorithm_kinds() { return registered_kinds(); }
 
 // ------------------------------------------------------------ SerialWorker
 namespace {

@@ -8,9 +8,9 @@
 // bucket rebuild), then keeps references to the layout's tensors, so
 // state_dict() and stats() see what the native hook wrote.
 //
-// Adding an algorithm = one csrc/comm_hooks/<name>.cpp defining a NativeAlgorithm
-// and DDPX_REGISTER_NATIVE_HOOK("<native_kind>", Class); the Python state
-// names the kind in its `native_kind` attribute.
+// Adding an algorithm = one csrc/comm_hooks/<name>.cpp defining a NativeAlgorithm and
+// DDPX_REGISTER_NATIVE_HOOK("<native_kind>", Class); the Python state names the kind in its
+// `native_kind`, and ddpx.comm_hooks refuses a build whose kinds differ (check_native_kinds).
 #pragma once
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -163,7 +163,7 @@ class TwoPhaseAlgorithm : public NativeAlgorithm {
 
 using AlgorithmFactory = std::function<std::unique_ptr<NativeAlgorithm>(HookCore&)>;
 bool register_algorithm(const std::string& kind, AlgorithmFactory factory);
-std::vector<std::string> algorithm_kinds();
+std::vector<std::string> algorithm_kinds();  // one entry per registration
 
 #define DDPX_REGISTER_NATIVE_HOOK(kind, cls)                                                      \
   static const bool ddpx_native_hook_registered_##cls = ::ddpx::comm_hooks::register_algorithm( \

@@ -10,8 +10,9 @@ or, with the native C++ hook (no Python and no GIL per bucket)::
     state = ddpx.comm_hooks.register(ddp_model, "int8", warmup_steps=10)
 
 Both give identical results and the same ``state.state_dict()`` /
-``state.stats()``. Each algorithm is one module in this package that defines
-``HOOKS = {name: StateClass}``; ``available()`` lists them.
+``state.stats()``. Each algorithm is one module in this package that lists its
+state classes in ``HOOKS``; a class's ``name`` is the hook's name (``available()``
+lists them) and its ``native_kind`` the C++ algorithm that runs it natively.
 """
 
 from __future__ import annotations
@@ -31,17 +32,24 @@ __all__ = ["make", "register", "available", "ddp_options", "without_warmup", "Ho
 
 _REGISTRY: dict[str, type] | None = None
 _FALLBACK_LOGGED: set[str] = set()
+# The native kinds of the resolved scopes (ddpx/comm_hooks/scope.py): the exact plan runs the
+# allreduce algorithm; inter_node its own, whose stage 2 is the hook's phase_kind.
+_EXACT_KIND, _INTER_NODE_KIND = "allreduce", "inter_node"
 
 
 def _registry() -> dict[str, type]:
     global _REGISTRY
     if _REGISTRY is None:
-        found = {}
+        found: dict[str, type] = {}
         for info in pkgutil.iter_modules(__path__):
             if info.name.startswith("_") or info.name == "base":
                 continue
             module = importlib.import_module(f".{info.name}", __name__)
-            found.update(getattr(module, "HOOKS", {}))
+            for cls in getattr(module, "HOOKS", ()):
+                if cls.name in found:
+                    raise DdpxError(f"comm hook {cls.name!r} is defined twice: {found[cls.name].__qualname__} "
+                                    f"and {cls.__qualname__}; give each state class its own name")
+                found[cls.name] = cls
         _REGISTRY = dict(sorted(found.items()))
     return _REGISTRY
 
@@ -110,7 +118,33 @@ def _native_kind(state) -> str | None:
     plan = state.scope_plan() if hasattr(state, "scope_plan") else None
     if plan is None or state.native_kind is None:
         return state.native_kind
-    return "allreduce" if plan == "exact" else "inter_node"
+    return _EXACT_KIND if plan == "exact" else _INTER_NODE_KIND
+
+
+# One name table a side, compared here: the C++ algorithms register themselves
+# (DDPX_REGISTER_NATIVE_HOOK in csrc/comm_hooks/<algorithm>.cpp, listed by native_hook_kinds)
+# and the Python states say which one runs each hook (native_kind: fp16 and bf16 share
+# "cast"; a scope may pick another). A third list, generated or passed across, would be one
+# more place to keep in step; comparing the two catches a change made on one side only.
+def native_kinds() -> set[str]:
+    """The C++ algorithms the Python states can ask ``ddpx._C`` for."""
+    kinds = {_EXACT_KIND, _INTER_NODE_KIND}
+    for cls in _registry().values():
+        kinds.update(k for k in (cls.native_kind, getattr(cls, "phase_kind", None)) if k)
+    return kinds
+
+
+def check_native_kinds(built) -> None:
+    """Raise :class:`DdpxError` unless `built` (``ddpx._C.native_hook_kinds()``, one entry
+    per registration) names each of :func:`native_kinds` once and nothing else."""
+    built = list(built)
+    problems = [f"{what}: {', '.join(sorted(kinds))}" for what, kinds in (
+        ("named by a Python state but not built", native_kinds() - set(built)),
+        ("built but named by no Python state", set(built) - native_kinds()),
+        ("registered more than once", {k for k in built if built.count(k) > 1})) if kinds]
+    if problems:
+        raise DdpxError(f"ddpx._C does not match ddpx.comm_hooks ({'; '.join(problems)}): rebuild the extension "
+                        "(pip install -e .); in csrc/comm_hooks/, one DDPX_REGISTER_NATIVE_HOOK per native_kind")
 
 
 def _native_unavailable(ddp_model, state) -> str | None:
@@ -124,8 +158,7 @@ def _native_unavailable(ddp_model, state) -> str | None:
         return f"the ddpx._C extension failed to load ({exc})"
     if not getattr(_C, "has_native_hooks", False):
         return "this ddpx._C build has no native comm hooks (torch without distributed headers)"
-    if kind not in _C.native_hook_kinds():
-        return f"this ddpx._C build has no native {kind!r} hook (rebuild the extension)"
+    check_native_kinds(_C.native_hook_kinds())  # a stale build is an error, not a slower run
     if getattr(ddp_model, "reducer", None) is None:
         return f"{type(ddp_model).__name__} has no DDP reducer"
     return None
@@ -136,7 +169,8 @@ def register(ddp_model, name: str, native: bool = True, **options) -> HookState:
 
     With ``native=True`` the C++ hook runs on the model's reducer. Where this
     torch build or the model cannot take it, the Python hook is registered
-    instead and the reason is logged once.
+    instead and the reason is logged once; an extension whose native algorithms
+    are not this package's (a stale build) raises :class:`DdpxError`.
     """
     state = make_state(name, getattr(ddp_model, "process_group", None), **options)
     _warn_if_nothing_compresses(ddp_model, state)

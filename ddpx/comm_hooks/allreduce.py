@@ -39,4 +39,4 @@ class AllreduceState(HookState):
         return allreduce_average(self, bucket)
 
 
-HOOKS = {"allreduce": AllreduceState}
+HOOKS = (AllreduceState,)

@@ -286,7 +286,7 @@ class HookState:
     options: dict[str, Option] = {}
     # per-parameter memory names kept in state_dict (e.g. error feedback)
     memories: tuple[str, ...] = ()
-    # the C++ hook that runs this algorithm natively, or None
+    # the C++ algorithm that runs this state natively (its DDPX_REGISTER_NATIVE_HOOK kind), or None
     native_kind: str | None = None
     # collectives depend on earlier results: run on the worker, on worker_group
     multi_phase = False

@@ -91,4 +91,4 @@ class Bf16State(HalfPrecisionState):
     dtype = torch.bfloat16
 
 
-HOOKS = {"fp16": Fp16State, "bf16": Bf16State}
+HOOKS = (Fp16State, Bf16State)

@@ -169,4 +169,4 @@ class Int8State(TwoPhaseState):
             ops.unflatten_(lay.plain, lay.runs(buf, False))
 
 
-HOOKS = {"int8": Int8State}
+HOOKS = (Int8State,)

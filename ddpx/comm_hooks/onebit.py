@@ -239,4 +239,4 @@ class OnebitState(TwoPhaseState):
             ops.unflatten_(comp_buf, comp)
 
 
-HOOKS = {"onebit": OnebitState}
+HOOKS = (OnebitState,)

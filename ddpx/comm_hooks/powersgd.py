@@ -283,4 +283,4 @@ def _copy_to_host(flags: torch.Tensor, host: torch.Tensor):
     return event
 
 
-HOOKS = {"powersgd": PowerSGDState}
+HOOKS = (PowerSGDState,)

@@ -211,10 +211,9 @@ def _collectives_worker() -> int:
                                                + (" with comm_hook.native=true" if native else ""))
                 _report(label, status, message, fix)
     finally:
-        import gc
+        from .. import distributed
 
-        gc.collect()  # the hooks' DDP models go before their process group
-        dist.destroy_process_group()
+        distributed.teardown()  # the hooks' DDP models go before their process group
     return 0
 
 

@@ -1,5 +1,7 @@
-"""ddpx.comm_hooks on gloo (CPU), several processes: exactness, native == Python,
-replica consistency, DDP modes, non-finite gradients, checkpointed state.
+"""What the comm hooks compute, on gloo (2 and 3 ranks): gradients against DDP
+without a hook, the formats' rounding and PowerSGD's reference algorithm; the
+native path bit-identical to the Python path; replicas identical; DDP's modes
+and non-finite gradients.
 
 Each multi-process scenario runs once per module (a fixture) and several
 tests assert on its results, to keep process start-ups few.
@@ -7,20 +9,23 @@ tests assert on its results, to keep process start-ups few.
 
 import copy
 import logging
-import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import harness
+from hook_checks import (ALL, LOSSY, NO_WARMUP, PART2, REL_TOL, DigitsRun, WarningRecords, batch, digits_mlp,
+                         equal_lists, make_model, max_rel_err, train)
 
 import ddpx.comm_hooks
-from ddpx.errors import DdpxError
+from ddpx.data import digits_split
 
-from hook_checks import ALL, LOSSY, NO_WARMUP, PART2, REL_TOL, batch, equal_lists, make_model, max_rel_err, train  # noqa: F401
+# onebit and powersgd, native against Python: compressing from the first step (the
+# defaults warm up with plain allreduce)
+NATIVE_CASES = [("onebit", "onebit", {"warmup_steps": 0}),
+                ("onebit_all", "onebit", {"compress_vectors": True, "min_numel": 0, "warmup_steps": 0}),
+                ("powersgd", "powersgd", {"warmup_steps": 0})]
 
 
 # ---------------------------------------------------------------- workers
@@ -89,50 +94,98 @@ def modes_worker(rank, world):
     return out
 
 
-def checkpoint_worker(rank, world):
-    out = {}
-    for native in (False, True):
-        full = train("int8", native, rank=rank, steps=6, bucket_cap_mb=25)
-        model_sd, opt_sd, hook_sd = full["saved"]
-        net = make_model()
-        net.load_state_dict(model_sd)
-        resumed = train("int8", native, rank=rank, steps=3, first_step=3, model=net, state_sd=hook_sd,
-                        opt_sd=opt_sd, bucket_cap_mb=25)
-        net = make_model()
-        net.load_state_dict(model_sd)
-        fresh_sd = copy.deepcopy(hook_sd)
-        fresh_sd["memory"] = {}
-        no_memory = train("int8", native, rank=rank, steps=3, first_step=3, model=net, state_sd=fresh_sd,
-                          opt_sd=opt_sd, bucket_cap_mb=25)
-        out[native] = {"full": full["params"], "resumed": resumed["params"], "no_memory": no_memory["params"],
-                       "hook_sd": hook_sd, "stats": resumed["stats"]}
-    # loading a state saved with another world size / rank: warn, reset, keep counters
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("ddpx.comm_hooks").addHandler(handler)
-    state, _ = ddpx.comm_hooks.make("int8")
-    ddp = DDP(make_model(), bucket_cap_mb=25)
-    ddp.register_comm_hook(state, ddpx.comm_hooks.hook)
-    x, y = batch(0, rank)
-    torch.nn.functional.cross_entropy(ddp(x), y).backward()
-    sd = out[True]["hook_sd"]
-    state.load_state_dict(dict(sd, world_size=world + 1))
-    out["world_change"] = {
-        "warnings": [r.getMessage() for r in records],
-        "memory_zero": all(bool((t == 0).all()) for d in state.memory.values() for t in d.values()),
-        "memory_count": sum(len(d) for d in state.memory.values()),
-        "steps": state.stats()["steps"],
-    }
-    return out
-
-
 def world3_worker(rank, world):
     out = {("none", False): train(None, rank=rank, steps=2)}
     for hook in ("allreduce", "int8", "fp16"):
         for native in (False, True):
             out[(hook, native)] = train(hook, native, rank=rank, steps=2)
     return out
+
+
+def part2_native_worker(rank, world):
+    """onebit and powersgd, 60 steps, native C++ hook vs Python hook: the same numbers.
+    onebit_all compresses every parameter: one contiguous stretch, no packing copies."""
+    res = {}
+    for label, name, opts in NATIVE_CASES:
+        py = DigitsRun(rank, world, name, opts, native=False)
+        py.steps(0, 60)
+        records = WarningRecords()
+        logging.getLogger("ddpx.comm_hooks").addHandler(records)
+        try:
+            nat = DigitsRun(rank, world, name, opts, native=True)
+        finally:
+            logging.getLogger("ddpx.comm_hooks").removeHandler(records)
+        nat.steps(0, 60)
+        res[f"{label}_native"] = {"python": py.flat(), "native": nat.flat(), "is_native": nat.state.native,
+                                  "warnings": records.messages, "stats": (py.state.stats(), nat.state.stats()),
+                                  "direct": [getattr(lay, "direct_offset", None) for lay in py.state.layouts.values()]}
+    return res
+
+
+def _powersgd_steps(rank, world):
+    """Five steps of the powersgd hook (rank 2, weights fixed, a new batch each step), with
+    every rank's raw gradients (an identical model without DDP, all-gathered) for the
+    reference below, and each compressed matrix's seeded starting Q."""
+    out = {}
+    x_all, y_all = digits_split()[0].tensors
+    for native in (False, True):
+        model = digits_mlp()
+        plain = copy.deepcopy(model)
+        ddp = DDP(model, bucket_cap_mb=0.005)
+        state = ddpx.comm_hooks.register(ddp, "powersgd", native=native, rank=2, warmup_steps=0)
+        hooked, raw = [], []
+        for t in range(5):
+            lo = (t * world + rank) * 16
+            xb, yb = x_all[lo:lo + 16], y_all[lo:lo + 16]
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(xb), yb).backward()
+            hooked.append([p.grad.clone() for p in model.parameters()])
+            plain.zero_grad()
+            torch.nn.functional.cross_entropy(plain(xb), yb).backward()
+            step = []
+            for p in plain.parameters():
+                parts = [torch.empty_like(p.grad) for _ in range(world)]
+                dist.all_gather(parts, p.grad)
+                step.append(parts)
+            raw.append(step)
+        q0 = {}
+        for i, p in enumerate(model.parameters()):
+            if state.compressible(p):
+                q0[i] = torch.empty(p.shape[1] * state.r_of(p))
+                state._draw_q(state.key_of(p), q0[i])
+        sd = state.state_dict()
+        del sd["memory"]["p"]  # as saved before the hook kept P: its "error" is the error itself
+        state.load_state_dict(sd)
+        p_after_old_format = all(not t.any() for t in state.memory["p"].values())
+        sd["memory"] = {}  # no memory saved: the live memory stays as it is, consistently
+        some_p = next(iter(state.memory["p"].values()))
+        some_p.fill_(1.0)
+        state.load_state_dict(sd)
+        out[native] = {"hooked": hooked, "raw": raw, "q0": q0, "p_after_old_format": p_after_old_format,
+                       "p_kept": bool((some_p == 1.0).all())}
+    return out
+
+
+def _powersgd_reference(raw, q0, world):
+    """PowerSGD as in the paper, fp64, the error written every step: per matrix,
+    M = G + E on each rank; P = orthogonalize(sum M Q); Q = mean M^T P; out = P Q^T;
+    E = M - out; Q warm-starts the next step. Everything else is averaged."""
+    errors, qs, outs = {}, {i: q.double().view(-1, 2) for i, q in q0.items()}, []  # rank 2: Q is m x 2
+    for step in raw:
+        cur = []
+        for i, parts in enumerate(step):
+            if i not in qs:
+                cur.append(sum(g.double() for g in parts) / world)
+                continue
+            ms = [g.double() + errors.get((i, w), 0) for w, g in enumerate(parts)]
+            p = torch.linalg.qr(sum(m @ qs[i] for m in ms)).Q
+            qs[i] = sum(m.t() @ p for m in ms) / world
+            approx = p @ qs[i].t()
+            for w, m in enumerate(ms):
+                errors[(i, w)] = m - approx
+            cur.append(approx)
+        outs.append(cur)
+    return outs
 
 
 # ---------------------------------------------------------------- fixtures
@@ -147,62 +200,11 @@ def modes(ranks):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(ranks):
-    return ranks.call(checkpoint_worker, 2, timeout=120)
+def part2_native(ranks):
+    return ranks.call(part2_native_worker, world_size=2, timeout=240)
 
 
 # ------------------------------------------------------------------- tests
-def test_available_names():
-    assert {"allreduce", "fp16", "bf16", "int8"} <= set(ddpx.comm_hooks.available())
-
-
-def test_without_warmup_makes_a_hook_compress_from_its_first_step():
-    assert ddpx.comm_hooks.without_warmup("onebit") == {"warmup_steps": 0}
-    assert ddpx.comm_hooks.make("powersgd", **ddpx.comm_hooks.without_warmup("powersgd"))[0].warming_up() is False
-    assert ddpx.comm_hooks.without_warmup("allreduce") == {}  # it has no warm-up
-    with pytest.raises(DdpxError, match="unknown comm hook 'nope'"):
-        ddpx.comm_hooks.without_warmup("nope")
-
-
-def test_old_import_path_gives_the_same_modules():
-    import ddpx.hooks
-    import ddpx.hooks.int8
-    from ddpx.hooks.twophase import TwoPhaseState
-
-    import ddpx.comm_hooks.twophase
-    assert ddpx.hooks is ddpx.comm_hooks
-    assert ddpx.hooks.int8 is ddpx.comm_hooks.int8
-    assert TwoPhaseState is ddpx.comm_hooks.twophase.TwoPhaseState
-
-
-def test_ddp_options_per_hook():
-    # int8: the wire starts a layer into the backward pass; every hook writes into the
-    # bucket, so DDP's copy of the bucket back into .grad is skipped
-    assert ddpx.comm_hooks.ddp_options("int8") == {"gradient_as_bucket_view": True, "bucket_cap_mb": 4.0}
-    for name in ("fp16", "allreduce", "onebit", "powersgd"):
-        assert ddpx.comm_hooks.ddp_options(name) == {"gradient_as_bucket_view": True}
-    with pytest.raises(DdpxError, match="unknown comm hook 'int9'; available: "):
-        ddpx.comm_hooks.ddp_options("int9")
-
-
-@pytest.mark.parametrize(
-    "name,opts,needle",
-    [
-        ("int9", {}, "unknown comm hook 'int9'; available: "),
-        ("int8", {"blocksize": 64}, "unknown option(s) blocksize; known options: block_size"),
-        ("int8", {"block_size": 30}, "block_size must be a positive multiple of 4, got 30"),
-        ("fp16", {"warmup_steps": -1}, "warmup_steps must be >= 0"),
-        ("fp16", {"compress_vectors": 1}, "compress_vectors must be bool, got 1"),
-        ("allreduce", {"min_numel": 5}, "unknown option(s) min_numel; known options: none"),
-    ],
-)
-def test_bad_options_are_one_line_errors(name, opts, needle):
-    with pytest.raises(DdpxError) as info:
-        ddpx.comm_hooks.make(name, **opts)
-    assert needle in str(info.value)
-    assert "\n" not in str(info.value)
-
-
 def test_allreduce_is_bit_identical_to_ddp_without_hook(equivalence):
     for rank_out in equivalence:
         ref = rank_out[("none", False)]
@@ -331,23 +333,6 @@ def test_torch_bf16_hook_refuses_on_gloo_while_ours_runs(modes, equivalence):
     assert equivalence[0][("bf16", True)]["stats"]["steps"] == 3
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_state_round_trip_continues_bit_identically(checkpoint, native):
-    for rank_out in checkpoint:
-        res = rank_out[native]
-        assert equal_lists(res["resumed"], res["full"])
-        assert not equal_lists(res["no_memory"], res["full"])  # the memory matters
-        assert res["stats"]["steps"] == 6
-        assert res["hook_sd"]["memory"]["worker_error"]
-
-
-def test_loading_another_world_size_warns_and_resets(checkpoint):
-    info = checkpoint[0]["world_change"]
-    assert any("error-feedback memory is per rank and is reset" in w for w in info["warnings"])
-    assert info["memory_count"] > 0 and info["memory_zero"]
-    assert info["steps"] == 3  # counters kept
-
-
 def test_three_ranks(ranks):
     out = ranks.call(world3_worker, 3, timeout=120)
     for rank_out in out:
@@ -362,102 +347,6 @@ def test_three_ranks(ranks):
     assert max_rel_err(out[0][("int8", True)]["grads"][0], ref) < REL_TOL["int8"]
 
 
-def test_state_dict_of_another_hook_is_refused():
-    state, _ = ddpx.comm_hooks.make("int8")
-    sd = {"version": 1, "name": "fp16", "counters": torch.zeros(3, dtype=torch.int64), "memory": {}}
-    with pytest.raises(DdpxError, match="state dict is for 'fp16', not 'int8'"):
-        state.load_state_dict(sd)
-
-
-def test_register_falls_back_to_python_and_says_why(caplog):
-    class NoReducer(torch.nn.Module):
-        process_group = None
-
-        def register_comm_hook(self, state, hook):
-            self.registered = (state, hook)
-
-    model = NoReducer()
-    with caplog.at_level(logging.WARNING, logger="ddpx.comm_hooks"):
-        state = ddpx.comm_hooks.register(model, "fp16")
-    assert model.registered == (state, ddpx.comm_hooks.hook) and state.native is False
-    assert "using the Python hook: NoReducer has no DDP reducer" in caplog.text
-
-
-@pytest.mark.parametrize("name,options,warned", [("onebit", {}, True), ("onebit", {"min_numel": 1024}, False),
-                                                  ("int8", {}, False), ("fp16", {}, False)])
-def test_register_says_when_no_parameter_would_be_compressed(caplog, name, options, warned):
-    """onebit's default min_numel (16384) exempts every matrix of a 64 x 128 MLP."""
-    class SmallDDP(torch.nn.Module):
-        process_group = None
-
-        def __init__(self):
-            super().__init__()
-            self.module = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 10))
-
-        def register_comm_hook(self, state, hook):
-            pass
-
-    with caplog.at_level(logging.WARNING, logger="ddpx.comm_hooks"):
-        ddpx.comm_hooks.register(SmallDDP(), name, native=False, **options)
-    said = "no parameter of this model is compressed (the largest has 8192 elements, min_numel is 16384)"
-    assert (said in caplog.text) is warned, caplog.text
-
-
-# ------------------------------------------------------- netns benchmark
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_comm.py")
-
-
-def _bench_namespaces(pid):
-    import subprocess
-
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    prefix = os.environ.get("DDPX_TEST_NETNS", "ddpxbench").split(",")[0]  # as bench_comm.py names them
-    return [line for line in out.splitlines() if line.startswith(f"{prefix}{pid}-")]
-
-
-@pytest.mark.netns
-@pytest.mark.slow
-@pytest.mark.skipif(not harness.netns_available(tc=True), reason="needs root and ip netns")
-def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
-    import json
-    import signal
-    import subprocess
-    import time
-
-    r = subprocess.run([sys.executable, BENCH, "--steps", "1", "--warmup", "1", "--hooks", "int8", "--rate", "10gbit",
-                        "--json"], capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(r.stdout)
-    by = {e["label"]: e for e in res["results"]}
-    assert by["ddpx int8 native"]["native"] is True and by["ddpx int8 native"]["ms_per_step"] > 0
-    assert by["ddpx int8 native"]["wire_bytes"] < 0.3 * by["no hook"]["wire_bytes"]
-    assert "torch powerSGD rank 4" in by  # measured or reported as failed, never missing
-    floor = by["DDP only: no-op hook"]  # DDP's own cost: no wire, so its bound is the compute alone
-    assert floor["wire_bytes"] == 0 and floor["link_bound_ms"] == floor["compute_ms"] and floor["ms_per_step"] > 0
-    # each config's bound: the compute alone measured just before it, plus its wire time at 10 Gbit/s
-    int8 = by["ddpx int8 native"]
-    assert all(e["compute_ms"] > 0 for e in res["results"])
-    assert int8["link_bound_ms"] == pytest.approx(int8["compute_ms"] + int8["wire_bytes"] * 8 / 10e9 * 1e3)
-    # SIGTERM while the workers run: the namespaces still go away
-    p = subprocess.Popen([sys.executable, BENCH, "--steps", "50", "--hooks", "int8"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not _bench_namespaces(p.pid) and time.time() < deadline:
-        time.sleep(0.2)
-    assert _bench_namespaces(p.pid), "the benchmark never created its namespaces"
-    time.sleep(2)
-    inside = [int(pid) for ns in _bench_namespaces(p.pid)
-              for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
-    assert inside, "no process runs in the namespaces"
-    p.send_signal(signal.SIGTERM)
-    p.communicate(timeout=60)
-    assert _bench_namespaces(p.pid) == []
-    time.sleep(1)
-    alive = [pid for pid in inside if os.path.exists(f"/proc/{pid}") and "zombie" not in
-             open(f"/proc/{pid}/status").read().lower()]
-    assert alive == [], f"processes left running: {alive}"  # torchrun's workers too, in their own sessions
-
-
 def test_int8_straight_from_the_bucket_equals_the_packed_path(ranks):
     results = ranks.call(spans_worker, 2, timeout=120)
     for out in results:
@@ -466,3 +355,28 @@ def test_int8_straight_from_the_bucket_equals_the_packed_path(ranks):
         for key in ((False, False), (False, True), (True, True)):
             assert equal_lists(out[key]["grads"][-1], ref["grads"][-1]), key
             assert equal_lists(out[key]["params"], ref["params"]), key
+
+
+def test_powersgd_matches_the_reference_algorithm(ranks):
+    """The hook's lazy error (E keeps M; the next step subtracts P' Q'^T) and its
+    kernels give PowerSGD's numbers: every step, every parameter, both ranks, both paths."""
+    results = ranks.call(_powersgd_steps, world_size=2, timeout=120)
+    for native in (False, True):
+        ref = _powersgd_reference(results[0][native]["raw"], results[0][native]["q0"], 2)
+        assert len(results[0][native]["q0"]) == 3  # all three weight matrices are compressed
+        assert results[0][native]["p_after_old_format"] and results[0][native]["p_kept"]
+        for r in results:
+            for t, (got, want) in enumerate(zip(r[native]["hooked"], ref)):
+                assert max_rel_err([g.double() for g in got], want) < 1e-4, (native, t)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", [c[0] for c in NATIVE_CASES])
+def test_native_matches_python(part2_native, label):
+    for r in part2_native:
+        got = r[f"{label}_native"]
+        assert torch.equal(got["python"], got["native"])
+        assert got["stats"][0] == got["stats"][1]
+        if label == "onebit_all":  # every bucket is compressed in place
+            assert got["direct"] and all(d >= 0 for d in got["direct"]), got["direct"]
+        assert got["is_native"] and got["warnings"] == []
