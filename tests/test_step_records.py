@@ -15,6 +15,7 @@ hence its evaluation metrics, were bit-identical with and without the fix.
 
 import json
 import pathlib
+import shutil
 
 import pytest
 
@@ -49,3 +50,24 @@ def test_epoch_records_equal_those_before_the_step_rewrite(ranks, tmp_path, name
     stored = json.loads(FIXTURE.read_text())
     assert stored["runs"][name]["overrides"] == RUNS[name]
     assert train(ranks, tmp_path, name) == stored["runs"][name]["records"]
+
+
+CHECKPOINT = FIXTURE.parent / "checkpoint-9b8e6f0"  # every plugin's state in the layout before the rewrite
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_before_the_rewrite_resumes_exactly(ranks, tmp_path):
+    """The end of epoch 1 of an fp16 + accumulation + int8 + EMA + early-stopping run,
+    saved by 9b8e6f0, resumed now: epoch 2 must equal the uninterrupted run's, bit for
+    bit (the GradScaler, the sampler position, the EMA, the early-stopping counters and
+    the RNG states all came back)."""
+    stored = json.loads(FIXTURE.read_text())["resume"]
+    run_dir = tmp_path / "run"
+    shutil.copytree(CHECKPOINT, run_dir / "checkpoints")
+    rc, out, err = ranks.cli(["train", *stored["overrides"], "trainer.epochs=3", "logging.progress=false",
+                              f"run_dir={run_dir}", "--nproc-per-node", "2"], timeout=240, cwd=tmp_path)
+    assert rc == 0, err
+    assert "step-000000012.pt (epoch 2, step 12)" in err
+    for fresh_start in ("starting the hook fresh", "without an EMA", "starting its patience afresh"):
+        assert fresh_start not in err
+    assert epoch_records(run_dir) == [stored["epoch_2"]]
