@@ -43,7 +43,7 @@ def install_legacy_step_hooks(trainer) -> None:
             used[name] = plugins
     for name, plugins in used.items():
         for plugin in plugins:
-            if (plugin, name) not in _warned:
+            if (plugin, name) not in _warned and trainer.rank == 0:  # the same on every rank: said once
                 _warned.add((plugin, name))
                 logging.getLogger("ddpx").warning(
                     f"plugin '{plugin}' implements {name}, replaced in ddpx 0.2 and removed in 0.3: {REPLACED[name]}")
