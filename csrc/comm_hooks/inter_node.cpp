@@ -25,6 +25,7 @@ class InterNode final : public TwoPhaseAlgorithm {
     py::object plan = core.state().attr("scope_plan")();
     py::object topo = plan.attr("topo");
     local_world_ = topo.attr("local_world").cast<int64_t>();
+    local_rank_ = topo.attr("local_rank").cast<int64_t>();
     world_ = local_world_ * topo.attr("nodes").cast<int64_t>();
     local_ = group_of(plan.attr("local_group"));
     cross_ = group_of(plan.attr("cross_group"));
@@ -74,25 +75,25 @@ class InterNode final : public TwoPhaseAlgorithm {
     }
     at::Tensor comp = lay.tensor("comp"), plain = lay.tensor("plain");
     if (lay.n_comp) {
-      at::Tensor comp_head = comp.narrow(0, 0, lay.n_comp), shard_comp = lay.tensor("shard_comp");
-      ddpx::ops::flatten_out(run_views(buf, lay.comp), 1.0 / static_cast<double>(local_world_), comp_head);
-      comp.narrow(0, lay.n_comp, comp.numel() - lay.n_comp).zero_();  // the last all-gather wrote there
-      local_->_reduce_scatter_base(shard_comp, comp)->wait();
+      at::Tensor head = comp.narrow(0, 0, lay.n_comp);
+      ddpx::ops::flatten_out(run_views(buf, lay.comp), 1.0 / static_cast<double>(local_world_), head);
+      comp.narrow(0, lay.n_comp, comp.numel() - lay.n_comp).zero_();  // the last stage 3 wrote there
+      reduce_scatter(comp, lay.tensor("comp_in"));
     }
     if (lay.n_plain) {
-      at::Tensor plain_head = plain.narrow(0, 0, lay.n_plain), shard_plain = lay.tensor("shard_plain");
-      ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0 / static_cast<double>(world_), plain_head);
-      local_->_reduce_scatter_base(shard_plain, plain)->wait();
-      std::vector<at::Tensor> t{shard_plain};
+      at::Tensor head = plain.narrow(0, 0, lay.n_plain);
+      ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0 / static_cast<double>(world_), head);
+      reduce_scatter(plain, lay.tensor("plain_in"));
+      std::vector<at::Tensor> t{lay.tensor("shard_plain")};
       plain_work_[&lay] = cross_->allreduce(t);
     }
   }
 
   void stage_out(const at::Tensor& buf, const Layout& lay) {
     if (lay.integer("whole")) return;
-    at::Tensor comp = lay.tensor("comp"), plain = lay.tensor("plain"), shard_comp = lay.tensor("shard_comp");
+    at::Tensor comp = lay.tensor("comp"), plain = lay.tensor("plain");
     if (lay.n_comp) {
-      local_->_allgather_base(comp, shard_comp)->wait();
+      all_gather(comp);
       ddpx::ops::unflatten_(comp.narrow(0, 0, lay.n_comp), run_views(buf, lay.comp));
     }
     if (lay.n_plain) {
@@ -101,13 +102,38 @@ class InterNode final : public TwoPhaseAlgorithm {
       WorkPtr work = std::move(it->second);
       plain_work_.erase(it);
       work->wait();
-      at::Tensor shard_plain = lay.tensor("shard_plain");
-      local_->_allgather_base(plain, shard_plain)->wait();
+      all_gather(plain);
       ddpx::ops::unflatten_(plain.narrow(0, 0, lay.n_plain), run_views(buf, lay.plain));
     }
   }
 
-  int64_t local_world_, world_;
+  // As InterNode._reduce_scatter: one all-to-all of the rows, the other local ranks'
+  // copies of this rank's row added in local-rank order (gloo's reduce-scatter is an
+  // allreduce of everything).
+  void reduce_scatter(at::Tensor rows, at::Tensor recv) {
+    const int64_t n = rows.numel() / local_world_;
+    std::vector<int64_t> equal_splits;
+    local_->alltoall_base(recv, rows, equal_splits, equal_splits)->wait();
+    at::Tensor mine = rows.narrow(0, local_rank_ * n, n);
+    for (int64_t j = 0; j < local_world_; ++j) {
+      if (j != local_rank_) mine.add_(recv.narrow(0, j * n, n));
+    }
+  }
+
+  // As InterNode._all_gather: one in-place broadcast per row.
+  void all_gather(const at::Tensor& rows) {
+    const int64_t n = rows.numel() / local_world_;
+    std::vector<WorkPtr> works;
+    for (int64_t j = 0; j < local_world_; ++j) {
+      std::vector<at::Tensor> t{rows.narrow(0, j * n, n)};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = j;
+      works.push_back(local_->broadcast(t, opts));
+    }
+    for (auto& w : works) w->wait();
+  }
+
+  int64_t local_world_, local_rank_, world_;
   c10::intrusive_ptr<c10d::ProcessGroup> local_, cross_;
   std::unique_ptr<HookCore> inner_core_;
   TwoPhaseAlgorithm* inner_;  // inner_core_'s algorithm

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .base import BucketLayout, ring_allreduce_bytes
-from .twophase import Piece, Pipelined, all_gather_single, reduce_scatter_single
+from .twophase import Piece, Pipelined
 
 log = logging.getLogger("ddpx.comm_hooks")
 
@@ -245,10 +245,15 @@ class InterNode(Pipelined):
             f32 = dict(dtype=torch.float32, device=dev)
             sc = ops.ceil_div(ops.ceil_div(lay.n_comp, L), self.unit) * self.unit
             sp = ops.ceil_div(lay.n_plain, L)
-            lay.comp = torch.zeros(L * sc, **f32)  # [node's compressed values | zero padding]
+            me = self.topo.local_rank
+            # [shard 0 | shard 1 | ...] of the node's compressed values (+ zero padding): stage 1
+            # reads it, stage 2 reduces this rank's shard in place, stage 3 broadcasts the shards
+            lay.comp = torch.zeros(L * sc, **f32)
+            lay.comp_in = torch.zeros(L * sc, **f32)  # stage 1: every local rank's copy of our shard
             lay.plain = torch.zeros(L * sp, **f32)
-            lay.shard_comp = torch.zeros(sc, **f32)  # stage 2's bucket: one tensor, compressed
-            lay.shard_plain = torch.zeros(sp, **f32)
+            lay.plain_in = torch.zeros(L * sp, **f32)
+            lay.shard_comp = lay.comp.narrow(0, me * sc, sc)  # stage 2's bucket: one tensor, compressed
+            lay.shard_plain = lay.plain.narrow(0, me * sp, sp)
             lay.inner = None  # nothing to compress: stages 1 and 3 and the exempt values' allreduce
             if lay.n_comp:
                 self.inner._keys[id(lay.shard_comp)] = shard_key(lay.keys, self.topo)
@@ -259,16 +264,9 @@ class InterNode(Pipelined):
     def wire_bytes(self, lay) -> int:
         """Bytes this rank sends across nodes per step for the bucket (the node-local
         stages are not counted: they are on the fast link)."""
-        n = self.topo.nodes
-        inner = self.inner
-        if lay.inner is None:
-            cross = 0
-        elif hasattr(inner, "wire_bytes"):
-            cross = inner.wire_bytes(lay.inner)
-        else:  # fp16/bf16: one allreduce of the 16-bit shard
-            cross = ring_allreduce_bytes(2 * lay.inner.n_comp, n)
+        cross = self.inner.wire_bytes(lay.inner) if lay.inner is not None else 0
         if not self.keep_whole:
-            cross += ring_allreduce_bytes(4 * lay.shard_plain.numel(), n)
+            cross += ring_allreduce_bytes(4 * lay.shard_plain.numel(), self.topo.nodes)
         return cross
 
     # ------------------------------------------------------------------- stages
@@ -290,11 +288,11 @@ class InterNode(Pipelined):
             return
         if lay.n_comp:
             ops.flatten(lay.runs(buf, True), 1.0 / L, out=lay.comp.narrow(0, 0, lay.n_comp))
-            lay.comp.narrow(0, lay.n_comp, lay.comp.numel() - lay.n_comp).zero_()  # the last all-gather wrote there
-            reduce_scatter_single(lay.shard_comp, lay.comp, group=self.local_group)
+            lay.comp.narrow(0, lay.n_comp, lay.comp.numel() - lay.n_comp).zero_()  # the last stage 3 wrote there
+            self._reduce_scatter(lay.comp, lay.comp_in)
         if lay.n_plain:  # exempt values: the world's sum, exactly, across nodes too
             ops.flatten(lay.runs(buf, False), 1.0 / world, out=lay.plain.narrow(0, 0, lay.n_plain))
-            reduce_scatter_single(lay.shard_plain, lay.plain, group=self.local_group)
+            self._reduce_scatter(lay.plain, lay.plain_in)
             lay.plain_work = dist.all_reduce(lay.shard_plain, group=self.cross_group, async_op=True)
 
     def _stage_out(self, buf, lay) -> None:
@@ -302,13 +300,38 @@ class InterNode(Pipelined):
         if lay.whole:
             return
         if lay.n_comp:
-            all_gather_single(lay.comp, lay.shard_comp, group=self.local_group)
+            self._all_gather(lay.comp)
             ops.unflatten_(lay.comp.narrow(0, 0, lay.n_comp), lay.runs(buf, True))
         if lay.n_plain:
             work, lay.plain_work = lay.plain_work, None
             work.wait()
-            all_gather_single(lay.plain, lay.shard_plain, group=self.local_group)
+            self._all_gather(lay.plain)
             ops.unflatten_(lay.plain.narrow(0, 0, lay.n_plain), lay.runs(buf, False))
+
+    # gloo has no real reduce-scatter (torch's reduce_scatter_tensor clones the input and
+    # allreduces all of it) and its all-gather gathers into a new tensor and copies out:
+    # on 2 ranks, 24 MB each, 53-68 and 39-63 ms where these take 21-26 and 10-13
+    # (docs/comm_hooks.md, "Where the time goes").
+    def _reduce_scatter(self, rows, recv) -> None:
+        """Row l of ``rows`` ([L, n] flat) becomes the sum of every local rank's row l:
+        one all-to-all, then the other ranks' copies added in local-rank order (on 2
+        ranks the a + b of an allreduce, bit for bit)."""
+        me, L = self.topo.local_rank, self.topo.local_world
+        n = rows.numel() // L
+        dist.all_to_all_single(recv, rows, group=self.local_group)
+        mine = rows.narrow(0, me * n, n)
+        for j in range(L):
+            if j != me:
+                mine.add_(recv.narrow(0, j * n, n))
+
+    def _all_gather(self, rows) -> None:
+        """Every local rank's row l of ``rows`` to every rank, in place: one broadcast per row."""
+        L = self.topo.local_world
+        n = rows.numel() // L
+        works = [dist.broadcast(rows.narrow(0, j * n, n), group=self.local_group, group_src=j, async_op=True)
+                 for j in range(L)]
+        for w in works:
+            w.wait()
 
     def _shard(self, buf, lay):
         return buf if lay.whole else lay.shard_comp
