@@ -301,7 +301,7 @@ def table(results):
             notes.append(f"{e['label']} ({setting}): {e.get('error', 'did not finish')}")
             continue
         rows.append((
-            e["label"] + ("" if e.get("native") in (None, e["label"].endswith("native")) else " (fell back)"),
+            e["label"] + ("" if e.get("native") in (None, " native" in e["label"]) else " (fell back)"),
             setting,
             f"{e.get('bucket_mb', DEFAULT_BUCKET_MB):g}",
             f"{e['ms_per_step']:.1f}",
