@@ -310,8 +310,8 @@ class InterNode(Pipelined):
 
     # gloo has no real reduce-scatter (torch's reduce_scatter_tensor clones the input and
     # allreduces all of it) and its all-gather gathers into a new tensor and copies out:
-    # on 2 ranks, 24 MB each, 53-68 and 39-63 ms where these take 21-26 and 10-13
-    # (docs/comm_hooks.md, "Where the time goes").
+    # for 24 MB per rank on 2 ranks they cost 24-27 and 9-10 ms of CPU where these two
+    # cost 7-9 and 4-6 (docs/comm_hooks.md, the step-time measurements of inter_node).
     def _reduce_scatter(self, rows, recv) -> None:
         """Row l of ``rows`` ([L, n] flat) becomes the sum of every local rank's row l:
         one all-to-all, then the other ranks' copies added in local-rank order (on 2
