@@ -2,7 +2,8 @@
 // Stage 1: exact fp32 reduce-scatter of the bucket inside the node (powersgd: allreduce);
 // stage 2: the hook's own two-phase algorithm on this rank's shard among the ranks of
 // the same local rank across nodes, run by a HookCore of its own on the Python plan's
-// `inner` state; stage 3: exact all-gather inside the node. Pipelined piece by piece by
+// `inner` state; stage 3: exact all-gather inside the node (of stage 2's codes, each
+// rank decoding every shard; the exempt values in fp32). Pipelined piece by piece by
 // TwoPhaseAlgorithm, like the hooks themselves; same layouts, same calls, same results
 // as the Python path.
 #include <unordered_map>
@@ -50,7 +51,10 @@ class InterNode final : public TwoPhaseAlgorithm {
   }
 
   void finish(HookCore&, const at::Tensor& buf, const Layout& lay, const Layout& pc, c10d::Work& second) override {
-    if (lay.inner) inner_->finish(*inner_core_, shard(buf, lay), *lay.inner, pc, second);
+    if (lay.inner) {
+      inner_->finish(*inner_core_, shard(buf, lay), *lay.inner, pc, second);
+      if (!lay.integer("whole")) share(lay, pc);
+    }
     if (pc.integer("last")) stage_out(buf, lay);
   }
 
@@ -92,8 +96,7 @@ class InterNode final : public TwoPhaseAlgorithm {
   void stage_out(const at::Tensor& buf, const Layout& lay) {
     if (lay.integer("whole")) return;
     at::Tensor comp = lay.tensor("comp"), plain = lay.tensor("plain");
-    if (lay.n_comp) {
-      all_gather(comp);
+    if (lay.n_comp) {  // every shard is in comp already (share, piece by piece)
       ddpx::ops::unflatten_(comp.narrow(0, 0, lay.n_comp), run_views(buf, lay.comp));
     }
     if (lay.n_plain) {
@@ -117,6 +120,23 @@ class InterNode final : public TwoPhaseAlgorithm {
     at::Tensor mine = rows.narrow(0, local_rank_ * n, n);
     for (int64_t j = 0; j < local_world_; ++j) {
       if (j != local_rank_) mine.add_(recv.narrow(0, j * n, n));
+    }
+  }
+
+  // As InterNode._share: stage 3 of the piece's compressed values. Each local rank's
+  // stage-2 result message is broadcast inside the node and decoded into its shard of
+  // comp by every rank, as its owner did (the bits of an all-gather of the decoded shards).
+  void share(const Layout& lay, const Layout& pc) {
+    at::Tensor result = pc.tensor("result"), own = pc.tensor("own_result"), comp = lay.tensor("comp");
+    const int64_t n = comp.numel() / local_world_;
+    own.copy_(result);  // the broadcasts before ours land in result
+    for (int64_t j = 0; j < local_world_; ++j) {  // finish decodes result: one broadcast at a time
+      std::vector<at::Tensor> t{j == local_rank_ ? own : result};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = j;
+      WorkPtr work = local_->broadcast(t, opts);
+      work->wait();
+      if (j != local_rank_) inner_->finish(*inner_core_, comp.narrow(0, j * n, n), *lay.inner, pc, *work);
     }
   }
 

@@ -224,6 +224,11 @@ class TwoPhaseState(Scoped, Pipelined, LossyState):
         """Wait for the piece's second collective, write its result into the bucket."""
         raise NotImplementedError
 
+    def result_message(self, lay, pc):
+        """The buffer the piece's ``finish`` decodes: the all-gathered codes (for
+        scope=inter_node's stage 3, ddpx/comm_hooks/scope.py)."""
+        return pc.recv2
+
     def wire_bytes(self, lay) -> int:
         """Bytes this rank sends per step for the bucket (``stats()``); the all-to-all
         + all-gather hooks send (R-1)/R of each piece's R-row message twice."""
