@@ -10,7 +10,9 @@ compressed data::
        of the node's sum
     2. the hook's compressed reduction of shard l among the ranks with local rank
        l on every node (0 <-> 2, 1 <-> 3): one group per local rank
-    3. all-gather (fp32, exact) inside each node
+    3. all-gather inside each node: every local rank's stage-2 result message (the
+       codes its hook decodes), which every rank decodes into that rank's shard: the
+       bits of an all-gather of the decoded fp32 shards, for fewer bytes
 
 ``powersgd`` keeps its matrices whole instead (a matrix's P and Q need all of
 it): exact fp32 allreduce inside the node, then PowerSGD on the whole bucket
