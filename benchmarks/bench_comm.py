@@ -23,7 +23,9 @@ torch's fp16 hook in the same run, a defaults row's step time over its tuned twi
 the link allows: compute + wire bytes / rate, where compute is the median
 forward + backward step without DDP, measured in blocks of 5 steps that
 alternate with the config's timed steps (so both see the same machine; a
-block, not single steps, so that each keeps its caches warm).
+block, not single steps, so that each keeps its caches warm). It also reports
+rank 0's CPU time per step (all its threads) and how busy the whole machine was
+during the timed steps: near 100 %, the CPU, not the link, sets the step time.
 
     sudo python benchmarks/bench_comm.py                  # 2 hosts, 1 Gbit/s
     sudo python benchmarks/bench_comm.py --hosts 3 --rate 500mbit --json
@@ -123,6 +125,17 @@ def _noop_hook(_, bucket):
     return fut
 
 
+def _cpu_ticks():
+    """(busy, total) CPU ticks of the whole machine so far (Linux /proc/stat; zeros elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
 def _replicas_identical(ddp) -> bool:
     """Whether every rank holds the same gradients, bit for bit (after the last timed step)."""
     import torch
@@ -161,11 +174,13 @@ def worker(args):
 
     net = _model()
 
-    def timed_step(model):
+    def timed_step(model, cpu=None):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         model.zero_grad()
         model(x).square().mean().backward()
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
         return time.perf_counter() - t0
 
     n_params = sum(p.numel() for p in net.parameters())
@@ -210,14 +225,20 @@ def worker(args):
             for _ in range(args.warmup):  # DDP's bucket rebuild, the hooks' warm-up
                 timed_step(ddp)
             before = state.stats() if state is not None else None
-            times, alone = [], []
+            times, alone, cpu, busy = [], [], [], [0, 0]
             while len(times) < args.steps:
                 block = min(BLOCK_STEPS, args.steps - len(times))
                 alone += [timed_step(net) for _ in range(block)]  # the same model without DDP
-                times += [timed_step(ddp) for _ in range(block)]
+                before_ticks = _cpu_ticks()
+                times += [timed_step(ddp, cpu) for _ in range(block)]
+                busy = [a + b - c for a, b, c in zip(busy, _cpu_ticks(), before_ticks)]
             entry["compute_ms"] = statistics.median(alone) * 1e3
             entry["ms_per_step"] = statistics.median(times) * 1e3
             entry["ms_mean"] = statistics.mean(times) * 1e3
+            # where the machine, not the link, is the limit: this rank's CPU time (all its
+            # threads) per step, and how busy the whole machine was during the timed steps
+            entry["cpu_ms"] = statistics.median(cpu) * 1e3
+            entry["machine_busy"] = busy[0] / busy[1] if busy[1] else None
             if state is not None:
                 after = state.stats()
                 entry["wire_bytes"] = (after["wire_bytes"] - before["wire_bytes"]) / args.steps
@@ -270,21 +291,23 @@ def summarize(results, rate_bps):
 
 
 def table(results):
-    rows = [("hook", "DDP", "bucket MB", "ms/step", "x allreduce", "x torch fp16", "/tuned", "/global",
-             "wire MB/step", "link-bound ms", "/bound")]
+    rows = [("hook", "DDP", "bucket MB", "ms/step", "CPU ms", "busy", "x allreduce", "x torch fp16", "/tuned",
+             "/global", "wire MB/step", "link-bound ms", "/bound")]
     notes = []
     for e in results["results"]:
         setting = e.get("setting", "")
         if "ms_per_step" not in e:
             rows.append((e["label"], setting, f"{e.get('bucket_mb', DEFAULT_BUCKET_MB):g}", "FAILED", "", "", "", "",
-                         "", "", ""))
+                         "", "", "", "", ""))
             notes.append(f"{e['label']} ({setting}): {e.get('error', 'did not finish')}")
             continue
         rows.append((
-            e["label"] + ("" if e.get("native") in (None, e["label"].endswith("native")) else " (fell back)"),
+            e["label"] + ("" if e.get("native") in (None, " native" in e["label"]) else " (fell back)"),
             setting,
             f"{e.get('bucket_mb', DEFAULT_BUCKET_MB):g}",
             f"{e['ms_per_step']:.1f}",
+            f"{e['cpu_ms']:.0f}" if e.get("cpu_ms") is not None else "",
+            f"{e['machine_busy']:.0%}" if e.get("machine_busy") is not None else "",
             f"{e['speedup_vs_allreduce']:.2f}" if e.get("speedup_vs_allreduce") else "",
             f"{e['speedup_vs_torch_fp16']:.2f}" if e.get("speedup_vs_torch_fp16") else "",
             f"{e['vs_tuned']:.2f}" if e.get("vs_tuned") else "",
@@ -298,7 +321,9 @@ def table(results):
     lines.insert(1, "-" * len(lines[0]))
     notes.insert(0, "DDP: defaults = DDP(model) + ddpx.comm_hooks.register (25 MB buckets, .grad copied out); "
                  "tuned = DDP(model, **ddpx.comm_hooks.ddp_options(name)); /global: an inter_node row's step over "
-                 "its global twin's; wire MB: across nodes only for inter_node rows")
+                 "its global twin's; wire MB: across nodes only for inter_node rows; CPU ms: rank 0's CPU time per step, all "
+                 "its threads; busy: the whole machine's CPU use during the timed steps (near 100%: the machine, not "
+                 "the link, sets the step time)")
     if any(e.get("replicas_identical") is False for e in results["results"]):
         notes.append("REPLICAS DIFFER after: " + ", ".join(e["label"] for e in results["results"]
                                                          if e.get("replicas_identical") is False))

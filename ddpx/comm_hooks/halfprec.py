@@ -32,15 +32,12 @@ class HalfPrecisionState(Scoped, LossyState):
         lay.plain = torch.empty(lay.n_plain, dtype=torch.float32, device=dev)
         lay.pieces = [Piece(0, 1)]
 
-    def run_bucket(self, bucket):
-        fut = self.run_scoped(bucket)
-        if fut is not None:
-            return fut
-        buf = bucket.buffer()
-        lay = self.layout(bucket.index(), bucket.parameters())
+    def wire_bytes(self, lay) -> int:
+        return ring_allreduce_bytes(2 * lay.n_comp + 4 * lay.n_plain, self.world_size)
+
+    def run_global(self, buf, lay, last):
         world, group = self.world_size, self.process_group
         inv = 1.0 / world
-        self.count(buf.numel(), ring_allreduce_bytes(2 * lay.n_comp + 4 * lay.n_plain, world), bucket.is_last())
         futs = []
         if lay.n_comp:
             for off, n, poff in lay.comp_runs:
@@ -67,6 +64,9 @@ class HalfPrecisionState(Scoped, LossyState):
         for off, n, poff in lay.comp_runs:
             ops.scale_cast(buf.narrow(0, off, n), 1.0 / self.world_size, self.dtype, out=lay.wire.narrow(0, poff, n))
         return dist.all_reduce(lay.wire, group=self.worker_group, async_op=True)
+
+    def result_message(self, lay, pc):
+        return lay.wire  # the summed 16-bit values
 
     def start_phase2(self, buf, lay, pc, reduce):
         return reduce  # no second collective

@@ -10,7 +10,9 @@ compressed data::
        of the node's sum
     2. the hook's compressed reduction of shard l among the ranks with local rank
        l on every node (0 <-> 2, 1 <-> 3): one group per local rank
-    3. all-gather (fp32, exact) inside each node
+    3. all-gather inside each node: every local rank's stage-2 result message (the
+       codes its hook decodes), which every rank decodes into that rank's shard: the
+       bits of an all-gather of the decoded fp32 shards, for fewer bytes
 
 ``powersgd`` keeps its matrices whole instead (a matrix's P and Q need all of
 it): exact fp32 allreduce inside the node, then PowerSGD on the whole bucket
@@ -46,7 +48,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .base import BucketLayout, ring_allreduce_bytes
-from .twophase import Piece, Pipelined, all_gather_single, reduce_scatter_single
+from .twophase import Piece, Pipelined
 
 log = logging.getLogger("ddpx.comm_hooks")
 
@@ -245,30 +247,31 @@ class InterNode(Pipelined):
             f32 = dict(dtype=torch.float32, device=dev)
             sc = ops.ceil_div(ops.ceil_div(lay.n_comp, L), self.unit) * self.unit
             sp = ops.ceil_div(lay.n_plain, L)
-            lay.comp = torch.zeros(L * sc, **f32)  # [node's compressed values | zero padding]
+            me = self.topo.local_rank
+            # [shard 0 | shard 1 | ...] of the node's compressed values (+ zero padding): stage 1
+            # reads it, stage 2 reduces this rank's shard in place, stage 3 broadcasts the shards
+            lay.comp = torch.zeros(L * sc, **f32)
+            lay.comp_in = torch.zeros(L * sc, **f32)  # stage 1: every local rank's copy of our shard
             lay.plain = torch.zeros(L * sp, **f32)
-            lay.shard_comp = torch.zeros(sc, **f32)  # stage 2's bucket: one tensor, compressed
-            lay.shard_plain = torch.zeros(sp, **f32)
+            lay.plain_in = torch.zeros(L * sp, **f32)
+            lay.shard_comp = lay.comp.narrow(0, me * sc, sc)  # stage 2's bucket: one tensor, compressed
+            lay.shard_plain = lay.plain.narrow(0, me * sp, sp)
             lay.inner = None  # nothing to compress: stages 1 and 3 and the exempt values' allreduce
             if lay.n_comp:
                 self.inner._keys[id(lay.shard_comp)] = shard_key(lay.keys, self.topo)
                 self.inner._key_params.append(lay.shard_comp)
                 lay.inner = self.inner.layout(lay.index, [lay.shard_comp])
+                for pc in lay.inner.pieces:  # what stage 3 shares inside the node (see _share)
+                    pc.result = self.inner.result_message(lay.inner, pc)
+                    pc.own_result = torch.empty_like(pc.result)
         lay.pieces = lay.inner.pieces if lay.inner is not None else [Piece(0, 1)]
 
     def wire_bytes(self, lay) -> int:
         """Bytes this rank sends across nodes per step for the bucket (the node-local
         stages are not counted: they are on the fast link)."""
-        n = self.topo.nodes
-        inner = self.inner
-        if lay.inner is None:
-            cross = 0
-        elif hasattr(inner, "wire_bytes"):
-            cross = inner.wire_bytes(lay.inner)
-        else:  # fp16/bf16: one allreduce of the 16-bit shard
-            cross = ring_allreduce_bytes(2 * lay.inner.n_comp, n)
+        cross = self.inner.wire_bytes(lay.inner) if lay.inner is not None else 0
         if not self.keep_whole:
-            cross += ring_allreduce_bytes(4 * lay.shard_plain.numel(), n)
+            cross += ring_allreduce_bytes(4 * lay.shard_plain.numel(), self.topo.nodes)
         return cross
 
     # ------------------------------------------------------------------- stages
@@ -290,25 +293,66 @@ class InterNode(Pipelined):
             return
         if lay.n_comp:
             ops.flatten(lay.runs(buf, True), 1.0 / L, out=lay.comp.narrow(0, 0, lay.n_comp))
-            lay.comp.narrow(0, lay.n_comp, lay.comp.numel() - lay.n_comp).zero_()  # the last all-gather wrote there
-            reduce_scatter_single(lay.shard_comp, lay.comp, group=self.local_group)
+            lay.comp.narrow(0, lay.n_comp, lay.comp.numel() - lay.n_comp).zero_()  # the last stage 3 wrote there
+            self._reduce_scatter(lay.comp, lay.comp_in)
         if lay.n_plain:  # exempt values: the world's sum, exactly, across nodes too
             ops.flatten(lay.runs(buf, False), 1.0 / world, out=lay.plain.narrow(0, 0, lay.n_plain))
-            reduce_scatter_single(lay.shard_plain, lay.plain, group=self.local_group)
+            self._reduce_scatter(lay.plain, lay.plain_in)
             lay.plain_work = dist.all_reduce(lay.shard_plain, group=self.cross_group, async_op=True)
 
     def _stage_out(self, buf, lay) -> None:
         """Stage 3, inside the node, exact: every shard into the bucket."""
         if lay.whole:
             return
-        if lay.n_comp:
-            all_gather_single(lay.comp, lay.shard_comp, group=self.local_group)
+        if lay.n_comp:  # every shard is in comp already (_share, piece by piece)
             ops.unflatten_(lay.comp.narrow(0, 0, lay.n_comp), lay.runs(buf, True))
         if lay.n_plain:
             work, lay.plain_work = lay.plain_work, None
             work.wait()
-            all_gather_single(lay.plain, lay.shard_plain, group=self.local_group)
+            self._all_gather(lay.plain)
             ops.unflatten_(lay.plain.narrow(0, 0, lay.n_plain), lay.runs(buf, False))
+
+    # gloo has no real reduce-scatter (torch's reduce_scatter_tensor clones the input and
+    # allreduces all of it) and its all-gather gathers into a new tensor and copies out:
+    # for 24 MB per rank on 2 ranks they cost 24-27 and 9-10 ms of CPU where these two
+    # cost 7-9 and 4-6 (docs/comm_hooks.md, the step-time measurements of inter_node).
+    def _reduce_scatter(self, rows, recv) -> None:
+        """Row l of ``rows`` ([L, n] flat) becomes the sum of every local rank's row l:
+        one all-to-all, then the other ranks' copies added in local-rank order (on 2
+        ranks the a + b of an allreduce, bit for bit)."""
+        me, L = self.topo.local_rank, self.topo.local_world
+        n = rows.numel() // L
+        dist.all_to_all_single(recv, rows, group=self.local_group)
+        mine = rows.narrow(0, me * n, n)
+        for j in range(L):
+            if j != me:
+                mine.add_(recv.narrow(0, j * n, n))
+
+    def _share(self, lay, pc) -> None:
+        """Stage 3 of the piece's compressed values: each local rank's stage-2 result
+        message (the codes its ``finish`` decodes: a quarter of fp32 for int8, a half
+        for fp16/bf16, about a 26th for onebit) is broadcast inside the node and every
+        rank decodes it into that rank's shard of ``comp``, as the owner did: the bits of
+        an all-gather of the decoded fp32 shards, for less loopback traffic, and piece
+        by piece instead of after the bucket's last piece."""
+        me, L = self.topo.local_rank, self.topo.local_world
+        n = lay.comp.numel() // L
+        pc.own_result.copy_(pc.result)  # the broadcasts before ours land in pc.result
+        for j in range(L):  # finish decodes pc.result: one broadcast at a time
+            work = dist.broadcast(pc.own_result if j == me else pc.result, group=self.local_group, group_src=j,
+                                  async_op=True)
+            work.wait()
+            if j != me:
+                self.inner.finish(lay.comp.narrow(0, j * n, n), lay.inner, pc, work)
+
+    def _all_gather(self, rows) -> None:
+        """Every local rank's row l of ``rows`` to every rank, in place: one broadcast per row."""
+        L = self.topo.local_world
+        n = rows.numel() // L
+        works = [dist.broadcast(rows.narrow(0, j * n, n), group=self.local_group, group_src=j, async_op=True)
+                 for j in range(L)]
+        for w in works:
+            w.wait()
 
     def _shard(self, buf, lay):
         return buf if lay.whole else lay.shard_comp
@@ -330,5 +374,7 @@ class InterNode(Pipelined):
     def finish(self, buf, lay, pc, second):
         if lay.inner is not None:
             self.inner.finish(self._shard(buf, lay), lay.inner, pc, second)
+            if not lay.whole:
+                self._share(lay, pc)
         if pc.last:
             self._stage_out(buf, lay)

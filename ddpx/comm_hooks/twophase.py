@@ -47,7 +47,6 @@ _UNRESOLVED = object()
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there, with a warning on every call)
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def segment_spans(slices, seg: int, unit: int) -> list:
@@ -112,7 +111,8 @@ class Piece:
 class Scoped:
     """Mixin of the states with a ``scope`` option (ddpx/comm_hooks/scope.py): resolves it
     once, at the first bucket or ``ddpx.comm_hooks.register`` (the same point on every
-    rank: the first resolution is a collective), and hands ``inter_node`` layouts out."""
+    rank: the first resolution is a collective), hands ``inter_node`` layouts out and
+    dispatches each bucket (``run_bucket``); a hook implements ``run_global``."""
 
     _plan: Any = _UNRESOLVED
 
@@ -133,13 +133,23 @@ class Scoped:
         plan = self.inter_node()
         return plan.layout(index, params) if plan is not None else super().layout(index, params)
 
-    def run_scoped(self, bucket):
-        """The bucket's future where warm-up or the scope decides (warm-up, and inter_node on
-        one node: the exact average; inter_node: its plan); None for the hook's own path."""
+    def run_bucket(self, bucket):
+        """Warm-up, and inter_node on one node: the exact average; inter_node: its plan;
+        else the hook's own ``run_global`` on the bucket's buffer and layout, counted."""
         plan = self.scope_plan()
         if self.warming_up() or plan == "exact":
             return allreduce_average(self, bucket)
-        return plan.run_bucket(bucket) if plan is not None else None
+        if plan is not None:
+            return plan.run_bucket(bucket)
+        buf = bucket.buffer()
+        lay = self.layout(bucket.index(), bucket.parameters())
+        last = bucket.is_last()
+        self.count(buf.numel(), self.wire_bytes(lay), last)
+        return self.run_global(buf, lay, last)
+
+    def run_global(self, buf, lay, last: bool):
+        """The bucket's future with scope global."""
+        raise NotImplementedError
 
 
 class Pipelined:
@@ -214,17 +224,15 @@ class TwoPhaseState(Scoped, Pipelined, LossyState):
         """Wait for the piece's second collective, write its result into the bucket."""
         raise NotImplementedError
 
+    def result_message(self, lay, pc):
+        """The buffer the piece's ``finish`` decodes: the all-gathered codes (for
+        scope=inter_node's stage 3, ddpx/comm_hooks/scope.py)."""
+        return pc.recv2
+
     def wire_bytes(self, lay) -> int:
         """Bytes this rank sends per step for the bucket (``stats()``); the all-to-all
         + all-gather hooks send (R-1)/R of each piece's R-row message twice."""
         return sum(2 * (self.world_size - 1) * pc.piece for pc in lay.pieces)
 
-    def run_bucket(self, bucket):
-        fut = self.run_scoped(bucket)
-        if fut is not None:
-            return fut
-        buf = bucket.buffer()
-        lay = self.layout(bucket.index(), bucket.parameters())
-        last = bucket.is_last()
-        self.count(buf.numel(), self.wire_bytes(lay), last)
+    def run_global(self, buf, lay, last):
         return self.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
