@@ -89,6 +89,7 @@ from ddpx import hookimpl
 from ddpx.errors import DdpxError, TrainingDiverged
 from ddpx.monitor import Monitor
 from ddpx.stopping import across_ranks
+from ddpx.trainer import CORE_STATE  # the core's entries: one copy for all ranks
 
 LR_SCALING = ("none", "linear")
 DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
@@ -287,7 +288,6 @@ def _refuse_restart_after_divergence(trainer, session) -> None:
 # --- collective parts (every rank, same order) -------------------------------------------
 
 # Entries of the core plugin's state: replicated by DDP, so taken from rank 0 only.
-REPLICATED = ("model", "optimizer", "scheduler", "progress")
 
 
 def _finite_state(trainer, state) -> bool:
@@ -350,7 +350,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     session.finite_at = step
     mine = {
         "rng": rng_state(trainer.device),
-        "plugins": {k: v for k, v in state.items() if k not in REPLICATED},
+        "plugins": {k: v for k, v in state.items() if k not in CORE_STATE},
     }
     if across_ranks(trainer):
         import torch.distributed as dist
@@ -365,7 +365,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     checkpoint = {
         "step": step,
         "world_size": trainer.world_size,
-        "replicated": {k: v for k, v in state.items() if k in REPLICATED},
+        "replicated": {k: v for k, v in state.items() if k in CORE_STATE},
         "ranks": gathered,
     }
     progress = state.get("progress", {})
