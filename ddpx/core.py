@@ -193,18 +193,16 @@ class CorePlugin:
         return train, evaluation
 
     @hookimpl(trylast=True)
-    def ddpx_step_window(self, trainer: "Trainer", batch_index: int, num_batches: int):
-        return 1  # no accumulation: every micro-batch is an optimizer step
-
-    @hookimpl(trylast=True)
     def ddpx_forward(self, trainer: "Trainer", batch):
         return model_loss(trainer.model, trainer.loss_fn, batch)[0]
 
     @hookimpl(trylast=True)
     def ddpx_optimizer_step(self, trainer: "Trainer"):
-        # Without fp16 AMP the scaler is disabled: unscale_ and update do nothing,
-        # step is optimizer.step() and the scale stays 1.0 (no host read).
         scaler, optimizer = trainer.scaler, trainer.optimizer
+        if not scaler.is_enabled():  # no fp16 AMP: nothing to unscale, no step to skip
+            trainer.clip_gradients()
+            optimizer.step()
+            return True
         scaler.unscale_(optimizer)  # clipping sees the true gradients
         trainer.clip_gradients()
         scale = scaler.get_scale()

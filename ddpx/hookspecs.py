@@ -69,7 +69,7 @@ checkpoint is saved or restored."""
 TRAINER_ATTRIBUTES = {
     "config": "the validated :class:`~ddpx.config.Config`",
     "plugin_manager": "the pluggy plugin manager of the run",
-    "hook": "``plugin_manager.hook``, to call a hook (``trainer.hook.ddpx_evaluate(...)``)",
+    "hook": "``plugin_manager.calls``, to call a hook (``trainer.hook.ddpx_evaluate(...)``, arguments by keyword)",
     "rank": "this process's global rank",
     "world_size": "the number of ranks",
     "local_rank": "the rank on this node",
@@ -241,7 +241,7 @@ def ddpx_step_window(trainer: "Trainer", batch_index: int, num_batches: int) -> 
     on this rank), make the next optimizer step. The core runs all but the last
     under ``no_sync`` and divides each back-propagated loss by this number, so the
     step's gradient is the window's mean (gradient accumulation). Called once per
-    optimizer step. Default: 1."""
+    optimizer step. None (no plugin answers): 1."""
 
 
 @hookspec(firstresult=True)

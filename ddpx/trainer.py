@@ -84,7 +84,7 @@ class Trainer:
     def __init__(self, config: Config, plugin_manager=None):
         self.config = config
         self.plugin_manager = plugin_manager if plugin_manager is not None else config.plugin_manager
-        self.hook = self.plugin_manager.hook
+        self.hook = self.plugin_manager.calls  # pm.hook, minus pluggy's dispatch where that changes nothing
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = torch.device("cpu")
         self.backend: Optional[str] = None
@@ -118,6 +118,7 @@ class Trainer:
         self._next_due = NEVER
         self._losses = EpochLosses()  # this epoch's micro-batch losses, summed only when read
         self._grad_clip = config.trainer.grad_clip  # read every step
+        self._batch_device = None  # where batches are moved (None: they stay on the CPU)
         self._grad_norms: Optional[GradientNorms] = None  # made with the model
         self._grad_norm_due = NEVER  # the next step whose gradient norm a logger asked for (watch_grad_norm)
         self.grad_norm: Optional[torch.Tensor] = None  # see clip_gradients
@@ -292,6 +293,7 @@ class Trainer:
         info = distributed.init_process_group(cfg.backend, cfg.device, cfg.first_timeout_s)
         self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
         self.backend, self.device = info.backend, info.device
+        self._batch_device = None if self.device.type == "cpu" else self.device  # .to() per tensor costs even on CPU
         run_dir = distributed.agree(plugin_signature(self.plugin_manager), self._propose_run_dir())
         distributed.set_timeout(cfg.timeout_s)
         self.run_dir = pathlib.Path(run_dir)
@@ -352,18 +354,21 @@ class Trainer:
             self.num_batches = len(self.train_loader)
             self._batches = iter(self.train_loader)
         stop_at = self._stop_step(until_step)
+        batch_end_hooked = bool(self.hook.ddpx_batch_end.get_hookimpls())  # none by default: the loop skips it
         self.module.train()
-        while self.epoch_batches < self.num_batches and self.global_step < stop_at:
-            first = self.epoch_batches
+        first = self.epoch_batches
+        while first < self.num_batches and self.global_step < stop_at:
             window = self.hook.ddpx_step_window(trainer=self, batch_index=first, num_batches=self.num_batches)
-            if window < 1:
+            if window is None:
+                window = 1  # no plugin accumulates: every micro-batch is an optimizer step
+            elif window < 1:
                 raise DdpxError(f"a ddpx_step_window hook returned {window} micro-batches at batch {first}; "
                                 "an optimizer step needs at least 1")
             batches = list(itertools.islice(self._batches, window))
             if not batches:
                 break  # the loader ended early
             losses, applied = self.train_step(batches)
-            if self.hook.ddpx_batch_end.get_hookimpls():
+            if batch_end_hooked:
                 for i, loss in enumerate(losses):
                     stepped = applied and i == len(losses) - 1
                     self.hook.ddpx_batch_end(trainer=self, batch_index=first + i, loss=loss, stepped=stepped)
@@ -371,6 +376,7 @@ class Trainer:
                 self.run_due_calls()
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
+            first += len(batches)
         self._epoch_finished = self.epoch_batches >= self.num_batches
         if not self._epoch_finished and self.global_step < self._stop_step():
             return None  # paused by until_step: no epoch end yet
@@ -398,9 +404,9 @@ class Trainer:
         gradients, step the LR scheduler. Returns the micro-batches' losses (detached)
         and whether the step was applied (fp16 AMP skips a step whose gradients
         overflowed)."""
-        losses = []
+        losses, first = [], self.epoch_batches
         for i, batch in enumerate(batches):
-            self.batch_index = self.epoch_batches
+            self.batch_index = first + i
             loss = self.forward_backward(batch, sync=i == len(batches) - 1, window=len(batches))
             self._losses.append(loss)  # summed when read: no host sync per step
             losses.append(loss)
@@ -419,8 +425,8 @@ class Trainer:
         returns its loss, detached. The back-propagated loss is divided by ``window``,
         so the step's gradient is the window's mean, that of one big batch. Without
         ``sync``, DDP does not all-reduce (``no_sync``)."""
-        if self.device.type != "cpu":  # .to() per tensor costs ~10k instructions even on CPU
-            batch = to_device(batch, self.device)
+        if self._batch_device is not None:
+            batch = to_device(batch, self._batch_device)
         with self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else contextlib.nullcontext():
             with self.autocast:
                 loss = self.hook.ddpx_forward(trainer=self, batch=batch)
@@ -629,9 +635,8 @@ class Trainer:
         while self._due and self._due[0][0] <= step:
             due.append(heapq.heappop(self._due)[2])
         self._next_due = self._due[0][0] if self._due else NEVER
-        tracing = getattr(self.plugin_manager, "ddpx_tracing", False)
         for callback in due:
-            if tracing:
+            if self.plugin_manager.tracing:
                 name = getattr(callback, "__qualname__", repr(callback))
                 print(f"{rank_prefix()}call at step {step}: {callback.__module__}.{name}", file=sys.stderr,
                       flush=True)

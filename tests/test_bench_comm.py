@@ -202,7 +202,8 @@ def _fake_trainer(cfg, world_size=2):
     from ddpx.trainer import NEVER, Trainer
 
     trainer = types.SimpleNamespace(world_size=world_size, global_step=0, is_main=True, warnings=[],
-                                    device=types.SimpleNamespace(type="cpu"), plugin_manager=None,
+                                    device=types.SimpleNamespace(type="cpu"),
+                                    plugin_manager=types.SimpleNamespace(tracing=False),
                                     _due=[], _due_order=itertools.count(), _next_due=NEVER)
     trainer.config = types.SimpleNamespace(section=lambda name: dict(cfg))
     trainer.log = types.SimpleNamespace(warning=trainer.warnings.append)

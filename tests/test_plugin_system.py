@@ -107,7 +107,7 @@ def test_builtin_plugins_load_through_the_entry_point_group():
     rows = {row["name"]: row for row in plugin_table(pm)}
     assert rows["sampler"]["distribution"] == "ddpx"
     assert "ddpx_build_dataloaders" in rows["sampler"]["hooks"]
-    assert "ddpx_forward" in rows["core"]["hooks"] and "ddpx_step_window" in rows["core"]["hooks"]
+    assert "ddpx_forward" in rows["core"]["hooks"] and "ddpx_step_window" in rows["accumulation"]["hooks"]
 
 
 def test_block_and_enable(plugin_dir):
@@ -339,3 +339,92 @@ def test_every_run_names_the_plugin_that_raised(make_config, capfd):
     if hasattr(info.value, "__notes__"):  # Python 3.11+
         assert f"(raised by plugin '{name}' in ddpx_epoch_start)" in info.value.__notes__
     assert not dist.is_initialized()
+
+
+# --- pm.calls: pluggy's answers, without its dispatch where that changes nothing ------------------
+
+
+class FirstSpec:
+    @spec(firstresult=True)
+    def pick(self, x, y):
+        pass
+
+    @spec
+    def collect(self, x):
+        pass
+
+
+class Picks:
+    def __init__(self, answer):
+        self.answer = answer
+
+    @impl
+    def pick(self, x, y):
+        return None if self.answer is None else (self.answer, x, y)
+
+    @impl
+    def collect(self, x):
+        return self.answer
+
+
+class PicksFromX:  # takes fewer arguments than the spec: pluggy drops y
+    @impl
+    def pick(self, x):
+        return ("x only", x)
+
+
+class WrapsPick:
+    @impl(wrapper=True)
+    def pick(self, x, y):
+        result = yield
+        return ("wrapped", result)
+
+
+def _first_pm():
+    from ddpx.plugin import PluginManager
+
+    pm = PluginManager("t")
+    pm.add_hookspecs(FirstSpec)
+    return pm
+
+
+def test_hook_calls_answer_as_pluggy_does():
+    pm = _first_pm()
+
+    def same(name, **kwargs):
+        assert getattr(pm.calls, name)(**kwargs) == getattr(pm.hook, name)(**kwargs)
+        return getattr(pm.calls, name)(**kwargs)
+
+    assert same("pick", x=1, y=2) is None  # no implementation
+    pm.register(Picks("a"), name="a")
+    assert same("pick", x=1, y=2) == ("a", 1, 2)  # one implementation: called directly
+    assert pm.calls.pick.__func__ is Picks.pick
+    assert same("collect", x=1) == ["a"]  # not firstresult: pluggy's caller, a list
+    pm.register(Picks(None), name="none")  # registered later: called first, answers None
+    assert same("pick", x=1, y=2) == ("a", 1, 2)
+    pm.unregister(name="a")
+    assert same("pick", x=1, y=2) is None
+    pm.unregister(name="none")
+    pm.register(PicksFromX(), name="fewer")
+    assert same("pick", x=1, y=2) == ("x only", 1)  # pluggy passes only the arguments it takes
+    pm.unregister(name="fewer")
+    pm.register(Picks("b"), name="b")
+    pm.register(WrapsPick(), name="wraps")
+    assert same("pick", x=1, y=2) == ("wrapped", ("b", 1, 2))
+    pm.unregister(name="wraps")
+    assert pm.calls.pick.__func__ is Picks.pick  # direct again once the wrapper is gone
+
+
+def test_hook_calls_are_traced_when_tracing():
+    pm = _first_pm()
+    pm.register(Picks("a"), name="a")
+    assert pm.calls.pick(x=1, y=2) == ("a", 1, 2)
+    seen = []
+    undo = pm.add_hookcall_monitoring(lambda name, impls, kwargs: seen.append(name), lambda *args: None)
+    assert pm.tracing
+    assert pm.calls.pick(x=1, y=2) == ("a", 1, 2)
+    assert seen == ["pick"]  # through pluggy, so the tracer sees it
+    undo()
+    assert not pm.tracing
+    pm.calls.pick(x=1, y=2)
+    assert seen == ["pick"]

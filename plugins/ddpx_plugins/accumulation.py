@@ -38,4 +38,4 @@ class AccumulationPlugin:
 
     @hookimpl
     def ddpx_step_window(self, trainer, batch_index, num_batches):
-        return max(1, min(self.steps, num_batches - batch_index))  # the epoch's last window may be shorter
+        return min(self.steps, num_batches - batch_index)  # the epoch's last window may be shorter
