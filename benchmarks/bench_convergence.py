@@ -31,6 +31,10 @@ are 2 nodes of 2 (``GROUP_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), and
 verdict's bound, e.g. 1.0 for inter_node)::
 
     python benchmarks/bench_convergence.py --nproc 4 --nodes 2 --scope inter_node --bound 1.0
+
+``--seeds N`` runs every cell with N seeds and reports the mean difference:
+one seed cannot tell a hook's effect from the way that seed's trajectory
+reacts to any small perturbation.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -136,8 +141,13 @@ def train_cell(model: str, optimizer: str, batch: int, epochs: int, hook: str | 
 
 
 def run_matrix(models=MODELS, optimizers=OPTIMIZERS, batches=BATCHES, runs=tuple(RUNS), hooks=LOSSY,
-               seed: int = 0, log=None) -> list[dict]:
-    """Every cell, every hook (inside an initialised 2-rank group); one row per cell."""
+               seed: int = 0, log=None, seeds: int = 1) -> list[dict]:
+    """Every cell, every hook (inside an initialised 2-rank group); one row per cell.
+
+    With ``seeds`` > 1 every run of a cell is repeated with the seeds ``seed``,
+    ``seed + 1``, ...: one seed's trajectory reacts to any perturbation (even
+    fp16's), so a cell's ``delta`` is then the mean over seeds of the hook's
+    accuracy minus allreduce's with the same seed (``deltas``: each seed's)."""
     rows = []
     for model in models:
         for optimizer in optimizers:
@@ -146,14 +156,21 @@ def run_matrix(models=MODELS, optimizers=OPTIMIZERS, batches=BATCHES, runs=tuple
                     t0 = time.perf_counter()
                     row = {"model": model, "optimizer": optimizer, "batch": batch, "run": run,
                            "epochs": RUNS[run], "hooks": {}}
-                    base = train_cell(model, optimizer, batch, RUNS[run], None, seed)
-                    row["allreduce"] = base["acc"]
-                    row["allreduce_curve"] = base["curve"]
-                    row["steps"] = base["steps"]
+                    cell_seeds = range(seed, seed + seeds)
+                    bases = [train_cell(model, optimizer, batch, RUNS[run], None, s) for s in cell_seeds]
+                    row["allreduce"] = statistics.fmean(b["acc"] for b in bases)
+                    row["allreduce_by_seed"] = [b["acc"] for b in bases]
+                    row["allreduce_curve"] = bases[0]["curve"]
+                    row["steps"] = bases[0]["steps"]
                     for hook in hooks:
-                        r = train_cell(model, optimizer, batch, RUNS[run], hook, seed)
-                        r["delta"] = r["acc"] - base["acc"]
+                        results = [train_cell(model, optimizer, batch, RUNS[run], hook, s) for s in cell_seeds]
+                        r = results[0]
+                        r["deltas"] = [h["acc"] - b["acc"] for h, b in zip(results, bases)]
+                        r["delta"] = statistics.fmean(r["deltas"])
+                        r["acc"] = statistics.fmean(h["acc"] for h in results)
+                        r["replicas_agree"] = all(h["replicas_agree"] for h in results)
                         row["hooks"][hook] = r
+                    row["seeds"] = list(cell_seeds)
                     row["seconds"] = time.perf_counter() - t0
                     rows.append(row)
                     if log:
@@ -197,6 +214,8 @@ def parse(argv):
                    help="comma-separated hooks, each NAME or NAME:option=value:option=value "
                         "(e.g. onebit:warmup_steps=0); default: every lossy hook at its default options")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="seeds per cell (--seed, --seed + 1, ...): each cell reports the mean difference")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--nodes", type=int, default=1, help="pretend nodes the --nproc ranks are split into")
     p.add_argument("--scope", default=None, help="the hooks' scope option (global, inter_node, auto)")
@@ -204,6 +223,8 @@ def parse(argv):
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write the rows as JSON (to FILE, or stdout)")
     args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: at least 1")
     if args.nodes < 1 or args.nproc % args.nodes:
         p.error(f"--nodes {args.nodes} must divide --nproc {args.nproc}")
     if args.scope:
@@ -234,7 +255,7 @@ def worker(args) -> int:
                   f"{row['allreduce']:.1f}% | {deltas} ({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
 
     rows = run_matrix(_csv(args.models), _csv(args.optimizers), _csv(args.batches, int), _csv(args.runs),
-                      _csv(args.hooks), args.seed, log)
+                      _csv(args.hooks), args.seed, log, args.seeds)
     if rank == 0:
         out = os.environ.get("DDPX_BENCH_CONVERGENCE_OUT")
         with open(out, "w") if out else open(os.devnull, "w") as f:
@@ -276,7 +297,8 @@ def main(argv=None) -> int:
     bad = {h: round(v, 2) for h, v in worst(rows).items() if v > args.bound}
     print(f"\nevery hook within {args.bound} points of allreduce in every cell: {'yes' if not bad else f'no {bad}'}")
     if args.json:
-        text = json.dumps({"bound": args.bound, "nproc": args.nproc, "nodes": args.nodes, "rows": rows}, indent=1)
+        text = json.dumps({"bound": args.bound, "nproc": args.nproc, "nodes": args.nodes, "seeds": args.seeds,
+                           "rows": rows}, indent=1)
         if args.json == "-":
             print(text)
         else:

@@ -104,6 +104,24 @@ def test_matrix_helpers():
     assert text.splitlines()[-1] == "| worst loss | | | | | | 2.0 | 0.0 |"
 
 
+def test_matrix_cells_average_their_seeds(monkeypatch):
+    bc = harness.benchmark("bench_convergence")
+    accuracy = {(None, 3): 90.0, (None, 4): 80.0, ("int8", 3): 88.0, ("int8", 4): 81.0}
+
+    def fake_cell(model, optimizer, batch, epochs, hook, seed=0):
+        return {"acc": accuracy[hook, seed], "curve": [accuracy[hook, seed]], "replicas_agree": seed != 4 or not hook,
+                "steps": 7, "compression": 4.0 if hook else None}
+
+    monkeypatch.setattr(bc, "train_cell", fake_cell)
+    (row,) = bc.run_matrix(("mlp",), ("sgd",), (16,), ("short",), ("int8",), seed=3, seeds=2)
+    assert row["seeds"] == [3, 4] and row["allreduce_by_seed"] == [90.0, 80.0] and row["allreduce"] == 85.0
+    r = row["hooks"]["int8"]
+    assert r["deltas"] == [-2.0, 1.0] and r["delta"] == -0.5 and r["acc"] == 84.5
+    assert r["replicas_agree"] is False  # one seed's replicas disagreed
+    (row,) = bc.run_matrix(("mlp",), ("sgd",), (16,), ("short",), ("int8",), seed=3)  # one seed: as before
+    assert row["hooks"]["int8"]["delta"] == -2.0 and row["allreduce"] == 90.0
+
+
 # ---- onebit and powersgd at their defaults, Python path, several buckets in flight
 PART2_EPOCHS = 30
 
