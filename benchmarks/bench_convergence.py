@@ -193,7 +193,7 @@ def table(rows, hooks) -> str:
     for row in rows:
         cells = [row["model"], row["optimizer"], str(row["batch"]), str(row["epochs"]), str(row["steps"]),
                  f"{row['allreduce']:.1f}"]
-        cells += [f"{row['hooks'][h]['delta']:+.1f}" for h in hooks]
+        cells += [f"{round(row['hooks'][h]['delta'], 1) + 0.0:+.1f}" for h in hooks]  # no "-0.0"
         lines.append("| " + " | ".join(cells) + " |")
     w = worst(rows)
     lines.append("| worst loss | | | | | | " + " | ".join(f"{w[h] + 0.0:.1f}" for h in hooks) + " |")  # no "-0.0"
