@@ -354,10 +354,9 @@ class Trainer:
             self.num_batches = len(self.train_loader)
             self._batches = iter(self.train_loader)
         stop_at = self._stop_step(until_step)
-        batch_end_hooked = bool(self.hook.ddpx_batch_end.get_hookimpls())  # none by default: the loop skips it
         self.module.train()
-        first = self.epoch_batches
-        while first < self.num_batches and self.global_step < stop_at:
+        while self.epoch_batches < self.num_batches and self.global_step < stop_at:
+            first = self.epoch_batches
             window = self.hook.ddpx_step_window(trainer=self, batch_index=first, num_batches=self.num_batches)
             if window is None:
                 window = 1  # no plugin accumulates: every micro-batch is an optimizer step
@@ -368,7 +367,7 @@ class Trainer:
             if not batches:
                 break  # the loader ended early
             losses, applied = self.train_step(batches)
-            if batch_end_hooked:
+            if self.hook.ddpx_batch_end.get_hookimpls():
                 for i, loss in enumerate(losses):
                     stepped = applied and i == len(losses) - 1
                     self.hook.ddpx_batch_end(trainer=self, batch_index=first + i, loss=loss, stepped=stepped)
@@ -376,7 +375,6 @@ class Trainer:
                 self.run_due_calls()
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
-            first += len(batches)
         self._epoch_finished = self.epoch_batches >= self.num_batches
         if not self._epoch_finished and self.global_step < self._stop_step():
             return None  # paused by until_step: no epoch end yet
@@ -404,9 +402,9 @@ class Trainer:
         gradients, step the LR scheduler. Returns the micro-batches' losses (detached)
         and whether the step was applied (fp16 AMP skips a step whose gradients
         overflowed)."""
-        losses, first = [], self.epoch_batches
+        losses = []
         for i, batch in enumerate(batches):
-            self.batch_index = first + i
+            self.batch_index = self.epoch_batches
             loss = self.forward_backward(batch, sync=i == len(batches) - 1, window=len(batches))
             self._losses.append(loss)  # summed when read: no host sync per step
             losses.append(loss)
