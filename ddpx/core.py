@@ -198,9 +198,11 @@ class CorePlugin:
 
     @hookimpl(trylast=True)
     def ddpx_optimizer_step(self, trainer: "Trainer"):
-        # Without fp16 AMP the scaler is disabled: unscale_ and update do nothing,
-        # step is optimizer.step() and the scale stays 1.0 (no host read).
         scaler, optimizer = trainer.scaler, trainer.optimizer
+        if not scaler.is_enabled():  # no fp16 AMP: nothing to unscale, no step skipped
+            trainer.clip_gradients()
+            optimizer.step()
+            return True
         scaler.unscale_(optimizer)  # clipping sees the true gradients
         trainer.clip_gradients()
         scale = scaler.get_scale()

@@ -82,13 +82,15 @@ class MicroStepShim:
         self.core_backward = trainer.backward
         self.window = 1
 
-    def forward_backward(self, batch, sync, window):
+    def forward_backward(self, batch, window):
         self.window = window
+        # False inside train_step's no_sync: DDP all-reduces on the window's last micro-batch only.
+        sync = getattr(self.trainer.model, "require_backward_grad_sync", True)
         return self.trainer.hook.ddpx_micro_step(trainer=self.trainer, batch=batch, sync=sync)
 
     @hookimpl(trylast=True)
     def ddpx_micro_step(self, trainer, batch, sync):  # the body the old wrappers surround
-        return self.core_forward_backward(batch, sync, self.window)
+        return self.core_forward_backward(batch, self.window)
 
     def backward(self, loss):
         if not self.trainer.hook.ddpx_backward(trainer=self.trainer, loss=loss):

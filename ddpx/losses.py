@@ -23,11 +23,6 @@ class EpochLosses:
         self.summed = 0  # micro-batches in ``sum``
         self.windows: list[LossWindow] = []
 
-    @property
-    def count(self) -> int:
-        """Micro-batches of the epoch so far (no tensor work)."""
-        return self.summed + len(self.pending)
-
     def start_epoch(self) -> None:
         self.fold()  # windows span epochs
         self.sum, self.summed = None, 0

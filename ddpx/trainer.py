@@ -94,6 +94,7 @@ class Trainer:
         self.global_step = 0
         self.batch_index = 0
         self.num_batches = 0
+        self.epoch_batches = 0  # micro-batches of the running (or just finished) epoch trained so far by this run
         # Asked from the plugins once, before ddpx_train_start: the forward pass's
         # context (AMP's autocast) and the GradScaler (fp16 AMP; a disabled one otherwise).
         self.autocast = contextlib.nullcontext()
@@ -144,11 +145,6 @@ class Trainer:
     def epoch_losses(self) -> EpochLosses:
         """The running epoch's micro-batch losses (device tensors, summed only when read)."""
         return self._losses
-
-    @property
-    def epoch_batches(self) -> int:
-        """Micro-batches of the running (or just finished) epoch trained so far by this run."""
-        return self._losses.count
 
     # --- lifecycle: setup -> train -> finish, and close on every exit path -------------------
 
@@ -350,6 +346,7 @@ class Trainer:
         if self._batches is None:  # a new epoch, not one paused by until_step
             self._epoch_finished = False
             self._losses.start_epoch()
+            self.epoch_batches = 0
             self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
             self.num_batches = len(self.train_loader)
             self._batches = iter(self.train_loader)
@@ -405,7 +402,12 @@ class Trainer:
         losses = []
         for i, batch in enumerate(batches):
             self.batch_index = self.epoch_batches
-            loss = self.forward_backward(batch, sync=i == len(batches) - 1, window=len(batches))
+            if i < len(batches) - 1 and hasattr(self.model, "no_sync"):
+                with self.model.no_sync():  # DDP all-reduces on the window's last micro-batch only
+                    loss = self.forward_backward(batch, window=len(batches))
+            else:
+                loss = self.forward_backward(batch, window=len(batches))
+            self.epoch_batches += 1
             self._losses.append(loss)  # summed when read: no host sync per step
             losses.append(loss)
         self.last_loss = losses[-1]
@@ -418,17 +420,15 @@ class Trainer:
         self.global_step += 1
         return losses, applied
 
-    def forward_backward(self, batch, sync: bool, window: int) -> torch.Tensor:
+    def forward_backward(self, batch, window: int) -> torch.Tensor:
         """Forward (``ddpx_forward``, in ``autocast``) and backward of one micro-batch;
         returns its loss, detached. The back-propagated loss is divided by ``window``,
-        so the step's gradient is the window's mean, that of one big batch. Without
-        ``sync``, DDP does not all-reduce (``no_sync``)."""
+        so the step's gradient is the window's mean, that of one big batch."""
         if self._batch_device is not None:
             batch = to_device(batch, self._batch_device)
-        with self.model.no_sync() if not sync and hasattr(self.model, "no_sync") else contextlib.nullcontext():
-            with self.autocast:
-                loss = self.hook.ddpx_forward(trainer=self, batch=batch)
-            self.backward(loss / window if window > 1 else loss)
+        with self.autocast:
+            loss = self.hook.ddpx_forward(trainer=self, batch=batch)
+        self.backward(loss / window if window > 1 else loss)
         return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
