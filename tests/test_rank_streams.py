@@ -69,6 +69,21 @@ def test_seed_per_sample_leaves_the_rank_stream_alone():
     assert torch.equal(after_an_epoch(Noisy()), after_an_epoch(list(range(24))))
 
 
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_a_batch_fetch_gives_the_samples_of_single_fetches(per_sample):
+    keys = [(1, i) for i in (5, 0, 17, 3)]
+
+    def fetch(batched):
+        seed_rank(3, 0)
+        data = SeededDataset(Noisy(), 3, 0, per_sample)
+        samples = data.__getitems__(keys) if batched else [data[key] for key in keys]
+        return torch.stack(samples), torch.rand(2)  # and the rank's stream after them
+
+    (batched, after_batched), (single, after_single) = fetch(True), fetch(False)
+    assert batched[:, 0].tolist() == [5.0, 0.0, 17.0, 3.0]
+    assert torch.equal(batched, single) and torch.equal(after_batched, after_single)
+
+
 @pytest.mark.slow
 def test_worker_seeds_depend_on_rank_worker_and_epoch():
     a = _samples(2, False, workers=2)

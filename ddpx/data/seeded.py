@@ -47,6 +47,12 @@ class SeededDataset(Dataset):
             seed_everything(derive_seed(self.seed, self.rank, worker.id, epoch))
         return self.dataset[index]
 
+    def __getitems__(self, keys: list) -> list:
+        """A batch's samples: the DataLoader's fetch calls this once per batch."""
+        if self.per_sample or get_worker_info() is not None:
+            return [self[key] for key in keys]
+        return [self.dataset[index] for _, index in keys]  # the main process draws from the rank's stream
+
 
 class _rank_stream_kept:
     """Put the process's torch CPU, Python and NumPy generator states back on exit."""
