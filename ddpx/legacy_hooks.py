@@ -81,11 +81,14 @@ class MicroStepShim:
         self.core_forward_backward = trainer.forward_backward  # the bound methods of the class
         self.core_backward = trainer.backward
         self.window = 1
+        self.done = 0  # micro-batches of the running window already run
 
     def forward_backward(self, batch, window):
         self.window = window
-        # False inside train_step's no_sync: DDP all-reduces on the window's last micro-batch only.
-        sync = getattr(self.trainer.model, "require_backward_grad_sync", True)
+        self.done += 1
+        sync = self.done == window  # as in 0.1: the window's last micro-batch, after which the optimizer steps
+        if sync:
+            self.done = 0
         return self.trainer.hook.ddpx_micro_step(trainer=self.trainer, batch=batch, sync=sync)
 
     @hookimpl(trylast=True)
