@@ -29,6 +29,7 @@ DONE_DIR_ENV = "DDPX_DONE_DIR"  # each worker that finishes training writes a ma
 DEFAULT_RDZV_ID = "ddpx"
 RDZV_WAIT_ENV = "DDPX_RDZV_WAIT_S"  # how long a joining node waits for the rendezvous host
 DEFAULT_RDZV_WAIT_S = 60.0
+BUSY_ENDPOINT_WAIT_S = 10.0  # how long a busy local endpoint may take to start listening
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # --nnodes MIN:MAX: a dead node leaves the rendezvous after 3 missed 1 s heartbeats (torch:
@@ -213,7 +214,14 @@ def check_rendezvous(route: net.Route, wait_s: float) -> Optional[bool]:
     if net.connect_probe(route.address, route.port, timeout=1.0) == "open":
         return False  # the host node's agent is up (or another agent on this machine serves it)
     if route.local:
-        net.check_port_free(route.address, route.port, "rendezvous")
+        try:
+            net.check_port_free(route.address, route.port, "rendezvous")
+        except DdpxError:
+            # Another agent on this machine bound the endpoint between the probe above and this
+            # test (two nodes started at once on one machine): join it once it listens.
+            if net.wait_for_listener(route.address, route.port, time.monotonic() + BUSY_ENDPOINT_WAIT_S) is None:
+                return False
+            raise
         # Several agents on one machine share a loopback endpoint: torchrun's own guess
         # tries to serve and joins when another agent was first.
         return None if route.one_machine else True

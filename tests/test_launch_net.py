@@ -74,6 +74,35 @@ def test_loopback_endpoint_leaves_the_host_choice_to_torchrun(clean_env):
     assert not any(a.startswith("--rdzv-conf") for a in argv)  # the first agent to bind serves
 
 
+def test_an_agent_that_binds_the_endpoint_after_the_probe_is_joined(monkeypatch):
+    """Two agents started at once on one machine: the other one binds the loopback endpoint
+    between this one's probe and its bind test. This one joins it (a CI run once hung here:
+    it failed "port busy" and the other agent waited for it until the join timeout)."""
+    port = net.free_port()
+    other_agent = socket.socket()
+    real_probe = net.connect_probe
+
+    def probe_then_the_other_agent_serves(addr, p, timeout=3.0):
+        answer = real_probe(addr, p, timeout)
+        if other_agent.fileno() != -1 and not other_agent.getsockname()[1]:
+            other_agent.bind(("127.0.0.1", port))
+            other_agent.listen()
+        return answer
+
+    monkeypatch.setattr(net, "connect_probe", probe_then_the_other_agent_serves)
+    with other_agent:
+        assert launch.check_rendezvous(net.route_to("127.0.0.1", port), wait_s=1.0) is False
+
+
+def test_a_busy_endpoint_that_never_listens_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr(launch, "BUSY_ENDPOINT_WAIT_S", 0.5)
+    with socket.socket() as holder:  # bound, not listening: no agent will ever answer there
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        with pytest.raises(DdpxError, match=rf"^rendezvous port {port} on 127.0.0.1 is busy"):
+            launch.check_rendezvous(net.route_to("127.0.0.1", port), wait_s=1.0)
+
+
 def test_pet_variables_configure_the_launch_and_flags_win(clean_env):
     """A Kubeflow PyTorchJob without an elastic policy: PET_NNODES, PET_NODE_RANK and the master."""
     _pretend(clean_env, address="10.9.0.1", local=False, local_addr="10.9.0.2", iface="eth0")

@@ -20,8 +20,8 @@ def test_two_nodes_through_c10d_rendezvous(ranks, tmp_path):
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
     ]
     nodes = ranks.commands([common, common], tmp_path, timeout=150, cwd=tmp_path, names=["node0", "node1"])
-    for node in nodes:
-        assert node.returncode == 0, node.output[-3000:]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(
+        f"--- node{i} (exit {node.returncode}) ---\n{node.output[-3000:]}" for i, node in enumerate(nodes))
     epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     epochs = [e for e in epochs if e.get("kind") == "epoch"]
     # World size 2 across the two agents: 23 steps per epoch (1438 samples / (2 x 32)).
