@@ -26,6 +26,7 @@ from .errors import DdpxError, TrainingDiverged
 
 WORKER_MODULE = "ddpx.worker"
 DONE_DIR_ENV = "DDPX_DONE_DIR"  # each worker that finishes training writes a marker file here
+LAUNCHER_PID_ENV = "DDPX_LAUNCHER_PID"  # the workers stop when this process dies (ddpx.worker)
 DEFAULT_RDZV_ID = "ddpx"
 RDZV_WAIT_ENV = "DDPX_RDZV_WAIT_S"  # how long a joining node waits for the rendezvous host
 DEFAULT_RDZV_WAIT_S = 60.0
@@ -421,7 +422,7 @@ def run_torchrun(argv: Sequence[str]) -> int:
 
     args = parse_args(list(argv))
     with tempfile.TemporaryDirectory(prefix="ddpx-done-") as done_dir:
-        env = {DONE_DIR_ENV: done_dir}  # inherited by the workers torchrun starts
+        env = {DONE_DIR_ENV: done_dir, LAUNCHER_PID_ENV: str(os.getpid())}  # inherited by the workers torchrun starts
         if args.rdzv_backend == "c10d" and SHARE_STORE_ENV not in os.environ:
             # A store per worker group, served by its rank 0 (see ddpx.distributed): the agents'
             # shared store would keep the previous group's keys, namespaced by each agent's own

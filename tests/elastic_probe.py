@@ -7,6 +7,8 @@ attempt, and can inject one failure at a chosen step:
 * ``action: raise``       raise an exception in this worker;
 * ``action: term_agent``  SIGTERM the torchrun agent (``ddpx train``), which
   forwards it to every worker: the graceful-stop path;
+* ``action: kill_agent``  SIGKILL the agent only (the OOM killer, ``kill -9``):
+  its workers must stop by themselves;
 * ``action: kill_node``   SIGKILL the agent, then this worker: a host dying
   (with one worker per node);
 * ``action: hang``        sleep for an hour (a stuck rank that is still alive).
@@ -19,7 +21,7 @@ The failure happens once: ``marker`` names a file created just before it, and
 an existing marker disables the action (a restarted attempt runs normally).
 
 Files in ``record_dir``: ``steps-<label>-<attempt>-rank<r>.jsonl`` with one
-``{"event": "start", ...}`` line (the step and epoch training resumed from)
+``{"event": "start", ...}`` line (the step and epoch training resumed from, the pid)
 and one ``{"event": "step", "epoch", "step", "indices"}`` line per optimizer
 step; ``final-<label>.pt`` (rank 0's parameters at the end).
 """
@@ -62,7 +64,8 @@ def ddpx_train_start(trainer):  # the checkpoint plugin (tryfirst) has restored 
     features = trainer.train_set.tensors[0]
     _probe["index"] = {row.numpy().tobytes(): i for i, row in enumerate(features)}
     _probe["step"] = trainer.global_step
-    _write({"event": "start", "world_size": trainer.world_size, "step": trainer.global_step, "epoch": trainer.epoch})
+    _write({"event": "start", "world_size": trainer.world_size, "step": trainer.global_step, "epoch": trainer.epoch,
+            "pid": os.getpid()})
 
 
 @hookimpl(wrapper=True)
@@ -96,6 +99,8 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
         os.kill(os.getppid(), signal.SIGTERM)
     elif cfg["action"] == "hang":
         time.sleep(3600)
+    elif cfg["action"] == "kill_agent":
+        os.kill(os.getppid(), signal.SIGKILL)
     elif cfg["action"] == "kill_node":
         os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

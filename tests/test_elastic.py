@@ -9,6 +9,7 @@ does not count (its records are dropped).
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -27,19 +28,27 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 
 def train(ranks, tmp_path, label, *extra, nproc=2, max_restarts=0, timeout=90, run_dir=True):
+    args = train_args(tmp_path, label, *extra, nproc=nproc, max_restarts=max_restarts, run_dir=run_dir)
+    start = time.monotonic()
+    code, out, err = ranks.cli(args, timeout=timeout, env=probe_env(), cwd=tmp_path)
+    return code, out + err, time.monotonic() - start
+
+
+def probe_env():
+    return {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
+def train_args(tmp_path, label, *extra, nproc=2, max_restarts=0, run_dir=True):
+    """``ddpx train`` arguments: 2 epochs with the probe recording into ``tmp_path/records``."""
     records = tmp_path / "records"
     records.mkdir(exist_ok=True)
-    args = [
+    return [
         "train", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
         *([f"run_dir={tmp_path / 'run'}"] if run_dir else []), "trainer.epochs=2", "optimizer.args.lr=0.1",
         "checkpoint.every_steps=4", "logging.progress=false", "plugins.enable=[elastic_probe]",
         f"probe.record_dir={records}", f"probe.label={label}", f"probe.marker={tmp_path / 'marker'}",
         *extra,
     ]
-    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    start = time.monotonic()
-    code, out, err = ranks.cli(args, timeout=timeout, env=env, cwd=tmp_path)
-    return code, out + err, time.monotonic() - start
 
 
 def attempts(tmp_path, labels):
@@ -141,6 +150,45 @@ def test_sigterm_stops_cleanly_and_resumes_with_another_world_size(ranks, tmp_pa
     assert world == 3 and at_step <= stopped_at < 2 * STEPS_PER_EPOCH, runs[1][:2]
     assert_each_sample_once(seen)
     assert final_accuracy(tmp_path) > 0.8  # chance: 0.1
+
+
+def test_workers_stop_with_a_final_checkpoint_when_the_launcher_is_killed(ranks, tmp_path):
+    """``kill -9`` of ``ddpx train`` (the OOM killer, a job's time limit): its workers, each in a
+    session of its own under torchrun, stop within seconds with a final checkpoint instead of
+    training on as orphans; a rerun resumes there and sees every sample once."""
+    at_step = STEPS_PER_EPOCH + 7
+    cmd = [sys.executable, "-m", "ddpx", *train_args(
+        tmp_path, "first", "probe.action=kill_agent", f"probe.at_step={at_step}", "probe.rank=0",
+        "probe.step_sleep_s=0.2", "checkpoint.every_steps=0", "checkpoint.stop_check_every=5")]
+    (launcher,) = ranks.commands([cmd], tmp_path, timeout=90, env=probe_env(), cwd=tmp_path, names=["launcher"])
+    assert launcher.returncode == -signal.SIGKILL, launcher.output[-3000:]
+    workers = [start["pid"] for start in map(json.loads, (line for f in (tmp_path / "records").glob("steps-first-*")
+                                                          for line in f.read_text().splitlines()))
+               if start["event"] == "start"]
+    assert len(workers) == 2
+    deadline = time.monotonic() + 30
+    while any(map(alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(alive, workers)), "the workers outlived their launcher by 30 s"
+    log = (tmp_path / "launcher.log").read_text()  # the workers' output went on after the launcher's end
+    for rank in (0, 1):
+        assert re.search(rf"ddpx: \[rank{rank}\] the launcher \(pid \d+\) is gone: stopping", log), log[-3000:]
+        assert f"ddpx: [rank{rank}] stopped by signal SIGTERM" in log, log[-3000:]
+
+    code, log, _ = train(ranks, tmp_path, "second")
+    assert code == 0, log[-3000:]
+    seen, runs = committed_samples(tmp_path, ["first", "second"])
+    stopped_at = runs[1][0]
+    assert at_step < stopped_at < 2 * STEPS_PER_EPOCH, runs[1][:2]  # the stop's own checkpoint, mid epoch 1
+    assert_each_sample_once(seen)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left for init to reap has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_one_rank_raising_stops_every_rank_quickly_and_names_it(ranks, tmp_path):
