@@ -32,6 +32,7 @@ RDZV_WAIT_ENV = "DDPX_RDZV_WAIT_S"  # how long a joining node waits for the rend
 DEFAULT_RDZV_WAIT_S = 60.0
 BUSY_ENDPOINT_WAIT_S = 10.0  # how long a busy local endpoint may take to start listening
 DEFAULT_MASTER_PORT = 29500  # torchrun's
+TORCH_JOIN_TIMEOUT_S = 600  # torchrun's c10d rendezvous join_timeout
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # --nnodes MIN:MAX: a dead node leaves the rendezvous after 3 missed 1 s heartbeats (torch:
 # 15 s), and a round with at least MIN nodes closes 3 s after the last one joined (torch:
@@ -243,7 +244,7 @@ def is_elastic(nnodes: str) -> bool:
     return bool(sep) and low != high
 
 
-def rendezvous_conf(nnodes: str, is_host: Optional[bool], env: Mapping[str, str] = os.environ) -> str:
+def rendezvous_conf(nnodes: str, is_host: Optional[bool], env: Mapping[str, str] = os.environ) -> dict[str, str]:
     """torchrun's --rdzv-conf: ddpx's choices, then the user's PET_RDZV_CONF (which wins)."""
     conf = dict(ELASTIC_RDZV_CONF) if is_elastic(nnodes) else {}
     if is_host is not None:
@@ -253,7 +254,7 @@ def rendezvous_conf(nnodes: str, is_host: Optional[bool], env: Mapping[str, str]
         if not sep:
             raise DdpxError(f"PET_RDZV_CONF item {item!r} must be KEY=VALUE")
         conf[key.strip()] = value.strip()
-    return ",".join(f"{k}={v}" for k, v in conf.items())
+    return conf
 
 
 def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], overrides: Sequence[str]) -> list[str]:
@@ -282,7 +283,7 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
             is_host = check_rendezvous(route, float(os.environ.get(RDZV_WAIT_ENV, DEFAULT_RDZV_WAIT_S)))
             conf = rendezvous_conf(nnodes, is_host)
             if conf:
-                argv.append(f"--rdzv-conf={conf}")
+                argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
             if route.local_addr and not os.environ.get("PET_LOCAL_ADDR"):
                 # The workers' MASTER_ADDR: otherwise the rank-0 agent's getfqdn(), often "localhost".
                 argv.append(f"--local-addr={route.local_addr}")
@@ -292,6 +293,10 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
         if made:
             print(f"ddpx: {node_label(route)}: {' '.join(made)} (the interface that reaches {route.host}; "
                   "set these variables yourself to choose another)", file=sys.stderr, flush=True)
+        if backend == "c10d":  # torchrun says nothing while it waits, and a node that never comes costs minutes
+            wait = conf.get("join_timeout", TORCH_JOIN_TIMEOUT_S)
+            print(f"ddpx: {node_label(route)}: joining the rendezvous at {endpoint} (--nnodes {nnodes}; waiting up "
+                  f"to {wait} s for the other nodes)", file=sys.stderr, flush=True)
     else:
         # One node: torchrun's static rendezvous on a local port we checked or picked.
         addr = opts.master_addr or "127.0.0.1"

@@ -39,8 +39,11 @@ def test_the_node_owning_the_endpoint_hosts_the_store_and_advertises_its_interfa
     argv = _argv(LaunchOptions(nnodes="2", nproc_per_node="1", rdzv_endpoint="node0:29400"))
     assert "--rdzv-conf=is_host=true" in argv and "--local-addr=10.9.0.1" in argv
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=node0:29400" in argv
-    assert capsys.readouterr().err == ("ddpx: node 10.9.0.1: GLOO_SOCKET_IFNAME=eth7 NCCL_SOCKET_IFNAME=eth7 (the "
-                                       "interface that reaches node0; set these variables yourself to choose another)\n")
+    assert capsys.readouterr().err == (
+        "ddpx: node 10.9.0.1: GLOO_SOCKET_IFNAME=eth7 NCCL_SOCKET_IFNAME=eth7 (the interface that reaches node0; "
+        "set these variables yourself to choose another)\n"
+        "ddpx: node 10.9.0.1: joining the rendezvous at node0:29400 (--nnodes 2; waiting up to 600 s for the other "
+        "nodes)\n")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
 
 
@@ -103,7 +106,7 @@ def test_a_busy_endpoint_that_never_listens_is_a_one_line_error(monkeypatch):
             launch.check_rendezvous(net.route_to("127.0.0.1", port), wait_s=1.0)
 
 
-def test_pet_variables_configure_the_launch_and_flags_win(clean_env):
+def test_pet_variables_configure_the_launch_and_flags_win(clean_env, capsys):
     """A Kubeflow PyTorchJob without an elastic policy: PET_NNODES, PET_NODE_RANK and the master."""
     _pretend(clean_env, address="10.9.0.1", local=False, local_addr="10.9.0.2", iface="eth0")
     for name, value in {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-master-0",
@@ -117,8 +120,10 @@ def test_pet_variables_configure_the_launch_and_flags_win(clean_env):
     # elastic policy: endpoint and backend from PET_*, the user's rdzv conf kept
     clean_env.setenv("PET_RDZV_ENDPOINT", "job-master-0:29400")
     clean_env.setenv("PET_RDZV_BACKEND", "c10d")
+    capsys.readouterr()
     argv = _argv(LaunchOptions())
     assert "--rdzv-backend=c10d" in argv and "--rdzv-conf=is_host=false,join_timeout=900" in argv
+    assert "joining the rendezvous at job-master-0:29400 (--nnodes 2; waiting up to 900 s" in capsys.readouterr().err
     clean_env.setenv("PET_NODE_RANK", "one")
     with pytest.raises(DdpxError, match="PET_NODE_RANK='one' is not a number"):
         _argv(LaunchOptions())
