@@ -156,10 +156,10 @@ def test_workers_stop_with_a_final_checkpoint_when_the_launcher_is_killed(ranks,
     """``kill -9`` of ``ddpx train`` (the OOM killer, a job's time limit): its workers, each in a
     session of its own under torchrun, stop within seconds with a final checkpoint instead of
     training on as orphans; a rerun resumes there and sees every sample once."""
-    at_step = STEPS_PER_EPOCH + 7
+    at_step = STEPS_PER_EPOCH + 7  # 0.2 s steps: the 1 s watch plus two 2-step checks end it well before step 46
     cmd = [sys.executable, "-m", "ddpx", *train_args(
         tmp_path, "first", "probe.action=kill_agent", f"probe.at_step={at_step}", "probe.rank=0",
-        "probe.step_sleep_s=0.2", "checkpoint.every_steps=0", "checkpoint.stop_check_every=5")]
+        "probe.step_sleep_s=0.2", "checkpoint.every_steps=0", "checkpoint.stop_check_every=2")]
     (launcher,) = ranks.commands([cmd], tmp_path, timeout=90, env=probe_env(), cwd=tmp_path, names=["launcher"])
     assert launcher.returncode == -signal.SIGKILL, launcher.output[-3000:]
     workers = [start["pid"] for start in map(json.loads, (line for f in (tmp_path / "records").glob("steps-first-*")
