@@ -2,8 +2,9 @@
 
 One core, :func:`start` and :func:`finish`: every process writes its output to a
 file (an undrained pipe would block a rank mid-collective), runs in a session of
-its own, and is killed with its whole process group when the deadline passes or,
-optionally, when a peer fails; the test then fails with what each process printed.
+its own, and is killed with every process it started when the deadline passes
+(each Python process first prints its threads' stacks) or, optionally, when a
+peer fails; the test then fails with what each process printed.
 On it stand the four shapes the tests need:
 
 * :func:`run_cli`: ``python -m ddpx ARGS`` (torchrun starts the workers);
@@ -26,7 +27,9 @@ import importlib
 import importlib.util
 import os
 import random
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,10 +44,12 @@ ROOT = TESTS.parent
 
 
 def base_env(env=None) -> dict:
-    """The current environment, one thread per process (2 cores, several ranks), ``env``
-    on top (a None value unsets a variable)."""
+    """The current environment, one thread per process (2 cores, several ranks), Python's
+    fault handler on (a crash, or a hang :func:`finish` ends, prints every thread's stack),
+    ``env`` on top (a None value unsets a variable)."""
     full = dict(os.environ)
     full.setdefault("OMP_NUM_THREADS", "1")
+    full.setdefault("PYTHONFAULTHANDLER", "1")
     full.update(env or {})
     return {k: v for k, v in full.items() if v is not None}
 
@@ -70,7 +75,43 @@ def start(cmd, log: Path, env: dict, cwd=None, split_stderr: bool = False) -> su
     require_slow_mark()
     with open(log, "w") as out, open(_err_log(log) if split_stderr else os.devnull, "w") as err:
         return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err if split_stderr else subprocess.STDOUT,
-                                env=env, cwd=cwd, start_new_session=True)
+                                env=env, cwd=cwd, start_new_session=True, preexec_fn=_no_core_files)
+
+
+def _no_core_files() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the SIGABRT of a hang's stack dump writes none
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process descended from it: torchrun starts its workers in sessions
+    of their own, out of reach of the launcher's process group."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent = int(stat.read_text().rpartition(")")[2].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
+def _dump_and_kill(pids: list[int]) -> None:
+    """Each Python process prints every thread's stack into the log (SIGABRT, with
+    PYTHONFAULTHANDLER), so the test's failure shows where it hung; then SIGKILL. All are
+    frozen first (no agent reacts to a worker's end) and dump one at a time (the logs are
+    shared)."""
+    def signal_each(pids, *signals, pause=0.0):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                for sig in signals:
+                    os.kill(pid, sig)
+                time.sleep(pause)
+
+    signal_each(pids, signal.SIGSTOP)
+    signal_each(reversed(pids), signal.SIGABRT, signal.SIGCONT, pause=0.5)
+    signal_each(pids, signal.SIGKILL)
 
 
 def finish(procs, logs, timeout: float, stop_on_failure: bool = False) -> list[Finished]:
@@ -83,6 +124,7 @@ def finish(procs, logs, timeout: float, stop_on_failure: bool = False) -> list[F
             break
         time.sleep(0.05)
     hung = [p.poll() is None for p in procs]
+    _dump_and_kill([pid for p, still_running in zip(procs, hung) if still_running for pid in process_tree(p.pid)])
     for p, still_running in zip(procs, hung):
         if still_running:
             with contextlib.suppress(ProcessLookupError):
