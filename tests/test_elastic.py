@@ -189,7 +189,7 @@ def test_a_job_still_running_at_the_test_deadline_prints_its_stacks_and_leaves_n
     after each one printed its threads' stacks into the log."""
     cmd = [sys.executable, "-m", "ddpx", *train_args(tmp_path, "hang", "probe.action=hang", "probe.at_step=3",
                                                      "probe.rank=1", "trainer.timeout_s=600")]
-    (launcher,) = ranks.commands([cmd], tmp_path, timeout=25, env=probe_env(), cwd=tmp_path, names=["launcher"])
+    (launcher,) = ranks.commands([cmd], tmp_path, timeout=40, env=probe_env(), cwd=tmp_path, names=["launcher"])
     assert launcher.hung, launcher.output[-3000:]
     workers = [start["pid"] for start in map(json.loads, (line for f in (tmp_path / "records").glob("steps-hang-*")
                                                           for line in f.read_text().splitlines()))
