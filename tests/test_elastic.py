@@ -162,9 +162,7 @@ def test_workers_stop_with_a_final_checkpoint_when_the_launcher_is_killed(ranks,
         "probe.step_sleep_s=0.2", "checkpoint.every_steps=0", "checkpoint.stop_check_every=2")]
     (launcher,) = ranks.commands([cmd], tmp_path, timeout=90, env=probe_env(), cwd=tmp_path, names=["launcher"])
     assert launcher.returncode == -signal.SIGKILL, launcher.output[-3000:]
-    workers = [start["pid"] for start in map(json.loads, (line for f in (tmp_path / "records").glob("steps-first-*")
-                                                          for line in f.read_text().splitlines()))
-               if start["event"] == "start"]
+    workers = worker_pids(tmp_path, "first")
     assert len(workers) == 2
     deadline = time.monotonic() + 30
     while any(map(alive, workers)) and time.monotonic() < deadline:
@@ -191,11 +189,15 @@ def test_a_job_still_running_at_the_test_deadline_prints_its_stacks_and_leaves_n
                                                      "probe.rank=1", "trainer.timeout_s=600")]
     (launcher,) = ranks.commands([cmd], tmp_path, timeout=40, env=probe_env(), cwd=tmp_path, names=["launcher"])
     assert launcher.hung, launcher.output[-3000:]
-    workers = [start["pid"] for start in map(json.loads, (line for f in (tmp_path / "records").glob("steps-hang-*")
-                                                          for line in f.read_text().splitlines()))
-               if start["event"] == "start"]
+    workers = worker_pids(tmp_path, "hang")
     assert len(workers) == 2 and not any(map(alive, workers)), workers
     assert re.search(r'elastic_probe.py", line \d+ in ddpx_batch_end', launcher.output), launcher.output[-3000:]
+
+
+def worker_pids(tmp_path, label) -> list[int]:
+    """The pids of the workers that started under ``label`` (the probe's start records)."""
+    files = (tmp_path / "records").glob(f"steps-{label}-*.jsonl")
+    return [r["pid"] for f in files for r in map(json.loads, f.read_text().splitlines()) if r["event"] == "start"]
 
 
 def alive(pid: int) -> bool:
