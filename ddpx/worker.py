@@ -30,8 +30,8 @@ def parse_args(argv):
 @record
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    stop_with_the_launcher()
     rank = os.environ.get("RANK", "0")
+    stop_with_the_launcher(rank)
     try:
         config = load_config(args.config, args.overrides)
         trainer = Trainer(config)
@@ -50,22 +50,21 @@ def main(argv=None) -> int:
     return 0
 
 
-def stop_with_the_launcher(poll_s: float = 1.0) -> None:
+def stop_with_the_launcher(rank: str, poll_s: float = 1.0) -> None:
     """SIGTERM this worker once ``ddpx train``'s launcher has died. torchrun starts each
     worker in a session of its own, so a launcher killed with SIGKILL (the OOM killer,
     ``kill -9``, a job's time limit) would leave its workers training on, holding the GPUs
     and the run directory. SIGTERM takes the usual stop: the ranks agree on a step and save
     a final checkpoint. (Not prctl's PR_SET_PDEATHSIG: it sends one signal per thread, and a
     second SIGTERM means "exit now".)"""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if not launcher:
+    if not os.environ.get(LAUNCHER_PID_ENV):
         return  # started by a user's own torchrun, srun or mpirun: they manage their workers
+    launcher = int(os.environ[LAUNCHER_PID_ENV])
 
     def watch() -> None:
-        while os.getppid() == int(launcher):
+        while os.getppid() == launcher:
             time.sleep(poll_s)
-        print(f"ddpx: [rank{os.environ.get('RANK', '0')}] the launcher (pid {launcher}) is gone: stopping",
-              file=sys.stderr, flush=True)
+        print(f"ddpx: [rank{rank}] the launcher (pid {launcher}) is gone: stopping", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="ddpx-launcher-watch", daemon=True).start()
