@@ -34,6 +34,7 @@ BUSY_ENDPOINT_WAIT_S = 10.0  # how long a busy local endpoint may take to start 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 TORCH_JOIN_TIMEOUT_S = 600  # torchrun's c10d rendezvous join_timeout
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+RDZV_COUNT_KEYS = ("keep_alive_interval", "keep_alive_max_attempt", "timeout")  # ints to torchrun, as *_timeout
 # --nnodes MIN:MAX: a dead node leaves the rendezvous after 3 missed 1 s heartbeats (torch:
 # 15 s), and a round with at least MIN nodes closes 3 s after the last one joined (torch:
 # 30 s), so a survivor trains again within seconds. PET_RDZV_CONF overrides them.
@@ -253,7 +254,11 @@ def rendezvous_conf(nnodes: str, is_host: Optional[bool], env: Mapping[str, str]
         key, sep, value = item.partition("=")
         if not sep:
             raise DdpxError(f"PET_RDZV_CONF item {item!r} must be KEY=VALUE")
-        conf[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if (key.endswith("_timeout") or key in RDZV_COUNT_KEYS) and not (value.isdigit() and int(value) > 0):
+            # torchrun would end in a ValueError traceback
+            raise DdpxError(f"PET_RDZV_CONF {key}={value!r} must be a whole number above 0")
+        conf[key] = value
     return conf
 
 

@@ -124,6 +124,12 @@ def test_pet_variables_configure_the_launch_and_flags_win(clean_env, capsys):
     argv = _argv(LaunchOptions())
     assert "--rdzv-backend=c10d" in argv and "--rdzv-conf=is_host=false,join_timeout=900" in argv
     assert "joining the rendezvous at job-master-0:29400 (--nnodes 2; waiting up to 900 s" in capsys.readouterr().err
+    for bad in ("join_timeout=abc", "last_call_timeout=0", "keep_alive_interval=-1"):
+        clean_env.setenv("PET_RDZV_CONF", bad)
+        key, value = bad.split("=")
+        with pytest.raises(DdpxError, match=rf"^PET_RDZV_CONF {key}='{value}' must be a whole number above 0$"):
+            _argv(LaunchOptions())
+    clean_env.setenv("PET_RDZV_CONF", "join_timeout=900")
     clean_env.setenv("PET_NODE_RANK", "one")
     with pytest.raises(DdpxError, match="PET_NODE_RANK='one' is not a number"):
         _argv(LaunchOptions())
