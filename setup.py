@@ -113,7 +113,7 @@ setup(
     packages=find_packages(include=["ddpx", "ddpx.*"]) + ["ddpx_plugins"],
     # plugins/ is a source root: the folder plugins/ddpx_plugins is named as it is imported
     package_dir={"ddpx_plugins": "plugins/ddpx_plugins"},
-    package_data={"ddpx": ["data/*.csv.gz", "configs/*.yaml"]},
+    package_data={"ddpx": ["data/*.csv.gz", "config/*.yaml"]},
     ext_modules=_extensions(),
     cmdclass=_cmdclass(),
     # numpy: torch's object collectives (all_gather_object, broadcast_object_list), which

@@ -97,7 +97,7 @@ class Clock:
 
 def run_ddpx(variant: str, device: str, warmup: int, steps: int) -> dict:
     from ddpx.config import load_config
-    from ddpx.trainer import Trainer
+    from ddpx.train.trainer import Trainer
 
     hook, compiled = VARIANTS[variant]
     clock = Clock(device, warmup, steps)
@@ -130,7 +130,7 @@ def run_hand(variant: str, device: str, warmup: int, steps: int) -> dict:
     from torch.utils.data import DataLoader, DistributedSampler
 
     import ddpx.comm_hooks
-    from ddpx import distributed
+    from ddpx.rank import process_group
 
     sys.path.insert(0, CHAR_GPT)
     import gpt
@@ -170,7 +170,7 @@ def run_hand(variant: str, device: str, warmup: int, steps: int) -> dict:
         epoch += 1
     result = clock.result(float(loss))
     del run, ddp  # the reducer before the group it holds
-    distributed.teardown()
+    process_group.teardown()
     return result
 
 

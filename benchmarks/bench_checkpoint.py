@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ddpx.checkpoint import AsyncCheckpointWriter, CheckpointDirectory
+from ddpx.rank.checkpoint_files import AsyncCheckpointWriter, CheckpointDirectory
 
 
 def build_model(layers=12, width=1024):

@@ -157,7 +157,7 @@ def worker(args):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ddpx.comm_hooks
-    from ddpx import distributed
+    from ddpx.rank import process_group
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
@@ -261,7 +261,7 @@ def worker(args):
         del ddp, state
     save()
     dist.barrier()
-    distributed.teardown()
+    process_group.teardown()
     return results
 
 

@@ -238,7 +238,7 @@ def parse(argv):
 def worker(args) -> int:
     import torch.distributed as dist
 
-    from ddpx import distributed
+    from ddpx.rank import process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -260,7 +260,7 @@ def worker(args) -> int:
         out = os.environ.get("DDPX_BENCH_CONVERGENCE_OUT")
         with open(out, "w") if out else open(os.devnull, "w") as f:
             json.dump(rows, f)
-    distributed.teardown()
+    process_group.teardown()
     return 0
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddpx import distributed
+from ddpx.rank import process_group
 
 
 def _timed(fn, reps):
@@ -107,7 +107,7 @@ def _worker(rank, world, port, args, queue):
         if rank == 0:
             queue.put(result)
     finally:
-        distributed.teardown()
+        process_group.teardown()
 
 
 def main(argv=None):
@@ -126,7 +126,7 @@ def main(argv=None):
         result = measure(args)
         if dist.get_rank() == 0:
             _report(result, args.json)
-        distributed.teardown()
+        process_group.teardown()
         return 0
 
     with socket.socket() as s:

@@ -191,9 +191,9 @@ def main(argv=None) -> int:
                   f"(ratio {r['ratio']:.3f}); operator calls/step {c['hook']:.0f} vs {c['plain']:.0f} "
                   f"(on the hook's worker thread {c['hook_worker_thread']:.0f}); "
                   f"buffers {r['hook_buffer_bytes'] / 1e6:.2f} MB for {r['grad_bytes'] / 1e6:.2f} MB of gradients")
-    from ddpx import distributed
+    from ddpx.rank import process_group
 
-    distributed.teardown()
+    process_group.teardown()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (torch + gloo abort there now and then)
 

@@ -75,7 +75,7 @@ def rank_main(device: str, hooks: list[str], epochs: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ddpx import distributed
+    from ddpx.rank import process_group
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,7 +89,7 @@ def rank_main(device: str, hooks: list[str], epochs: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    distributed.teardown()
+    process_group.teardown()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (torch + gloo abort there now and then)
 

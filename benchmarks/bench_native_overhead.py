@@ -31,7 +31,7 @@ def _run(rank, world, port, args, out_file):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ddpx.comm_hooks
-    from ddpx import distributed
+    from ddpx.rank import process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -70,7 +70,7 @@ def _run(rank, world, port, args, out_file):
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(results, f)
-    distributed.teardown()
+    process_group.teardown()
 
 
 def _entry(rank, world, port, args, out_file):  # torch.multiprocessing target

@@ -153,7 +153,7 @@ def hand_loop(epochs: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
 
-    from ddpx import distributed
+    from ddpx.rank import process_group
     from ddpx.data import digits_split
     from ddpx.data.sampler import ResumableDistributedBatchSampler
     from ddpx.models import DigitsMLP
@@ -182,7 +182,7 @@ def hand_loop(epochs: int, out: str) -> None:
         with open(out, "w") as f:
             json.dump({"epochs": timings, "train_start": train_start, "accuracy": correct / len(test_set)}, f)
     del model  # the reducer before the group it holds
-    distributed.teardown()
+    process_group.teardown()
 
 
 def interleaved(rounds: int, overrides, out: str, noise_floor: bool = False) -> None:
@@ -251,7 +251,7 @@ def both_loops(overrides):
 
     from ddpx.config import load_config
     from ddpx.data.sampler import ResumableDistributedBatchSampler
-    from ddpx.trainer import Trainer
+    from ddpx.train.trainer import Trainer
 
     # No evaluation and no checkpoint files: only the per-step work is compared.
     settings = ["trainer.eval_every_epochs=0", "plugins.enable=[bench_trainer_overhead]", *overrides]

@@ -12,7 +12,7 @@ import importlib
 from .errors import DdpxError
 from .version import __version__
 
-from .markers import hookimpl
+from .plugin.markers import hookimpl
 
 _LAZY = {"ops", "hooks", "comm", "data", "trainer", "config"}
 

@@ -3,7 +3,7 @@
 ``import ddpx.hooks``, ``ddpx.hooks.register(...)`` and ``from ddpx.hooks.int8
 import Int8State`` give the very same modules as ``ddpx.comm_hooks`` (not copies:
 isinstance checks and saved states agree). New code imports ``ddpx.comm_hooks``;
-"hooks" alone means the pluggy hooks of ddpx/hookspecs.py.
+"hooks" alone means the pluggy hooks of ddpx/plugin/hookspecs.py.
 """
 
 import importlib

@@ -1,4 +1,4 @@
-"""Write docs/hooks.md, the hook reference, from ddpx/hookspecs.py: ``python docs/make_hooks_md.py``.
+"""Write docs/hooks.md, the hook reference, from ddpx/plugin/hookspecs.py: ``python docs/make_hooks_md.py``.
 
 tests/test_docs.py fails when the committed file differs from what this makes.
 """
@@ -7,7 +7,7 @@ import inspect
 import os
 import re
 
-from ddpx import hookspecs
+from ddpx.plugin import hookspecs
 
 HOOKS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hooks.md")
 
@@ -29,12 +29,12 @@ def _markdown_doc(text: str) -> str:
 
 def reference_markdown() -> str:
     """docs/hooks.md: every hook with its signature and docstring, in the order of
-    ddpx/hookspecs.py, the hook order and the trainer's attributes and methods."""
+    ddpx/plugin/hookspecs.py, the hook order and the trainer's attributes and methods."""
     out = [
         "# Hook reference",
         "",
-        "<!-- Generated from ddpx/hookspecs.py by `python docs/make_hooks_md.py`;",
-        "     tests/test_docs.py fails when this file is stale. Edit ddpx/hookspecs.py, not this file. -->",
+        "<!-- Generated from ddpx/plugin/hookspecs.py by `python docs/make_hooks_md.py`;",
+        "     tests/test_docs.py fails when this file is stale. Edit ddpx/plugin/hookspecs.py, not this file. -->",
         "",
         "Every hook a ddpx plugin can implement, in the order of a run. Kinds: *every plugin* "
         "(each implementation is called; results are collected), *first result* (the first "
@@ -62,7 +62,7 @@ def reference_markdown() -> str:
         doc = _markdown_doc(inspect.cleandoc(fn.__doc__ or ""))
         out += [f"#### `{name}({params})`", "", f"*{_kind(name)}*", "", doc, ""]
     out += ["## What a plugin may use on the trainer", "",
-            "Attributes of `trainer` (a `ddpx.trainer.Trainer`):", ""]
+            "Attributes of `trainer` (a `ddpx.train.trainer.Trainer`):", ""]
     out += [f"- `{name}`: {_markdown_doc(text)}" for name, text in hookspecs.TRAINER_ATTRIBUTES.items()]
     out += ["", "Methods:", ""]
     out += [f"- `trainer.{name}`: {_markdown_doc(text)}" for name, text in hookspecs.TRAINER_METHODS.items()]

@@ -10,7 +10,7 @@ import pytest
 
 import harness
 from ddpx.config import load_config
-from ddpx.plugin import make_plugin_manager
+from ddpx.plugin.manager import make_plugin_manager
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects

@@ -223,7 +223,7 @@ def _rank_main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from ddpx import distributed
+    from ddpx.rank import process_group
 
     module_path, fn_name, rank, world, port, args_file, out_file, timeout = argv
     rank, world = int(rank), int(world)
@@ -239,7 +239,7 @@ def _rank_main(argv: list[str]) -> None:
         torch.save(result, out_file)
         del result
     finally:
-        distributed.teardown()  # the DDP models and hook states the function left go first
+        process_group.teardown()  # the DDP models and hook states the function left go first
     # The result is saved; skip interpreter teardown, the other place that abort hits.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -11,8 +11,9 @@ from ddpx.config import load_config
 from ddpx.data import digits_split
 from ddpx.errors import DdpxError
 from ddpx.models import DigitsMLP
-from ddpx.plugin import make_plugin_manager
-from ddpx.trainer import Trainer, batch_size, model_loss
+from ddpx.plugin.manager import make_plugin_manager
+from ddpx.train.batches import batch_size, model_loss
+from ddpx.train.trainer import Trainer
 
 HERE = "tests.test_batches"
 

@@ -199,7 +199,7 @@ def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
 
 def _fake_trainer(cfg, world_size=2):
     """Enough of a trainer for the comm monitor, with the real trainer's scheduled calls."""
-    from ddpx.trainer import NEVER, Trainer
+    from ddpx.train.trainer import NEVER, Trainer
 
     trainer = types.SimpleNamespace(world_size=world_size, global_step=0, is_main=True, warnings=[],
                                     device=types.SimpleNamespace(type="cpu"),

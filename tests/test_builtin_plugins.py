@@ -142,7 +142,7 @@ def test_rendezvous_store_failures_are_one_line(capfd):
     import datetime
     import socket
 
-    from ddpx import distributed
+    from ddpx.rank import process_group
     from ddpx.errors import DdpxError
 
     with socket.socket() as busy:
@@ -151,11 +151,11 @@ def test_rendezvous_store_failures_are_one_line(capfd):
         port = busy.getsockname()[1]
         with pytest.raises(DdpxError, match=f"rank 0 cannot serve the rendezvous store on MASTER_PORT={port} "
                                             r"\(.*address already in use.*\); set MASTER_PORT to a free port"):
-            distributed.tcp_store("127.0.0.1", port, 0, serve=True, timeout=datetime.timedelta(seconds=2))
+            process_group.tcp_store("127.0.0.1", port, 0, serve=True, timeout=datetime.timedelta(seconds=2))
     start = time.monotonic()
     with pytest.raises(DdpxError, match=r"rank 1: no rendezvous store answered at MASTER_ADDR=127.0.0.1 "
                                         r"MASTER_PORT=\d+ within 1 s .*trainer.first_timeout_s"):
-        distributed.tcp_store("127.0.0.1", free_port(), 1, serve=False, timeout=datetime.timedelta(seconds=1))
+        process_group.tcp_store("127.0.0.1", free_port(), 1, serve=False, timeout=datetime.timedelta(seconds=1))
     assert time.monotonic() - start < 30  # bounded by the timeout, not a hang
     err = capfd.readouterr().err
     assert "frame #" not in err and "Exception raised from" not in err  # no C++ stack traces around the line
@@ -292,7 +292,7 @@ def _amp_trainer(grad_clip=None, init_scale=1024.0):
 
 
 def test_amp_unscales_before_clipping_and_restores_the_scaler():
-    from ddpx.core import CorePlugin
+    from ddpx.train.default_hooks import DefaultHooks
 
     trainer = _amp_trainer(grad_clip=0.5)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
@@ -301,7 +301,7 @@ def test_amp_unscales_before_clipping_and_restores_the_scaler():
     true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in reference])).item()
     trainer.scaler.scale(loss).backward()  # what Trainer.backward does
     assert trainer.module.weight.grad.abs().max() > 100 * reference[0].abs().max()  # scaled by 1024
-    core = CorePlugin()
+    core = DefaultHooks()
     assert core.ddpx_optimizer_step(trainer=trainer) is True
     assert trainer.norms_seen == [pytest.approx(true_norm, rel=1e-5)]  # clipping saw the true gradients
 
@@ -420,7 +420,7 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(ranks, tmp_path):
 
 def test_progress_bar_loss_follows_training(capsys):
     """The bar shows the mean loss since its previous redraw, not the last step line's."""
-    from ddpx.losses import EpochLosses
+    from ddpx.train.losses import EpochLosses
     from ddpx_plugins.logging import MetricsLog
 
     losses = EpochLosses()  # what the trainer keeps

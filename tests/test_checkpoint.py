@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from ddpx.checkpoint import (
+from ddpx.rank.checkpoint_files import (
     LATEST,
     AsyncCheckpointWriter,
     CheckpointDirectory,
@@ -59,7 +59,7 @@ def test_sigkill_during_write_keeps_previous_checkpoint(tmp_path):
     script = textwrap.dedent(
         f"""
         import pathlib, time, torch
-        from ddpx.checkpoint import CheckpointDirectory
+        from ddpx.rank.checkpoint_files import CheckpointDirectory
         def slow_save(obj, f):
             f.write(b"PK" + b"x" * 100000)
             f.flush()
@@ -104,7 +104,7 @@ def test_corrupt_latest_is_skipped_with_warning(tmp_path, caplog):
     ckpts.save(_state(2), step=2)
     newest = ckpts.path_for(2)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
-    with caplog.at_level(logging.WARNING, logger="ddpx.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ddpx.rank.checkpoint_files"):
         path, state = ckpts.load_latest()
     assert state["step"] == 1 and path == ckpts.path_for(1)
     assert "skipping unreadable checkpoint" in caplog.text and newest.name in caplog.text
@@ -226,7 +226,7 @@ def _stop_agreement(**cfg):
     """The core's stop agreement with the checkpoint plugin's settings, on a stand-in trainer."""
     from types import SimpleNamespace
 
-    from ddpx.stopping import StopAgreement
+    from ddpx.train.stopping import StopAgreement
     from ddpx_plugins.checkpoint import CheckpointPlugin
 
     cfg = {**CheckpointPlugin().ddpx_config_defaults()["checkpoint"], **cfg}

@@ -8,8 +8,8 @@ import torch
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
 from ddpx.models import DigitsMLP
-from ddpx.compile import compile_model
-from ddpx.trainer import Trainer
+from ddpx.train.compile import compile_model
+from ddpx.train.trainer import Trainer
 
 HOOKS = [("allreduce", True), ("fp16", True), ("fp16", False), ("bf16", True), ("int8", True), ("int8", False),
          ("onebit", True), ("powersgd", False)]

@@ -5,10 +5,11 @@ import textwrap
 import pytest
 from ddpx.net import free_port
 
-from ddpx.config import DEFAULT_CONFIG, apply_overrides, load_config, parse_value, read_yaml
+from ddpx.config import load_config
+from ddpx.config.loader import DEFAULT_CONFIG, apply_overrides, parse_value, read_yaml
 from ddpx.errors import DdpxError
-from ddpx.launch import check_rendezvous
-from ddpx.plugin import make_plugin_manager
+from ddpx.launch.rendezvous import check_rendezvous
+from ddpx.plugin.manager import make_plugin_manager
 
 
 def write(tmp_path, text, name="cfg.yaml"):
@@ -130,7 +131,7 @@ def test_default_yaml_is_complete():
 
 
 def test_unreachable_rendezvous_endpoint(monkeypatch):
-    import ddpx.launch
+    import ddpx.launch.options
 
     from ddpx.net import Route
 
@@ -139,7 +140,7 @@ def test_unreachable_rendezvous_endpoint(monkeypatch):
     with pytest.raises(DdpxError, match=rf"^node 127.0.0.1: rendezvous endpoint 127.0.0.1:{port} is unreachable"):
         check_rendezvous(route, wait_s=1.0)
     with pytest.raises(DdpxError, match="must be HOST:PORT"):
-        ddpx.launch.parse_endpoint("127.0.0.1")
+        ddpx.launch.options.parse_endpoint("127.0.0.1")
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""ddpx.distributed in this process (a group of one over gloo): the teardown every
+"""ddpx.rank.process_group in this process (a group of one over gloo): the teardown every
 run ends with."""
 
 import gc
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpx import distributed
+from ddpx.rank import process_group
 
 
 def test_teardown_frees_a_model_left_in_a_reference_cycle_before_its_group(tmp_path):
@@ -25,11 +25,11 @@ def test_teardown_frees_a_model_left_in_a_reference_cycle_before_its_group(tmp_p
         weakref.finalize(ddp, lambda: group_alive_when_freed.append(dist.is_initialized()))
         del ddp, cycle
         assert group_alive_when_freed == []  # the cycle keeps it
-        distributed.teardown()
+        process_group.teardown()
         assert not dist.is_initialized()
     finally:
         gc.enable()
         if dist.is_initialized():
             dist.destroy_process_group()
     assert group_alive_when_freed == [True]
-    distributed.teardown()  # a second call does nothing
+    process_group.teardown()  # a second call does nothing

@@ -8,9 +8,9 @@ import pytest
 import torch
 from sample_plugins import NAN_FROM_ENV, SCORES_ENV
 
-from ddpx.checkpoint import CheckpointDirectory
+from ddpx.rank.checkpoint_files import CheckpointDirectory
 from ddpx.errors import TrainingDiverged
-from ddpx.trainer import Trainer
+from ddpx.train.trainer import Trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -6,9 +6,10 @@ import inspect
 import os
 import re
 
-from ddpx import hookspecs
-from ddpx.config import CORE_DEFAULTS, FREE_FORM, plugin_defaults
-from ddpx.plugin import make_plugin_manager
+from ddpx.plugin import hookspecs
+from ddpx.config.loader import plugin_defaults
+from ddpx.config.schema import DEFAULTS, FREE_FORM
+from ddpx.plugin.manager import make_plugin_manager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -28,7 +29,7 @@ def dotted_keys(section, prefix=""):
 
 
 def test_every_config_key_is_documented():
-    defaults = {**CORE_DEFAULTS, **plugin_defaults(make_plugin_manager(None))}
+    defaults = {**DEFAULTS, **plugin_defaults(make_plugin_manager(None))}
     keys = list(dotted_keys(defaults))
     assert "trainer.compile" in keys and "logging.tensorboard" in keys and "checkpoint.keep" in keys
     text = docs_text()
@@ -82,7 +83,7 @@ def _hooks_md_maker():
 
 
 def test_the_hook_reference_is_generated_from_hookspecs():
-    """docs/hooks.md is made from ddpx/hookspecs.py; regenerate it with
+    """docs/hooks.md is made from ddpx/plugin/hookspecs.py; regenerate it with
     ``python docs/make_hooks_md.py``."""
     with open(os.path.join(DOCS, "hooks.md")) as f:
         committed = f.read()
@@ -99,7 +100,7 @@ def test_the_trainer_attribute_list_is_complete_and_exists():
     """hookspecs.TRAINER_ATTRIBUTES is the one list: every public attribute a Trainer
     has is in it, every listed name exists, and the Trainer's docstring is made from it."""
     from ddpx.config import load_config
-    from ddpx.trainer import Trainer
+    from ddpx.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, ["logging.progress=false"]))
     public = {name for name in vars(trainer) if not name.startswith("_")}

@@ -9,7 +9,7 @@ import torch
 import sample_plugins
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
-from ddpx.trainer import Trainer
+from ddpx.train.trainer import Trainer
 
 NO_EVAL = "trainer.eval_every_epochs=0"
 

@@ -7,7 +7,7 @@ import pytest
 
 import sample_plugins
 from ddpx.errors import TrainingDiverged
-from ddpx.trainer import Trainer
+from ddpx.train.trainer import Trainer
 
 NO_EVAL = "trainer.eval_every_epochs=0"
 

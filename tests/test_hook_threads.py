@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx.comm_hooks
-from ddpx import distributed
+from ddpx.rank import process_group
 from ddpx.comm_hooks import base
 
 HOOKS = ["int8", "powersgd"]  # the multi-phase hooks: they run on a worker thread
@@ -45,7 +45,7 @@ def group(tmp_path):
     assert not ddpx_threads(), "a ddpx thread was alive before the test"
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     yield
-    distributed.teardown()
+    process_group.teardown()
     # leave no thread to the next test, whatever this one did
     for t in threading.enumerate():
         if t.name.startswith("ddpx-"):

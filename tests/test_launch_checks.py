@@ -9,7 +9,10 @@ import pytest
 from ddpx.cli import build_parser, main
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
-from ddpx.launch import LaunchOptions, check_options, check_run_dir, launch, newest_run, resume_command
+from ddpx.launch.launcher import launch
+from ddpx.launch.options import LaunchOptions, check_options
+from ddpx.launch.preflight import check_run_dir
+from ddpx.launch.resume import newest_run, resume_command
 
 
 def one_line_error(fn, *args, **kwargs) -> str:
@@ -75,7 +78,7 @@ def test_too_little_free_space_is_refused_at_launch(tmp_path, monkeypatch):
 
 def test_overrides_may_follow_the_options(monkeypatch):
     seen = {}
-    monkeypatch.setattr("ddpx.commands.train.launch", lambda config, overrides, opts: seen.update(
+    monkeypatch.setattr("ddpx.cli.train.launch", lambda config, overrides, opts: seen.update(
         config=config, overrides=overrides, nproc=opts.nproc_per_node) or 0)
     assert main(["train", "trainer.epochs=1", "--nproc-per-node", "1", "logging.progress=false"]) == 0
     assert seen == {"config": None, "overrides": ["trainer.epochs=1", "logging.progress=false"], "nproc": "1"}

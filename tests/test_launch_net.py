@@ -6,10 +6,13 @@ import socket
 
 import pytest
 
-from ddpx import distributed, launch, net
+from ddpx import net
+from ddpx.launch import rendezvous, torchrun
+from ddpx.rank import process_group
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
-from ddpx.launch import LaunchOptions, torchrun_argv
+from ddpx.launch.options import LaunchOptions
+from ddpx.launch.torchrun import torchrun_argv
 
 
 @pytest.fixture
@@ -27,7 +30,7 @@ def clean_env(monkeypatch):
 def _pretend(monkeypatch, **route):
     """route_to answers ``route`` (the machine's real interfaces do not matter here)."""
     monkeypatch.setattr(net, "route_to", lambda host, port: net.Route(host, port, **route))
-    monkeypatch.setattr(launch, "check_rendezvous", lambda r, wait_s: None if r.one_machine else r.local)
+    monkeypatch.setattr(rendezvous, "check_rendezvous", lambda r, wait_s: None if r.one_machine else r.local)
 
 
 def _argv(opts):
@@ -52,11 +55,11 @@ def test_c10d_agents_leave_the_workers_store_to_each_groups_rank_0(clean_env):
 
     seen = {}
     clean_env.setattr(torch.distributed.run, "run", lambda args: seen.update(os.environ))
-    launch.run_torchrun(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "-m", "x"])
-    assert seen[launch.SHARE_STORE_ENV] == "1" and launch.SHARE_STORE_ENV not in os.environ
+    torchrun.run_torchrun(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "-m", "x"])
+    assert seen[torchrun.SHARE_STORE_ENV] == "1" and torchrun.SHARE_STORE_ENV not in os.environ
     seen.clear()
-    launch.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "x"])  # one node: torchrun's agent store
-    assert launch.SHARE_STORE_ENV not in seen
+    torchrun.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "x"])  # one node: torchrun's agent store
+    assert torchrun.SHARE_STORE_ENV not in seen
 
 
 def test_another_node_joins_and_a_users_interface_wins(clean_env, capsys):
@@ -94,16 +97,16 @@ def test_an_agent_that_binds_the_endpoint_after_the_probe_is_joined(monkeypatch)
 
     monkeypatch.setattr(net, "connect_probe", probe_then_the_other_agent_serves)
     with other_agent:
-        assert launch.check_rendezvous(net.route_to("127.0.0.1", port), wait_s=1.0) is False
+        assert rendezvous.check_rendezvous(net.route_to("127.0.0.1", port), wait_s=1.0) is False
 
 
 def test_a_busy_endpoint_that_never_listens_is_a_one_line_error(monkeypatch):
-    monkeypatch.setattr(launch, "BUSY_ENDPOINT_WAIT_S", 0.5)
+    monkeypatch.setattr(rendezvous, "BUSY_ENDPOINT_WAIT_S", 0.5)
     with socket.socket() as holder:  # bound, not listening: no agent will ever answer there
         holder.bind(("127.0.0.1", 0))
         port = holder.getsockname()[1]
         with pytest.raises(DdpxError, match=rf"^rendezvous port {port} on 127.0.0.1 is busy"):
-            launch.check_rendezvous(net.route_to("127.0.0.1", port), wait_s=1.0)
+            rendezvous.check_rendezvous(net.route_to("127.0.0.1", port), wait_s=1.0)
 
 
 def test_pet_variables_configure_the_launch_and_flags_win(clean_env, capsys):
@@ -152,7 +155,7 @@ def test_route_to_this_machine_and_its_own_name(clean_env):
 
 def test_workers_started_without_torchrun_choose_the_interface_to_master(clean_env, capsys):
     clean_env.setattr(net, "route_to", lambda host, port: net.Route(host, port, "10.9.0.1", False, "10.9.0.2", "eth7"))
-    distributed.choose_interface("10.9.0.1", 29500, rank=4, local_rank=0)
+    process_group.choose_interface("10.9.0.1", 29500, rank=4, local_rank=0)
     assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "eth7"
     assert capsys.readouterr().err.startswith("[rank4] ddpx: GLOO_SOCKET_IFNAME=eth7 NCCL_SOCKET_IFNAME=eth7 (the "
                                               "interface that reaches MASTER_ADDR=10.9.0.1;")

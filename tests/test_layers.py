@@ -1,14 +1,15 @@
 """The layers of ``ddpx/``: every module imports only from the layers below its own.
 
-The core chain reads bottom to top: errors -> markers -> hookspecs -> imports
--> plugin manager -> config -> core plugin -> trainer; beside it sit leaves
-that only need the errors (networking, SLURM, kernels, data, models) and,
-above the trainer, the programs built from it (launcher, worker, doctor, smoke
-run, benchmarks, CLI commands). Every import counts, also one inside a
-function (those exist to keep ``ddpx --version`` from importing torch, never to
-dodge a cycle); imports under ``if TYPE_CHECKING:`` are for annotations only.
+Bottom to top: the leaves (errors, import paths, sockets, kernels, models); the plugin
+machinery; the config; the per-rank plumbing that does not know the trainer (``rank/``);
+the public comm hooks and data; the trainer (``train/``); the launcher (``launch/``,
+what runs before and around torchrun); and the programs built from them (the worker, the
+doctor, the smoke run, the benchmarks, the CLI). The README's layout section lists them.
 
-A new module must be given a layer here: the test fails for a module it does not know.
+Every import counts: one inside a function (those exist to keep ``ddpx --version`` from
+importing torch, never to dodge a cycle) and one under ``if TYPE_CHECKING:`` too. An
+annotation-only import that must point upward is listed in ``ANNOTATION_ONLY`` with the
+reason. A new module must be given a layer here: the test fails for a module it does not know.
 """
 
 import ast
@@ -16,26 +17,33 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "ddpx"
 
-# Bottom first. A module may import from strictly lower layers only; the parts of one
-# package (ddpx.comm_hooks.int8 -> ddpx.comm_hooks.base) may import each other.
+# Bottom first. A module may import from strictly lower layers only; the modules of one
+# package (ddpx.train.trainer -> ddpx.train.losses) may import each other.
 LAYERS = [
-    ["errors", "version", "_C", "seeding", "rank_log"],
-    ["markers", "net", "slurm", "monitor", "models", "data", "ops", "batchnorm", "checkpoint", "losses", "stopping",
-     "runlock", "compile"],
-    ["hookspecs", "distributed", "comm_hooks"],
-    ["imports", "comm", "hooks"],  # hooks: the old import path of comm_hooks
+    ["errors", "version", "_C"],
+    ["imports", "net", "ops", "models"],
     ["plugin"],
-    ["config", "legacy_hooks"],
-    ["core"],
-    ["trainer", "launch"],
+    ["config"],
+    ["rank"],
+    ["comm_hooks", "data"],
+    ["comm", "hooks"],  # hooks: the old import path of comm_hooks
+    ["train"],
+    ["launch"],
     ["worker", "doctor"],
     ["smoke", "bench"],
-    ["commands"],
     ["cli"],
     ["__main__"],
 ]
 LAYER = {name: index for index, names in enumerate(LAYERS) for name in names}
-PACKAGE_IMPORTS = {"errors", "version", "markers"}  # what ``ddpx/__init__.py`` may import eagerly
+PACKAGE_IMPORTS = {"errors", "version", "plugin"}  # what ``ddpx/__init__.py`` may import eagerly
+
+# (module, imported module): why an upward import stays. Only ``if TYPE_CHECKING:`` imports.
+ANNOTATION_ONLY = {
+    ("ddpx.plugin.hookspecs", "ddpx.config"):
+        "the hook signatures name the Config every hook receives; annotations only, nothing is imported at run time",
+    ("ddpx.plugin.hookspecs", "ddpx.train.trainer"):
+        "the hook signatures name the Trainer every hook receives; annotations only, nothing is imported at run time",
+}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -44,26 +52,27 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def _type_checking_nodes(tree) -> set:
-    skipped = set()
+    found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             for child in node.body:
-                skipped.update(id(n) for n in ast.walk(child))
-    return skipped
+                found.update(id(n) for n in ast.walk(child))
+    return found
 
 
-def imports_of(path: pathlib.Path) -> list[tuple[int, str]]:
-    """``(line, imported ddpx module)`` for every import in the file, local ones included."""
+def imports_of(path: pathlib.Path) -> list[tuple[int, str, bool]]:
+    """``(line, imported ddpx module, under TYPE_CHECKING)`` for every import in the file,
+    local ones included."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    skipped = _type_checking_nodes(tree)
+    annotation_only = _type_checking_nodes(tree)
     found = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+        typing_only = id(node) in annotation_only
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "ddpx"]
+            found += [(node.lineno, alias.name, typing_only) for alias in node.names
+                      if alias.name.split(".")[0] == "ddpx"]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
@@ -73,14 +82,14 @@ def imports_of(path: pathlib.Path) -> list[tuple[int, str]]:
             if module.split(".")[0] != "ddpx":
                 continue
             if node.module is None or module == "ddpx":  # from . import x: x may be a module
-                found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+                found += [(node.lineno, f"{module}.{alias.name}", typing_only) for alias in node.names]
             else:
-                found.append((node.lineno, module))
+                found.append((node.lineno, module, typing_only))
     return found
 
 
 def _part(module: str) -> str:
-    """``ddpx.comm_hooks.int8`` -> ``hooks``; ``ddpx`` -> ``""`` (the package itself)."""
+    """``ddpx.comm_hooks.int8`` -> ``comm_hooks``; ``ddpx`` -> ``""`` (the package itself)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
@@ -94,7 +103,7 @@ def upward_imports() -> list[str]:
         if part and part not in LAYER:
             problems.append(f"{rel}: module '{part}' has no layer in tests/test_layers.py")
             continue
-        for line, imported in imports_of(path):
+        for line, imported, typing_only in imports_of(path):
             target = _part(imported)
             if not part:  # the package facade
                 if target not in PACKAGE_IMPORTS:
@@ -104,7 +113,7 @@ def upward_imports() -> list[str]:
                 continue
             if target not in LAYER:
                 problems.append(f"{rel}:{line}: imports {imported}, which has no layer")
-            elif LAYER[target] >= LAYER[part]:
+            elif LAYER[target] >= LAYER[part] and not (typing_only and (name, imported) in ANNOTATION_ONLY):
                 problems.append(f"{rel}:{line}: {name} (layer {LAYER[part]}) imports {imported} "
                                 f"(layer {LAYER[target]}): an upward import")
     return problems
@@ -114,18 +123,30 @@ def test_no_module_imports_upward():
     assert upward_imports() == []
 
 
-def test_the_core_chain_is_in_the_documented_order():
-    chain = ["errors", "markers", "hookspecs", "imports", "plugin", "config", "core", "trainer"]
+def test_the_trainer_sits_on_the_plugin_machinery_the_config_and_the_rank_plumbing():
+    chain = ["errors", "imports", "plugin", "config", "rank", "train", "launch", "worker", "cli"]
     assert [LAYER[m] for m in chain] == sorted(LAYER[m] for m in chain)
     assert len({LAYER[m] for m in chain}) == len(chain)
 
 
-def test_an_upward_import_is_caught(tmp_path, monkeypatch):
+def test_every_annotation_only_exception_is_still_needed():
+    imported = {(_module_name(path), module) for path in ROOT.rglob("*.py")
+                for _, module, typing_only in imports_of(path) if typing_only}
+    assert set(ANNOTATION_ONLY) <= imported
+
+
+def test_an_upward_import_is_caught_also_under_type_checking(tmp_path, monkeypatch):
     fake = tmp_path / "ddpx"
-    fake.mkdir()
+    (fake / "config").mkdir(parents=True)
+    (fake / "train").mkdir()
     (fake / "__init__.py").write_text("from .errors import DdpxError\n")
     (fake / "errors.py").write_text("class DdpxError(Exception):\n    pass\n")
-    (fake / "config.py").write_text("def load():\n    from .trainer import Trainer\n")
-    (fake / "trainer.py").write_text("from .config import load\n")
+    (fake / "config" / "loader.py").write_text("def load():\n    from ..train.trainer import Trainer\n")
+    (fake / "train" / "trainer.py").write_text("from ..config.loader import load\n")
+    (fake / "train" / "losses.py").write_text("from .trainer import load\n")  # inside one package: fine
+    (fake / "rank.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .train.trainer import Trainer\n")
     monkeypatch.setitem(globals(), "ROOT", fake)
-    assert upward_imports() == ["ddpx/config.py:2: ddpx.config (layer 5) imports ddpx.trainer (layer 7): an upward import"]
+    assert upward_imports() == [
+        "ddpx/config/loader.py:2: ddpx.config.loader (layer 3) imports ddpx.train.trainer (layer 7): an upward import",
+        "ddpx/rank.py:3: ddpx.rank (layer 4) imports ddpx.train.trainer (layer 7): an upward import",
+    ]

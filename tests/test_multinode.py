@@ -77,11 +77,11 @@ def _fake_agent(markers):
     """A torchrun `run` whose local workers wrote `markers` done-files, then lost the c10d store."""
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-    from ddpx import launch
+    from ddpx.launch import torchrun
 
     def run(args):
         for rank in range(markers):
-            open(os.path.join(os.environ[launch.DONE_DIR_ENV], f"rank-{rank}"), "w").close()
+            open(os.path.join(os.environ[torchrun.DONE_DIR_ENV], f"rank-{rank}"), "w").close()
         raise RendezvousConnectionError("The connection to the C10d store has failed.")
 
     return run
@@ -90,20 +90,20 @@ def _fake_agent(markers):
 def test_store_lost_after_every_local_worker_finished_is_only_a_warning(monkeypatch, capsys):
     import torch.distributed.run
 
-    from ddpx import launch
+    from ddpx.launch import torchrun
 
     monkeypatch.setattr(torch.distributed.run, "run", _fake_agent(markers=2))
     argv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
             "-m", "ddpx.worker"]
-    assert launch.run_torchrun(argv) == 0
+    assert torchrun.run_torchrun(argv) == 0
     assert "training finished; torchrun's rendezvous shutdown failed" in capsys.readouterr().err
-    assert launch.DONE_DIR_ENV not in os.environ
+    assert torchrun.DONE_DIR_ENV not in os.environ
 
 
 def test_store_lost_before_every_local_worker_finished_is_an_error(monkeypatch):
     import torch.distributed.run
 
-    from ddpx import launch
+    from ddpx.launch import torchrun
     from ddpx.errors import DdpxError
 
     monkeypatch.setattr(torch.distributed.run, "run", _fake_agent(markers=1))
@@ -111,18 +111,18 @@ def test_store_lost_before_every_local_worker_finished_is_an_error(monkeypatch):
             "-m", "ddpx.worker"]
     with pytest.raises(DdpxError, match=r"^node \S+: lost the rendezvous store at 127.0.0.1:1 \(hosted by the node "
                                          r"that owns 127.0.0.1\): that node stopped or is unreachable from here"):
-        launch.run_torchrun(argv)
+        torchrun.run_torchrun(argv)
 
 
 def _agent_with_a_rank_aborting(markers):
     """A torchrun `run` whose local workers wrote `markers` done-files, then rank 1 died of SIGABRT."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ddpx import launch
+    from ddpx.launch import torchrun
 
     def run(args):
         for rank in range(markers):
-            open(os.path.join(os.environ[launch.DONE_DIR_ENV], f"rank-{rank}"), "w").close()
+            open(os.path.join(os.environ[torchrun.DONE_DIR_ENV], f"rank-{rank}"), "w").close()
         raise ChildFailedError("ddpx.worker", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=-6, error_file="")})
 
     return run
@@ -131,19 +131,19 @@ def _agent_with_a_rank_aborting(markers):
 def test_a_rank_dying_at_exit_after_every_local_worker_finished_is_only_a_warning(monkeypatch, capsys):
     import torch.distributed.run
 
-    from ddpx import launch
+    from ddpx.launch import torchrun
 
     monkeypatch.setattr(torch.distributed.run, "run", _agent_with_a_rank_aborting(markers=2))
-    assert launch.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "ddpx.worker"]) == 0
+    assert torchrun.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "ddpx.worker"]) == 0
     assert "ddpx: warning: training finished; rank 1 then was killed by signal 6 while exiting" in capsys.readouterr().err
 
 
 def test_a_rank_dying_before_every_local_worker_finished_is_an_error(monkeypatch):
     import torch.distributed.run
 
-    from ddpx import launch
+    from ddpx.launch import torchrun
     from ddpx.errors import DdpxError
 
     monkeypatch.setattr(torch.distributed.run, "run", _agent_with_a_rank_aborting(markers=1))
     with pytest.raises(DdpxError, match=r"training failed: rank 1 \(pid 4242\) was killed by signal 6; its error"):
-        launch.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "ddpx.worker"])
+        torchrun.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "ddpx.worker"])

@@ -9,11 +9,11 @@ import pluggy
 import pytest
 import torch.distributed as dist
 
-from ddpx import hookspecs
+from ddpx.plugin import hookspecs
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
-from ddpx.plugin import make_plugin_manager, origin, plugin_table, raised_by, registered
-from ddpx.trainer import Trainer
+from ddpx.plugin.manager import make_plugin_manager, origin, plugin_table, raised_by, registered
+from ddpx.train.trainer import Trainer
 
 BUILTIN = {"sampler", "amp", "accumulation", "comm_hook", "logging", "checkpoint"}
 
@@ -103,11 +103,11 @@ def test_builtin_plugins_load_through_the_entry_point_group():
     declared = {ep.name for ep in importlib.metadata.entry_points(group="ddpx")}
     assert BUILTIN <= declared  # registered like a third-party package would be
     assert BUILTIN <= set(names)
-    assert names[-1] == "core"  # trylast defaults: registered last
+    assert names[-1] == "trainer"  # trylast defaults: registered last
     rows = {row["name"]: row for row in plugin_table(pm)}
     assert rows["sampler"]["distribution"] == "ddpx"
     assert "ddpx_build_dataloaders" in rows["sampler"]["hooks"]
-    assert "ddpx_forward" in rows["core"]["hooks"] and "ddpx_step_window" in rows["accumulation"]["hooks"]
+    assert "ddpx_forward" in rows["trainer"]["hooks"] and "ddpx_step_window" in rows["accumulation"]["hooks"]
 
 
 def test_block_and_enable(plugin_dir):
@@ -115,9 +115,9 @@ def test_block_and_enable(plugin_dir):
     pm = make_plugin_manager({"block": ["amp", "logging"], "enable": ["extra_plugin"]})
     names = [name for name, _ in registered(pm)]
     assert "amp" not in names and "logging" not in names and "sampler" in names
-    assert names[-2:] == ["extra_plugin", "core"]
-    with pytest.raises(DdpxError, match="'core' plugin cannot be blocked"):
-        make_plugin_manager({"block": ["core"]})
+    assert names[-2:] == ["extra_plugin", "trainer"]
+    with pytest.raises(DdpxError, match="'trainer' plugin \\(the default hook bodies\\) cannot be blocked"):
+        make_plugin_manager({"block": ["trainer"]})
 
 
 def test_unknown_hook_is_named_with_its_plugin(plugin_dir):
@@ -147,7 +147,7 @@ def run_in_process(plugin_dir, tmp_path, overrides=(), enable=()):
 
 
 def expected_calls(windows: list, epochs: int) -> list:
-    """The hook names of a run, from the order ddpx/hookspecs.py declares; ``windows``:
+    """The hook names of a run, from the order ddpx/plugin/hookspecs.py declares; ``windows``:
     the micro-batches of each optimizer step of an epoch."""
     calls = ["ddpx_configure", *hookspecs.START_HOOKS]
     for _ in range(epochs):
@@ -239,7 +239,7 @@ def test_trace_flag_and_env_var(capsys, monkeypatch):
     line = next(line for line in err.splitlines() if "hook ddpx_configure(" in line)
     assert line.startswith("[launcher] hook ddpx_configure(config={'seed': 0,")
     called = line.rsplit("-> [", 1)[1].rstrip("]").split(", ")
-    assert "amp" in called and "checkpoint" in called and "core" not in called  # core has no ddpx_configure
+    assert "amp" in called and "checkpoint" in called and "trainer" not in called  # the default hooks have no ddpx_configure
     monkeypatch.setenv("DDPX_TRACE_HOOKS", "1")
     monkeypatch.setenv("RANK", "3")
     load_config(None)
@@ -381,7 +381,7 @@ class WrapsPick:
 
 
 def _first_pm():
-    from ddpx.plugin import PluginManager
+    from ddpx.plugin.manager import PluginManager
 
     pm = PluginManager("t")
     pm.add_hookspecs(FirstSpec)

@@ -9,7 +9,7 @@ import pytest
 
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
-from ddpx.trainer import Trainer
+from ddpx.train.trainer import Trainer
 
 PHASES = ("ddpx::encode", "ddpx::collective", "ddpx::decode")
 

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddpx.data.sampler import ResumableDistributedBatchSampler
 from ddpx.data.seeded import SeededDataset
-from ddpx.seeding import derive_seed, seed_rank
+from ddpx.rank.seeding import derive_seed, seed_rank
 
 
 class Noisy(Dataset):

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from ddpx.errors import DdpxError
-from ddpx.runlock import LOCK_NAME, RunLock, read_holder
-from ddpx.trainer import Trainer
+from ddpx.rank.run_lock import LOCK_NAME, RunLock, read_holder
+from ddpx.train.trainer import Trainer
 
 
 def test_a_second_holder_is_refused_in_one_line_naming_the_first(tmp_path):

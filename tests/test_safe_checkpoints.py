@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpx.checkpoint import CheckpointDirectory, UnsafeCheckpoint, check_plain, load_file, rng_state
+from ddpx.rank.checkpoint_files import CheckpointDirectory, UnsafeCheckpoint, check_plain, load_file, rng_state
 from ddpx.errors import DdpxError
-from ddpx.trainer import Trainer
+from ddpx.train.trainer import Trainer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint-v1"  # written by ddpx 87be7a2 (format 1)
 
@@ -45,7 +45,7 @@ def test_resume_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
     ckpts.save({"step": 1, "w": torch.ones(2)}, step=1)
     write_malicious(ckpts.path_for(2), marker)
     (tmp_path / "latest").write_text(ckpts.path_for(2).name + "\n")
-    with caplog.at_level(logging.WARNING, logger="ddpx.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ddpx.rank.checkpoint_files"):
         path, state = ckpts.load_latest()
     assert path == ckpts.path_for(1) and state["step"] == 1
     assert "refusing checkpoint" in caplog.text and "io.open" in caplog.text
@@ -90,7 +90,7 @@ def test_numpy_rng_state_is_saved_as_plain_data_and_restores():
     state = rng_state()
     check_plain(state)
     first = np.random.rand(3)
-    from ddpx.checkpoint import set_rng_state
+    from ddpx.rank.checkpoint_files import set_rng_state
 
     set_rng_state(state)
     assert (np.random.rand(3) == first).all()
@@ -150,7 +150,7 @@ class NotPlainState:
 
 
 def test_a_plugin_state_that_is_not_plain_data_stops_the_first_save(make_config, tmp_path):
-    from ddpx.plugin import make_plugin_manager
+    from ddpx.plugin.manager import make_plugin_manager
 
     pm = make_plugin_manager(None)
     pm.register(NotPlainState(), name="not_plain")

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import sample_plugins
-from ddpx.trainer import Trainer
+from ddpx.train.trainer import Trainer
 
 NO_EVAL = "trainer.eval_every_epochs=0"  # these runs do not evaluate
 
@@ -27,9 +27,9 @@ def test_calls_run_at_optimizer_step_boundaries_in_the_order_scheduled(make_conf
 
 @pytest.mark.parametrize("fold", [4096, 4])  # 4: the trainer folds kept losses many times an epoch
 def test_step_lines_and_epoch_losses_are_exact_means_of_the_micro_batch_losses(make_config, tmp_path, monkeypatch, capfd, fold):
-    import ddpx.losses
+    import ddpx.train.losses
 
-    monkeypatch.setattr(ddpx.losses, "FOLD_AT", fold)
+    monkeypatch.setattr(ddpx.train.losses, "FOLD_AT", fold)
     events = sample_plugins.EVENTS
     events.clear()
     # 45 micro-batches an epoch, 3 per step: 15 steps an epoch; a step line every 4 steps spans epochs

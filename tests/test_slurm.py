@@ -5,7 +5,7 @@ import os
 import pytest
 
 from ddpx.errors import DdpxError
-from ddpx.slurm import expand_nodelist, in_slurm_step, launch_from_slurm
+from ddpx.launch.slurm import expand_nodelist, in_slurm_step, launch_from_slurm
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,8 @@ def test_detection_of_an_srun_step():
 
 def test_launcher_uses_the_slurm_settings(monkeypatch):
     from ddpx.config import load_config
-    from ddpx.launch import LaunchOptions, torchrun_argv
+    from ddpx.launch.options import LaunchOptions
+    from ddpx.launch.torchrun import torchrun_argv
     from ddpx.net import free_port
 
     port = free_port()

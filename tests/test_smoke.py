@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from ddpx import smoke
+from ddpx.smoke import rank as smoke_rank, report as smoke_report
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -12,8 +12,8 @@ pytestmark = pytest.mark.timeout(240)
 def _table(out):
     rows = {}
     for line in out.splitlines():
-        for stage in smoke.STAGES:
-            if line.startswith(stage + " ") and line[len(stage):].split()[0] in (smoke.PASS, smoke.FAIL, smoke.SKIP):
+        for stage in smoke_rank.STAGES:
+            if line.startswith(stage + " ") and line[len(stage):].split()[0] in (smoke_rank.PASS, smoke_rank.FAIL, smoke_rank.SKIP):
                 rows[stage] = line[len(stage):].split(None, 1)
     return rows
 
@@ -23,8 +23,8 @@ def test_smoke_passes_on_the_default_example(ranks, tmp_path, run_dir):
     rc, out, err = ranks.cli(["train", "--smoke", *([f"run_dir={run_dir}"] if run_dir else [])], timeout=120, cwd=tmp_path)
     assert rc == 0, out + err
     rows = _table(out)
-    assert set(rows) == set(smoke.STAGES), out
-    assert all(status == smoke.PASS for status, _ in rows.values()), out
+    assert set(rows) == set(smoke_rank.STAGES), out
+    assert all(status == smoke_rank.PASS for status, _ in rows.values()), out
     assert "smoke run PASSED" in out
     assert "2 rank(s)" in out  # the default example's processes
     assert "weights identical" in rows["resume"][1]
@@ -50,10 +50,10 @@ def test_smoke_names_the_failing_plugin(ranks, tmp_path):
                            cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
     assert rc == 1, out + err
     rows = _table(out)
-    assert rows["config"][0] == rows["setup"][0] == smoke.PASS, out
-    assert rows["train"][0] == smoke.FAIL
+    assert rows["config"][0] == rows["setup"][0] == smoke_rank.PASS, out
+    assert rows["train"][0] == smoke_rank.FAIL
     assert "plugin 'broken_smoke_plugin' raised in ddpx_epoch_start: RuntimeError: broken on purpose" in rows["train"][1]
-    assert all(rows[s][0] == smoke.SKIP for s in smoke.STAGES[smoke.STAGES.index("train") + 1:]), out
+    assert all(rows[s][0] == smoke_rank.SKIP for s in smoke_rank.STAGES[smoke_rank.STAGES.index("train") + 1:]), out
     assert "smoke run FAILED at train: plugin 'broken_smoke_plugin' (ddpx_epoch_start)" in out
 
 
@@ -72,8 +72,8 @@ def test_summary_marks_a_missing_rank_and_a_failure():
     bad = {"stage": "setup", "status": "FAIL", "detail": "plugin 'p' raised in ddpx_setup: E: x",
            "seconds": 0.2, "plugin": "p", "hook": "ddpx_setup"}
     results = [{"rank": 0, "world_size": 3, "stages": [ok, bad]}, {"rank": 1, "world_size": 3, "stages": [ok]}]
-    rows = {r["stage"]: r for r in smoke.summarize(results, 3)}
+    rows = {r["stage"]: r for r in smoke_report.summarize(results, 3)}
     assert rows["config"]["status"] == "FAIL" and "rank 2" in rows["config"]["detail"]
     assert rows["setup"]["status"] == "FAIL" and rows["setup"]["plugin"] == "p"
-    text = smoke.format_table(smoke.summarize(results, 3), 3, "/x")
+    text = smoke_report.format_table(smoke_report.summarize(results, 3), 3, "/x")
     assert "FAILED at config" in text

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ddpx.data.collate import Collate, CollateError
 from ddpx.data.stream import ShardedStream, batches_per_rank
 from ddpx.errors import DdpxError
-from ddpx.trainer import Trainer
+from ddpx.train.trainer import Trainer
 
 
 class Numbers(IterableDataset):

@@ -15,7 +15,7 @@ def model():
 def sync_bn_against_one_big_batch(rank, world):
     import torch.distributed as dist
 
-    from ddpx.batchnorm import CpuSyncBatchNorm, convert_sync_batchnorm
+    from ddpx.train.sync_batchnorm import CpuSyncBatchNorm, convert_sync_batchnorm
 
     torch.manual_seed(1)
     batch = torch.randn(6 * world, 3, 6, 6) * 3 + 1  # the global batch; rank r holds rows 6r..6r+5

@@ -15,7 +15,7 @@ import pytest
 import harness
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
-from ddpx.trainer import Trainer
+from ddpx.train.trainer import Trainer
 
 RUN = ["trainer.epochs=1", "logging.every_steps=5", "trainer.eval_every_epochs=1"]
 
@@ -124,7 +124,7 @@ def test_wandb_offline_holds_the_metrics_and_config_and_a_resume_continues_the_r
 
 
 def check_mlflow_run(client, run_dir, experiment):
-    from ddpx.checkpoint import CheckpointDirectory
+    from ddpx.rank.checkpoint_files import CheckpointDirectory
 
     run_id = (run_dir / "mlflow_run_id").read_text().strip()
     run = client.get_run(run_id)

@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader
 from ddpx.config import load_config
 from ddpx.data import digits_split
 from ddpx.models import DigitsMLP
-from ddpx.plugin import make_plugin_manager
-from ddpx.trainer import Trainer
+from ddpx.plugin.manager import make_plugin_manager
+from ddpx.train.trainer import Trainer
 
 
 def test_core_loop_matches_a_handwritten_loop(make_config, tmp_path):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import sample_plugins
 
-from ddpx.trainer import Trainer, TrainingStopped
+from ddpx.train.trainer import Trainer, TrainingStopped
 
 NO_EVAL = "trainer.eval_every_epochs=0"  # these runs do not evaluate
 # digits_split(test_fraction=0.2): 1437 training samples, 45 batches of 32 per epoch on one rank
@@ -17,7 +17,7 @@ STEPS_PER_EPOCH = 45
 
 
 def saved_checkpoint(tmp_path):
-    from ddpx.checkpoint import CheckpointDirectory
+    from ddpx.rank.checkpoint_files import CheckpointDirectory
 
     return CheckpointDirectory(tmp_path / "run" / "checkpoints", keep=3).load_latest()[1]
 

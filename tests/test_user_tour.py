@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpx.checkpoint import AsyncCheckpointWriter, CheckpointDirectory
+from ddpx.rank.checkpoint_files import AsyncCheckpointWriter, CheckpointDirectory
 from ddpx.errors import DdpxError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_a_full_disk_is_one_line_with_the_size_needed(tmp_path):
 def test_a_worker_crash_exits_1_and_bad_input_found_by_a_worker_exits_2(tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ddpx.launch import WorkerCrashed, _run_agent
+    from ddpx.launch.torchrun import WorkerCrashed, _run_agent
 
     args = types.SimpleNamespace(local_addr=None, nproc_per_node="2")
     for code, kind, exit_code in ((1, WorkerCrashed, 1), (2, DdpxError, 2), (-9, WorkerCrashed, 1)):
@@ -52,21 +52,23 @@ def test_a_worker_crash_exits_1_and_bad_input_found_by_a_worker_exits_2(tmp_path
 
 
 def test_a_run_that_does_not_finish_prints_the_command_that_resumes_it(tmp_path, monkeypatch, capsys):
-    import ddpx.launch as launch
+    from ddpx.launch import launcher
+    from ddpx.launch.options import LaunchOptions
+    from ddpx.launch.resume import newest_run
 
-    monkeypatch.setattr(launch, "run_torchrun", lambda argv: 143)  # stopped by SIGTERM
+    monkeypatch.setattr(launcher, "run_torchrun", lambda argv: 143)  # stopped by SIGTERM
     config = tmp_path / "cfg.yaml"
     config.write_text("trainer: {epochs: 1}\n")
     monkeypatch.chdir(tmp_path)
-    assert launch.launch(str(config), ["trainer.epochs=2"], launch.LaunchOptions(nproc_per_node="1")) == 143
+    assert launcher.launch(str(config), ["trainer.epochs=2"], LaunchOptions(nproc_per_node="1")) == 143
     last = capsys.readouterr().err.strip().splitlines()[-1]
     run_dir = next((tmp_path / "runs").iterdir())
     assert last == f"ddpx: to resume this run: ddpx train {config} trainer.epochs=2 run_dir={run_dir}"
-    assert launch.newest_run(str(config)) == str(run_dir)  # what --resume finds
+    assert newest_run(str(config)) == str(run_dir)  # what --resume finds
 
 
 def test_the_smoke_run_fails_on_zero_steps_or_a_nonfinite_loss():
-    from ddpx.smoke import _train_steps
+    from ddpx.smoke.rank import _train_steps
 
     class Stub:
         global_step, last_loss = 0, None
@@ -143,7 +145,7 @@ esac
 
 
 def test_the_epoch_end_checkpoint_names_the_epoch_that_ended(make_config, capfd):
-    from ddpx.trainer import Trainer
+    from ddpx.train.trainer import Trainer
 
     Trainer(make_config("trainer.epochs=1", "trainer.eval_every_epochs=0", "checkpoint.async_write=false")).run()
     err = capfd.readouterr().err
@@ -153,7 +155,7 @@ def test_the_epoch_end_checkpoint_names_the_epoch_that_ended(make_config, capfd)
 def test_resume_followed_by_an_override_resumes_the_newest_run_with_it(tmp_path, monkeypatch, capsys):
     """`ddpx train cfg.yaml --resume trainer.epochs=31`: argparse hands the override to
     --resume as its RUN_DIR; it must stay an override, and the newest run is resumed."""
-    import ddpx.commands.train as train_command
+    import ddpx.cli.train as train_command
     from ddpx import cli
 
     launched = []

@@ -44,8 +44,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
-from .. import launch
 from ..errors import DdpxError
+from ..launch import options, torchrun
+from ..launch.options import add_launch_arguments
 
 BENCH_MODULE = "ddpx.bench.comm"
 BASELINE = "allreduce"  # DDP's built-in fp32 allreduce, no hook
@@ -236,7 +237,7 @@ def _step_fn(ddp, loss_fn, batch, accumulation: int, communicate: bool):
     """One optimizer step's forward/backward (no optimizer: parameters stay put)."""
     import contextlib
 
-    from ..core import model_loss
+    from ..train.batches import model_loss
 
     def step():
         ddp.zero_grad(set_to_none=True)
@@ -253,7 +254,8 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..net import measure_allreduce_seconds
-    from ..core import ddp_options, to_device
+    from ..train.batches import to_device
+    from ..train.default_hooks import ddp_kwargs
 
     device, world = trainer.device, trainer.world_size
     if world < 2:
@@ -268,7 +270,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
     link = ring_bytes(grad_bytes, world) / allreduce_s if allreduce_s > 0 else 0.0
 
     def fresh_ddp(requests=()):  # wrapped as the trainer would with that hook
-        options = ddp_options(trainer.config, requests)
+        options = ddp_kwargs(trainer.config, requests)
         return DDP(copy.deepcopy(trainer.module), device_ids=device_ids, **options)
 
     baseline = fresh_ddp()
@@ -326,7 +328,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 5)
 def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
     """One rank of ``ddpx bench comm`` (inside torchrun)."""
     from ..config import load_config
-    from ..trainer import Trainer
+    from ..train.trainer import Trainer
 
     config = load_config(config_path, overrides)
     with Trainer(config) as trainer:  # close() on every exit path
@@ -376,19 +378,18 @@ def register(subparsers):
 def _add_launch_arguments(p):
     p.add_argument("config", nargs="?", default=None, help="YAML config (omit for the built-in digits run)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    launch.add_launch_arguments(p, restarts=False)
+    add_launch_arguments(p, restarts=False)
 
 
 def run(args) -> int:
-    from ..launch import split_config_and_overrides
-    from ..config import load_config
+    from ..config import load_config, split_config_and_overrides
 
     if args.steps < 1:
         raise DdpxError(f"--steps must be at least 1, got {args.steps}")
     config_path, overrides = split_config_and_overrides(args.config, args.overrides)
     config = load_config(config_path, overrides)
-    opts = dataclasses.replace(launch.options_from_args(args), max_restarts=0)
-    argv = launch.torchrun_argv(opts, config.launch, config_path, overrides)
+    opts = dataclasses.replace(options.options_from_args(args), max_restarts=0)
+    argv = torchrun.torchrun_argv(opts, config.launch, config_path, overrides)
     argv[argv.index("--module") + 1] = BENCH_MODULE
     if "--nproc-per-node=1" in argv and "--nnodes=1" in argv:
         raise DdpxError("ddpx bench comm needs at least 2 ranks: use --nproc-per-node 2 or several nodes")
@@ -398,7 +399,7 @@ def run(args) -> int:
     if args.hooks:
         os.environ[ENV_HOOKS] = args.hooks
     try:
-        launch.run_torchrun(argv)
+        torchrun.run_torchrun(argv)
         with open(out) as f:
             text = f.read()
     finally:

@@ -2,7 +2,7 @@
 
 The batch sampler yields ``(epoch, index)`` keys (``with_epoch=True``), so the
 dataset, even in a persistent DataLoader worker, knows the epoch of each sample
-(rules in :mod:`ddpx.seeding`):
+(rules in :mod:`ddpx.rank.seeding`):
 
 * in a worker, the first sample of an epoch reseeds the worker's generators
   from ``(seed, rank, worker, epoch)``; in the main process (``num_workers: 0``)
@@ -20,7 +20,7 @@ import sys
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..seeding import derive_seed, seed_everything
+from ..rank.seeding import derive_seed, seed_everything
 
 
 class SeededDataset(Dataset):

@@ -19,7 +19,7 @@ that epoch.
 Resume: the stream is read again from the start of the interrupted epoch and
 the batches already trained are skipped (read, not trained), so the run goes on
 exactly after them, augmentations included (workers are seeded per epoch,
-:mod:`ddpx.seeding`). Reading them again costs up to one epoch's I/O; nothing
+:mod:`ddpx.rank.seeding`). Reading them again costs up to one epoch's I/O; nothing
 is trained twice.
 """
 
@@ -31,7 +31,7 @@ from typing import Optional
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import DdpxError
-from ..seeding import derive_seed, seed_everything
+from ..rank.seeding import derive_seed, seed_everything
 
 
 def stream_length(dataset, target: str) -> int:

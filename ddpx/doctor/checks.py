@@ -39,7 +39,7 @@ def check_backend(cuda_available: bool, gpu_count: int, nccl_available: bool,
             return [Check("backend", FAIL, f"{gpu_count} GPU(s) but this torch has no NCCL",
                           "install a CUDA build of torch with NCCL, or set trainer.backend=gloo (slow)")]
         if nproc_per_node is not None and nproc_per_node > gpu_count:
-            # ddpx.distributed.choose_backend("auto") needs one GPU per local process
+            # ddpx.rank.process_group.choose_backend("auto") needs one GPU per local process
             return [Check("backend", FAIL, f"gloo on CPU: {nproc_per_node} processes per node but only "
                           f"{gpu_count} GPU(s), so trainer.backend=auto cannot give each its own GPU",
                           f"use --nproc-per-node {gpu_count} (one process per GPU)")]

@@ -211,9 +211,9 @@ def _collectives_worker() -> int:
                                                + (" with comm_hook.native=true" if native else ""))
                 _report(label, status, message, fix)
     finally:
-        from .. import distributed
+        from ..rank import process_group
 
-        distributed.teardown()  # the hooks' DDP models go before their process group
+        process_group.teardown()  # the hooks' DDP models go before their process group
     return 0
 
 

@@ -52,7 +52,7 @@ class Facts:
 
     @property
     def backend(self) -> str:
-        """What trainer.backend=auto picks (ddpx.distributed.choose_backend)."""
+        """What trainer.backend=auto picks (ddpx.rank.process_group.choose_backend)."""
         enough = self.nproc_per_node is None or self.nproc_per_node <= self.gpu_count
         return "nccl" if self.cuda_available and self.gpu_count > 0 and self.nccl_available and enough else "gloo"
 

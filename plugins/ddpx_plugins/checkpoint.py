@@ -11,7 +11,7 @@ comm-hook state, ...) plus each rank's RNG states. The core's entries
 rank under DDP and are taken from rank 0; every other entry and the RNG
 states are per rank and reach rank 0 through one ``gather_object`` (same order
 on every rank). Rank 0 writes ``<run_dir>/<dir>/step-N.pt`` atomically (see
-:mod:`ddpx.checkpoint`), keeping the newest ``keep``. With
+:mod:`ddpx.rank.checkpoint_files`), keeping the newest ``keep``. With
 ``async_write`` the training loop waits only for a copy of the state to CPU
 memory; serialization and fsync run on a background thread, one write at a
 time, and the run waits for the last one before it exits.
@@ -39,7 +39,7 @@ A different world size on resume (``--nnodes MIN:MAX``, fewer GPUs):
   which the plugin resets with a warning (its state records its rank and world size).
 
 Stopping. The trainer owns the SIGTERM/SIGINT handlers and the agreement on a
-stop (:mod:`ddpx.stopping`); this plugin turns the agreement on from
+stop (:mod:`ddpx.train.stopping`); this plugin turns the agreement on from
 ``ddpx_setup`` with its keys: a stop check every ``stop_check_every`` optimizer
 steps, or with 0 about every ``stop_check_s`` seconds, where the ranks combine
 their flags with one asynchronous ``all_reduce``, and all of them stop after the
@@ -87,9 +87,9 @@ from pathlib import Path
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError, TrainingDiverged
-from ddpx.monitor import Monitor
-from ddpx.stopping import across_ranks
-from ddpx.trainer import CORE_STATE  # the core's entries: one copy for all ranks
+from ddpx.train.monitor import Monitor
+from ddpx.train.stopping import across_ranks
+from ddpx.train.trainer import TRAINER_STATE  # the trainer's own entries: one copy for all ranks
 
 LR_SCALING = ("none", "linear")
 DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
@@ -100,7 +100,7 @@ class CheckpointSession:
     directory and its writer, the last saved step, and the run's stop agreement (``stops``)."""
 
     def __init__(self, trainer, cfg):
-        from ddpx.checkpoint import AsyncCheckpointWriter, CheckpointDirectory
+        from ddpx.rank.checkpoint_files import AsyncCheckpointWriter, CheckpointDirectory
 
         self.cfg = cfg
         self.enabled = cfg["enabled"]
@@ -114,7 +114,7 @@ class CheckpointSession:
         self.writer = AsyncCheckpointWriter(self.directory, async_write=cfg["async_write"])
         self.finite_at = 0  # the last step whose state was checked finite (a save or the resumed checkpoint)
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
-        # The core's stop agreement (ddpx/stopping.py): SIGTERM/SIGINT stop every rank
+        # The core's stop agreement (ddpx/train/stopping.py): SIGTERM/SIGINT stop every rank
         # after the same step, with a final checkpoint written here.
         self.stops = trainer.agree_on_stops(cfg["stop_check_every"], cfg["stop_check_s"], cfg["stop_timeout_s"],
                                             "checkpoint.stop_timeout_s", "a final checkpoint")
@@ -245,7 +245,7 @@ def _restart_count() -> int:
 
 
 def _write_divergence_marker(trainer, session, exc) -> None:
-    from ddpx.checkpoint import atomic_write
+    from ddpx.rank.checkpoint_files import atomic_write
 
     path = session.directory.directory / DIVERGED_MARKER
     try:  # a refused restart keeps the first divergence's message
@@ -334,7 +334,7 @@ def _epoch_exhausted(trainer) -> bool:
 
 
 def _save(trainer, session, at_epoch_end, metrics=None):
-    from ddpx.checkpoint import check_plain, rng_state
+    from ddpx.rank.checkpoint_files import check_plain, rng_state
 
     step = trainer.global_step
     if session.saved == (step, at_epoch_end):  # same on every rank: all skip the collective
@@ -350,7 +350,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     session.finite_at = step
     mine = {
         "rng": rng_state(trainer.device),
-        "plugins": {k: v for k, v in state.items() if k not in CORE_STATE},
+        "plugins": {k: v for k, v in state.items() if k not in TRAINER_STATE},
     }
     if across_ranks(trainer):
         import torch.distributed as dist
@@ -365,7 +365,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     checkpoint = {
         "step": step,
         "world_size": trainer.world_size,
-        "replicated": {k: v for k, v in state.items() if k in CORE_STATE},
+        "replicated": {k: v for k, v in state.items() if k in TRAINER_STATE},
         "ranks": gathered,
     }
     progress = state.get("progress", {})
@@ -416,7 +416,7 @@ def _resume(trainer, session):
     import torch
     import torch.distributed as dist
 
-    from ddpx.checkpoint import load_file, set_rng_state
+    from ddpx.rank.checkpoint_files import load_file, set_rng_state
 
     name = found = refusal = None
     if trainer.rank == 0:
@@ -462,7 +462,7 @@ def _resume(trainer, session):
     if same_world:
         set_rng_state(mine["rng"], trainer.device)
     else:
-        from ddpx.seeding import seed_rank
+        from ddpx.rank.seeding import seed_rank
 
         seed_rank(trainer.config.seed, trainer.rank, trainer.global_step)  # not the fresh start's stream again
         if trainer.rank == 0:

@@ -21,7 +21,7 @@ Config section ``early_stopping``: ``monitor`` (null: off), ``patience`` (3),
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
-from ddpx.monitor import Monitor
+from ddpx.train.monitor import Monitor
 
 SECTION = "early_stopping"
 

@@ -207,7 +207,7 @@ class EmaPlugin:
         import torch
         import torch.distributed as dist
 
-        from ddpx.stopping import across_ranks
+        from ddpx.train.stopping import across_ranks
 
         if across_ranks(trainer):
             # rank 0 reads ranks[0] of the checkpoint at any world size: its copy is the one.
@@ -232,7 +232,7 @@ class EmaPlugin:
             return
         import torch
 
-        from ddpx.checkpoint import atomic_write
+        from ddpx.rank.checkpoint_files import atomic_write
 
         path = os.path.join(str(trainer.run_dir), EXPORT)
         export = {"weights": "ema", "decay": ema.decay, "step": ema.step, "updates": ema.updates,

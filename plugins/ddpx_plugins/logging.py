@@ -56,7 +56,7 @@ import uuid
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
-from ddpx.plugin import rank_prefix
+from ddpx.plugin.manager import rank_prefix
 
 LOGGER = "ddpx"
 FLUSH_EVERY_S = 1.0  # step lines: a flush (a system call) at most this often

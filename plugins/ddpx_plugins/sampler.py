@@ -119,7 +119,7 @@ class SamplerPlugin:
                                 f"trainer.batch_size={settings.batch_size} on each of {trainer.world_size} ranks"
                                 + (" with sampler.drop_last=true; set sampler.drop_last=false or lower "
                                    "trainer.batch_size" if cfg["drop_last"] else "; use more data or fewer ranks"))
-            # Seeds per worker and epoch, or per sample (ddpx/seeding.py): the keys carry the epoch.
+            # Seeds per worker and epoch, or per sample (ddpx/rank/seeding.py): the keys carry the epoch.
             seeded = SeededDataset(train_set, trainer.config.seed, trainer.rank, settings.seed_per_sample)
             # The loader draws its workers' base seed from its own generator, not from the rank's
             # stream: a resumed run's new iterator must not shift the stream the checkpoint restored.
@@ -138,7 +138,7 @@ class SamplerPlugin:
 
     @hookimpl(tryfirst=True)  # before anything reads len(train_loader) for this epoch
     def ddpx_epoch_start(self, trainer, epoch):
-        from ddpx.seeding import derive_seed
+        from ddpx.rank.seeding import derive_seed
 
         if self.generator is not None:
             self.generator.manual_seed(derive_seed(trainer.config.seed, trainer.rank, epoch))

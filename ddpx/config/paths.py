@@ -1,0 +1,31 @@
+"""Where a run writes (``run_dir``) and where it imports the user's own modules from."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from typing import Optional
+
+
+def default_run_dir() -> str:
+    """``runs/<UTC timestamp>`` under the current directory, absolute. ``ddpx train``
+    picks it once per launch, so torchrun's restarts resume in the same place."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return os.path.abspath(os.path.join("runs", stamp))
+
+
+def user_module_dirs(config_path: Optional[str]) -> list[str]:
+    """Where a run finds the user's own modules (``model.target: mymodel.Net``), first
+    first: the config file's directory, then the current directory (which
+    ``python -m`` puts first too). Both come before ``PYTHONPATH`` and the
+    installed packages."""
+    dirs = [os.path.dirname(os.path.abspath(config_path))] if config_path is not None else []
+    return list(dict.fromkeys([*dirs, os.getcwd()]))
+
+
+def add_user_module_dirs(config_path: Optional[str]) -> None:
+    """Put :func:`user_module_dirs` at the front of ``sys.path`` (once)."""
+    for directory in reversed(user_module_dirs(config_path)):
+        if directory not in sys.path:
+            sys.path.insert(0, directory)

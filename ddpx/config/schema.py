@@ -1,0 +1,123 @@
+"""ddpx's own config sections: their defaults, the types and choices of their keys, and the
+numeric ranges checked before any worker starts. Plugins add sections of their own through
+``ddpx_config_defaults`` (see :mod:`.loader`).
+
+The type of a default is the type the key must have (``int`` accepts nothing else but
+ints, ``float`` accepts ints); ``None`` defaults accept anything; a default of ``{}`` is a
+free-form mapping (e.g. ``optimizer.args``), a non-empty mapping is validated key by key.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+from ..errors import DdpxError
+
+DEFAULTS: dict = {
+    "seed": 0,
+    "run_dir": None,
+    "model": {"target": "ddpx.models.DigitsMLP", "args": {"hidden": 128}},
+    "data": {"target": "ddpx.data.digits_split", "args": {"test_fraction": 0.2, "seed": 0}, "collate": None},
+    "loss": {"target": "torch.nn.CrossEntropyLoss", "args": {}},
+    "optimizer": {"target": "torch.optim.SGD", "args": {"lr": 0.1, "momentum": 0.9}},
+    "scheduler": {"target": None, "args": {}},
+    "trainer": {
+        "epochs": 10,
+        "batch_size": 32,
+        "eval_batch_size": 256,
+        "grad_clip": None,
+        "backend": "auto",
+        "device": "auto",
+        "find_unused_parameters": False,
+        "static_graph": False,
+        "bucket_cap_mb": None,
+        "gradient_as_bucket_view": None,
+        "num_workers": 0,
+        "max_steps": None,
+        "eval_every_epochs": 1,
+        "timeout_s": 300,
+        "first_timeout_s": 900,
+        "nonfinite": "stop",
+        "eval_metric": None,
+        "sync_batchnorm": False,
+        "compile": False,
+        "seed_per_sample": False,
+        "compile_dynamic": "batch",
+    },
+    "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
+    "plugins": {"enable": [], "block": [], "trace": False},
+}
+
+# Keys whose type is not the type of their default (nullable numbers, "auto"-or-int).
+TYPES: dict = {
+    "seed": (int,),
+    "run_dir": (str, type(None)),
+    "loss.target": (str, type(None)),
+    "scheduler.target": (str, type(None)),
+    "data.collate": (str, type(None)),
+    "trainer.eval_metric": (str, type(None)),
+    "trainer.compile": (bool, str),
+    "trainer.grad_clip": (float, type(None)),
+    "trainer.bucket_cap_mb": (float, type(None)),
+    "trainer.gradient_as_bucket_view": (bool, type(None)),
+    "trainer.max_steps": (int, type(None)),
+    "trainer.timeout_s": (float,),
+    "trainer.first_timeout_s": (float,),
+    "launch.nproc_per_node": (int, str),
+    "launch.nnodes": (int, str),
+}
+CHOICES: dict = {
+    "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
+    "trainer.nonfinite": ("stop", "warn"),
+    "trainer.compile_dynamic": ("batch", "auto", "static", "all"),
+}
+# Sections built from an import path; their ``args`` are free-form keyword
+# arguments: given with a target they replace the default's as a whole, and are
+# reset to {} when only the target is given (SGD's momentum must not leak into a
+# user's Adam); given without one they merge into the default's.
+TARGET_SECTIONS = ("model", "data", "loss", "optimizer", "scheduler")
+FREE_FORM = frozenset(f"{section}.args" for section in TARGET_SECTIONS)
+
+
+# Numeric ranges of core keys: (lowest allowed, whether the lowest itself is allowed, hint).
+RANGES: dict = {
+    "trainer.epochs": (1, True, "the number of passes over the data"),
+    "trainer.batch_size": (1, True, "samples per rank and step"),
+    "trainer.eval_batch_size": (1, True, "samples per rank and evaluation batch"),
+    "trainer.max_steps": (1, True, "null for no limit"),
+    "trainer.num_workers": (0, True, "0 loads in the training process"),
+    "trainer.eval_every_epochs": (0, True, "0 never evaluates"),
+    "trainer.grad_clip": (0, False, "null for no clipping"),
+    "trainer.bucket_cap_mb": (0, False, "null for DDP's default"),
+    "trainer.timeout_s": (0, False, "seconds"),
+    "trainer.first_timeout_s": (0, False, "seconds"),
+    "launch.max_restarts": (0, True, "0 for none"),
+}
+
+
+def check_ranges(values: Mapping) -> None:
+    """One-line errors for numbers out of range (``trainer.batch_size=0``), and for a
+    ``launch.nproc_per_node`` / ``launch.nnodes`` that torchrun would reject."""
+    for path, (low, inclusive, hint) in RANGES.items():
+        section, key = path.split(".")
+        value = values.get(section, {}).get(key)
+        if value is None or isinstance(value, bool):
+            continue
+        if value < low or (value == low and not inclusive):
+            bound = f">= {low}" if inclusive else f"> {low}"
+            raise DdpxError(f"config key '{path}' must be {bound} ({hint}), got {value}")
+    launch = values.get("launch", {})
+    check_nproc(launch.get("nproc_per_node"), "launch.nproc_per_node")
+    nnodes = str(launch.get("nnodes"))
+    if not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", nnodes):
+        raise DdpxError(f"config key 'launch.nnodes' must be a number of nodes >= 1 or MIN:MAX, got {nnodes!r}")
+
+
+def check_nproc(value, where: str) -> None:
+    """``auto`` or a whole number >= 1 (also as a string from the command line)."""
+    if value is None or value == "auto":
+        return
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise DdpxError(f"{where} must be a number of processes >= 1 or auto, got {value!r}")

@@ -1,0 +1,58 @@
+"""``ddpx train``'s launcher: validate the config, check the run directory and the network,
+record the launch, run torchrun; when training does not finish, say how to resume."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional, Sequence
+
+from ..config import default_run_dir, load_config
+from ..errors import DdpxError
+from ..rank.run_lock import JOB_ENV
+from .options import DEFAULT_MASTER_PORT, LaunchOptions, check_options, from_environment
+from .preflight import check_run_dir
+from .rendezvous import DEFAULT_RDZV_ID
+from .resume import print_resume_command, record_launch
+from .torchrun import run_torchrun, torchrun_argv
+
+
+def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOptions) -> int:
+    """Validate the config here (one-line errors, nothing spawned), then run torchrun.
+    When training does not finish, the last line says how to resume."""
+    config = load_config(config_path, overrides)  # raises DdpxError before any worker exists
+    check_options(opts)
+    run_dir = config.run_dir
+    if run_dir is None:  # one for the whole launch: a restarted worker group resumes there
+        run_dir = default_run_dir()
+        overrides = [*overrides, f"run_dir={run_dir}"]
+    given_job = os.environ.get(JOB_ENV)
+    os.environ[JOB_ENV] = given_job or job_identity(opts)  # the run_dir lock's owner (ddpx/rank/run_lock.py)
+    started = False
+    try:
+        check_run_dir(run_dir, config)
+        argv = torchrun_argv(opts, config.launch, config_path, overrides)  # checks ports, nothing created yet
+        record_launch(run_dir, config_path, overrides)
+        started = True
+        code = run_torchrun(argv)
+    except DdpxError:
+        if started:
+            print_resume_command(config_path, overrides, run_dir)
+        raise
+    finally:
+        if given_job is None:
+            os.environ.pop(JOB_ENV, None)
+    if code != 0:
+        print_resume_command(config_path, overrides, run_dir)
+    return code
+
+
+def job_identity(opts: LaunchOptions) -> str:
+    """This launch's job for the run_dir lock: the rendezvous every node of a multi-node job
+    names alike, or this launcher's host and pid on one node."""
+    opts = from_environment(opts)
+    if opts.rdzv_endpoint:
+        return f"{opts.rdzv_id or DEFAULT_RDZV_ID}@{opts.rdzv_endpoint}"
+    if opts.master_addr and opts.nnodes not in (None, "1"):
+        return f"{opts.rdzv_id or DEFAULT_RDZV_ID}@{opts.master_addr}:{opts.master_port or DEFAULT_MASTER_PORT}"
+    return f"{socket.gethostname()}:{os.getpid()}"

@@ -1,0 +1,195 @@
+"""torchrun, run in this process: its command line for the launch options, the agent, and
+a failed worker or rendezvous turned into one line.
+
+torchrun runs in this process (``torch.distributed.run.parse_args`` + ``run``)
+rather than as ``python -m torch.distributed.run`` in a subprocess: the
+launcher has already imported torch to validate the config, so a second
+interpreter would cost another torch import (seconds) before the first
+progress line, and its ``ChildFailedError`` would reach us only as an exit
+code instead of an exception we can turn into one line naming the failed rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+from .. import net
+from ..config import user_module_dirs
+from ..errors import DdpxError, TrainingDiverged
+from ..rank.launcher_contract import DONE_DIR_ENV, LAUNCHER_PID_ENV
+from . import rendezvous
+from .options import LaunchOptions, default_nproc, from_environment
+
+WORKER_MODULE = "ddpx.worker"
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], overrides: Sequence[str]) -> list[str]:
+    """The torchrun command line (without the program name) for these options.
+
+    Precedence: command-line option > torchrun's PET_* variables > SLURM > ``launch`` config section.
+    Also checks ports and the rendezvous endpoint, and picks this node's network
+    interface, before anything starts.
+    """
+    opts = from_environment(opts)
+    nproc = opts.nproc_per_node if opts.nproc_per_node is not None else launch_cfg["nproc_per_node"]
+    if str(nproc) == "auto":
+        nproc = default_nproc()
+    nnodes = str(opts.nnodes if opts.nnodes is not None else launch_cfg["nnodes"])
+    max_restarts = opts.max_restarts if opts.max_restarts is not None else launch_cfg["max_restarts"]
+    argv = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
+    if opts.node_rank is not None:
+        argv.append(f"--node-rank={opts.node_rank}")
+
+    route = rendezvous.rendezvous_route(opts, nnodes)
+    if route is not None:
+        endpoint = f"{route.host}:{route.port}"
+        backend = opts.rdzv_backend or ("c10d" if opts.rdzv_endpoint else "static")
+        rdzv_id = opts.rdzv_id or rendezvous.DEFAULT_RDZV_ID
+        argv += [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+        if backend == "c10d":
+            wait_s = float(os.environ.get(rendezvous.RDZV_WAIT_ENV, rendezvous.DEFAULT_RDZV_WAIT_S))
+            is_host = rendezvous.check_rendezvous(route, wait_s)
+            conf = rendezvous.rendezvous_conf(nnodes, is_host)
+            if conf:
+                argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
+            if route.local_addr and not os.environ.get("PET_LOCAL_ADDR"):
+                # The workers' MASTER_ADDR: otherwise the rank-0 agent's getfqdn(), often "localhost".
+                argv.append(f"--local-addr={route.local_addr}")
+        elif opts.node_rank is None:
+            raise DdpxError(f"--rdzv-backend {backend} needs --node-rank (0 on the node at {endpoint})")
+        made = [] if route.one_machine else net.choose_socket_ifname(route.iface)
+        if made:
+            print(f"ddpx: {rendezvous.node_label(route)}: {' '.join(made)} (the interface that reaches "
+                  f"{route.host}; set these variables yourself to choose another)", file=sys.stderr, flush=True)
+        if backend == "c10d":  # torchrun says nothing while it waits, and a node that never comes costs minutes
+            wait = conf.get("join_timeout", rendezvous.TORCH_JOIN_TIMEOUT_S)
+            print(f"ddpx: {rendezvous.node_label(route)}: joining the rendezvous at {endpoint} (--nnodes {nnodes}; "
+                  f"waiting up to {wait} s for the other nodes)", file=sys.stderr, flush=True)
+    else:
+        # One node: torchrun's static rendezvous on a local port we checked or picked.
+        addr = opts.master_addr or "127.0.0.1"
+        if opts.master_port is not None:
+            net.check_port_free(net.resolve_ipv4(addr), opts.master_port, "master")
+            port = opts.master_port
+        else:
+            port = net.free_port(net.resolve_ipv4(addr))
+        argv += [f"--rdzv-backend={opts.rdzv_backend or 'static'}", f"--master-addr={addr}", f"--master-port={port}"]
+        if opts.rdzv_id:
+            argv.append(f"--rdzv-id={opts.rdzv_id}")
+        if opts.node_rank is None:
+            argv.append("--node-rank=0")
+
+    if str(nproc) != "1":
+        # What torchrun would do anyway, minus its four-line warning banner.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The workers (and whatever they start: DataLoader workers, compile workers)
+    # import the user's modules from the same directories as this launcher.
+    paths = [*user_module_dirs(config_path), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    argv += ["--module", WORKER_MODULE]
+    if config_path is not None:
+        argv += ["--config", os.path.abspath(config_path)]
+    return argv + list(overrides)
+
+
+class WorkerCrashed(DdpxError):
+    """A worker failed with something other than bad input (exit 1, as docs/checkpoints.md says)."""
+
+    exit_code = 1
+
+
+def run_torchrun(argv: Sequence[str]) -> int:
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(list(argv))
+    with tempfile.TemporaryDirectory(prefix="ddpx-done-") as done_dir:
+        env = {DONE_DIR_ENV: done_dir, LAUNCHER_PID_ENV: str(os.getpid())}  # inherited by the workers torchrun starts
+        if args.rdzv_backend == "c10d" and SHARE_STORE_ENV not in os.environ:
+            # A store per worker group, served by its rank 0 (see ddpx.rank.process_group): the agents'
+            # shared store would keep the previous group's keys, namespaced by each agent's own
+            # restart count, which differs between a survivor and a host that rejoined.
+            env[SHARE_STORE_ENV] = "1"
+        os.environ.update(env)
+        try:
+            return _run_agent(run, args, done_dir)
+        finally:
+            for name in env:
+                os.environ.pop(name, None)
+
+
+def _run_agent(run, args, done_dir: str) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        others = len(exc.failures) - 1
+        more = f" (and {others} more rank{'s' if others > 1 else ''})" if others > 0 else ""
+        code = failure.exitcode
+        if code == TrainingDiverged.exit_code:
+            raise TrainingDiverged("training diverged (the reason is printed above)") from None
+        why = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if _every_local_worker_finished(args, done_dir):
+            # Every local worker finished training (process group destroyed, checkpoints
+            # written) before one died while Python shut down: torch + gloo can abort
+            # there ("terminate called without an active exception"). Nothing was lost.
+            print(f"ddpx: warning: training finished; rank {rank} then {why} while exiting{more}", file=sys.stderr)
+            return 0
+        node = f"node {args.local_addr}: " if args.local_addr else ""
+        message = f"{node}training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above"
+        if code == DdpxError.exit_code:  # the worker found bad input (one line above): exit 2 too
+            raise DdpxError(message) from None
+        raise WorkerCrashed(message) from None
+    except RendezvousError as exc:
+        if _every_local_worker_finished(args, done_dir):
+            # The agent lost the c10d store because the node hosting it exited first
+            # (a known torchrun race at shutdown). Nothing was lost.
+            print(f"ddpx: warning: training finished; torchrun's rendezvous shutdown failed: {exc}", file=sys.stderr)
+            return 0
+        raise DdpxError(_rendezvous_failure(args, exc)) from None
+    except SignalException as exc:
+        print(f"ddpx: stopped by {exc.sigval.name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+def _rendezvous_failure(args, exc) -> str:
+    """One line naming this node, the endpoint and the fix."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    node = f"node {args.local_addr or socket.gethostname()}"
+    endpoint = args.rdzv_endpoint
+    host = endpoint.rpartition(":")[0]
+    if isinstance(exc, RendezvousConnectionError):
+        return (f"{node}: lost the rendezvous store at {endpoint} (hosted by the node that owns {host}): that node "
+                "stopped or is unreachable from here; its log says why. Start the job again on every node "
+                "(`ddpx doctor` with the same options checks the address)")
+    if isinstance(exc, RendezvousTimeoutError):
+        return (f"{node}: the rendezvous at {endpoint} did not complete in time ({args.nnodes} nodes expected): "
+                "start `ddpx train` with the same --rdzv-endpoint and --rdzv-id on the other nodes")
+    first = (str(exc).splitlines() or [""])[0]
+    return (f"{node}: rendezvous at {endpoint} failed ({type(exc).__name__}: {first}); check that the node that "
+            f"owns {host} runs (`ddpx doctor` with the same options)")
+
+
+def _every_local_worker_finished(args, done_dir: str) -> bool:
+    """Whether each worker this agent started wrote its done marker (after its run
+    returned and its process group was destroyed)."""
+    finished = len(os.listdir(done_dir))
+    return finished > 0 and finished >= _local_workers(args)
+
+
+def _local_workers(args) -> int:
+    """Workers this agent starts (torchrun's --nproc-per-node; its aliases count GPUs/CPUs)."""
+    try:
+        return int(args.nproc_per_node)
+    except (TypeError, ValueError):
+        return 1

@@ -1,0 +1,195 @@
+"""Process-group set-up from torchrun's environment, and its teardown.
+
+Workers join through an explicit client ``TCPStore`` on
+``MASTER_ADDR:MASTER_PORT`` (the store torchrun's agent serves) wrapped in a
+``PrefixStore`` keyed on ``TORCHELASTIC_RESTART_COUNT``: without the prefix,
+workers restarted by torchrun read the previous attempt's gloo addresses and
+hang or fail (see DESIGN.md, "Elastic restarts"). Started by anything else
+that sets the variables (srun, mpirun, a script), and under ``ddpx train``
+across nodes (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, see ddpx.launch), rank 0
+serves a new store for each worker group, as torch's ``env://`` does; without
+that nobody would, and every rank would wait for the whole first timeout. The first collective may wait
+for slow ranks (``trainer.first_timeout_s``); afterwards a hang is cut short by
+``trainer.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import net
+from ..errors import DdpxError
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def choose_backend(requested: str, local_world_size: int) -> str:
+    """``auto``: nccl when every local rank has its own GPU, gloo otherwise."""
+    if requested != "auto":
+        if requested == "nccl" and not torch.cuda.is_available():
+            raise DdpxError("trainer.backend=nccl needs CUDA GPUs, and none are visible; use trainer.backend=gloo or auto")
+        return requested
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def choose_device(requested: str, backend: str, local_rank: int) -> torch.device:
+    """``auto``: ``cuda:LOCAL_RANK`` with nccl (or when GPUs suffice), else cpu."""
+    if requested == "auto":
+        requested = "cuda" if backend == "nccl" else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise DdpxError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    else:
+        device = torch.device(requested)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+_served: dict = {}  # MASTER_PORT -> the store this process serves; a second group here reuses it
+_groups_created = [0]
+
+
+def init_process_group(backend: str = "auto", device: str = "auto", first_timeout_s: float = 900.0) -> DistInfo:
+    """Join the group described by torchrun's environment (a group of one without it)."""
+    rank = env_int("RANK", 0)
+    world_size = env_int("WORLD_SIZE", 1)
+    local_rank = env_int("LOCAL_RANK", 0)
+    local_world_size = env_int("LOCAL_WORLD_SIZE", 1)
+    backend = choose_backend(backend, local_world_size)
+    bound = choose_device(device, backend, local_rank)
+    timeout = datetime.timedelta(seconds=first_timeout_s)
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        if world_size > 1:
+            choose_interface(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, local_rank)
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        serve = rank == 0 and not agent_store
+        client = _served.get(port) if serve else None
+        if client is None:
+            client = tcp_store(addr, port, rank, serve=serve, timeout=timeout)
+            if serve:
+                _served[port] = client
+        if agent_store:
+            prefix = f"ddpx/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        else:
+            # The store is new with each worker group: count the groups of this process (the smoke
+            # run makes two) instead of restarts, which a survivor's agent and a rejoined host's
+            # count differently.
+            prefix = f"ddpx/group{_groups_created[0]}/"
+        _groups_created[0] += 1
+        store = dist.PrefixStore(prefix, client)
+    elif world_size == 1:
+        store = dist.HashStore()
+    else:
+        raise DdpxError(f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; start workers with `ddpx train` or torchrun")
+    kwargs: dict = {}
+    if bound.type == "cuda" and backend == "nccl":
+        kwargs["device_id"] = bound  # binds NCCL communicators eagerly to this rank's GPU
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    return DistInfo(rank, world_size, local_rank, local_world_size, backend, bound)
+
+
+def choose_interface(master_addr: str, master_port: int, rank: int, local_rank: int) -> None:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME where unset: the interface that reaches
+    MASTER_ADDR (``ddpx train`` chose it already; srun, mpirun or a script did not).
+    Otherwise gloo binds what the hostname resolves to, often 127.0.0.1."""
+    route = net.route_to(master_addr, master_port)
+    if route.one_machine:
+        return
+    made = net.choose_socket_ifname(route.iface)
+    if made and local_rank == 0:
+        print(f"[rank{rank}] ddpx: {' '.join(made)} (the interface that reaches MASTER_ADDR={master_addr}; "
+              "set these variables yourself to choose another)", file=sys.stderr, flush=True)
+
+
+def tcp_store(addr: str, port: int, rank: int, serve: bool, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store on addr:port, served here when ``serve``; a failure is one clear line."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    # torch's TCPStore client prints a C++ stack trace for every failed connect, so
+    # wait for a listener with plain connects first: a missing store stays one line.
+    unreachable = None if serve else net.wait_for_listener(addr, port, deadline)
+    if unreachable is None:
+        try:
+            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 5.0))
+            return dist.TCPStore(addr, port, is_master=serve, timeout=timeout if serve else left,
+                                 wait_for_workers=False)
+        except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+            if serve:
+                raise DdpxError(f"rank 0 cannot serve the rendezvous store on MASTER_PORT={port} "
+                                f"({_first_line(exc)}); set MASTER_PORT to a free port") from None
+            unreachable = _first_line(exc)
+    raise DdpxError(f"rank {rank}: no rendezvous store answered at MASTER_ADDR={addr} MASTER_PORT={port} within "
+                    f"{timeout.total_seconds():g} s ({unreachable}); is rank 0 (or torchrun's agent) "
+                    "running, and is that address reachable from this host? (trainer.first_timeout_s sets "
+                    "the wait)")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:200] if lines else type(exc).__name__
+
+
+def set_timeout(seconds: float) -> None:
+    """Switch the default group to the steady-state timeout (after the first collective)."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
+def agree(signature: Sequence[str], proposal: Any) -> Any:
+    """First collective of a run: check every rank loaded the same plugins, take rank 0's ``proposal``.
+
+    One ``all_gather_object`` carries both, so start-up costs one round trip.
+    Raises the same :class:`DdpxError` on every rank when a rank differs.
+    """
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (list(signature), proposal))
+    reference = gathered[0][0]
+    for rank, (names, _) in enumerate(gathered):
+        if names != reference:
+            first = next((i for i, (a, b) in enumerate(zip(reference, names)) if a != b), min(len(reference), len(names)))
+            mine = names[first] if first < len(names) else "<nothing>"
+            theirs = reference[first] if first < len(reference) else "<nothing>"
+            raise DdpxError(
+                f"rank {rank} loaded different plugins than rank 0 (position {first}: {mine} vs {theirs}; "
+                f"rank {rank}: {', '.join(names)}; rank 0: {', '.join(reference)}); "
+                f"install the same plugins and config on every node"
+            )
+    return gathered[0][1]
+
+
+def teardown() -> None:
+    """Destroy the default process group if there is one (safe to call twice).
+
+    Drop your own references to DDP models and comm-hook states first: the
+    collection here frees them, and whatever else they left in reference cycles,
+    while the group they hold still exists."""
+    if dist.is_available() and dist.is_initialized():
+        # A DDP reducer that outlives its group makes torch 2.13 + gloo abort now and
+        # then ("terminate called without an active exception").
+        gc.collect()
+        dist.destroy_process_group()

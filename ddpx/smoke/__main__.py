@@ -1,0 +1,3 @@
+from .rank import main
+
+raise SystemExit(main())

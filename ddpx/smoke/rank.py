@@ -1,0 +1,260 @@
+"""One rank of the smoke run (``python -m ddpx.smoke``, started by torchrun): the stages,
+each recorded in ``<run_dir>/smoke/rank<N>.json`` as it ends."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..config.loader import DEFAULT_CONFIG, apply_overrides, load_config, merge, read_yaml
+from ..config.schema import DEFAULTS
+from ..errors import DdpxError
+from ..imports import instantiate
+from ..plugin.manager import make_plugin_manager, origin, raised_by
+from ..train.trainer import Trainer
+from ..worker import parse_args
+
+SMOKE_MODULE = "ddpx.smoke"
+TRAIN_STEPS = 3  # optimizer steps before the checkpoint
+RESUMED_STEPS = 2  # optimizer steps after the resume
+EVAL_SAMPLES = 64
+STAGES = ("config", "setup", "train", "evaluate", "checkpoint save", "resume", "train after resume", "teardown")
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+SMOKE_TIMEOUT_S = 60  # steady-state collective timeout: a hung rank ends the smoke run quickly
+
+
+# --- the data slice --------------------------------------------------------------------
+
+
+def data_slice(target: str, args: dict, train_samples: int, eval_samples: int):
+    """The configured data (``target(**args)``), cut to its first samples."""
+    from torch.utils.data import Subset
+
+    data = instantiate({"target": target, "args": args}, "data")
+    train, evaluation = (data[0], data[1]) if isinstance(data, (tuple, list)) else (data, None)
+    train = Subset(train, range(min(train_samples, len(train))))
+    if evaluation is not None:
+        evaluation = Subset(evaluation, range(min(eval_samples, len(evaluation))))
+    return train, evaluation
+
+
+# --- one rank ----------------------------------------------------------------------------
+
+
+class StageLog:
+    """This rank's stage results, written to disk after every stage (a killed
+    rank still leaves what it finished)."""
+
+    def __init__(self, path: Path, rank: int, world_size: int):
+        self.path, self.rank, self.world_size = path, rank, world_size
+        self.stages: list[dict] = []
+        self.failed = False
+        self.plugin_manager = None  # set once the config is read: names the plugin that raised
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": self.rank, "world_size": self.world_size, "stages": self.stages}))
+        os.replace(tmp, self.path)
+
+    def add(self, stage: str, status: str, detail: str = "", seconds: float = 0.0, **extra) -> None:
+        self.stages.append({"stage": stage, "status": status, "detail": detail,
+                            "seconds": round(seconds, 3), **extra})
+        self.write()
+
+    def skip_rest(self, reason: str) -> None:
+        done = {s["stage"] for s in self.stages}
+        for stage in STAGES:
+            if stage not in done:
+                self.stages.append({"stage": stage, "status": SKIP, "detail": reason, "seconds": 0.0})
+        self.write()
+
+    @contextlib.contextmanager
+    def stage(self, name: str, detail: dict):
+        """Run a stage; ``detail["text"]`` set by the body becomes the table's detail."""
+        start = time.perf_counter()
+        try:
+            yield
+        except BaseException as exc:
+            self.failed = True
+            where = raised_by(self.plugin_manager, exc) if self.plugin_manager is not None else origin(exc)
+            message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            extra = {"plugin": where[0], "hook": where[1]} if where else {}
+            prefix = f"plugin '{where[0]}' raised in {where[1]}: " if where else ""
+            self.add(name, FAIL, prefix + message, time.perf_counter() - start, **extra)
+            raise
+        self.add(name, PASS, detail.get("text", ""), time.perf_counter() - start)
+
+
+def _smoke_overrides(config, world_size: int) -> list[str]:
+    """Overrides that turn the user's config into the smoke run (same plugins, small data)."""
+    steps = TRAIN_STEPS + RESUMED_STEPS + 1
+    accumulation = config.section("accumulation").get("steps", 1) if "accumulation" in config else 1
+    train_samples = world_size * config.trainer.batch_size * accumulation * steps
+    data = {"target": config.data.target, "args": config.section("data").get("args") or {},
+            "train_samples": train_samples, "eval_samples": EVAL_SAMPLES}
+    overrides = [
+        f"data.target={__name__}.data_slice",
+        f"data.args={json.dumps(data)}",
+        "trainer.epochs=2",
+        "trainer.eval_every_epochs=0",  # the smoke run evaluates as its own stage
+        f"trainer.timeout_s={SMOKE_TIMEOUT_S}",
+        f"trainer.first_timeout_s={2 * SMOKE_TIMEOUT_S}",
+    ]
+    if "checkpoint" in config:
+        overrides += ["checkpoint.resume=false", "checkpoint.every_steps=0", "checkpoint.dir=checkpoints"]
+    return overrides
+
+
+def load_smoke_config(config_path, overrides, extra):
+    # Build the plugin manager here so even ddpx_configure failures name their plugin.
+    raw = apply_overrides(read_yaml(config_path or DEFAULT_CONFIG), [*overrides, *extra])
+    pm = make_plugin_manager(merge(DEFAULTS["plugins"], raw.get("plugins") or {}))
+    try:
+        return load_config(config_path, [*overrides, *extra], plugin_manager=pm)
+    except BaseException as exc:
+        raised_by(pm, exc)  # remembered on the exception: origin(exc)
+        raise
+
+
+@contextlib.contextmanager
+def _fresh_store_prefix(tag: str):
+    """A second process group in the same processes needs its own store keys
+    (ddpx.rank.process_group prefixes them with TORCHELASTIC_RESTART_COUNT)."""
+    key = "TORCHELASTIC_RESTART_COUNT"
+    before = os.environ.get(key)
+    os.environ[key] = f"{before or '0'}-{tag}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def _train_steps(trainer, until_step: int) -> str:
+    start = trainer.global_step
+    trainer.train(until_step=until_step)
+    loss = trainer.last_loss.item() if trainer.last_loss is not None else float("nan")
+    steps = trainer.global_step - start
+    if steps == 0:  # a run that does no work is not a pass
+        raise RuntimeError("0 optimizer steps: the data gave no batch (an empty data set, or sampler.drop_last "
+                           "with a batch larger than the data)")
+    if not math.isfinite(loss):
+        raise RuntimeError(f"{steps} optimizer steps, but the last loss is {loss}: fix the model, data or "
+                           "optimizer.args.lr")
+    return f"{steps} optimizer steps, last loss {loss:.4f}"
+
+
+def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
+    """One rank of the smoke run (inside torchrun). Returns the exit code."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    # The launcher appends its run_dir after the user's: the last one wins, as in the config.
+    run_dir = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run_dir=")), None)
+    if run_dir is None:
+        raise DdpxError("the smoke run needs run_dir=DIR (ddpx train --smoke sets it)")
+    log = StageLog(Path(run_dir) / "smoke" / f"rank{rank}.json", rank, world_size)
+    detail: dict = {}
+    trainer = None
+    try:
+        with log.stage("config", detail):
+            base = load_smoke_config(config_path, overrides, [])
+            config = load_smoke_config(config_path, overrides, _smoke_overrides(base, world_size))
+            plugins = [name for name, _ in config.plugin_manager.list_name_plugin()]
+            detail["text"] = f"{len(plugins)} plugins: {', '.join(plugins)}"
+        log.plugin_manager = config.plugin_manager
+        checkpoints = "checkpoint" in config and config.section("checkpoint").get("enabled", False)
+        if rank == 0 and checkpoints:
+            _clear_checkpoints(config)  # before the first collective: no rank reads them yet
+
+        trainer = Trainer(config)
+        with log.stage("setup", detail := {}):
+            trainer.setup()
+            detail["text"] = (f"{trainer.world_size} ranks, backend {trainer.backend}, "
+                              f"{len(trainer.train_set)} train / {len(trainer.eval_set or [])} eval samples")
+        with log.stage("train", detail := {}):
+            detail["text"] = _train_steps(trainer, TRAIN_STEPS)
+        with log.stage("evaluate", detail := {}):
+            if trainer.eval_loader is None:
+                detail["text"] = "no eval set: nothing to evaluate"
+            else:
+                metrics = trainer.evaluate()
+                detail["text"] = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        saved_step = trainer.global_step
+        saved_weights = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+        if checkpoints:
+            with log.stage("checkpoint save", detail := {}):
+                trainer.finish()  # the checkpoint plugin saves and waits
+                files = sorted(Path(trainer.run_dir, config.section("checkpoint")["dir"]).glob("*.pt"))
+                if rank == 0 and not files:
+                    raise RuntimeError("no checkpoint file was written")
+                detail["text"] = f"step {saved_step}" + (f" -> {files[-1].name}" if files else "")
+        else:
+            trainer.finish()
+            log.add("checkpoint save", SKIP, "checkpoint plugin not loaded or disabled")
+        trainer.close()
+
+        if not checkpoints:
+            log.add("resume", SKIP, "no checkpoint to resume from")
+            trainer = None
+        else:
+            resume_config = load_smoke_config(config_path, overrides,
+                                  [*_smoke_overrides(base, world_size), "checkpoint.resume=true",
+                                   f"run_dir={trainer.run_dir}"])
+            log.plugin_manager = resume_config.plugin_manager
+            trainer = Trainer(resume_config)
+            with log.stage("resume", detail := {}), _fresh_store_prefix("smoke-resume"):
+                trainer.setup()  # the checkpoint plugin restores at its end (ddpx_train_start)
+                if trainer.global_step != saved_step:
+                    raise RuntimeError(f"resumed at step {trainer.global_step}, the checkpoint was step {saved_step}")
+                now = trainer.module.state_dict()
+                changed = [k for k, v in saved_weights.items() if not torch.equal(now[k].cpu(), v.cpu())]
+                if changed:
+                    raise RuntimeError(f"resumed weights differ from the saved ones: {', '.join(changed[:3])}")
+                detail["text"] = f"step {saved_step}, weights identical"
+        if trainer is not None:
+            with log.stage("train after resume", detail := {}):
+                detail["text"] = _train_steps(trainer, saved_step + RESUMED_STEPS)
+            with log.stage("teardown", detail := {}):
+                trainer.finish()
+                trainer.close()
+        else:
+            log.add("train after resume", SKIP, "no checkpoint to resume from")
+            log.add("teardown", PASS, "")
+    except BaseException as exc:
+        if not isinstance(exc, DdpxError):
+            import traceback
+
+            traceback.print_exc()
+        print(f"ddpx: smoke: [rank{rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if trainer is not None:
+            trainer.close(exc)  # ddpx_exception for every plugin, then the teardown every run has
+        log.skip_rest("after an earlier failure")
+        if not isinstance(exc, Exception):
+            raise
+        return 1
+    return 0
+
+
+def _clear_checkpoints(config) -> None:
+    import shutil
+
+    directory = Path(config.section("checkpoint")["dir"])
+    if not directory.is_absolute():
+        directory = Path(config.run_dir) / directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return run_rank(args.config, args.overrides)
+

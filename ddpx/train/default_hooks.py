@@ -1,0 +1,146 @@
+"""The default bodies of the provider and wrapper hooks: the plugin named "trainer".
+
+:class:`DefaultHooks` is registered ``trylast`` under the name "trainer" by the plugin
+manager (which loads it by its import path), so any plugin can take over a hook. Its
+``ddpx_wrap_model`` builds ``DistributedDataParallel`` with :func:`ddp_kwargs`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ..config import Config
+from ..errors import DdpxError
+from ..imports import instantiate, resolve
+from ..plugin.markers import hookimpl
+from .batches import batch_size, model_loss, to_device
+
+if TYPE_CHECKING:  # imported only for the annotations
+    from .trainer import Trainer
+
+
+# A GradScaler's scale this low means every step overflows: divergence, not an overflow now and then.
+MIN_LOSS_SCALE = 2.0 ** -16
+
+
+def ddp_kwargs(config: Config, requests) -> dict:
+    """``DistributedDataParallel`` keyword arguments: what plugins ask for
+    (``ddpx_ddp_options`` results) where the config leaves it open, then the
+    config's ``trainer.find_unused_parameters``, ``static_graph`` and a
+    non-null ``bucket_cap_mb`` and ``gradient_as_bucket_view``."""
+    cfg = config.trainer
+    configured = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
+    for key in ("bucket_cap_mb", "gradient_as_bucket_view"):
+        if cfg[key] is not None:
+            configured[key] = cfg[key]
+    asked: dict = {}
+    for options in requests:
+        for key, value in (options or {}).items():
+            if key in configured:
+                continue
+            if asked.get(key, value) != value:
+                raise DdpxError(f"plugins ask for different DistributedDataParallel {key}: {asked[key]!r} and "
+                                f"{value!r}; set trainer.{key} in the config")
+            asked[key] = value
+    return {**asked, **configured}
+
+
+class DefaultHooks:
+    """Default bodies of the provider and wrapper hooks (registered ``trylast`` as "trainer")."""
+
+    @hookimpl(trylast=True)
+    def ddpx_build_model(self, trainer: "Trainer"):
+        return instantiate(trainer.config.model, "model")
+
+    @hookimpl(trylast=True)
+    def ddpx_wrap_model(self, trainer: "Trainer", model: torch.nn.Module):
+        device_ids = [trainer.device] if trainer.device.type == "cuda" else None
+        options = ddp_kwargs(trainer.config, trainer.hook.ddpx_ddp_options(trainer=trainer))
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
+
+    @hookimpl(trylast=True)
+    def ddpx_build_dataloaders(self, trainer: "Trainer", train_set, eval_set):
+        # Unsharded: every rank sees all data, in the same seeded order (the
+        # sampler plugin shards it).
+        cfg = trainer.config.trainer
+        common = {"num_workers": cfg.num_workers, "pin_memory": trainer.device.type == "cuda"}
+        generator = torch.Generator().manual_seed(trainer.config.seed)
+        train = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, generator=generator, **common)
+        evaluation = None
+        if eval_set is not None:
+            evaluation = DataLoader(eval_set, batch_size=cfg.eval_batch_size, shuffle=False, **common)
+        return train, evaluation
+
+    @hookimpl(trylast=True)
+    def ddpx_forward(self, trainer: "Trainer", batch):
+        return model_loss(trainer.model, trainer.loss_fn, batch)[0]
+
+    @hookimpl(trylast=True)
+    def ddpx_optimizer_step(self, trainer: "Trainer"):
+        scaler, optimizer = trainer.scaler, trainer.optimizer
+        if not scaler.is_enabled():  # no fp16 AMP: nothing to unscale, no step skipped
+            trainer.clip_gradients()
+            optimizer.step()
+            return True
+        scaler.unscale_(optimizer)  # clipping sees the true gradients
+        trainer.clip_gradients()
+        scale = scaler.get_scale()
+        scaler.step(optimizer)  # skipped inside when a gradient is inf/NaN
+        scaler.update()
+        new_scale = scaler.get_scale()
+        applied = new_scale >= scale  # update() lowers the scale only after an overflow
+        if not applied and new_scale < MIN_LOSS_SCALE:  # every step overflows (the same on every rank)
+            trainer.nonfinite_loss(f"by optimizer step {trainer.global_step + 1} (epoch {trainer.epoch}): every fp16 "
+                                   f"step overflowed until the loss scale fell to {new_scale:g}")
+        return applied
+
+    @hookimpl(trylast=True)
+    def ddpx_evaluate(self, trainer: "Trainer", loader: DataLoader):
+        # Sums (loss * n, correct, n, ...) are all-reduced, so sharded evaluation
+        # without padding gives exact metrics. Assumes a mean-reducing loss.
+        # Accuracy is built in for class logits and labels; trainer.eval_metric
+        # replaces it with the user's metrics (batch means, weighted by n).
+        model = trainer.module
+        name = trainer.config.trainer.eval_metric
+        metric = resolve(name, "trainer.eval_metric") if name else None
+        was_training = model.training
+        model.eval()
+        # (loss * n, correct, n, batches with class labels)
+        sums = torch.zeros(4, dtype=torch.float64, device=trainer.device)
+        metric_sums: dict = {}
+        with torch.no_grad():
+            for batch in loader:
+                batch = to_device(batch, trainer.device)
+                loss, outputs, targets = model_loss(model, trainer.loss_fn, batch)
+                n = batch_size(batch, targets)
+                sums[0] += loss.double() * n
+                sums[2] += n
+                if metric is not None:
+                    for key, value in metric(outputs, batch).items():
+                        metric_sums[key] = metric_sums.get(key, 0.0) + torch.as_tensor(value, dtype=torch.float64,
+                                                                                       device=trainer.device) * n
+                elif (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2
+                      and targets.dim() == 1 and not targets.is_floating_point()):
+                    sums[3] += 1
+                    sums[1] += (outputs.argmax(dim=1) == targets).sum()
+        model.train(was_training)
+        if metric is not None:
+            # A rank may have had no batch to learn the names from: agree on them first.
+            names: list = [None] * trainer.world_size
+            dist.all_gather_object(names, sorted(metric_sums))
+            keys = sorted(set().union(*names))
+            sums = torch.cat([sums, torch.stack([metric_sums.get(k, sums.new_zeros(())) for k in keys])]) if keys else sums
+        dist.all_reduce(sums)
+        loss_sum, correct, count, classified = sums[:4].tolist()
+        if count == 0:
+            return {}
+        metrics = {"loss": loss_sum / count}
+        if classified:
+            metrics["accuracy"] = correct / count
+        if metric is not None:
+            metrics.update({key: value / count for key, value in zip(keys, sums[4:].tolist())})
+        return metrics

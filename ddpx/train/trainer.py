@@ -1,0 +1,652 @@
+"""The core trainer: one lifecycle and the epoch/step loop.
+
+Every driver (``ddpx train``'s worker, the smoke run, the benchmarks) runs a
+rank through the same public methods: :meth:`Trainer.setup`,
+:meth:`Trainer.train` (to the end, or up to a step), :meth:`Trainer.finish`,
+and :meth:`Trainer.close` on every exit path (:meth:`Trainer.run` is the four).
+
+One optimizer step is :meth:`Trainer.train_step`; :meth:`Trainer.train_epoch`
+feeds it windows of micro-batches and runs the checks between steps. Samplers,
+AMP, accumulation, comm hooks, logging and checkpoints are plugins that shape
+the step through hooks (see :mod:`ddpx.plugin.hookspecs` for the order). The default
+bodies of the provider hooks live in :class:`ddpx.core.CorePlugin`, which is
+registered ``trylast`` so any plugin can take over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+import os
+import pathlib
+import signal
+import sys
+import textwrap
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ..config import Config, default_run_dir
+from ..errors import DdpxError, TrainingDiverged
+from ..imports import instantiate
+from ..plugin import hookspecs
+from ..plugin.manager import plugin_signature, raised_by, rank_prefix, stateful_plugins
+from ..rank import process_group
+from ..rank.logger import default_log_handler, logger_settings, restore_logger
+from ..rank.run_lock import hold_run_dir
+from ..rank.seeding import seed_rank
+from .batches import to_device
+from .compile import compile_model
+from .grad_norms import GradientNorms
+from .legacy_hooks import install_legacy_step_hooks
+from .losses import EpochLosses, LossWindow
+from .stopping import StopAgreement
+from .sync_batchnorm import convert_sync_batchnorm
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+NEVER = sys.maxsize  # the next due step when nothing is scheduled
+TRAINER_STATE = ("model", "optimizer", "scheduler", "progress")  # the trainer's own entries in a checkpoint
+
+
+class TrainingStopped(Exception):
+    """Raised when SIGTERM/SIGINT asked the run to stop: at a batch boundary every
+    rank agreed on (a plugin set ``trainer.stop_signal_handler``), or at once."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}{detail}")
+        self.signum = signum
+
+
+class Trainer:
+    """One rank's training run.
+
+    A non-finite loss or weights (``trainer.nonfinite``): see
+    :meth:`nonfinite_loss`; the core checks the epoch's all-reduced loss, the
+    checkpoint plugin the loss between its stop checks and the weights before
+    every save.
+
+    Plugins that act only now and then (a save every N steps, a log line, a
+    timing window) schedule a call with :meth:`call_at_step` instead of
+    implementing ``ddpx_batch_end``, which runs every micro-batch; a window of
+    the micro-batch losses comes from :meth:`open_loss_window`.
+
+    What plugins may use (listed once, in :data:`ddpx.plugin.hookspecs.TRAINER_ATTRIBUTES`
+    and :data:`~ddpx.plugin.hookspecs.TRAINER_METHODS`):
+
+    """
+
+    def __init__(self, config: Config, plugin_manager=None):
+        self.config = config
+        self.plugin_manager = plugin_manager if plugin_manager is not None else config.plugin_manager
+        self.hook = self.plugin_manager.calls  # pm.hook, minus pluggy's dispatch where that changes nothing
+        self.rank, self.world_size, self.local_rank = 0, 1, 0
+        self.device = torch.device("cpu")
+        self.backend: Optional[str] = None
+        self.model = self.module = self.optimizer = self.scheduler = self.loss_fn = None
+        self.train_set = self.eval_set = self.train_loader = self.eval_loader = None
+        self.epoch = 0
+        self.global_step = 0
+        self.batch_index = 0
+        self.num_batches = 0
+        self.epoch_batches = 0  # micro-batches of the running (or just finished) epoch trained so far by this run
+        # Asked from the plugins once, before ddpx_train_start: the forward pass's
+        # context (AMP's autocast) and the GradScaler (fp16 AMP; a disabled one otherwise).
+        self.autocast = contextlib.nullcontext()
+        self.scaler = torch.amp.GradScaler("cpu", enabled=False)
+        self.skipped_steps = 0  # optimizer steps the scaler skipped (inf/NaN gradients)
+        self.run_dir: Optional[pathlib.Path] = None
+        self.last_loss: Optional[torch.Tensor] = None
+        self.stop_requested = False
+        self.metrics: list[dict] = []  # one dict per finished epoch
+        self.log = logging.getLogger("ddpx")  # the logging plugin formats it (rank prefix, ranks shown)
+        self._epoch_finished = False  # True only once the epoch's loader is exhausted
+        self._stop_signal = signal.SIGTERM
+        # Called with the signal number on SIGTERM/SIGINT instead of stopping at
+        # once; the checkpoint plugin sets it to agree on a stop across ranks.
+        self.stop_signal_handler = None
+        self.end_reason: Optional[str] = None  # set by end_training: the loop ends after this epoch
+        # Set by the checkpoint plugin: named when training diverges.
+        self.last_finite_checkpoint: Optional[str] = None
+        self._nonfinite_warned: dict = {}  # what (loss, weights) was warned about in which epoch
+        self._due: list = []  # heap of (step, order, callback): see call_at_step
+        self._due_order = itertools.count()  # same-step calls run in the order they were scheduled
+        self._next_due = NEVER
+        self._losses = EpochLosses()  # this epoch's micro-batch losses, summed only when read
+        self._grad_clip = config.trainer.grad_clip  # read every step
+        self._batch_device = None  # where batches are moved (None: they stay on the CPU)
+        self._grad_norms: Optional[GradientNorms] = None  # made with the model
+        self._grad_norm_due = NEVER  # the next step whose gradient norm a logger asked for (watch_grad_norm)
+        self.grad_norm: Optional[torch.Tensor] = None  # see clip_gradients
+        self.grad_norm_step: Optional[int] = None
+        self._previous_signal_handlers: dict = {}
+        self.stop_agreement: Optional[StopAgreement] = None  # see agree_on_stops
+        self._batches = None  # the running epoch's batch iterator, kept while train() pauses
+        self._saved_logger: Optional[tuple] = None  # what close() restores
+        self._plugins_before: Optional[set] = None
+        self._closed = False
+        self._run_lock = None  # rank 0's lock on run_dir (ddpx/rank/run_lock.py)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def epoch_finished(self) -> bool:
+        """Whether every batch of the running epoch was trained (a checkpoint then resumes in the next one)."""
+        return self._epoch_finished
+
+    @property
+    def epoch_losses(self) -> EpochLosses:
+        """The running epoch's micro-batch losses (device tensors, summed only when read)."""
+        return self._losses
+
+    # --- lifecycle: setup -> train -> finish, and close on every exit path -------------------
+
+    def run(self) -> list[dict]:
+        """What ``ddpx train`` runs on each rank: :meth:`setup`, :meth:`train` to the end,
+        :meth:`finish`, and :meth:`close` on every exit path. Returns the per-epoch
+        metrics; an exception propagates after every plugin's ``ddpx_exception``."""
+        with self:
+            self.setup()
+            self.train()
+            self.finish()
+        return self.metrics
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close(exc)
+        return False
+
+    def setup(self) -> None:
+        """Start this rank's run: take SIGTERM/SIGINT, join the process group, build the
+        model, optimizer and data through the hooks, then ``ddpx_train_start`` (a
+        checkpoint is restored there). Pair it with :meth:`close`."""
+        self._saved_logger = logger_settings(self.log)
+        self._plugins_before = set(self.plugin_manager.get_plugins())
+        self._install_signal_handlers()
+        self._build()
+        seed_rank(self.config.seed, self.rank)  # built alike everywhere; from here one stream per rank
+        self.hook.ddpx_train_start(trainer=self)  # checkpoint restore may move epoch/global_step
+
+    def train(self, until_step: Optional[int] = None) -> list[dict]:
+        """Train until ``trainer.epochs`` or ``trainer.max_steps``, or until a plugin
+        ends training (:meth:`end_training`); with ``until_step``, stop at the first
+        optimizer-step boundary with ``global_step >= until_step`` (a later call goes
+        on from there, in the same epoch). Returns the metrics of every finished epoch."""
+        epochs = self.config.trainer.epochs
+        while self.epoch < epochs and self.global_step < self._stop_step(until_step) and self.end_reason is None:
+            self.train_epoch(self.epoch, until_step)
+            if not self._epoch_finished:
+                break  # cut short by max_steps or until_step: a later run or call continues this epoch
+            self.epoch += 1
+            self._epoch_finished = False  # nothing of the next epoch is consumed yet
+        return self.metrics
+
+    def finish(self) -> None:
+        """Training ended normally: ``ddpx_train_end`` (the final checkpoint)."""
+        if self.end_reason is not None:
+            self.log.info(f"training ended after epoch {self.epoch - 1}: {self.end_reason}")
+        self.hook.ddpx_train_end(trainer=self)
+        if self.stop_agreement is not None:  # after a failure close() only releases it: no collective
+            self.stop_agreement.finish()  # the vote every rank started, before the group goes
+
+    def close(self, exc: Optional[BaseException] = None) -> None:
+        """End this rank's run, also after a failure, and leave the process as it was.
+
+        With ``exc``: name the plugin whose hook raised it (:func:`ddpx.plugin.manager.raised_by`),
+        then call every plugin's ``ddpx_exception``. Then: the previous signal
+        handlers, the DDP model freed before the process group is destroyed, the
+        plugins attached during the run detached, the logger restored. Safe to call
+        again (it does nothing) and after a :meth:`setup` that failed half-way."""
+        if self._closed:
+            return
+        self._closed = True
+        if exc is not None:
+            self._report_exception(exc)
+        if self.stop_agreement is not None:
+            self.stop_agreement.release()
+        self._restore_signal_handlers()  # first: a signal now acts as it did before the run
+        try:
+            # Free the DDP wrapper (its reducer holds the process group) before
+            # destroying the group: otherwise torch 2.13 + gloo aborts at exit
+            # now and then ("terminate called without an active exception").
+            self.model = None
+            process_group.teardown()
+        finally:
+            if self._run_lock is not None:
+                self._run_lock.release()
+            # After every plugin's last message: leave the process as it was
+            # (a later run or test in the same process sees its own settings).
+            for plugin in set(self.plugin_manager.get_plugins()) - (self._plugins_before or set()):
+                self.plugin_manager.unregister(plugin)  # per-run helper plugins attached
+            if self._saved_logger is not None:
+                restore_logger(self.log, self._saved_logger)
+
+    def _report_exception(self, exc: BaseException) -> None:
+        where = raised_by(self.plugin_manager, exc)  # before the run's plugins are detached
+        if where is not None and not isinstance(exc, (DdpxError, TrainingStopped, KeyboardInterrupt)):
+            plugin, hook = where
+            self.log.error(f"plugin '{plugin}' raised in {hook}: {type(exc).__name__}: {exc}")
+            if hasattr(exc, "add_note"):  # Python 3.11+: shown under the traceback
+                exc.add_note(f"(raised by plugin '{plugin}' in {hook})")
+        try:
+            self.hook.ddpx_exception(trainer=self, exc=exc)
+        except Exception as hook_exc:  # never hide the original error
+            self.log.error(f"a ddpx_exception hook failed too: {type(hook_exc).__name__}: {hook_exc}")
+
+    # --- signals -----------------------------------------------------------------------
+    #
+    # The trainer is the one owner of SIGTERM/SIGINT during a run: it installs the
+    # handlers in setup(), before any plugin's, and restores the previous ones in
+    # close(). The agreement that stops every rank after the same step lives beside
+    # them (ddpx/train/stopping.py); a plugin that acts on a stop (the checkpoint plugin:
+    # a final checkpoint) turns it on with agree_on_stops(). Without it, a rank
+    # cannot stop at a boundary the others agree on (a rank stopping alone would
+    # leave its peers blocked in the next collective), so the fallback raises
+    # :class:`TrainingStopped` at once: teardown, a clear message, exit 128+signal.
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only
+        for sig in STOP_SIGNALS:
+            self._previous_signal_handlers[sig] = signal.signal(sig, self._on_stop_signal)
+
+    def _on_stop_signal(self, signum, frame) -> None:
+        # A second signal acts immediately (KeyboardInterrupt / termination).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.stop_signal_handler is not None:
+            self.stop_signal_handler(signum)
+            return
+        raise TrainingStopped(signum, ": no plugin agrees on a stop across ranks (checkpoint plugin "
+                              "blocked or not set up), exiting at once without a final checkpoint")
+
+    def _restore_signal_handlers(self) -> None:
+        handlers, self._previous_signal_handlers = self._previous_signal_handlers, {}
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+    def agree_on_stops(self, every_steps: int, every_s: float, timeout_s: float, timeout_key: str,
+                       what: str) -> StopAgreement:
+        """Take SIGTERM/SIGINT through a :class:`~ddpx.train.stopping.StopAgreement`: every rank
+        stops after the same step (the plugin calling this, from ``ddpx_setup``, asks
+        ``agreement.check(trainer)`` at the boundaries it schedules and then calls
+        :meth:`request_stop`). The trainer finishes and releases it at the end of the run."""
+        self.stop_agreement = StopAgreement(self, every_steps, every_s, timeout_s, timeout_key, what)
+        self.stop_signal_handler = self.stop_agreement.on_signal
+        return self.stop_agreement
+
+    def _build(self) -> None:
+        cfg = self.config.trainer
+        info = process_group.init_process_group(cfg.backend, cfg.device, cfg.first_timeout_s)
+        self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
+        self.backend, self.device = info.backend, info.device
+        self._batch_device = None if self.device.type == "cpu" else self.device  # .to() per tensor costs even on CPU
+        run_dir = process_group.agree(plugin_signature(self.plugin_manager), self._propose_run_dir())
+        process_group.set_timeout(cfg.timeout_s)
+        self.run_dir = pathlib.Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world_size)  # one run per run_dir
+        torch.manual_seed(self.config.seed)  # identical initial weights and default shuffles on every rank
+        self.hook.ddpx_setup(trainer=self)
+        if not self.log.handlers:
+            default_log_handler(self.log, self.rank)
+
+        self.module = self.hook.ddpx_build_model(trainer=self).to(self.device)
+        if cfg.sync_batchnorm:
+            self.module = convert_sync_batchnorm(self.module, self.device)
+        self.loss_fn = instantiate(self.config.loss, "loss") if self.config.loss.target else None
+        self._grad_norms = GradientNorms(self.module)
+        self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
+        self.hook.ddpx_model_wrapped(trainer=self, model=self.model)  # comm hooks go on the DDP model
+        if cfg.compile:
+            self.model = compile_model(self.model, cfg.compile, self.device, cfg.compile_dynamic)
+        self.optimizer = instantiate(self.config.optimizer, "optimizer", self.module.parameters())
+        if self.config.scheduler.target:
+            self.scheduler = instantiate(self.config.scheduler, "scheduler", self.optimizer)
+        self.train_set, self.eval_set = self._datasets()
+        self.train_loader, self.eval_loader = self.hook.ddpx_build_dataloaders(
+            trainer=self, train_set=self.train_set, eval_set=self.eval_set
+        )
+        self.autocast = self.hook.ddpx_autocast(trainer=self) or contextlib.nullcontext()
+        self.scaler = self.hook.ddpx_grad_scaler(trainer=self) or torch.amp.GradScaler(self.device.type, enabled=False)
+        install_legacy_step_hooks(self)
+
+    def _propose_run_dir(self) -> str:
+        if self.config.run_dir:
+            return os.path.abspath(self.config.run_dir)
+        return default_run_dir()
+
+    def _datasets(self):
+        data = instantiate(self.config.data, "data")
+        if isinstance(data, (tuple, list)):
+            if len(data) != 2:
+                raise DdpxError(f"data.target {self.config.data.target} returned {len(data)} items; return (train_set, eval_set) or a train set")
+            return data[0], data[1]
+        return data, None
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def _stop_step(self, until_step: Optional[int] = None) -> int:
+        """The step :meth:`train` stops at: ``trainer.max_steps`` or ``until_step``, the sooner."""
+        return min(s for s in (self.config.trainer.max_steps, until_step, NEVER) if s is not None)
+
+    def train_epoch(self, epoch: int, until_step: Optional[int] = None) -> Optional[dict]:
+        """One epoch (or its rest, after a resume), up to the step :meth:`train` stops at.
+        Returns the epoch's metrics, or None when ``until_step`` paused it: the next
+        call goes on with the same epoch's batches."""
+        if self._batches is None:  # a new epoch, not one paused by until_step
+            self._epoch_finished = False
+            self._losses.start_epoch()
+            self.epoch_batches = 0
+            self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
+            self.num_batches = len(self.train_loader)
+            self._batches = iter(self.train_loader)
+        stop_at = self._stop_step(until_step)
+        self.module.train()
+        while self.epoch_batches < self.num_batches and self.global_step < stop_at:
+            first = self.epoch_batches
+            window = self.hook.ddpx_step_window(trainer=self, batch_index=first, num_batches=self.num_batches)
+            if window is None:
+                window = 1  # no plugin accumulates: every micro-batch is an optimizer step
+            elif window < 1:
+                raise DdpxError(f"a ddpx_step_window hook returned {window} micro-batches at batch {first}; "
+                                "an optimizer step needs at least 1")
+            batches = list(itertools.islice(self._batches, window))
+            if not batches:
+                break  # the loader ended early
+            losses, applied = self.train_step(batches)
+            if self.hook.ddpx_batch_end.get_hookimpls():
+                for i, loss in enumerate(losses):
+                    stepped = applied and i == len(losses) - 1
+                    self.hook.ddpx_batch_end(trainer=self, batch_index=first + i, loss=loss, stepped=stepped)
+            if self.global_step >= self._next_due:
+                self.run_due_calls()
+            if self.stop_requested:
+                raise TrainingStopped(self._stop_signal)
+        self._epoch_finished = self.epoch_batches >= self.num_batches
+        if not self._epoch_finished and self.global_step < self._stop_step():
+            return None  # paused by until_step: no epoch end yet
+        self._batches = None
+        return self._end_epoch(epoch)
+
+    def _end_epoch(self, epoch: int) -> dict:
+        """The epoch's all-reduced loss, the evaluation when due, then ``ddpx_epoch_end``."""
+        metrics: dict = {"epoch": epoch, "step": self.global_step, **self._epoch_train_loss()}
+        if not math.isfinite(metrics.get("loss", 0.0)) and not self.scaler.is_enabled():  # else fp16 overflows
+            self.nonfinite_loss(f"in epoch {epoch} (its mean training loss is {metrics['loss']})")
+        every = self.config.trainer.eval_every_epochs
+        last = epoch + 1 >= self.config.trainer.epochs or self.global_step >= self._stop_step()
+        if self.eval_loader is not None and every and ((epoch + 1) % every == 0 or last):
+            for key, value in self.evaluate().items():
+                metrics[key if key not in metrics else f"eval_{key}"] = value
+        self.metrics.append(metrics)
+        self.hook.ddpx_epoch_end(trainer=self, epoch=epoch, metrics=metrics)
+        return metrics
+
+    def train_step(self, batches: list) -> tuple[list, bool]:
+        """One optimizer step over ``batches``, the micro-batches of one accumulation
+        window: forward and backward of each (DDP all-reduces the gradients on the
+        last one only), then ``ddpx_optimizer_step`` (clip and step), zero the
+        gradients, step the LR scheduler. Returns the micro-batches' losses (detached)
+        and whether the step was applied (fp16 AMP skips a step whose gradients
+        overflowed)."""
+        losses = []
+        for i, batch in enumerate(batches):
+            self.batch_index = self.epoch_batches
+            if i < len(batches) - 1 and hasattr(self.model, "no_sync"):
+                with self.model.no_sync():  # DDP all-reduces on the window's last micro-batch only
+                    loss = self.forward_backward(batch, window=len(batches))
+            else:
+                loss = self.forward_backward(batch, window=len(batches))
+            self.epoch_batches += 1
+            self._losses.append(loss)  # summed when read: no host sync per step
+            losses.append(loss)
+        self.last_loss = losses[-1]
+        applied = self.hook.ddpx_optimizer_step(trainer=self) is not False
+        if not applied:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if applied and self.scheduler is not None:
+            self.scheduler.step()
+        self.global_step += 1
+        return losses, applied
+
+    def forward_backward(self, batch, window: int) -> torch.Tensor:
+        """Forward (``ddpx_forward``, in ``autocast``) and backward of one micro-batch;
+        returns its loss, detached. The back-propagated loss is divided by ``window``,
+        so the step's gradient is the window's mean, that of one big batch."""
+        if self._batch_device is not None:
+            batch = to_device(batch, self._batch_device)
+        with self.autocast:
+            loss = self.hook.ddpx_forward(trainer=self, batch=batch)
+        self.backward(loss / window if window > 1 else loss)
+        return loss.detach()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss``, scaled by the GradScaler under fp16 AMP."""
+        self.scaler.scale(loss).backward()
+
+    def _epoch_train_loss(self) -> dict:
+        """``{"loss": mean micro-batch loss of the epoch over all ranks}`` (empty if
+        no rank trained a batch): one all_reduce per epoch."""
+        loss_sum, batches = self._losses.epoch_total()
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float64)
+        totals = torch.stack([loss_sum.to(self.device), torch.tensor(float(batches), dtype=torch.float64,
+                                                                      device=self.device)])
+        dist.all_reduce(totals)
+        return {"loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
+
+    # --- the end of training: early, or because the loss diverged ----------------------
+
+    def end_training(self, reason: str) -> None:
+        """Finish normally (``ddpx_train_end``, final checkpoint, exit 0) after the
+        running epoch ends. Call it on every rank in the same epoch (e.g. from
+        ``ddpx_epoch_end``, whose metrics are the same on every rank)."""
+        if self.end_reason is None:
+            self.end_reason = reason
+
+    def nonfinite_loss(self, where: str) -> None:
+        """The loss went non-finite ``where`` (e.g. "in epoch 3"): act on
+        ``trainer.nonfinite``. Called on every rank at the same boundary, from
+        all-reduced values only: ``stop`` raises :class:`TrainingDiverged`
+        everywhere; ``warn`` logs a warning (rank 0) and goes on. Under fp16 AMP
+        the GradScaler skips steps with non-finite gradients, so the callers ask
+        only once its scale collapsed."""
+        if self.config.trainer.nonfinite == "warn":
+            self._warn_once_per_epoch("loss", f"the loss went non-finite {where}{self._first_nonfinite_gradient()}; "
+                                      "going on (trainer.nonfinite=warn)")
+            return
+        raise TrainingDiverged(f"the loss went non-finite {where}{self._first_nonfinite_gradient()}; "
+                               f"{self._finite_checkpoint_advice()}")
+
+    def nonfinite_weights(self, where: str) -> None:
+        """The weights or optimizer state are non-finite ``where`` (the checkpoint
+        plugin checks before every save, which it then skips): as :meth:`nonfinite_loss`."""
+        if self.config.trainer.nonfinite == "warn":
+            self._warn_once_per_epoch("weights", f"the weights are non-finite {where}: no checkpoint written "
+                                      "(trainer.nonfinite=warn)")
+            return
+        raise TrainingDiverged(f"the weights went non-finite {where}{self._first_nonfinite_gradient()}; "
+                               f"{self._finite_checkpoint_advice()}")
+
+    def _first_nonfinite_gradient(self) -> str:
+        """Where the gradients first went non-finite, for the guard's message (one host read)."""
+        if self.scaler.is_enabled() or self._grad_norms is None:
+            return ""  # fp16 AMP skips such steps: its non-finite gradients are overflows, not divergence
+        found = self._grad_norms.first_nonfinite()
+        if found is not None:
+            return f"; the first non-finite gradient was {found[0]}'s, at optimizer step {found[1]}"
+        if self._grad_clip:
+            return "; every step's gradients were finite"
+        return " (set trainer.grad_clip to check every step's gradients and name the first non-finite one)"
+
+    def _warn_once_per_epoch(self, kind: str, message: str) -> None:
+        if self._nonfinite_warned.get(kind) != self.epoch:
+            self._nonfinite_warned[kind] = self.epoch
+            self.log.warning(message)
+
+    def _finite_checkpoint_advice(self) -> str:
+        if self.last_finite_checkpoint is None:
+            found = "no checkpoint with finite weights exists"
+        else:
+            found = f"newest checkpoint with finite weights: {self.last_finite_checkpoint} (a rerun resumes from it)"
+        return (f"{found}; automatic restarts (--max-restarts) end at once, as they would diverge again: "
+                "lower optimizer.args.lr, set trainer.grad_clip or fix the data, then run again "
+                "(trainer.nonfinite=warn goes on instead)")
+
+    def evaluate(self, loader: Optional[DataLoader] = None) -> dict:
+        """Metrics on ``loader`` (default: the eval loader), reduced over all ranks."""
+        return self.hook.ddpx_evaluate(trainer=self, loader=loader or self.eval_loader) or {}
+
+    def clip_gradients(self) -> Optional[torch.Tensor]:
+        """Clip the gradient norm to ``trainer.grad_clip``; returns the norm (None when
+        no norm was computed). Called right before the optimizer step, with true
+        (unscaled) gradients. The total norm is computed every step with
+        ``grad_clip`` and otherwise only at the steps asked for with
+        :meth:`watch_grad_norm`; it is kept, on the device, in ``grad_norm``
+        (``grad_norm_step``: the optimizer step it belongs to)."""
+        max_norm = self._grad_clip
+        step = self.global_step + 1  # this optimizer step's number
+        if not max_norm and step < self._grad_norm_due:
+            return None
+        norm = self._grad_norms.compute(step, track=not self.scaler.is_enabled())
+        self.grad_norm, self.grad_norm_step = norm, step
+        if step >= self._grad_norm_due:
+            self._grad_norm_due = NEVER  # done: the logger asks for its next one
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), max_norm, norm)
+        return norm
+
+    def watch_grad_norm(self, step: int) -> None:
+        """Compute the total gradient norm (``grad_norm``) at the optimizer step that
+        brings ``global_step`` to ``step`` (the first one at or after it), even
+        without ``grad_clip``: a logger asks for the steps it writes, so the other
+        steps pay one integer comparison."""
+        self._grad_norm_due = min(self._grad_norm_due, int(step))
+
+    # --- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything a checkpoint holds: the core's ``model``, ``optimizer``, ``scheduler``
+        and ``progress``; each plugin object's ``state_dict()`` filed under the plugin's
+        name (:func:`ddpx.plugin.manager.stateful_plugins`; None files nothing); and the entries
+        of module plugins' ``ddpx_state_dict`` hooks."""
+        progress = {
+            # The epoch to resume in: the next one once this epoch's batches are done.
+            "epoch": self.epoch + (1 if self.epoch_finished else 0),
+            "global_step": self.global_step,
+        }
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "progress": progress}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        for name, plugin in stateful_plugins(self.plugin_manager):
+            if name in TRAINER_STATE:
+                raise DdpxError(f"plugin '{name}' cannot keep state under its name: {name!r} is the core's; rename the plugin")
+            part = plugin.state_dict(self)
+            if part is not None:
+                state[name] = part
+        for part in reversed(self.hook.ddpx_state_dict(trainer=self)):  # registration order
+            if part:
+                state.update(part)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` holds. A plugin object gets the entry filed
+        under its name (or, for a checkpoint written before it was filed there, the
+        entries under its ``legacy_state_keys``, as ``{key: entry}``); module plugins get
+        the whole ``state`` through ``ddpx_load_state_dict``."""
+        if "model" in state:
+            self.module.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state and self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if "progress" in state:
+            self.epoch = int(state["progress"]["epoch"])
+            self.global_step = int(state["progress"]["global_step"])
+        for name, plugin in stateful_plugins(self.plugin_manager):
+            part = state.get(name)
+            if part is None:
+                part = {key: state[key] for key in getattr(plugin, "legacy_state_keys", ()) if key in state} or None
+            if part is not None:
+                plugin.load_state_dict(self, part)
+        self.hook.ddpx_load_state_dict(trainer=self, state=state)
+
+    # --- plugins -----------------------------------------------------------------------
+
+    def plugin(self, name: str):
+        """The registered plugin ``name``: a built-in plugin is one object that holds its
+        per-run state (``trainer.plugin("comm_hook").state``). A plugin that is not
+        loaded is a one-line error; :meth:`has_plugin` asks first."""
+        found = self.plugin_manager.get_plugin(name)
+        if found is None:
+            raise DdpxError(f"plugin '{name}' is not loaded (blocked by plugins.block, or not installed: "
+                            "`ddpx plugins` lists what a run loads)")
+        return found
+
+    def has_plugin(self, name: str) -> bool:
+        """Whether plugin ``name`` is loaded in this run."""
+        return self.plugin_manager.get_plugin(name) is not None
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop at the next batch boundary. Every rank must call it at the same step
+        (the checkpoint plugin agrees on that with one all_reduce)."""
+        self.stop_requested = True
+        self._stop_signal = signum
+
+    # --- scheduled calls and loss windows ------------------------------------------------
+
+    def call_at_step(self, step: int, callback) -> None:
+        """Call ``callback(trainer)`` once, at the first optimizer-step boundary with
+        ``global_step >= step``, after that micro-batch's ``ddpx_batch_end``
+        hooks. Calls due at the same boundary run in the order they were
+        scheduled; a call scheduled while those run, for a step already
+        reached, runs at the next boundary. The loop pays one integer
+        comparison per step for this, however many calls wait.
+
+        A callback that communicates must be scheduled for the same steps, in
+        the same order, on every rank (compute the steps from the config,
+        ``global_step`` and all-reduced values only).
+        """
+        heapq.heappush(self._due, (int(step), next(self._due_order), callback))
+        self._next_due = self._due[0][0]
+
+    @property
+    def next_due_step(self) -> int:
+        """The step of the next call scheduled with :meth:`call_at_step` (``sys.maxsize``: none)."""
+        return self._next_due
+
+    def run_due_calls(self) -> None:
+        """Run the scheduled calls due at ``global_step`` (the loop does, at each
+        optimizer-step boundary with ``global_step >= next_due_step``)."""
+        step, due = self.global_step, []
+        while self._due and self._due[0][0] <= step:
+            due.append(heapq.heappop(self._due)[2])
+        self._next_due = self._due[0][0] if self._due else NEVER
+        for callback in due:
+            if self.plugin_manager.tracing:
+                name = getattr(callback, "__qualname__", repr(callback))
+                print(f"{rank_prefix()}call at step {step}: {callback.__module__}.{name}", file=sys.stderr,
+                      flush=True)
+            callback(self)
+
+    def open_loss_window(self) -> LossWindow:
+        """A :class:`~ddpx.train.losses.LossWindow` over the micro-batch losses from now
+        on (the logging plugin's step lines and the checkpoint plugin's non-finite
+        check use one)."""
+        return self._losses.open_window()
+
+
+if Trainer.__doc__ is not None:  # None under python -OO
+    Trainer.__doc__ += textwrap.indent(hookspecs.trainer_attribute_text(), "    ") + "\n"
