@@ -2,19 +2,20 @@
 
 Public entry points:
     ddpx.hookimpl        marker for plugin hook implementations
-    ddpx.ops             fused kernels (torch ops ``torch.ops.ddpx.*``)
-    ddpx.comm_hooks           DDP comm hooks: ``state, hook = ddpx.comm_hooks.make("int8")``
+    ddpx.comm_hooks      DDP comm hooks: ``state, hook = ddpx.comm_hooks.make("int8")``
     ddpx.comm            collectives outside DDP (``fused_allreduce``)
+    ddpx.ops             fused kernels (torch ops ``torch.ops.ddpx.*``)
+    ddpx.data, ddpx.models   the built-in digits data and model
+    ddpx.config          ``load_config``: the validated config a run uses
 """
 
 import importlib
 
 from .errors import DdpxError
+from .plugin.markers import hookimpl
 from .version import __version__
 
-from .plugin.markers import hookimpl
-
-_LAZY = {"ops", "hooks", "comm", "data", "trainer", "config"}
+_LAZY = {"comm_hooks", "comm", "ops", "data", "models", "config"}
 
 
 def __getattr__(name):
@@ -25,4 +26,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'ddpx' has no attribute {name!r}")
 
 
-__all__ = ["DdpxError", "__version__", "hookimpl", "ops", "hooks", "comm"]
+__all__ = ["DdpxError", "__version__", "hookimpl", "comm_hooks", "comm", "ops", "data", "models", "config"]

@@ -11,12 +11,9 @@ from ddpx.plugin import hookspecs
 
 HOOKS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hooks.md")
 
-WRAPPERS = ("ddpx_micro_step",)
 
 
 def _kind(name: str) -> str:
-    if name in WRAPPERS:
-        return "wrapper"
     opts = getattr(hookspecs, name).ddpx_spec
     return "first result" if opts.get("firstresult") else "every plugin"
 
@@ -75,7 +72,6 @@ _SECTIONS = {
     "ddpx_config_defaults": "Configuration and set-up",
     "ddpx_train_start": "The loop",
     "ddpx_state_dict": "Checkpoints",
-    "ddpx_should_step": "Replaced in 0.2 (called for one more release, with a warning)",
 }
 
 

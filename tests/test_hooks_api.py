@@ -23,15 +23,14 @@ def test_without_warmup_makes_a_hook_compress_from_its_first_step():
         ddpx.comm_hooks.without_warmup("nope")
 
 
-def test_old_import_path_gives_the_same_modules():
-    import ddpx.hooks
-    import ddpx.hooks.int8
-    from ddpx.hooks.twophase import TwoPhaseState
+def test_the_package_gives_comm_hooks_as_an_attribute():
+    import importlib
 
-    import ddpx.comm_hooks.twophase
-    assert ddpx.hooks is ddpx.comm_hooks
-    assert ddpx.hooks.int8 is ddpx.comm_hooks.int8
-    assert TwoPhaseState is ddpx.comm_hooks.twophase.TwoPhaseState
+    # the package's __getattr__ answers for a submodule not imported yet: `import ddpx; ddpx.comm_hooks`
+    for name in ("comm_hooks", "comm", "ops", "data", "models", "config"):
+        assert ddpx.__getattr__(name) is importlib.import_module(f"ddpx.{name}")
+    with pytest.raises(AttributeError):
+        ddpx.__getattr__("hooks")  # "hooks" are the plugin hooks; the comm hooks are ddpx.comm_hooks
 
 
 def test_ddp_options_per_hook():

@@ -26,7 +26,7 @@ LAYERS = [
     ["config"],
     ["rank"],
     ["comm_hooks", "data"],
-    ["comm", "hooks"],  # hooks: the old import path of comm_hooks
+    ["comm"],
     ["train"],
     ["launch"],
     ["worker", "doctor"],

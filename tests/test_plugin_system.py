@@ -179,47 +179,12 @@ def test_hook_order_with_accumulation_windows(plugin_dir, tmp_path):
     assert recorder.batches == [(0, False, 1), (1, True, 1), (2, True, 2), (0, False, 3), (1, True, 3), (2, True, 4)]
 
 
-LEGACY_STEPS = '''
-from ddpx import hookimpl
-
-calls = []
-
-@hookimpl
-def ddpx_should_step(trainer, batch_index, num_batches):
-    return batch_index % 2 == 1  # windows of 2
-
-@hookimpl(wrapper=True)
-def ddpx_micro_step(trainer, batch, sync):
-    calls.append(("micro_step", sync))
-    return (yield)
-
-@hookimpl
-def ddpx_backward(trainer, loss):
-    calls.append("backward")  # None: the core back-propagates
-'''
-
-
-def test_replaced_step_hooks_still_run_for_one_release(plugin_dir, tmp_path, capfd):
-    import torch
-
-    def train(enable, overrides):
-        pm = make_plugin_manager({"enable": enable}, entry_points=False)
-        config = load_config(None, ["trainer.epochs=1", "data.args.test_fraction=0.947", f"run_dir={tmp_path}/{enable[0]}",
-                                    *overrides], plugin_manager=pm)
-        trainer = Trainer(config)
-        trainer.run()
-        return trainer.module.state_dict()
-
-    name = plugin_dir("legacy_steps", LEGACY_STEPS)
-    legacy = train([name], [])
-    err = capfd.readouterr().err
-    for hook in ("ddpx_should_step", "ddpx_micro_step", "ddpx_backward"):
-        assert err.count(f"plugin 'legacy_steps' implements {hook}, replaced in ddpx 0.2 and removed in 0.3: ") == 1
-    # 3 micro-batches: windows [0, 1] and [2]; the old wrapper saw no_sync's flag, the core back-propagated
-    assert sys.modules[name].calls == [("micro_step", False), "backward", ("micro_step", True), "backward",
-                                       ("micro_step", True), "backward"]
-    accumulated = train(["ddpx_plugins.accumulation.AccumulationPlugin"], ["accumulation.steps=2"])
-    assert all(torch.equal(legacy[k], accumulated[k]) for k in legacy)
+def test_a_plugin_implementing_a_removed_hook_is_told_the_replacement(plugin_dir):
+    name = plugin_dir("old_steps", "from ddpx import hookimpl\n@hookimpl\ndef ddpx_should_step(trainer, batch_index, "
+                                   "num_batches): return True\n")
+    with pytest.raises(DdpxError, match=r"^plugin 'old_steps' implements ddpx_should_step, which ddpx no longer "
+                                        r"calls: implement ddpx_step_window\(trainer, batch_index, num_batches\)"):
+        make_plugin_manager({"enable": [name]}, entry_points=False)
 
 
 def test_exception_reaches_plugins_and_tears_down(plugin_dir, tmp_path):

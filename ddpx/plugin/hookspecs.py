@@ -311,27 +311,6 @@ def ddpx_load_state_dict(trainer: "Trainer", state: Mapping[str, Any]) -> None:
     """Restore from a checkpoint; ``state`` holds every plugin's entries."""
 
 
-# --- replaced in 0.2: still called, with a warning, for one release (ddpx/train/legacy_hooks.py) -------------
-
-
-@hookspec(firstresult=True)
-def ddpx_should_step(trainer: "Trainer", batch_index: int, num_batches: int) -> Optional[bool]:
-    """Deprecated: implement ``ddpx_step_window`` instead. Whether the micro-batch
-    ``batch_index`` ends an optimizer step."""
-
-
-@hookspec(firstresult=True)
-def ddpx_micro_step(trainer: "Trainer", batch: Any, sync: bool) -> "torch.Tensor":
-    """Deprecated: wrap ``ddpx_forward`` instead (the core runs ``no_sync`` itself).
-    A wrapper around one micro-batch's forward and backward; returns the loss."""
-
-
-@hookspec(firstresult=True)
-def ddpx_backward(trainer: "Trainer", loss: "torch.Tensor") -> Optional[bool]:
-    """Deprecated: return a GradScaler from ``ddpx_grad_scaler`` instead. Back-propagate
-    ``loss`` and return True; None lets the core do it."""
-
-
 def all_hook_names() -> Iterable[str]:
     """Names of every hook specified here."""
     return sorted(n for n in globals() if n.startswith("ddpx_"))

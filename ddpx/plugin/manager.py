@@ -210,6 +210,17 @@ def register_path(pm: pluggy.PluginManager, path: str) -> None:
     _register(pm, plugin, path, " (from plugins.enable)")
 
 
+# Hooks of ddpx's development versions, removed before 0.1.0 was released (docs/changelog.md).
+REMOVED_HOOKS = {
+    "ddpx_should_step": "implement ddpx_step_window(trainer, batch_index, num_batches), returning the number of "
+                        "micro-batches of the optimizer step",
+    "ddpx_micro_step": "wrap ddpx_forward instead (the trainer runs all but the last micro-batch of a window "
+                       "under no_sync itself)",
+    "ddpx_backward": "return a GradScaler from ddpx_grad_scaler instead (the trainer back-propagates "
+                     "scaler.scale(loss))",
+}
+
+
 def check_pending(pm: pluggy.PluginManager) -> None:
     """Fail on hook implementations that match no spec (typos such as ``ddpx_epoch_ends``)."""
     known = list(hookspecs.all_hook_names())
@@ -219,18 +230,12 @@ def check_pending(pm: pluggy.PluginManager) -> None:
         for impl in caller.get_hookimpls():
             if impl.optionalhook:
                 continue
+            if name in REMOVED_HOOKS:
+                raise DdpxError(f"plugin '{impl.plugin_name}' implements {name}, which ddpx no longer calls: "
+                                f"{REMOVED_HOOKS[name]}")
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else "; see ddpx/plugin/hookspecs.py for the hook names"
             raise DdpxError(f"plugin '{impl.plugin_name}' implements unknown hook '{name}'{hint}")
-
-
-def attach(pm: pluggy.PluginManager, plugin, name: str) -> None:
-    """Register a per-run helper plugin under ``name`` (replacing an earlier one of a
-    previous run); the trainer unregisters what was attached during its run at
-    teardown. The shims of ddpx/train/legacy_hooks.py attach this way."""
-    if pm.get_plugin(name) is not None:
-        pm.unregister(name=name)
-    _register(pm, plugin, name, " (attached at run time)")
 
 
 def raised_by(pm: pluggy.PluginManager, exc: BaseException) -> Optional[tuple[str, str]]:

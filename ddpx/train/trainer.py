@@ -44,7 +44,6 @@ from ..rank.seeding import seed_rank
 from .batches import to_device
 from .compile import compile_model
 from .grad_norms import GradientNorms
-from .legacy_hooks import install_legacy_step_hooks
 from .losses import EpochLosses, LossWindow
 from .stopping import StopAgreement
 from .sync_batchnorm import convert_sync_batchnorm
@@ -319,7 +318,6 @@ class Trainer:
         )
         self.autocast = self.hook.ddpx_autocast(trainer=self) or contextlib.nullcontext()
         self.scaler = self.hook.ddpx_grad_scaler(trainer=self) or torch.amp.GradScaler(self.device.type, enabled=False)
-        install_legacy_step_hooks(self)
 
     def _propose_run_dir(self) -> str:
         if self.config.run_dir:
