@@ -90,19 +90,6 @@ def _cmdclass():
     return {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
-BUILTIN_PLUGINS = [
-    "sampler = ddpx_plugins.sampler:SamplerPlugin",
-    "amp = ddpx_plugins.amp:AmpPlugin",
-    "accumulation = ddpx_plugins.accumulation:AccumulationPlugin",
-    "comm_hook = ddpx_plugins.comm_hook:CommHookPlugin",
-    "logging = ddpx_plugins.logging:LoggingPlugin",
-    "checkpoint = ddpx_plugins.checkpoint:CheckpointPlugin",
-    "comm_monitor = ddpx_plugins.comm_monitor:CommMonitorPlugin",
-    "early_stopping = ddpx_plugins.early_stopping:EarlyStoppingPlugin",
-    "ema = ddpx_plugins.ema:EmaPlugin",
-    "profiler = ddpx_plugins.profiler:ProfilerPlugin",
-]
-
 setup(
     name="ddpx",
     version=_version(),
@@ -126,9 +113,8 @@ setup(
         "examples": ["pillow"],  # examples/resnet_images without torchvision
         "test": ["pytest", "pytest-timeout", "hypothesis", "pillow", "tensorboard", "wandb", "mlflow"],
     },
-    entry_points={
-        "console_scripts": ["ddpx = ddpx.cli:main"],
-        "ddpx": BUILTIN_PLUGINS,
-    },
+    # Third-party plugins join through the entry-point group "ddpx"; the built-in ones are
+    # listed in ddpx/plugin/builtin.py.
+    entry_points={"console_scripts": ["ddpx = ddpx.cli:main"]},
     zip_safe=False,
 )

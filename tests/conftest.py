@@ -51,14 +51,15 @@ def two_hosts(request, ranks):
 
 @pytest.fixture
 def make_config(tmp_path):
-    """``make_config(*overrides, run_dir=None, core_only=False)``: a small, quiet config
+    """``make_config(*overrides, run_dir=None, defaults_only=False)``: a small, quiet config
     (``run_dir`` under tmp_path, a 16-unit MLP, no progress bar) with ``overrides`` on
-    top; ``core_only``: the core plugin alone (no entry points: no sampler, AMP, ...)."""
+    top; ``defaults_only``: the trainer's default hooks alone (no built-in or installed plugins:
+    no sampler, AMP, ...)."""
 
-    def build(*overrides, run_dir=None, core_only=False, plugin_manager=None):
+    def build(*overrides, run_dir=None, defaults_only=False, plugin_manager=None):
         base = [f"run_dir={run_dir or tmp_path / 'run'}", "model.args.hidden=16"]
-        if core_only:
-            plugin_manager = make_plugin_manager(None, entry_points=False)
+        if defaults_only:
+            plugin_manager = make_plugin_manager(None, builtins=False, entry_points=False)
         elif plugin_manager is None:
             base.append("logging.progress=false")
         return load_config(None, [*base, *overrides], plugin_manager=plugin_manager)

@@ -60,7 +60,7 @@ def logits_accuracy(outputs, batch):
 
 
 def run(tmp_path, name, *overrides):
-    pm = make_plugin_manager(None, entry_points=False)  # the core alone
+    pm = make_plugin_manager(None, builtins=False, entry_points=False)  # the core alone
     config = load_config(None, [f"run_dir={tmp_path}/{name}", "trainer.epochs=2", "data.args.test_fraction=0.5",
                                 "model.args.hidden=32", *overrides], plugin_manager=pm)
     trainer = Trainer(config)
@@ -105,4 +105,4 @@ def test_problems_are_one_line():
         model_loss(lambda x: (x, x), None, x)
     assert batch_size({"a": {"b": x[:3]}}) == 3 and batch_size((x, y), y[:2]) == 2
     with pytest.raises(DdpxError, match="trainer.eval_metric 'tests.test_batches.nope' does not resolve"):
-        load_config(None, [f"trainer.eval_metric={HERE}.nope"], plugin_manager=make_plugin_manager(None, entry_points=False))
+        load_config(None, [f"trainer.eval_metric={HERE}.nope"], plugin_manager=make_plugin_manager(None, builtins=False, entry_points=False))

@@ -6,7 +6,6 @@ network namespaces joined by a 100 Mbit/s link (communication-bound: a
 compressing hook, and the small-batch trap). The benchmark script's table of
 hooks, as root, in its own namespaces, which it removes even when interrupted."""
 
-import importlib.metadata
 import itertools
 import json
 import os
@@ -247,13 +246,8 @@ def test_comm_monitor_is_off_for_one_rank():
     assert plugin.state is None
 
 
-def _monitor_enabled_args():
-    installed = any(ep.name == "comm_monitor" for ep in importlib.metadata.entry_points(group="ddpx"))
-    return [] if installed else ["plugins.enable=[ddpx_plugins.comm_monitor.CommMonitorPlugin]"]
-
-
 def test_training_warns_once_with_the_options(ranks, tmp_path):
-    args = ["train", *_monitor_enabled_args(), "trainer.max_steps=10", "logging.progress=false",
+    args = ["train", "trainer.max_steps=10", "logging.progress=false",
             "comm_monitor.start_step=1", "comm_monitor.window_steps=2", "comm_monitor.every_steps=3",
             "comm_monitor.threshold=0.0", "checkpoint.enabled=false"]
     rc, out, err = ranks.cli(args, timeout=120, cwd=tmp_path)

@@ -118,7 +118,7 @@ def test_plugin_sections_are_validated(tmp_path, monkeypatch):
             return {"myplugin": {"level": 3, "ratio": 0.5, "name": "x", "extra": {}}}
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    pm = make_plugin_manager({"enable": ["myplugin"]}, entry_points=False)
+    pm = make_plugin_manager({"enable": ["myplugin"]}, builtins=False, entry_points=False)
     config = load_config(None, ["myplugin.ratio=2", "myplugin.extra.anything=1"], plugin_manager=pm)
     assert config.section("myplugin") == {"level": 3, "ratio": 2.0, "name": "x", "extra": {"anything": 1}}
     assert "did you mean 'myplugin.level'" in error_of(None, ["myplugin.levle=2"], plugin_manager=pm)

@@ -9,13 +9,12 @@ import pluggy
 import pytest
 import torch.distributed as dist
 
-from ddpx.plugin import hookspecs
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
+from ddpx.plugin import hookspecs
+from ddpx.plugin.builtin import BUILTIN_PLUGINS
 from ddpx.plugin.manager import make_plugin_manager, origin, plugin_table, raised_by, registered
 from ddpx.train.trainer import Trainer
-
-BUILTIN = {"sampler", "amp", "accumulation", "comm_hook", "logging", "checkpoint"}
 
 RECORDER = '''
 import torch
@@ -97,17 +96,49 @@ def plugin_dir(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
-def test_builtin_plugins_load_through_the_entry_point_group():
+def test_builtin_plugins_are_listed_in_code_and_load_without_installed_metadata(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])  # a checkout with no install record
     pm = make_plugin_manager(None)
     names = [name for name, _ in registered(pm)]
-    declared = {ep.name for ep in importlib.metadata.entry_points(group="ddpx")}
-    assert BUILTIN <= declared  # registered like a third-party package would be
-    assert BUILTIN <= set(names)
-    assert names[-1] == "trainer"  # trylast defaults: registered last
+    assert names == [*BUILTIN_PLUGINS, "trainer"]  # in their listed order; trylast defaults registered last
     rows = {row["name"]: row for row in plugin_table(pm)}
     assert rows["sampler"]["distribution"] == "ddpx"
     assert "ddpx_build_dataloaders" in rows["sampler"]["hooks"]
     assert "ddpx_forward" in rows["trainer"]["hooks"] and "ddpx_step_window" in rows["accumulation"]["hooks"]
+
+
+def test_a_builtin_plugin_that_cannot_load_stops_with_one_line_unless_blocked(monkeypatch):
+    monkeypatch.setitem(BUILTIN_PLUGINS, "sampler", "ddpx_plugins.gone:SamplerPlugin")
+    with pytest.raises(DdpxError, match=r"^built-in plugin 'sampler' 'ddpx_plugins.gone:SamplerPlugin' does not "
+                                        r"resolve: .*; reinstall ddpx .* or run without it: plugins.block=\[sampler\]$"):
+        make_plugin_manager(None)
+    names = [name for name, _ in registered(make_plugin_manager({"block": ["sampler"]}))]
+    assert "sampler" not in names and "amp" in names
+
+
+class _EntryPoint:
+    """An installed entry point of the group ``ddpx`` as importlib.metadata lists it."""
+
+    def __init__(self, name, value, dist_name):
+        self.name, self.value, self.module = name, value, value.partition(":")[0]
+        self.dist = type("Dist", (), {"name": dist_name, "version": "1.0"})()
+
+    def load(self):
+        return importlib.import_module(self.module).__dict__[self.value.partition(":")[2]]
+
+
+def test_an_entry_point_named_like_a_builtin_plugin(monkeypatch, plugin_dir):
+    # an older ddpx install recorded the built-in plugins as entry points: skipped, the built-in one loads
+    stale = [_EntryPoint("sampler", "ddpx_plugins.sampler:SamplerPlugin", "ddpx")]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: stale)
+    assert [name for name, _ in registered(make_plugin_manager(None))] == [*BUILTIN_PLUGINS, "trainer"]
+    # another package taking a built-in name: one line, not a silent choice of one of the two
+    module = plugin_dir("their_sampler", "from ddpx import hookimpl\nclass Plugin:\n    pass\n")
+    theirs = [_EntryPoint("sampler", f"{module}:Plugin", "their-dist")]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: theirs)
+    with pytest.raises(DdpxError, match=r"^plugin 'sampler' \(entry point their_sampler:Plugin of their-dist 1.0\) "
+                                        r"has the name of a built-in plugin; rename its entry point"):
+        make_plugin_manager(None)
 
 
 def test_block_and_enable(plugin_dir):
@@ -123,24 +154,24 @@ def test_block_and_enable(plugin_dir):
 def test_unknown_hook_is_named_with_its_plugin(plugin_dir):
     plugin_dir("typo_plugin", "from ddpx import hookimpl\n@hookimpl\ndef ddpx_epoch_ends(trainer, epoch, metrics): pass\n")
     with pytest.raises(DdpxError) as info:
-        make_plugin_manager({"enable": ["typo_plugin"]}, entry_points=False)
+        make_plugin_manager({"enable": ["typo_plugin"]}, builtins=False, entry_points=False)
     assert str(info.value) == "plugin 'typo_plugin' implements unknown hook 'ddpx_epoch_ends'; did you mean 'ddpx_epoch_end'?"
 
 
 def test_wrong_hook_arguments_and_import_errors(plugin_dir):
     plugin_dir("args_plugin", "from ddpx import hookimpl\n@hookimpl\ndef ddpx_epoch_end(trainer, epoch, metric): pass\n")
     with pytest.raises(DdpxError, match=r"plugin 'args_plugin' \(from plugins.enable\) is invalid: .*metric"):
-        make_plugin_manager({"enable": ["args_plugin"]}, entry_points=False)
+        make_plugin_manager({"enable": ["args_plugin"]}, builtins=False, entry_points=False)
     plugin_dir("broken_plugin", "raise ImportError('needs libfoo')\n")
     with pytest.raises(DdpxError, match="broken_plugin.*needs libfoo"):
-        make_plugin_manager({"enable": ["broken_plugin"]}, entry_points=False)
+        make_plugin_manager({"enable": ["broken_plugin"]}, builtins=False, entry_points=False)
     with pytest.raises(DdpxError, match="plugins.enable entry 'not_a_module_xyz' does not resolve"):
-        make_plugin_manager({"enable": ["not_a_module_xyz"]}, entry_points=False)
+        make_plugin_manager({"enable": ["not_a_module_xyz"]}, builtins=False, entry_points=False)
 
 
 def run_in_process(plugin_dir, tmp_path, overrides=(), enable=()):
     name = plugin_dir("recorder", RECORDER)
-    pm = make_plugin_manager({"enable": [*enable, name]}, entry_points=False)
+    pm = make_plugin_manager({"enable": [*enable, name]}, builtins=False, entry_points=False)
     # 3 batches of 32 per epoch (96 training samples), every rank sees all data.
     config = load_config(None, ["trainer.epochs=2", "data.args.test_fraction=0.947", f"run_dir={tmp_path}/run", *overrides], plugin_manager=pm)
     return Trainer(config), sys.modules[name]
@@ -184,7 +215,7 @@ def test_a_plugin_implementing_a_removed_hook_is_told_the_replacement(plugin_dir
                                    "num_batches): return True\n")
     with pytest.raises(DdpxError, match=r"^plugin 'old_steps' implements ddpx_should_step, which ddpx no longer "
                                         r"calls: implement ddpx_step_window\(trainer, batch_index, num_batches\)"):
-        make_plugin_manager({"enable": [name]}, entry_points=False)
+        make_plugin_manager({"enable": [name]}, builtins=False, entry_points=False)
 
 
 def test_exception_reaches_plugins_and_tears_down(plugin_dir, tmp_path):

@@ -25,7 +25,7 @@ def test_core_loop_matches_a_handwritten_loop(make_config, tmp_path):
         "scheduler.target=torch.optim.lr_scheduler.StepLR",
         "scheduler.args={step_size: 30, gamma: 0.5}",
     ]
-    trainer = Trainer(make_config(*overrides, core_only=True))
+    trainer = Trainer(make_config(*overrides, defaults_only=True))
     metrics = trainer.run()
     assert not dist.is_initialized()
 
@@ -66,7 +66,7 @@ def test_core_loop_matches_a_handwritten_loop(make_config, tmp_path):
 
 
 def test_max_steps_and_eval_every(make_config, tmp_path):
-    config = make_config("trainer.epochs=5", "trainer.max_steps=50", "trainer.eval_every_epochs=3", core_only=True)
+    config = make_config("trainer.epochs=5", "trainer.max_steps=50", "trainer.eval_every_epochs=3", defaults_only=True)
     metrics = Trainer(config).run()
     # 45 steps per epoch: epoch 0 has no eval (every 3rd), epoch 1 stops at step 50 and evaluates (last).
     assert [(m["epoch"], m["step"], "accuracy" in m) for m in metrics] == [(0, 45, False), (1, 50, True)]
@@ -111,7 +111,7 @@ def test_ddp_options_from_the_comm_hook_unless_the_config_sets_them(tmp_path, ov
             seen["views"] = trainer.model.gradient_as_bucket_view
             seen["hook"] = type(trainer.plugin("comm_hook").state).__name__
 
-    pm = make_plugin_manager(None, entry_points=False)
+    pm = make_plugin_manager(None, builtins=False, entry_points=False)
     pm.register(CommHookPlugin(), name="comm_hook")
     pm.register(Recorder(), name="recorder")
     config = load_config(None, [f"run_dir={tmp_path}/run", "trainer.max_steps=1", "trainer.eval_every_epochs=0",
@@ -135,7 +135,7 @@ def test_two_plugins_asking_for_different_ddp_options_is_an_error(tmp_path):
         def ddpx_ddp_options(self, trainer):
             return {"bucket_cap_mb": self.mb}
 
-    pm = make_plugin_manager(None, entry_points=False)
+    pm = make_plugin_manager(None, builtins=False, entry_points=False)
     pm.register(Asks(4.0), name="a")
     pm.register(Asks(8.0), name="b")
     config = load_config(None, [f"run_dir={tmp_path}/run", "trainer.max_steps=1"], plugin_manager=pm)

@@ -1,11 +1,11 @@
 """The plugin manager: discovery, blocking, validation, tracing.
 
 ``from ddpx import hookimpl`` is what plugin authors use. Plugins come from
-(in this order): every installed distribution's entry points in the group
-``ddpx`` (the built-in plugins are registered the same way), then the dotted
+(in this order): the built-in plugins (:data:`ddpx.plugin.builtin.BUILTIN_PLUGINS`),
+every installed distribution's entry points in the group ``ddpx``, then the dotted
 module paths in ``plugins.enable``, then the trainer's default hook bodies, the plugin
-named "trainer" (``trylast``, so any plugin can override them). Names in ``plugins.block``
-are never loaded.
+named "trainer" (``trylast``, so any plugin can override them). Names in
+``plugins.block`` are never loaded.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import importlib.metadata
 import os
 import sys
 import types
-from typing import Any, Mapping, Optional
+from typing import Any, Collection, Mapping, Optional
 
 import pluggy
 
@@ -23,6 +23,7 @@ from ..errors import DdpxError
 from ..imports import resolve
 from ..version import __version__
 from . import hookspecs
+from .builtin import BUILTIN_PLUGINS
 from .markers import PROJECT
 
 ENTRY_POINT_GROUP = "ddpx"
@@ -43,12 +44,13 @@ def _plugins_section(config) -> Mapping[str, Any]:
     return config
 
 
-def make_plugin_manager(config=None, *, entry_points: bool = True) -> pluggy.PluginManager:
+def make_plugin_manager(config=None, *, builtins: bool = True, entry_points: bool = True) -> pluggy.PluginManager:
     """A plugin manager with every hook spec and every plugin registered and checked.
 
     ``config`` is a :class:`~ddpx.config.Config`, its ``plugins`` section, or
-    None (entry points only). ``entry_points=False`` skips installed plugins
-    (tests that want only the trainer's default hooks and ``plugins.enable``).
+    None (the built-in and installed plugins only). ``builtins=False`` and
+    ``entry_points=False`` leave out the built-in and the installed plugins (tests
+    that want only the trainer's default hooks and ``plugins.enable``).
     """
     section = _plugins_section(config)
     pm = PluginManager(PROJECT)
@@ -59,8 +61,10 @@ def make_plugin_manager(config=None, *, entry_points: bool = True) -> pluggy.Plu
                         "override its hooks from a plugin instead")
     for name in blocked:
         pm.set_blocked(name)
+    if builtins:
+        load_builtins(pm)
     if entry_points:
-        load_entry_points(pm)
+        load_entry_points(pm, skip=BUILTIN_PLUGINS if builtins else {})
     for path in section.get("enable") or []:
         register_path(pm, path)
     _register(pm, resolve(TRAINER_PLUGIN_PATH, "the trainer's default hooks")(), TRAINER_PLUGIN)
@@ -77,6 +81,7 @@ class PluginManager(pluggy.PluginManager):
         super().__init__(project_name)
         self.tracing = False  # hook calls are printed (enable_tracing)
         self.calls = HookCalls(self)
+        self.distributions: dict = {}  # plugin name -> (distribution, version), where known
 
     def register(self, plugin, name=None):
         try:
@@ -159,15 +164,37 @@ def _register(pm: pluggy.PluginManager, plugin, name: str, origin: str = "") -> 
         raise DdpxError(f"plugin '{name}'{origin} cannot be registered: {exc}") from None
 
 
-def load_entry_points(pm: pluggy.PluginManager) -> None:
-    """Register every installed entry point of the group ``ddpx`` (skipping blocked names)."""
+def load_builtins(pm: PluginManager) -> None:
+    """Register every built-in plugin that is not blocked. One that cannot be loaded stops
+    the run: without ``sampler`` every rank would see all the data, without a word."""
+    for name, path in BUILTIN_PLUGINS.items():
+        if pm.is_blocked(name):
+            continue
+        try:
+            plugin = resolve(path, f"built-in plugin '{name}'")
+        except DdpxError as exc:
+            raise DdpxError(f"{exc}; reinstall ddpx (pip install --no-build-isolation -e . in a checkout) "
+                            f"or run without it: plugins.block=[{name}]") from None
+        _register(pm, plugin() if isinstance(plugin, type) else plugin, name, " (built in)")
+        pm.distributions[name] = ("ddpx", __version__)
+
+
+def load_entry_points(pm: PluginManager, skip: Collection[str] = ()) -> None:
+    """Register every installed entry point of the group ``ddpx`` (skipping blocked names, and
+    the names in ``skip`` where ddpx itself declares them: an older install's record of the
+    built-in plugins)."""
     seen = set()
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist
+        origin = f" (entry point {ep.value} of {dist.name} {dist.version})" if dist else f" (entry point {ep.value})"
+        if ep.name in skip and (dist is None or dist.name == "ddpx"):
+            continue
+        if ep.name in skip:
+            raise DdpxError(f"plugin '{ep.name}'{origin} has the name of a built-in plugin; rename its entry point "
+                            f"(or block the built-in one and yours with plugins.block=[{ep.name}])")
         if ep.name in seen or pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
             continue
         seen.add(ep.name)
-        dist = ep.dist
-        origin = f" (entry point {ep.value} of {dist.name} {dist.version})" if dist else f" (entry point {ep.value})"
         try:
             plugin = ep.load()
             if isinstance(plugin, type):  # a plugin class: one object per plugin manager holds its per-run state
@@ -182,7 +209,8 @@ def load_entry_points(pm: pluggy.PluginManager) -> None:
                     file=sys.stderr,
                 )
                 continue
-            raise DdpxError(f"plugin '{ep.name}'{origin} failed to import: {exc}; block it with plugins.block=[{ep.name}]") from None
+            raise DdpxError(f"plugin '{ep.name}'{origin} failed to import: {exc}; "
+                            f"block it with plugins.block=[{ep.name}]") from None
         except Exception as exc:
             raise DdpxError(
                 f"plugin '{ep.name}'{origin} failed to import: {type(exc).__name__}: {exc}; "
@@ -190,14 +218,7 @@ def load_entry_points(pm: pluggy.PluginManager) -> None:
             ) from None
         _register(pm, plugin, ep.name, origin)
         if dist is not None:
-            distributions(pm)[ep.name] = (dist.name, dist.version)
-
-
-def distributions(pm: pluggy.PluginManager) -> dict:
-    """``{plugin name: (distribution, version)}`` for plugins loaded from entry points."""
-    if not hasattr(pm, "ddpx_distributions"):
-        pm.ddpx_distributions = {}
-    return pm.ddpx_distributions
+            pm.distributions[ep.name] = (dist.name, dist.version)
 
 
 def register_path(pm: pluggy.PluginManager, path: str) -> None:
@@ -318,7 +339,7 @@ def stateful_plugins(pm: pluggy.PluginManager) -> list[tuple[str, Any]]:
 
 def plugin_table(pm: pluggy.PluginManager) -> list[dict]:
     """One row per registered plugin in registration order: name, distribution, version, hooks."""
-    dists = distributions(pm)
+    dists = pm.distributions
     rows = []
     for name, plugin in registered(pm):
         if name in dists:
