@@ -171,10 +171,13 @@ def epoch_order(num_samples, seed, epoch):
 def test_step_windows_and_short_final_window():
     from types import SimpleNamespace
 
+    from ddpx.plugin.shared import ACCUMULATION_STEPS, Shared
     from ddpx_plugins.accumulation import AccumulationPlugin
 
     plugin = AccumulationPlugin()
-    plugin.ddpx_setup(trainer=SimpleNamespace(config=SimpleNamespace(section=lambda name: {"steps": 4})))
+    trainer = SimpleNamespace(config=SimpleNamespace(section=lambda name: {"steps": 4}), shared=Shared())
+    plugin.ddpx_setup(trainer=trainer)
+    assert trainer.shared[ACCUMULATION_STEPS] == 4  # what the checkpoint and comm monitor plugins read
     windows, index = [], 0
     while index < 10:
         windows.append(plugin.ddpx_step_window(trainer=None, batch_index=index, num_batches=10))

@@ -230,8 +230,7 @@ def _stop_agreement(**cfg):
     from ddpx_plugins.checkpoint import CheckpointPlugin
 
     cfg = {**CheckpointPlugin().ddpx_config_defaults()["checkpoint"], **cfg}
-    trainer = SimpleNamespace(global_step=0, world_size=1, rank=0, device=torch.device("cpu"),
-                              stop_signal_handler=None)
+    trainer = SimpleNamespace(global_step=0, world_size=1, rank=0, device=torch.device("cpu"))
     stops = StopAgreement(trainer, cfg["stop_check_every"], cfg["stop_check_s"], cfg["stop_timeout_s"],
                           "checkpoint.stop_timeout_s", "a final checkpoint")
     return stops, trainer  # no loss window: no loss is non-finite

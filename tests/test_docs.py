@@ -109,4 +109,4 @@ def test_the_trainer_attribute_list_is_complete_and_exists():
     assert all(hasattr(trainer, name) for name in hookspecs.TRAINER_ATTRIBUTES)
     assert all(hasattr(trainer, name.partition("(")[0]) for name in hookspecs.TRAINER_METHODS)
     assert all(hasattr(trainer, name.partition("(")[0]) for name in hookspecs.TRAINER_LIFECYCLE)
-    assert "``last_finite_checkpoint``" in Trainer.__doc__
+    assert "``shared``" in Trainer.__doc__

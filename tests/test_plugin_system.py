@@ -424,3 +424,17 @@ def test_hook_calls_are_traced_when_tracing():
     assert not pm.tracing
     pm.calls.pick(x=1, y=2)
     assert seen == ["pick"]
+
+
+def test_shared_state_is_keyed_by_objects_and_says_what_is_missing():
+    from ddpx.plugin.shared import ACCUMULATION_STEPS, Shared, SharedKey
+
+    shared = Shared()
+    assert shared.get(ACCUMULATION_STEPS) is None and shared.get(ACCUMULATION_STEPS, 1) == 1
+    shared[ACCUMULATION_STEPS] = 4
+    assert ACCUMULATION_STEPS in shared and shared[ACCUMULATION_STEPS] == 4
+    mine = SharedKey[int]("accumulation_steps", "a third-party key with the same name")
+    assert mine not in shared  # the key object, not its name, is the key: plugins cannot collide by name
+    with pytest.raises(KeyError, match="nothing shared under 'accumulation_steps' in this run "
+                                       r"\(a third-party key with the same name\)"):
+        shared[mine]

@@ -102,13 +102,14 @@ def test_scheduler_sized_in_steps_is_warned_about_after_a_world_size_change(capl
 
     from ddpx.config import load_config
     from ddpx.data.sampler import ResumableDistributedBatchSampler
+    from ddpx.plugin.shared import Shared
     from ddpx_plugins.checkpoint import _warn_scheduler_horizon, run_steps
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     trainer = types.SimpleNamespace(
         scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100), global_step=0, epoch=0,
         train_loader=types.SimpleNamespace(batch_sampler=ResumableDistributedBatchSampler(1000, 10, 0, 2)),
-        config=load_config(None, ["trainer.epochs=3"]), world_size=2, has_plugin=lambda name: False,
+        config=load_config(None, ["trainer.epochs=3"]), world_size=2, shared=Shared(),
         log=logging.getLogger("ddpx.test"))
     assert run_steps(trainer) == 150  # 3 epochs x 1000 / (2 x 10)
     with caplog.at_level("WARNING", logger="ddpx.test"):

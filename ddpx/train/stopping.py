@@ -65,6 +65,7 @@ class StopAgreement:
         self.losses_from = 0  # optimizer step at which that window starts
         self.stop_deadline: Optional[threading.Event] = None  # set() ends the watchdog of a stop
         self.stop_vote = None  # (work, tensor, steps it covers) of the all_reduce started at the last check
+        self.taking_signals = True  # the trainer hands SIGTERM/SIGINT to on_signal until release()
         self.start_checks(0)
 
     # --- the signal --------------------------------------------------------------------
@@ -186,8 +187,7 @@ class StopAgreement:
         """Back to the trainer's own handling (stop at once) for the rest of the run.
         No collective: after a failure the other ranks may be gone."""
         self.stop_agreed()
-        if self.trainer.stop_signal_handler == self.on_signal:
-            self.trainer.stop_signal_handler = None
+        self.taking_signals = False
 
 
 def _nonfinite_loss(trainer, steps) -> None:

@@ -37,6 +37,7 @@ from ..errors import DdpxError, TrainingDiverged
 from ..imports import instantiate
 from ..plugin import hookspecs
 from ..plugin.manager import plugin_signature, raised_by, rank_prefix, stateful_plugins
+from ..plugin.shared import LAST_FINITE_CHECKPOINT, Shared
 from ..rank import process_group
 from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
@@ -56,7 +57,7 @@ TRAINER_STATE = ("model", "optimizer", "scheduler", "progress")  # the trainer's
 
 class TrainingStopped(Exception):
     """Raised when SIGTERM/SIGINT asked the run to stop: at a batch boundary every
-    rank agreed on (a plugin set ``trainer.stop_signal_handler``), or at once."""
+    rank agreed on (a plugin turned on the stop agreement: :meth:`Trainer.agree_on_stops`), or at once."""
 
     def __init__(self, signum: int, detail: str = ""):
         super().__init__(f"stopped by signal {signal.Signals(signum).name}{detail}")
@@ -107,12 +108,8 @@ class Trainer:
         self.log = logging.getLogger("ddpx")  # the logging plugin formats it (rank prefix, ranks shown)
         self._epoch_finished = False  # True only once the epoch's loader is exhausted
         self._stop_signal = signal.SIGTERM
-        # Called with the signal number on SIGTERM/SIGINT instead of stopping at
-        # once; the checkpoint plugin sets it to agree on a stop across ranks.
-        self.stop_signal_handler = None
         self.end_reason: Optional[str] = None  # set by end_training: the loop ends after this epoch
-        # Set by the checkpoint plugin: named when training diverges.
-        self.last_finite_checkpoint: Optional[str] = None
+        self.shared = Shared()  # what the plugins of this run share (ddpx/plugin/shared.py)
         self._nonfinite_warned: dict = {}  # what (loss, weights) was warned about in which epoch
         self._due: list = []  # heap of (step, order, callback): see call_at_step
         self._due_order = itertools.count()  # same-step calls run in the order they were scheduled
@@ -263,8 +260,8 @@ class Trainer:
         # A second signal acts immediately (KeyboardInterrupt / termination).
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if self.stop_signal_handler is not None:
-            self.stop_signal_handler(signum)
+        if self.stop_agreement is not None and self.stop_agreement.taking_signals:
+            self.stop_agreement.on_signal(signum)
             return
         raise TrainingStopped(signum, ": no plugin agrees on a stop across ranks (checkpoint plugin "
                               "blocked or not set up), exiting at once without a final checkpoint")
@@ -281,7 +278,6 @@ class Trainer:
         ``agreement.check(trainer)`` at the boundaries it schedules and then calls
         :meth:`request_stop`). The trainer finishes and releases it at the end of the run."""
         self.stop_agreement = StopAgreement(self, every_steps, every_s, timeout_s, timeout_key, what)
-        self.stop_signal_handler = self.stop_agreement.on_signal
         return self.stop_agreement
 
     def _build(self) -> None:
@@ -495,10 +491,11 @@ class Trainer:
             self.log.warning(message)
 
     def _finite_checkpoint_advice(self) -> str:
-        if self.last_finite_checkpoint is None:
+        checkpoint = self.shared.get(LAST_FINITE_CHECKPOINT)
+        if checkpoint is None:
             found = "no checkpoint with finite weights exists"
         else:
-            found = f"newest checkpoint with finite weights: {self.last_finite_checkpoint} (a rerun resumes from it)"
+            found = f"newest checkpoint with finite weights: {checkpoint} (a rerun resumes from it)"
         return (f"{found}; automatic restarts (--max-restarts) end at once, as they would diverge again: "
                 "lower optimizer.args.lr, set trainer.grad_clip or fix the data, then run again "
                 "(trainer.nonfinite=warn goes on instead)")

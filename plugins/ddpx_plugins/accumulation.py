@@ -14,10 +14,11 @@ Config section ``accumulation``: ``steps`` (1: no accumulation).
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
+from ddpx.plugin.shared import ACCUMULATION_STEPS
 
 
 class AccumulationPlugin:
-    """``steps``: micro-batches per optimizer step in this run."""
+    """``steps``: micro-batches per optimizer step in this run (shared as ``ACCUMULATION_STEPS``)."""
 
     def __init__(self):
         self.steps = 1
@@ -34,7 +35,7 @@ class AccumulationPlugin:
 
     @hookimpl
     def ddpx_setup(self, trainer):
-        self.steps = trainer.config.section("accumulation")["steps"]
+        self.steps = trainer.shared[ACCUMULATION_STEPS] = trainer.config.section("accumulation")["steps"]
 
     @hookimpl
     def ddpx_step_window(self, trainer, batch_index, num_batches):

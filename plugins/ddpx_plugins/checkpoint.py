@@ -87,6 +87,7 @@ from pathlib import Path
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError, TrainingDiverged
+from ddpx.plugin.shared import ACCUMULATION_STEPS, LAST_FINITE_CHECKPOINT
 from ddpx.train.monitor import Monitor
 from ddpx.train.stopping import across_ranks
 from ddpx.train.trainer import TRAINER_STATE  # the trainer's own entries: one copy for all ranks
@@ -359,7 +360,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
         dist.gather_object(mine, gathered, dst=0)
     else:
         gathered = [mine]
-    trainer.last_finite_checkpoint = str(session.directory.path_for(step))
+    trainer.shared[LAST_FINITE_CHECKPOINT] = str(session.directory.path_for(step))
     if trainer.rank != 0:
         return
     checkpoint = {
@@ -458,7 +459,7 @@ def _resume(trainer, session):
     trainer.load_state_dict({**checkpoint["replicated"], **mine["plugins"]})
     session.saved = (trainer.global_step, None)
     session.finite_at = trainer.global_step
-    trainer.last_finite_checkpoint = str(path)
+    trainer.shared[LAST_FINITE_CHECKPOINT] = str(path)
     if same_world:
         set_rng_state(mine["rng"], trainer.device)
     else:
@@ -481,7 +482,7 @@ def _resume(trainer, session):
 
 
 def _accumulation_steps(trainer) -> int:
-    return trainer.plugin("accumulation").steps if trainer.has_plugin("accumulation") else 1
+    return trainer.shared.get(ACCUMULATION_STEPS, 1)
 
 
 def run_steps(trainer):

@@ -17,12 +17,14 @@ Config section ``comm_hook``: ``name`` (``allreduce``), ``native`` (true),
 ``options`` (``{}``: keyword arguments of the hook, e.g. ``{rank: 4}``).
 
 The plugin is one :class:`CommHookPlugin` object; ``trainer.plugin("comm_hook").state``
-is the registered hook's state (None: DDP's own all-reduce).
+is the registered hook's state (None: DDP's own all-reduce), shared with the other
+plugins as ``trainer.shared[COMM_HOOK]``.
 """
 
 import importlib
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
+from ddpx.plugin.shared import COMM_HOOK
 
 BUILTIN = "allreduce"  # DDP's own all-reduce: no hook
 
@@ -82,15 +84,12 @@ class CommHookPlugin:
                 "ddpx.comm_hooks is not available; comm_hook.name=%s falls back to DDP's all-reduce", cfg["name"]
             )
             return
-        self.state = hooks.register(model, cfg["name"], native=cfg["native"], **cfg["options"])
+        self.state = trainer.shared[COMM_HOOK] = hooks.register(model, cfg["name"], native=cfg["native"],
+                                                                **cfg["options"])
         kind = "native C++" if getattr(self.state, "native", False) else "Python"
         bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
         views = ", gradients as bucket views" if getattr(model, "gradient_as_bucket_view", False) else ""
         trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)", cfg["name"], kind, bucket_mb, views)
-
-    def stats(self):
-        """The hook's wire statistics (``wire_bytes``, ``raw_bytes``, ...), or None."""
-        return self.state.stats() if self.state is not None and hasattr(self.state, "stats") else None
 
     def state_dict(self, trainer):
         if self.state is None or not hasattr(self.state, "state_dict"):

@@ -27,6 +27,7 @@ import time
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
+from ddpx.plugin.shared import ACCUMULATION_STEPS, COMM_HOOK
 
 
 class CommMonitor:
@@ -102,7 +103,8 @@ def measure_share(trainer, step_s, measure_allreduce_seconds):
     grad_bytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters() if p.requires_grad)
     # the fastest of 3: what the link needs, without another process's burst on a shared CPU
     comm_s = measure_allreduce_seconds(grad_bytes, iters=3, device=trainer.device, fastest=True)
-    stats = trainer.plugin("comm_hook").stats() if trainer.has_plugin("comm_hook") else None
+    hook = trainer.shared.get(COMM_HOOK)
+    stats = hook.stats() if hook is not None else None
     if stats and stats.get("wire_bytes") and stats.get("raw_bytes"):
         # the hook sends wire/raw of what an fp32 ring allreduce would
         world = trainer.world_size
@@ -114,10 +116,10 @@ def measure_share(trainer, step_s, measure_allreduce_seconds):
 def warning_text(trainer, share, comm_s, step_s, grad_bytes):
     cfg = trainer.config
     batch = cfg.trainer.batch_size
-    accumulation = trainer.plugin("accumulation").steps if trainer.has_plugin("accumulation") else 1
+    accumulation = trainer.shared.get(ACCUMULATION_STEPS, 1)
     compute_s = max(step_s - comm_s, 1e-9)
     k = max(2, math.ceil(accumulation * comm_s / compute_s))
-    hook = trainer.plugin("comm_hook").name if trainer.has_plugin("comm_hook") else "allreduce"
+    hook = trainer.shared[COMM_HOOK].name if COMM_HOOK in trainer.shared else "allreduce"
     return (
         f"communication takes about {100 * share:.0f}% of each optimizer step (gradient allreduce of "
         f"{grad_bytes / 1e6:.1f} MB: {1e3 * comm_s:.1f} ms of a {1e3 * step_s:.1f} ms step"

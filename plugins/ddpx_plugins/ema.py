@@ -37,6 +37,7 @@ import os
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
+from ddpx.plugin.shared import EMA_WEIGHTS_FILE
 
 EXPORT = "ema_weights.pt"
 
@@ -238,6 +239,6 @@ class EmaPlugin:
         export = {"weights": "ema", "decay": ema.decay, "step": ema.step, "updates": ema.updates,
                   "state_dict": ema.module_state_dict(trainer.module)}
         atomic_write(path, lambda f: torch.save(export, f))
-        ema.export_path = path
+        ema.export_path = trainer.shared[EMA_WEIGHTS_FILE] = path
         trainer.log.info(f"wrote the EMA weights (decay {ema.decay}, {ema.updates} updates to step {ema.step}) to "
                          f"{path}; the final checkpoint holds the raw weights")

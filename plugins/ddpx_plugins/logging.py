@@ -57,6 +57,7 @@ import uuid
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
 from ddpx.plugin.manager import rank_prefix
+from ddpx.plugin.shared import COMM_HOOK, EMA_WEIGHTS_FILE, LAST_FINITE_CHECKPOINT
 
 LOGGER = "ddpx"
 FLUSH_EVERY_S = 1.0  # step lines: a flush (a system call) at most this often
@@ -409,7 +410,8 @@ class MetricsLog:
         state = {}
         if trainer.scaler.is_enabled():
             state["amp_scale"] = trainer.scaler.get_scale()
-        stats = trainer.plugin("comm_hook").stats() if trainer.has_plugin("comm_hook") else None
+        hook = trainer.shared.get(COMM_HOOK)
+        stats = hook.stats() if hook is not None else None
         if stats is not None:
             wire, steps = self.comm_counted
             if stats["steps"] > steps:
@@ -439,10 +441,7 @@ class MetricsLog:
 
 
 def _run_files(trainer, metrics_path):
-    files = [metrics_path, trainer.last_finite_checkpoint]
-    ema = trainer.plugin("ema").state if trainer.has_plugin("ema") else None
-    if ema is not None:
-        files.append(ema.export_path)
+    files = [metrics_path, trainer.shared.get(LAST_FINITE_CHECKPOINT), trainer.shared.get(EMA_WEIGHTS_FILE)]
     return [path for path in files if path and os.path.isfile(path)]
 
 
