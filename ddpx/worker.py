@@ -14,7 +14,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .config import load_config
 from .errors import DdpxError, TrainingDiverged
 from .rank.launcher_contract import mark_done, stop_with_the_launcher
-from .train.trainer import Trainer, TrainingStopped
+from .train.stopping import TrainingStopped
+from .train.trainer import Trainer
 
 
 def parse_args(argv):

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 import sample_plugins
 
-from ddpx.train.trainer import Trainer, TrainingStopped
+from ddpx.train.stopping import TrainingStopped
+from ddpx.train.trainer import Trainer
 
 NO_EVAL = "trainer.eval_every_epochs=0"  # these runs do not evaluate
 # digits_split(test_fraction=0.2): 1437 training samples, 45 batches of 32 per epoch on one rank

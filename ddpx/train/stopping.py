@@ -1,13 +1,15 @@
-"""Stopping every rank at the same step boundary on SIGTERM/SIGINT: the stop agreement.
+"""SIGTERM/SIGINT during a run: the trainer's handlers, and the agreement that stops every
+rank after the same step.
 
-The trainer owns the SIGTERM/SIGINT handlers for the whole run (see
-:class:`ddpx.train.trainer.Trainer`). A rank cannot stop alone: its peers would
-wait for it in their next collective. So a stop must be agreed on, and the
-agreement lives here, beside the handlers, in the core. A plugin that acts on
-a stop (the checkpoint plugin: a final checkpoint) turns it on with
+The trainer is the one owner of SIGTERM/SIGINT during a run (:class:`StopSignals`): it
+installs the handlers in ``setup()``, before any plugin's, and restores the previous ones
+in ``close()``. A rank cannot stop alone: its peers would wait for it in their next
+collective. So a stop must be agreed on (:class:`StopAgreement`). A plugin that acts on a
+stop (the checkpoint plugin: a final checkpoint) turns it on with
 ``trainer.agree_on_stops(...)`` from its ``ddpx_setup`` and asks
-:meth:`StopAgreement.check` at the step boundaries it schedules; without one,
-the trainer stops a rank at once (exit 128 + the signal number).
+:meth:`StopAgreement.check` at the step boundaries it schedules; without one, the trainer
+stops a rank at once (:class:`TrainingStopped`: teardown, a clear message, exit 128 + the
+signal number).
 
 How the ranks agree: the first SIGTERM or SIGINT only sets a flag (and the
 trainer restores the default handlers, so a second one acts at once). At each
@@ -36,8 +38,50 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FIRST_STOP_CHECK = 10  # optimizer steps to the first stop check (auto), before any step time is known
 MAX_STOP_CHECK = 1000  # auto never checks less often than this
+
+
+class TrainingStopped(Exception):
+    """Raised when SIGTERM/SIGINT asked the run to stop: at a batch boundary every
+    rank agreed on (a plugin turned on the stop agreement: ``trainer.agree_on_stops``), or at once."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}{detail}")
+        self.signum = signum
+
+
+class StopSignals:
+    """The trainer's SIGTERM/SIGINT handlers for one run: :meth:`install` in setup,
+    :meth:`restore` in close. A signal goes to the stop agreement while it takes signals;
+    otherwise the rank stops at once."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only
+        for sig in STOP_SIGNALS:
+            self.previous[sig] = signal.signal(sig, self.on_signal)
+
+    def on_signal(self, signum, frame) -> None:
+        # A second signal acts immediately (KeyboardInterrupt / termination).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        agreement = self.trainer.stop_agreement
+        if agreement is not None and agreement.taking_signals:
+            agreement.on_signal(signum)
+            return
+        raise TrainingStopped(signum, ": no plugin agrees on a stop across ranks (checkpoint plugin "
+                              "blocked or not set up), exiting at once without a final checkpoint")
+
+    def restore(self) -> None:
+        handlers, self.previous = self.previous, {}
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def across_ranks(trainer) -> bool:

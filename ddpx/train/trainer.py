@@ -1,4 +1,4 @@
-"""The core trainer: one lifecycle and the epoch/step loop.
+"""The trainer: one lifecycle and the epoch/step loop.
 
 Every driver (``ddpx train``'s worker, the smoke run, the benchmarks) runs a
 rank through the same public methods: :meth:`Trainer.setup`,
@@ -9,8 +9,8 @@ One optimizer step is :meth:`Trainer.train_step`; :meth:`Trainer.train_epoch`
 feeds it windows of micro-batches and runs the checks between steps. Samplers,
 AMP, accumulation, comm hooks, logging and checkpoints are plugins that shape
 the step through hooks (see :mod:`ddpx.plugin.hookspecs` for the order). The default
-bodies of the provider hooks live in :class:`ddpx.core.CorePlugin`, which is
-registered ``trylast`` so any plugin can take over.
+bodies of the provider hooks live in :class:`ddpx.train.default_hooks.DefaultHooks`,
+the plugin named "trainer", registered ``trylast`` so any plugin can take over.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import pathlib
 import signal
 import sys
 import textwrap
-import threading
 from typing import Optional
 
 import torch
@@ -33,11 +32,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ..config import Config, default_run_dir
-from ..errors import DdpxError, TrainingDiverged
+from ..errors import DdpxError
 from ..imports import instantiate
 from ..plugin import hookspecs
 from ..plugin.manager import plugin_signature, raised_by, rank_prefix, stateful_plugins
-from ..plugin.shared import LAST_FINITE_CHECKPOINT, Shared
+from ..plugin.shared import Shared
 from ..rank import process_group
 from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
@@ -46,22 +45,13 @@ from .batches import to_device
 from .compile import compile_model
 from .grad_norms import GradientNorms
 from .losses import EpochLosses, LossWindow
-from .stopping import StopAgreement
+from .nonfinite import NonfiniteGuard
+from .stopping import StopAgreement, StopSignals, TrainingStopped
 from .sync_batchnorm import convert_sync_batchnorm
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 NEVER = sys.maxsize  # the next due step when nothing is scheduled
 TRAINER_STATE = ("model", "optimizer", "scheduler", "progress")  # the trainer's own entries in a checkpoint
-
-
-class TrainingStopped(Exception):
-    """Raised when SIGTERM/SIGINT asked the run to stop: at a batch boundary every
-    rank agreed on (a plugin turned on the stop agreement: :meth:`Trainer.agree_on_stops`), or at once."""
-
-    def __init__(self, signum: int, detail: str = ""):
-        super().__init__(f"stopped by signal {signal.Signals(signum).name}{detail}")
-        self.signum = signum
 
 
 class Trainer:
@@ -110,7 +100,7 @@ class Trainer:
         self._stop_signal = signal.SIGTERM
         self.end_reason: Optional[str] = None  # set by end_training: the loop ends after this epoch
         self.shared = Shared()  # what the plugins of this run share (ddpx/plugin/shared.py)
-        self._nonfinite_warned: dict = {}  # what (loss, weights) was warned about in which epoch
+        self._nonfinite = NonfiniteGuard(self)
         self._due: list = []  # heap of (step, order, callback): see call_at_step
         self._due_order = itertools.count()  # same-step calls run in the order they were scheduled
         self._next_due = NEVER
@@ -121,7 +111,7 @@ class Trainer:
         self._grad_norm_due = NEVER  # the next step whose gradient norm a logger asked for (watch_grad_norm)
         self.grad_norm: Optional[torch.Tensor] = None  # see clip_gradients
         self.grad_norm_step: Optional[int] = None
-        self._previous_signal_handlers: dict = {}
+        self._signals = StopSignals(self)  # SIGTERM/SIGINT during the run
         self.stop_agreement: Optional[StopAgreement] = None  # see agree_on_stops
         self._batches = None  # the running epoch's batch iterator, kept while train() pauses
         self._saved_logger: Optional[tuple] = None  # what close() restores
@@ -168,7 +158,7 @@ class Trainer:
         checkpoint is restored there). Pair it with :meth:`close`."""
         self._saved_logger = logger_settings(self.log)
         self._plugins_before = set(self.plugin_manager.get_plugins())
-        self._install_signal_handlers()
+        self._signals.install()
         self._build()
         seed_rank(self.config.seed, self.rank)  # built alike everywhere; from here one stream per rank
         self.hook.ddpx_train_start(trainer=self)  # checkpoint restore may move epoch/global_step
@@ -210,7 +200,7 @@ class Trainer:
             self._report_exception(exc)
         if self.stop_agreement is not None:
             self.stop_agreement.release()
-        self._restore_signal_handlers()  # first: a signal now acts as it did before the run
+        self._signals.restore()  # first: a signal now acts as it did before the run
         try:
             # Free the DDP wrapper (its reducer holds the process group) before
             # destroying the group: otherwise torch 2.13 + gloo aborts at exit
@@ -238,38 +228,6 @@ class Trainer:
             self.hook.ddpx_exception(trainer=self, exc=exc)
         except Exception as hook_exc:  # never hide the original error
             self.log.error(f"a ddpx_exception hook failed too: {type(hook_exc).__name__}: {hook_exc}")
-
-    # --- signals -----------------------------------------------------------------------
-    #
-    # The trainer is the one owner of SIGTERM/SIGINT during a run: it installs the
-    # handlers in setup(), before any plugin's, and restores the previous ones in
-    # close(). The agreement that stops every rank after the same step lives beside
-    # them (ddpx/train/stopping.py); a plugin that acts on a stop (the checkpoint plugin:
-    # a final checkpoint) turns it on with agree_on_stops(). Without it, a rank
-    # cannot stop at a boundary the others agree on (a rank stopping alone would
-    # leave its peers blocked in the next collective), so the fallback raises
-    # :class:`TrainingStopped` at once: teardown, a clear message, exit 128+signal.
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # Python delivers signals to the main thread only
-        for sig in STOP_SIGNALS:
-            self._previous_signal_handlers[sig] = signal.signal(sig, self._on_stop_signal)
-
-    def _on_stop_signal(self, signum, frame) -> None:
-        # A second signal acts immediately (KeyboardInterrupt / termination).
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if self.stop_agreement is not None and self.stop_agreement.taking_signals:
-            self.stop_agreement.on_signal(signum)
-            return
-        raise TrainingStopped(signum, ": no plugin agrees on a stop across ranks (checkpoint plugin "
-                              "blocked or not set up), exiting at once without a final checkpoint")
-
-    def _restore_signal_handlers(self) -> None:
-        handlers, self._previous_signal_handlers = self._previous_signal_handlers, {}
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
 
     def agree_on_stops(self, every_steps: int, every_s: float, timeout_s: float, timeout_key: str,
                        what: str) -> StopAgreement:
@@ -457,48 +415,12 @@ class Trainer:
         everywhere; ``warn`` logs a warning (rank 0) and goes on. Under fp16 AMP
         the GradScaler skips steps with non-finite gradients, so the callers ask
         only once its scale collapsed."""
-        if self.config.trainer.nonfinite == "warn":
-            self._warn_once_per_epoch("loss", f"the loss went non-finite {where}{self._first_nonfinite_gradient()}; "
-                                      "going on (trainer.nonfinite=warn)")
-            return
-        raise TrainingDiverged(f"the loss went non-finite {where}{self._first_nonfinite_gradient()}; "
-                               f"{self._finite_checkpoint_advice()}")
+        self._nonfinite.loss(where)
 
     def nonfinite_weights(self, where: str) -> None:
         """The weights or optimizer state are non-finite ``where`` (the checkpoint
         plugin checks before every save, which it then skips): as :meth:`nonfinite_loss`."""
-        if self.config.trainer.nonfinite == "warn":
-            self._warn_once_per_epoch("weights", f"the weights are non-finite {where}: no checkpoint written "
-                                      "(trainer.nonfinite=warn)")
-            return
-        raise TrainingDiverged(f"the weights went non-finite {where}{self._first_nonfinite_gradient()}; "
-                               f"{self._finite_checkpoint_advice()}")
-
-    def _first_nonfinite_gradient(self) -> str:
-        """Where the gradients first went non-finite, for the guard's message (one host read)."""
-        if self.scaler.is_enabled() or self._grad_norms is None:
-            return ""  # fp16 AMP skips such steps: its non-finite gradients are overflows, not divergence
-        found = self._grad_norms.first_nonfinite()
-        if found is not None:
-            return f"; the first non-finite gradient was {found[0]}'s, at optimizer step {found[1]}"
-        if self._grad_clip:
-            return "; every step's gradients were finite"
-        return " (set trainer.grad_clip to check every step's gradients and name the first non-finite one)"
-
-    def _warn_once_per_epoch(self, kind: str, message: str) -> None:
-        if self._nonfinite_warned.get(kind) != self.epoch:
-            self._nonfinite_warned[kind] = self.epoch
-            self.log.warning(message)
-
-    def _finite_checkpoint_advice(self) -> str:
-        checkpoint = self.shared.get(LAST_FINITE_CHECKPOINT)
-        if checkpoint is None:
-            found = "no checkpoint with finite weights exists"
-        else:
-            found = f"newest checkpoint with finite weights: {checkpoint} (a rerun resumes from it)"
-        return (f"{found}; automatic restarts (--max-restarts) end at once, as they would diverge again: "
-                "lower optimizer.args.lr, set trainer.grad_clip or fix the data, then run again "
-                "(trainer.nonfinite=warn goes on instead)")
+        self._nonfinite.weights(where)
 
     def evaluate(self, loader: Optional[DataLoader] = None) -> dict:
         """Metrics on ``loader`` (default: the eval loader), reduced over all ranks."""
