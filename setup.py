@@ -5,12 +5,12 @@ when it does. Set ``DDPX_CUDA=0`` to force a CPU build, ``DDPX_CUDA=1`` to
 require a CUDA build (fails if torch or the toolkit cannot provide one).
 
 Layout of ``csrc/`` (one small file per concern):
-    csrc/module.cpp          the Python module (pybind11): native comm hooks
-    csrc/ops/*.cpp           operator schemas (TORCH_LIBRARY) + C++ entry points
-    csrc/cpu/*.cpp           CPU kernels (TORCH_LIBRARY_IMPL(ddpx, CPU))
-    csrc/cuda/*.cu           plain-CUDA kernels (no torch headers: nvcc-checkable)
-    csrc/cuda/*_glue.cpp     CUDA registration (TORCH_LIBRARY_IMPL(ddpx, CUDA))
-    csrc/comm_hooks/*.cpp    native DDP comm hooks (c10d::CppCommHookInterface)
+    csrc/module.cpp                  the Python module (pybind11): native comm hooks
+    csrc/ops/<op>.cpp                operator schemas (TORCH_LIBRARY) + C++ entry points
+    csrc/ops/cpu/<op>_kernel.cpp     CPU kernels (TORCH_LIBRARY_IMPL(ddpx, CPU))
+    csrc/ops/cuda/<op>_kernel.cu     plain-CUDA kernels (no torch headers: nvcc-checkable)
+    csrc/ops/cuda/<op>_glue.cpp      CUDA registration (TORCH_LIBRARY_IMPL(ddpx, CUDA))
+    csrc/comm_hooks/*.cpp            native DDP comm hooks (c10d::CppCommHookInterface), built on the ops
 """
 
 import glob
@@ -54,14 +54,14 @@ def _extensions():
     common = (
         _sources("csrc/*.cpp")
         + _sources("csrc/ops/*.cpp")
-        + _sources("csrc/cpu/*.cpp")
+        + _sources("csrc/ops/cpu/*.cpp")
         + _sources("csrc/comm_hooks/*.cpp")
     )
     cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
     link_flags = ["-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if _want_cuda(torch, CUDA_HOME):
-        sources = common + _sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp")
+        sources = common + _sources("csrc/ops/cuda/*.cu") + _sources("csrc/ops/cuda/*.cpp")
         nvcc_flags = ["-O3", "-std=c++17"]  # no fast-math: GPU results must match the CPU kernels bit for bit
         return [
             CUDAExtension(

@@ -68,7 +68,7 @@ at::Tensor& cast_scale_copy_(at::Tensor& dst, const at::Tensor& src, double scal
 }  // namespace ddpx::ops
 
 // Every op file adds its schemas to the `ddpx` namespace; device kernels are
-// registered in csrc/cpu and csrc/cuda.
+// registered in csrc/ops/cpu and csrc/ops/cuda.
 TORCH_LIBRARY_FRAGMENT(ddpx, m) {
   m.def("scale_cast(Tensor x, float scale, ScalarType dtype) -> Tensor");
   m.def("scale_cast_out(Tensor x, float scale, Tensor(a!) out) -> ()");

@@ -5,7 +5,7 @@
 //   lowrank_project_:           E = (M + E) - P' Q^T; P = E Q  (one pass over M and E)
 //   lowrank_transpose_project_: Q^T = P^T E                    (one pass over E)
 //   lowrank_reconstruct_:       M = P Q^T                      (one write pass)
-// The CPU kernels (csrc/cpu/lowrank_kernel.cpp) stream M row by row; other
+// The CPU kernels (csrc/ops/cpu/lowrank_kernel.cpp) stream M row by row; other
 // devices use the composite ATen version below (cuBLAS does these well).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/matmul.h>

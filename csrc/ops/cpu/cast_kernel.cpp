@@ -5,7 +5,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "cpu/simd.h"
+#include "ops/cpu/simd.h"
 #include "ops/common.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

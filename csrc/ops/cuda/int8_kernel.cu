@@ -1,6 +1,6 @@
 // CUDA kernels: blockwise int8 quantize (+ error feedback) and the fused
 // dequantize-and-sum over ranks. Same formulas and fp32 roundings as
-// csrc/cpu/int8_kernel.cpp (each multiply, divide, add and subtract its own
+// csrc/ops/cpu/int8_kernel.cpp (each multiply, divide, add and subtract its own
 // _rn op, as the CPU code does them), so results match the CPU bit for bit.
 //
 // Both kernels are block-structured: a group of G lanes of one warp owns one
@@ -11,8 +11,8 @@
 // so a block of up to 32 * kPerLane elements is read from memory once.
 #include <cuda_runtime.h>
 
-#include "cuda/common.cuh"
-#include "cuda/kernels.h"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/kernels.h"
 
 namespace ddpx::cuda {
 namespace {

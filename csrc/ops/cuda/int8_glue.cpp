@@ -1,8 +1,8 @@
-// CUDA registrations of int8_quantize_out / int8_dequant_accumulate_ (kernels in int8.cu).
+// CUDA registrations of int8_quantize_out / int8_dequant_accumulate_ (kernels in int8_kernel.cu).
 #include <torch/library.h>
 
-#include "cuda/glue.h"
-#include "cuda/kernels.h"
+#include "ops/cuda/glue.h"
+#include "ops/cuda/kernels.h"
 #include "ops/common.h"
 
 namespace ddpx::cuda {

@@ -1,6 +1,6 @@
 // CUDA kernels: fp32 * scale -> fp16/bf16 and fp16/bf16 -> fp32 * scale,
 // round-to-nearest-even (NaN stays NaN, overflow -> Inf) like torch's .to().
-// Same ops as csrc/cpu/cast_kernel.cpp: one rounded multiply (__fmul_rn, never
+// Same ops as csrc/ops/cpu/cast_kernel.cpp: one rounded multiply (__fmul_rn, never
 // fused), then the exact or round-to-nearest-even conversion.
 //
 // Layout of the work: [0, head) scalar, then vectors of kVec elements (16-byte
@@ -10,8 +10,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "cuda/common.cuh"
-#include "cuda/kernels.h"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/kernels.h"
 
 namespace ddpx::cuda {
 namespace {

@@ -1,4 +1,4 @@
-// Shared bits of the CUDA glue (csrc/cuda/*_glue.cpp): the current stream of a
+// Shared bits of the CUDA glue (csrc/ops/cuda/*_glue.cpp): the current stream of a
 // tensor's device and launch-error reporting. Uses only device-generic c10
 // APIs, so the glue also compiles against CPU torch headers (a syntax check).
 #pragma once

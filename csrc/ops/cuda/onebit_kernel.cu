@@ -1,7 +1,7 @@
 // CUDA kernels: 1-bit sign packing with one mean|v| scale per chunk (+ error
 // feedback), the fused unpack-and-sum over ranks, and the 1-bit hook's phase 2
 // (average, add the server error, pack) in one pass. Same ops in the same
-// order as csrc/cpu/onebit_kernel.cpp, each its own _rn op, so bits, scales
+// order as csrc/ops/cpu/onebit_kernel.cpp, each its own _rn op, so bits, scales
 // and residuals match the CPU bit for bit -- the mean|v| included:
 //
 // The CPU sums |v| of a chunk in 16 fixed lanes (lane j: elements j, j + 16,
@@ -14,13 +14,13 @@
 // contiguous bytes per step), which this layout needs.
 #include <cuda_runtime.h>
 
-#include "cuda/common.cuh"
-#include "cuda/kernels.h"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/kernels.h"
 
 namespace ddpx::cuda {
 namespace {
 
-constexpr int kLanes = 16;  // the CPU's fixed summation lanes (csrc/cpu/onebit_kernel.cpp)
+constexpr int kLanes = 16;  // the CPU's fixed summation lanes (csrc/ops/cpu/onebit_kernel.cpp)
 static_assert(kWarp == 2 * kLanes, "a warp holds two elements of each CPU lane per step");
 
 // decoded = bit ? +s : -s (the CPU's +-1 * s, the same value).

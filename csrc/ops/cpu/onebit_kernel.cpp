@@ -9,7 +9,7 @@
 #include <array>
 #include <vector>
 
-#include "cpu/simd.h"
+#include "ops/cpu/simd.h"
 #include "ops/common.h"
 #include "ops/ops.h"
 

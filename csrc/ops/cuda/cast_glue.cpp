@@ -1,8 +1,8 @@
-// CUDA registrations of scale_cast_out / cast_scale_copy_ (kernels in cast.cu).
+// CUDA registrations of scale_cast_out / cast_scale_copy_ (kernels in cast_kernel.cu).
 #include <torch/library.h>
 
-#include "cuda/glue.h"
-#include "cuda/kernels.h"
+#include "ops/cuda/glue.h"
+#include "ops/cuda/kernels.h"
 #include "ops/common.h"
 
 namespace ddpx::cuda {

@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "cpu/simd.h"
+#include "ops/cpu/simd.h"
 #include "ops/common.h"
 
 namespace ddpx::cpu {

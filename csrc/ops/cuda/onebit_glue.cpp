@@ -1,10 +1,10 @@
 // CUDA registrations of onebit_pack_out / onebit_unpack_accumulate_ / onebit_average_repack
-// (kernels in onebit.cu).
+// (kernels in onebit_kernel.cu).
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include "cuda/glue.h"
-#include "cuda/kernels.h"
+#include "ops/cuda/glue.h"
+#include "ops/cuda/kernels.h"
 #include "ops/common.h"
 #include "ops/ops.h"
 

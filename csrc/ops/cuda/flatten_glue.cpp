@@ -1,11 +1,11 @@
-// CUDA registrations of flatten_out / unflatten_ (multi-tensor kernel in flatten.cu).
+// CUDA registrations of flatten_out / unflatten_ (multi-tensor kernel in flatten_kernel.cu).
 #include <ATen/ops/mul.h>
 #include <torch/library.h>
 
 #include <vector>
 
-#include "cuda/glue.h"
-#include "cuda/kernels.h"
+#include "ops/cuda/glue.h"
+#include "ops/cuda/kernels.h"
 #include "ops/common.h"
 
 namespace ddpx::cuda {

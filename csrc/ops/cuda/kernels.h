@@ -1,4 +1,4 @@
-// Launchers of the plain-CUDA kernels (csrc/cuda/*.cu). No torch types, so the
+// Launchers of the plain-CUDA kernels (csrc/ops/cuda/*.cu). No torch types, so the
 // .cu files compile with nvcc alone (scripts/check_cuda.sh); the *_glue.cpp
 // files check arguments, pick the current stream and call these. fp16/bf16
 // data travels as raw uint16_t. Each launcher returns cudaGetLastError().

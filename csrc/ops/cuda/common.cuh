@@ -1,7 +1,7 @@
 // Device helpers shared by the ddpx CUDA kernels (plain CUDA, no torch).
 //
 // Exactness: the kernels must give the CPU kernels' bits. The CPU code does
-// every multiply and add as its own rounded op (no FMA: csrc/cpu/simd.h), so
+// every multiply and add as its own rounded op (no FMA: csrc/ops/cpu/simd.h), so
 // arithmetic here uses the _rn intrinsics, which nvcc never contracts into an
 // FMA and which ignore --use_fast_math; every comment "same ops as the CPU"
 // relies on that.

@@ -14,8 +14,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "cuda/common.cuh"
-#include "cuda/kernels.h"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/kernels.h"
 
 namespace ddpx::cuda {
 namespace {
