@@ -6,8 +6,8 @@ namespace {
 
 class Allreduce final : public NativeAlgorithm {
  public:
-  explicit Allreduce(HookCore&) {}
-  FuturePtr run(HookCore& core, c10d::GradBucket& bucket) override { return core.allreduce_average(bucket); }
+  explicit Allreduce(HookRunner&) {}
+  FuturePtr run(HookRunner& runner, c10d::GradBucket& bucket) override { return runner.allreduce_average(bucket); }
 };
 
 }  // namespace

@@ -20,11 +20,11 @@ void bind(pybind11::module_& m) {
         auto pg = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(group);
         c10::intrusive_ptr<c10d::ProcessGroup> worker_pg;
         if (worker_group) worker_pg = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(worker_group);
-        auto core = std::make_shared<HookCore>(std::move(pg), std::move(worker_pg), std::move(state), kind);
-        std::weak_ptr<HookCore> weak = core;  // the reducer owns the hook; close() must not keep it
-        reducer.register_comm_hook(std::make_unique<NativeHook>(std::move(core)));
+        auto runner = std::make_shared<HookRunner>(std::move(pg), std::move(worker_pg), std::move(state), kind);
+        std::weak_ptr<HookRunner> weak = runner;  // the reducer owns the hook; close() must not keep it
+        reducer.register_comm_hook(std::make_unique<NativeHook>(std::move(runner)));
         return py::cpp_function([weak] {
-          if (auto hook = weak.lock()) hook->close();
+          if (auto runner = weak.lock()) runner->close();
         });
       },
       py::arg("reducer"), py::arg("process_group"), py::arg("worker_group"), py::arg("state"), py::arg("kind"),

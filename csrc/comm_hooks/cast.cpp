@@ -8,15 +8,15 @@ namespace {
 
 class Cast final : public NativeAlgorithm {
  public:
-  explicit Cast(HookCore& core) : inv_(1.0 / static_cast<double>(core.world())) {}
+  explicit Cast(HookRunner& runner) : inv_(1.0 / static_cast<double>(runner.world())) {}
 
-  FuturePtr run(HookCore& core, c10d::GradBucket& bucket) override {
+  FuturePtr run(HookRunner& runner, c10d::GradBucket& bucket) override {
     at::Tensor buf = bucket.getBuffer();
-    auto lay = core.layout(bucket);
+    auto lay = runner.layout(bucket);
     const at::Tensor& wire = lay->tensor("wire");
     const at::Tensor& plain = lay->tensor("plain");
-    core.count(buf.numel(), ring_allreduce_bytes(2 * lay->n_comp + 4 * lay->n_plain, core.world()),
-               bucket.isLast());
+    runner.count(buf.numel(), ring_allreduce_bytes(2 * lay->n_comp + 4 * lay->n_plain, runner.world()),
+                 bucket.isLast());
     c10::List<FuturePtr> futs(c10::FutureType::create(c10::AnyType::get()));
     if (lay->n_comp) {
       for (const auto& r : lay->comp) {
@@ -24,13 +24,13 @@ class Cast final : public NativeAlgorithm {
         ddpx::ops::scale_cast_out(buf.narrow(0, r.offset, r.numel), inv_, out);
       }
       std::vector<at::Tensor> t{wire};
-      futs.push_back(core.group().allreduce(t)->getFuture());
+      futs.push_back(runner.group().allreduce(t)->getFuture());
     }
     if (lay->n_plain) {
       at::Tensor out = plain;
       ddpx::ops::flatten_out(run_views(buf, lay->plain), inv_, out);
       std::vector<at::Tensor> t{plain};
-      futs.push_back(core.group().allreduce(t)->getFuture());
+      futs.push_back(runner.group().allreduce(t)->getFuture());
     }
     return c10::collectAll(futs)->then(
         [buf, lay](c10::ivalue::Future& done) {
@@ -54,23 +54,23 @@ class Cast final : public NativeAlgorithm {
 // functions: stage 2 of scope=inter_node (inter_node.cpp). One allreduce.
 class CastPhases final : public TwoPhaseAlgorithm {
  public:
-  explicit CastPhases(HookCore& core) : inv_(1.0 / static_cast<double>(core.world())) {}
+  explicit CastPhases(HookRunner& runner) : inv_(1.0 / static_cast<double>(runner.world())) {}
 
-  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout&) override {
+  WorkPtr start_phase1(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout&) override {
     const at::Tensor& wire = lay.tensor("wire");
     for (const auto& r : lay.comp) {
       at::Tensor out = wire.narrow(0, r.packed, r.numel);
       ddpx::ops::scale_cast_out(buf.narrow(0, r.offset, r.numel), inv_, out);
     }
     std::vector<at::Tensor> t{wire};
-    return core.worker_group().allreduce(t);
+    return runner.worker_group().allreduce(t);
   }
 
-  WorkPtr start_phase2(HookCore&, const at::Tensor&, const Layout&, const Layout&, c10d::Work& reduce) override {
+  WorkPtr start_phase2(HookRunner&, const at::Tensor&, const Layout&, const Layout&, c10d::Work& reduce) override {
     return WorkPtr::reclaim_copy(&reduce);  // no second collective
   }
 
-  void finish(HookCore&, const at::Tensor& buf, const Layout& lay, const Layout&, c10d::Work& reduce) override {
+  void finish(HookRunner&, const at::Tensor& buf, const Layout& lay, const Layout&, c10d::Work& reduce) override {
     reduce.wait();
     const at::Tensor& wire = lay.tensor("wire");
     for (const auto& r : lay.comp) {
@@ -79,8 +79,8 @@ class CastPhases final : public TwoPhaseAlgorithm {
     }
   }
 
-  int64_t wire_bytes(HookCore& core, const Layout& lay) const override {
-    return ring_allreduce_bytes(2 * lay.n_comp, core.world());
+  int64_t wire_bytes(HookRunner& runner, const Layout& lay) const override {
+    return ring_allreduce_bytes(2 * lay.n_comp, runner.world());
   }
 
  private:

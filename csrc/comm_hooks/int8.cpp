@@ -9,7 +9,7 @@ namespace {
 
 class Int8 final : public TwoPhaseAlgorithm {
  public:
-  explicit Int8(HookCore& core) : block_(core.int_option("block_size", 256)) {}
+  explicit Int8(HookRunner& runner) : block_(runner.int_option("block_size", 256)) {}
 
  private:
   // The piece's sizes (ddpx/comm_hooks/int8.py, Int8State.build_layout): its per-rank chunk
@@ -34,8 +34,8 @@ class Int8 final : public TwoPhaseAlgorithm {
   }
 
   // Phase 1: quantize each destination's chunk of the piece; start the exchange.
-  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
-    const int64_t world = core.world();
+  WorkPtr start_phase1(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
+    const int64_t world = runner.world();
     const Sizes z(pc);
     at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain");
     at::Tensor send = pc.tensor("send"), recv = pc.tensor("recv");
@@ -60,13 +60,13 @@ class Int8 final : public TwoPhaseAlgorithm {
       }
     }
     std::vector<int64_t> equal_splits;
-    return core.worker_group().alltoall_base(recv, send, equal_splits, equal_splits);
+    return runner.worker_group().alltoall_base(recv, send, equal_splits, equal_splits);
   }
 
   // Phase 2 start: average this rank's chunk of the piece in fp32, server error feedback, requantize.
-  WorkPtr start_phase2(HookCore& core, const at::Tensor&, const Layout& lay, const Layout& pc,
+  WorkPtr start_phase2(HookRunner& runner, const at::Tensor&, const Layout& lay, const Layout& pc,
                        c10d::Work& exchange) override {
-    const int64_t world = core.world(), rank = core.rank();
+    const int64_t world = runner.world(), rank = runner.rank();
     const Sizes z(pc);
     const double inv = 1.0 / static_cast<double>(world);
     at::Tensor reduced = pc.tensor("reduced");
@@ -79,13 +79,13 @@ class Int8 final : public TwoPhaseAlgorithm {
     at::sum_out(p2, plain, {0}).mul_(inv);
     ddpx::ops::int8_dequant_accumulate_(reduced, q, scales, block_, inv, false);
     ddpx::ops::int8_quantize_out(reduced, block_, server_error.narrow(0, rank * z.stride + z.base, z.c), qq2, s2);
-    return core.worker_group()._allgather_base(recv2, send2);
+    return runner.worker_group()._allgather_base(recv2, send2);
   }
 
   // Phase 2 end: dequantize every averaged chunk of the piece into the bucket.
-  void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+  void finish(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout& pc,
               c10d::Work& gather) override {
-    const int64_t world = core.world();
+    const int64_t world = runner.world();
     const Sizes z(pc);
     at::Tensor comp = lay.tensor("comp"), plain_buf = lay.tensor("plain"), recv2 = pc.tensor("recv2");
     gather.wait();

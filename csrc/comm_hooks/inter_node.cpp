@@ -1,7 +1,7 @@
 // Native twin of ddpx/comm_hooks/scope.py (InterNode): scope=inter_node for every hook.
 // Stage 1: exact fp32 reduce-scatter of the bucket inside the node (powersgd: allreduce);
 // stage 2: the hook's own two-phase algorithm on this rank's shard among the ranks of
-// the same local rank across nodes, run by a HookCore of its own on the Python plan's
+// the same local rank across nodes, run by a HookRunner of its own on the Python plan's
 // `inner` state; stage 3: exact all-gather inside the node (of stage 2's codes, each
 // rank decoding every shard; the exempt values in fp32). Pipelined piece by piece by
 // TwoPhaseAlgorithm, like the hooks themselves; same layouts, same calls, same results
@@ -22,46 +22,46 @@ c10::intrusive_ptr<c10d::ProcessGroup> group_of(const py::handle& obj) {
 
 class InterNode final : public TwoPhaseAlgorithm {
  public:
-  explicit InterNode(HookCore& core) {
-    py::object plan = core.state().attr("scope_plan")();
+  explicit InterNode(HookRunner& runner) {
+    py::object plan = runner.state().attr("scope_plan")();
     py::object topo = plan.attr("topo");
     local_world_ = topo.attr("local_world").cast<int64_t>();
     local_rank_ = topo.attr("local_rank").cast<int64_t>();
     world_ = local_world_ * topo.attr("nodes").cast<int64_t>();
     local_ = group_of(plan.attr("local_group"));
     cross_ = group_of(plan.attr("cross_group"));
-    inner_core_ = std::make_unique<HookCore>(cross_, cross_, plan.attr("inner"),
-                                             plan.attr("inner_kind").cast<std::string>());
-    inner_ = dynamic_cast<TwoPhaseAlgorithm*>(&inner_core_->algorithm());
+    inner_runner_ = std::make_unique<HookRunner>(cross_, cross_, plan.attr("inner"),
+                                                 plan.attr("inner_kind").cast<std::string>());
+    inner_ = dynamic_cast<TwoPhaseAlgorithm*>(&inner_runner_->algorithm());
     TORCH_CHECK(inner_, "ddpx native comm hook: scope=inter_node needs a two-phase stage-2 algorithm");
   }
 
   // A bucket with nothing to compress (no inner layout) still runs through the pipeline,
   // whose last bucket drains it; its collective is the exempt values' allreduce.
-  WorkPtr start_phase1(HookCore&, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
+  WorkPtr start_phase1(HookRunner&, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
     if (pc.integer("first")) stage_in(buf, lay);
     if (!lay.inner) return plain_work_.at(&lay);
-    return inner_->start_phase1(*inner_core_, shard(buf, lay), *lay.inner, pc);
+    return inner_->start_phase1(*inner_runner_, shard(buf, lay), *lay.inner, pc);
   }
 
-  WorkPtr start_phase2(HookCore&, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+  WorkPtr start_phase2(HookRunner&, const at::Tensor& buf, const Layout& lay, const Layout& pc,
                        c10d::Work& first) override {
     if (!lay.inner) return WorkPtr::reclaim_copy(&first);
-    return inner_->start_phase2(*inner_core_, shard(buf, lay), *lay.inner, pc, first);
+    return inner_->start_phase2(*inner_runner_, shard(buf, lay), *lay.inner, pc, first);
   }
 
-  void finish(HookCore&, const at::Tensor& buf, const Layout& lay, const Layout& pc, c10d::Work& second) override {
+  void finish(HookRunner&, const at::Tensor& buf, const Layout& lay, const Layout& pc, c10d::Work& second) override {
     if (lay.inner) {
-      inner_->finish(*inner_core_, shard(buf, lay), *lay.inner, pc, second);
+      inner_->finish(*inner_runner_, shard(buf, lay), *lay.inner, pc, second);
       if (!lay.integer("whole")) share(lay, pc);
     }
     if (pc.integer("last")) stage_out(buf, lay);
   }
 
   // Across nodes only, as InterNode.wire_bytes.
-  int64_t wire_bytes(HookCore&, const Layout& lay) const override {
-    int64_t cross = lay.inner ? inner_->wire_bytes(*inner_core_, *lay.inner) : 0;
-    if (!lay.integer("whole")) cross += ring_allreduce_bytes(4 * lay.tensor("shard_plain").numel(), inner_core_->world());
+  int64_t wire_bytes(HookRunner&, const Layout& lay) const override {
+    int64_t cross = lay.inner ? inner_->wire_bytes(*inner_runner_, *lay.inner) : 0;
+    if (!lay.integer("whole")) cross += ring_allreduce_bytes(4 * lay.tensor("shard_plain").numel(), inner_runner_->world());
     return cross;
   }
 
@@ -136,7 +136,7 @@ class InterNode final : public TwoPhaseAlgorithm {
       opts.rootRank = j;
       WorkPtr work = local_->broadcast(t, opts);
       work->wait();
-      if (j != local_rank_) inner_->finish(*inner_core_, comp.narrow(0, j * n, n), *lay.inner, pc, *work);
+      if (j != local_rank_) inner_->finish(*inner_runner_, comp.narrow(0, j * n, n), *lay.inner, pc, *work);
     }
   }
 
@@ -155,8 +155,8 @@ class InterNode final : public TwoPhaseAlgorithm {
 
   int64_t local_world_, local_rank_, world_;
   c10::intrusive_ptr<c10d::ProcessGroup> local_, cross_;
-  std::unique_ptr<HookCore> inner_core_;
-  TwoPhaseAlgorithm* inner_;  // inner_core_'s algorithm
+  std::unique_ptr<HookRunner> inner_runner_;
+  TwoPhaseAlgorithm* inner_;  // inner_runner_'s algorithm
   // the exempt values' cross-node allreduce per bucket in flight; worker thread only
   std::unordered_map<const Layout*, WorkPtr> plain_work_;
 };

@@ -194,7 +194,7 @@ std::shared_ptr<Layout> read_layout(const py::handle& lay) {
 }
 }  // namespace
 
-// ---------------------------------------------------------------- HookCore
+// -------------------------------------------------------------- HookRunner
 namespace {
 // Whether `pg` is still registered with torch.distributed (destroy_process_group unregisters it).
 std::function<bool()> registered(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
@@ -209,8 +209,8 @@ std::function<bool()> registered(const c10::intrusive_ptr<c10d::ProcessGroup>& p
 }
 }  // namespace
 
-HookCore::HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
-                   py::object state, const std::string& kind)
+HookRunner::HookRunner(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
+                       py::object state, const std::string& kind)
     : pg_(std::move(pg)),
       worker_pg_(std::move(worker_pg)),
       state_(std::move(state)),
@@ -224,7 +224,7 @@ HookCore::HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr
   algorithm_ = it->second(*this);
 }
 
-HookCore::~HookCore() {
+HookRunner::~HookRunner() {
   worker_.stop();  // first: its jobs use the state
   // The Python state may only be released under the GIL, and not at all once
   // the interpreter is gone.
@@ -236,26 +236,26 @@ HookCore::~HookCore() {
   }
 }
 
-void HookCore::close() { worker_.stop(); }
+void HookRunner::close() { worker_.stop(); }
 
-c10d::ProcessGroup& HookCore::worker_group() {
+c10d::ProcessGroup& HookRunner::worker_group() {
   TORCH_CHECK(worker_pg_, "ddpx native comm hook: this hook was registered without a worker group");
   return *worker_pg_;
 }
 
-int64_t HookCore::int_option(const char* name, int64_t fallback) const {
+int64_t HookRunner::int_option(const char* name, int64_t fallback) const {
   py::object v = py::getattr(state_, name, py::none());
   return v.is_none() ? fallback : v.cast<int64_t>();
 }
 
-double HookCore::float_option(const char* name, double fallback) const {
+double HookRunner::float_option(const char* name, double fallback) const {
   py::object v = py::getattr(state_, name, py::none());
   return v.is_none() ? fallback : v.cast<double>();
 }
 
-std::string HookCore::str_option(const char* name) const { return py::str(state_.attr(name)); }
+std::string HookRunner::str_option(const char* name) const { return py::str(state_.attr(name)); }
 
-void HookCore::count(int64_t bucket_numel, int64_t wire_bytes, bool last) {
+void HookRunner::count(int64_t bucket_numel, int64_t wire_bytes, bool last) {
   int64_t* c = counters_.data_ptr<int64_t>();
   c[0] += 4 * bucket_numel;
   c[1] += wire_bytes;
@@ -263,9 +263,9 @@ void HookCore::count(int64_t bucket_numel, int64_t wire_bytes, bool last) {
   if (last) c[2] += 1;
 }
 
-bool HookCore::warming_up() const { return counters_.data_ptr<int64_t>()[2] < warmup_; }
+bool HookRunner::warming_up() const { return counters_.data_ptr<int64_t>()[2] < warmup_; }
 
-std::shared_ptr<const Layout> HookCore::layout(c10d::GradBucket& bucket) {
+std::shared_ptr<const Layout> HookRunner::layout(c10d::GradBucket& bucket) {
   const auto params = bucket.getParameters();
   const size_t index = bucket.getIndex();
   std::vector<const c10::TensorImpl*> signature;
@@ -287,12 +287,12 @@ std::shared_ptr<const Layout> HookCore::layout(c10d::GradBucket& bucket) {
   return out;
 }
 
-FuturePtr HookCore::run(c10d::GradBucket& bucket) {
+FuturePtr HookRunner::run(c10d::GradBucket& bucket) {
   if (warming_up()) return allreduce_average(bucket);
   return algorithm_->run(*this, bucket);
 }
 
-FuturePtr HookCore::allreduce_average(c10d::GradBucket& bucket) {
+FuturePtr HookRunner::allreduce_average(c10d::GradBucket& bucket) {
   at::Tensor buf = bucket.getBuffer();
   count(buf.numel(), ring_allreduce_bytes(buf.numel() * buf.element_size(), world_), bucket.isLast());
   buf.mul_(1.0 / static_cast<double>(world_));
@@ -306,14 +306,14 @@ FuturePtr HookCore::allreduce_average(c10d::GradBucket& bucket) {
       c10::TensorType::get());
 }
 
-FuturePtr HookCore::submit(const at::Tensor& buf, std::function<void()> work) {
+FuturePtr HookRunner::submit(const at::Tensor& buf, std::function<void()> work) {
   return submit_deferred(buf, [buf, work = std::move(work)](const FuturePtr& fut) {
     work();
     fut->markCompleted(c10::IValue(buf));
   });
 }
 
-FuturePtr HookCore::submit_deferred(const at::Tensor& buf, std::function<void(const FuturePtr&)> work) {
+FuturePtr HookRunner::submit_deferred(const at::Tensor& buf, std::function<void(const FuturePtr&)> work) {
   const c10::Device device = buf.device();
   std::vector<c10::Device> devices;
   std::shared_ptr<c10::Event> ready;
@@ -347,21 +347,21 @@ FuturePtr HookCore::submit_deferred(const at::Tensor& buf, std::function<void(co
 
 FuturePtr NativeHook::runHook(c10d::GradBucket& bucket) { return state_->run(bucket); }
 
-int64_t TwoPhaseAlgorithm::wire_bytes(HookCore& core, const Layout& lay) const {
+int64_t TwoPhaseAlgorithm::wire_bytes(HookRunner& runner, const Layout& lay) const {
   int64_t total = 0;
-  for (const auto& pc : lay.pieces) total += 2 * (core.world() - 1) * pc->integer("piece");
+  for (const auto& pc : lay.pieces) total += 2 * (runner.world() - 1) * pc->integer("piece");
   return total;
 }
 
-FuturePtr TwoPhaseAlgorithm::run(HookCore& core, c10d::GradBucket& bucket) {
+FuturePtr TwoPhaseAlgorithm::run(HookRunner& runner, c10d::GradBucket& bucket) {
   at::Tensor buf = bucket.getBuffer();
-  auto lay = core.layout(bucket);
+  auto lay = runner.layout(bucket);
   TORCH_CHECK(!lay->pieces.empty(), "ddpx native comm hook: the bucket layout has no pieces");
   const bool last = bucket.isLast();
-  core.count(buf.numel(), wire_bytes(core, *lay), last);
-  return core.submit_deferred(buf, [this, &core, buf, lay, last](const FuturePtr& fut) {
+  runner.count(buf.numel(), wire_bytes(runner, *lay), last);
+  return runner.submit_deferred(buf, [this, &runner, buf, lay, last](const FuturePtr& fut) {
     const size_t n = lay->pieces.size();
-    for (size_t i = 0; i < n; ++i) step(core, Job{buf, lay, lay->pieces[i].get(), nullptr, fut}, last && i + 1 == n);
+    for (size_t i = 0; i < n; ++i) step(runner, Job{buf, lay, lay->pieces[i].get(), nullptr, fut}, last && i + 1 == n);
   });
 }
 
@@ -369,13 +369,13 @@ void TwoPhaseAlgorithm::fail(Job& job, std::exception_ptr error) {
   if (!job.fut->completed()) job.fut->setError(std::move(error));
 }
 
-void TwoPhaseAlgorithm::step(HookCore& core, Job started, bool last) {
+void TwoPhaseAlgorithm::step(HookRunner& runner, Job started, bool last) {
   std::unique_ptr<Job> advancing = std::move(advancing_);
   std::deque<Job> finishing = std::move(finishing_);
   finishing_.clear();
   try {
     RECORD_USER_SCOPE("ddpx::encode");  // profiler ranges, as in the Python hook: a flag test when none runs
-    started.work = start_phase1(core, started.buf, *started.lay, *started.pc);
+    started.work = start_phase1(runner, started.buf, *started.lay, *started.pc);
   } catch (...) {  // fail every bucket in flight: they surface in loss.backward()
     if (advancing) fail(*advancing, std::current_exception());
     for (auto& job : finishing) fail(job, std::current_exception());
@@ -387,7 +387,7 @@ void TwoPhaseAlgorithm::step(HookCore& core, Job started, bool last) {
   for (Job* job : to_advance) {
     try {
       RECORD_USER_SCOPE("ddpx::collective");
-      job->work = start_phase2(core, job->buf, *job->lay, *job->pc, *job->work);
+      job->work = start_phase2(runner, job->buf, *job->lay, *job->pc, *job->work);
     } catch (...) {
       fail(*job, std::current_exception());
       continue;
@@ -401,7 +401,7 @@ void TwoPhaseAlgorithm::step(HookCore& core, Job started, bool last) {
     finishing.pop_front();
     try {
       RECORD_USER_SCOPE("ddpx::decode");
-      finish(core, job.buf, *job.lay, *job.pc, *job.work);
+      finish(runner, job.buf, *job.lay, *job.pc, *job.work);
     } catch (...) {
       fail(job, std::current_exception());
       continue;

@@ -110,13 +110,13 @@ class SerialWorker {
   std::thread thread_;
 };
 
-class HookCore;
+class HookRunner;
 
 // One compression algorithm (the C++ twin of a Python HookState.run_bucket).
 class NativeAlgorithm {
  public:
   virtual ~NativeAlgorithm() = default;
-  virtual FuturePtr run(HookCore& core, c10d::GradBucket& bucket) = 0;
+  virtual FuturePtr run(HookRunner& runner, c10d::GradBucket& bucket) = 0;
 };
 
 // A hook with two dependent collectives per bucket (int8 and onebit: all-to-all,
@@ -130,21 +130,21 @@ class NativeAlgorithm {
 // ..., C2 last.
 class TwoPhaseAlgorithm : public NativeAlgorithm {
  public:
-  FuturePtr run(HookCore& core, c10d::GradBucket& bucket) final;
+  FuturePtr run(HookRunner& runner, c10d::GradBucket& bucket) final;
 
   // Public so that scope=inter_node (inter_node.cpp) can run them as its stage 2.
   using WorkPtr = c10::intrusive_ptr<c10d::Work>;
   // Code piece `pc` of the bucket; return its first collective, started.
-  virtual WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc) = 0;
+  virtual WorkPtr start_phase1(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout& pc) = 0;
   // Wait for the piece's first collective, compute; return the second, started.
-  virtual WorkPtr start_phase2(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+  virtual WorkPtr start_phase2(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout& pc,
                                c10d::Work& first) = 0;
   // Wait for the piece's second collective, write its result into the bucket.
-  virtual void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+  virtual void finish(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout& pc,
                       c10d::Work& second) = 0;
   // Bytes this rank sends per step for the bucket (stats()): by default each
   // piece's all-to-all + all-gather message of R rows, (R-1)/R of it twice.
-  virtual int64_t wire_bytes(HookCore& core, const Layout& lay) const;
+  virtual int64_t wire_bytes(HookRunner& runner, const Layout& lay) const;
 
  private:
   struct Job {
@@ -154,30 +154,32 @@ class TwoPhaseAlgorithm : public NativeAlgorithm {
     WorkPtr work;      // the collective in flight
     FuturePtr fut;     // the bucket's
   };
-  void step(HookCore& core, Job started, bool last);
+  void step(HookRunner& runner, Job started, bool last);
   static void fail(Job& job, std::exception_ptr error);
   // touched only by the worker thread
   std::unique_ptr<Job> advancing_;  // first collective started
   std::deque<Job> finishing_;       // second collective started
 };
 
-using AlgorithmFactory = std::function<std::unique_ptr<NativeAlgorithm>(HookCore&)>;
+using AlgorithmFactory = std::function<std::unique_ptr<NativeAlgorithm>(HookRunner&)>;
 bool register_algorithm(const std::string& kind, AlgorithmFactory factory);
 std::vector<std::string> algorithm_kinds();  // one entry per registration
 
 #define DDPX_REGISTER_NATIVE_HOOK(kind, cls)                                                      \
   static const bool ddpx_native_hook_registered_##cls = ::ddpx::comm_hooks::register_algorithm( \
-      kind, [](::ddpx::comm_hooks::HookCore& core) { return std::make_unique<cls>(core); })
+      kind, [](::ddpx::comm_hooks::HookRunner& runner) { return std::make_unique<cls>(runner); })
 
-// What every native hook shares: the group, the Python state and its options,
-// counters and layouts, and the FIFO worker.
-class HookCore {
+// Runs one native hook's NativeAlgorithm on each bucket (NativeHook::runHook;
+// scope=inter_node keeps one more for its stage 2) and holds what every native
+// hook shares: the group, the Python state and its options, counters and
+// layouts, and the FIFO worker.
+class HookRunner {
  public:
   // `worker_pg` (may be null for single-phase hooks) is the private group of
   // the worker's collectives; see ddpx/comm_hooks/base.py (worker_group) for why.
-  HookCore(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
-           pybind11::object state, const std::string& kind);
-  ~HookCore();
+  HookRunner(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
+             pybind11::object state, const std::string& kind);
+  ~HookRunner();
   // Ends the worker thread (ddpx.comm_hooks.base.HookState.close()); the hook must not run again.
   void close();
 
@@ -222,9 +224,9 @@ class HookCore {
   SerialWorker worker_;  // last member: stopped first on destruction
 };
 
-class NativeHook : public c10d::CppCommHookInterface<std::shared_ptr<HookCore>> {
+class NativeHook : public c10d::CppCommHookInterface<std::shared_ptr<HookRunner>> {
  public:
-  using c10d::CppCommHookInterface<std::shared_ptr<HookCore>>::CppCommHookInterface;
+  using c10d::CppCommHookInterface<std::shared_ptr<HookRunner>>::CppCommHookInterface;
   FuturePtr runHook(c10d::GradBucket& bucket) override;
 };
 

@@ -12,7 +12,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 class Onebit final : public TwoPhaseAlgorithm {
  public:
-  explicit Onebit(HookCore& core) : chunk_(core.int_option("chunk_size", 128)) {}
+  explicit Onebit(HookRunner& runner) : chunk_(runner.int_option("chunk_size", 128)) {}
 
  private:
   // (plain fp32 [R, plain_chunk], scales fp32 [R, ceil(m / chunk)], bits uint8 [R, ceil(m / 8)]) views
@@ -56,8 +56,8 @@ class Onebit final : public TwoPhaseAlgorithm {
   }
 
   // Phase 1: pack each destination's segment of the piece; start the exchange.
-  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
-    const int64_t world = core.world(), s = pc.integer("stride"), base = pc.integer("base");
+  WorkPtr start_phase1(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
+    const int64_t world = runner.world(), s = pc.integer("stride"), base = pc.integer("base");
     Compressed c = compressed(buf, lay);
     at::Tensor plain_buf = lay.tensor("plain"), send = pc.tensor("send"), recv = pc.tensor("recv");
     const at::Tensor& worker_error = lay.tensor("worker_error");
@@ -83,13 +83,13 @@ class Onebit final : public TwoPhaseAlgorithm {
       }
     }
     std::vector<int64_t> equal_splits;
-    return core.worker_group().alltoall_base(recv, send, equal_splits, equal_splits);
+    return runner.worker_group().alltoall_base(recv, send, equal_splits, equal_splits);
   }
 
   // Phase 2 start: average this rank's segment of the piece in fp32, server error feedback, re-pack.
-  WorkPtr start_phase2(HookCore& core, const at::Tensor&, const Layout& lay, const Layout& pc,
+  WorkPtr start_phase2(HookRunner& runner, const at::Tensor&, const Layout& lay, const Layout& pc,
                        c10d::Work& exchange) override {
-    const int64_t world = core.world(), rank = core.rank(), m = length(pc, rank);
+    const int64_t world = runner.world(), rank = runner.rank(), m = length(pc, rank);
     const double inv = 1.0 / static_cast<double>(world);
     at::Tensor recv = pc.tensor("recv");
     at::Tensor send2 = pc.tensor("send2"), recv2 = pc.tensor("recv2");
@@ -101,13 +101,13 @@ class Onebit final : public TwoPhaseAlgorithm {
     at::sum_out(p2, plain, {0}).mul_(inv);
     at::Tensor mine_error = server_error.narrow(0, rank * pc.integer("stride") + pc.integer("base"), m);
     ddpx::ops::onebit_average_repack(bits, scales, chunk_, inv, mine_error, b2, s2);
-    return core.worker_group()._allgather_base(recv2, send2);
+    return runner.worker_group()._allgather_base(recv2, send2);
   }
 
   // Phase 2 end: unpack every averaged segment of the piece into the bucket.
-  void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+  void finish(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout& pc,
               c10d::Work& gather) override {
-    const int64_t world = core.world(), s = pc.integer("stride"), base = pc.integer("base");
+    const int64_t world = runner.world(), s = pc.integer("stride"), base = pc.integer("base");
     Compressed c = compressed(buf, lay);
     at::Tensor plain_buf = lay.tensor("plain"), recv2 = pc.tensor("recv2");
     gather.wait();

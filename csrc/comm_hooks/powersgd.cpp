@@ -21,7 +21,7 @@ namespace {
 
 class PowerSGD final : public TwoPhaseAlgorithm {
  public:
-  explicit PowerSGD(HookCore& core) : seed_(core.int_option("seed", 0)) {}
+  explicit PowerSGD(HookRunner& runner) : seed_(runner.int_option("seed", 0)) {}
 
  private:
   // Views of one compressed matrix's memory in the layout's buffers (PowerSGDState's pc.views).
@@ -93,20 +93,20 @@ class PowerSGD final : public TwoPhaseAlgorithm {
     return st.grads;
   }
 
-  int64_t wire_bytes(HookCore& core, const Layout& lay) const override {
+  int64_t wire_bytes(HookRunner& runner, const Layout& lay) const override {
     int64_t total = 0;
     for (const auto& pc : lay.pieces)
-      total += ring_allreduce_bytes(4 * pc->tensor("pbuf").numel(), core.world()) +
-               ring_allreduce_bytes(4 * pc->tensor("q").numel(), core.world());
+      total += ring_allreduce_bytes(4 * pc->tensor("pbuf").numel(), runner.world()) +
+               ring_allreduce_bytes(4 * pc->tensor("q").numel(), runner.world());
     return total;
   }
 
   // M = G + error feedback, P = M Q for every matrix of the piece (with the exempt values
   // in the first piece), in one allreduce.
-  WorkPtr start_phase1(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
+  WorkPtr start_phase1(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout& pc) override {
     if (pc.integer("first")) {
       at::Tensor plain = lay.tensor("pbuf").narrow(0, 0, lay.n_plain);
-      ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0 / static_cast<double>(core.world()), plain);
+      ddpx::ops::flatten_out(run_views(buf, lay.plain), 1.0 / static_cast<double>(runner.world()), plain);
     }
     PieceState& st = state(lay, pc);
     for (Batch& b : st.batches) b.qt.copy_(b.q.transpose(1, 2));
@@ -116,12 +116,12 @@ class PowerSGD final : public TwoPhaseAlgorithm {
       ddpx::ops::lowrank_project_(g[i], x.error, x.p_prev, x.qt, x.p);  // error = (G + error) - P' Q'^T = M; P = M Q
     }
     std::vector<at::Tensor> tensors{pc.tensor("pbuf")};
-    return core.worker_group().allreduce(tensors);
+    return runner.worker_group().allreduce(tensors);
   }
 
   // Orthogonalize the piece's P's, a batch per shape; Q = M^T P, all in one allreduce.
   // Which P's were finite is noted for finish() without waiting for the device.
-  WorkPtr start_phase2(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+  WorkPtr start_phase2(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout& pc,
                        c10d::Work& reduce_p) override {
     reduce_p.wait();
     PieceState& st = state(lay, pc);
@@ -140,15 +140,15 @@ class PowerSGD final : public TwoPhaseAlgorithm {
     for (Mat& x : st.mats) ddpx::ops::lowrank_transpose_project_(x.error, x.p, x.qt);  // Q^T = P^T M, row by row
     for (Batch& b : st.batches) b.q.copy_(b.qt.transpose(1, 2));
     std::vector<at::Tensor> tensors{pc.tensor("q")};
-    return core.worker_group().allreduce(tensors);
+    return runner.worker_group().allreduce(tensors);
   }
 
   // P Q^T into the bucket, P kept for the next step; the exempt values back into the bucket.
-  void finish(HookCore& core, const at::Tensor& buf, const Layout& lay, const Layout& pc,
+  void finish(HookRunner& runner, const at::Tensor& buf, const Layout& lay, const Layout& pc,
               c10d::Work& reduce_q) override {
     reduce_q.wait();
     PieceState& st = state(lay, pc);
-    pc.tensor("q").mul_(1.0 / static_cast<double>(core.world()));
+    pc.tensor("q").mul_(1.0 / static_cast<double>(runner.world()));
     for (Batch& b : st.batches) b.qt.copy_(b.q.transpose(1, 2));
     if (st.finite_ready) {
       st.finite_ready->synchronize();  // long done, as a rule: phase 2's flags, not the whole stream
