@@ -12,7 +12,7 @@
 # steps/s and peak memory for no hook, int8, powersgd and compile, each against a
 # hand-written DDP loop (benchmarks/bench_char_gpt.py, TORCH_LOGS=recompiles for the
 # compile runs); every hook across 2 ranks over gloo with CUDA tensors
-# (benchmarks/bench_hooks_digits.py); the fast lane; PowerSGD's orthogonalization
+# (benchmarks/bench_comm_hooks_digits.py); the fast lane; PowerSGD's orthogonalization
 # three ways; the kernel benchmarks. Without a GPU the benchmark scripts still run, on
 # the CPU and short, so a broken script shows before the device time is spent.
 # Each step runs even if an earlier one failed; the exit status is the first failure.
@@ -70,16 +70,16 @@ step env 20 30 bash -c "nvidia-smi || true; $PY -c 'import torch; print(torch.__
 # An editable install, not build_ext alone: the built-in plugins are found through its entry points.
 step build gpu 90 150 env DDPX_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="$(nproc)" "$PY" -m pip install -q --no-deps \
     --no-build-isolation --no-index -e .
-step tests_cuda gpu 60 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_kernels.py tests/test_hooks_cuda.py \
-    tests/test_compile.py tests/test_hook_threads.py
+step tests_cuda gpu 60 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_kernels.py tests/test_comm_hooks_cuda.py \
+    tests/test_compile.py tests/test_comm_hook_threads.py
 if [ "$GPU" = 1 ]; then
     step char_gpt 200 260 "$PY" benchmarks/bench_char_gpt.py --device cuda --warmup 100 --steps 400 --timeout 120 \
         --variants none,int8,powersgd,compile,compile_int8 --logdir "$OUT" --out "$OUT/bench_char_gpt.json"
-    step hooks_2ranks 45 120 "$PY" benchmarks/bench_hooks_digits.py --device cuda --out "$OUT/bench_hooks_digits.json"
+    step hooks_2ranks 45 120 "$PY" benchmarks/bench_comm_hooks_digits.py --device cuda --out "$OUT/bench_comm_hooks_digits.json"
 else  # the scripts themselves, on the CPU, short
     step char_gpt 60 150 "$PY" benchmarks/bench_char_gpt.py --device cpu --warmup 2 --steps 4 --timeout 100 \
         --variants none,powersgd --logdir "$OUT" --out "$OUT/bench_char_gpt.json"
-    step hooks_2ranks 30 150 "$PY" benchmarks/bench_hooks_digits.py --device cpu --epochs 3 --out "$OUT/bench_hooks_digits.json"
+    step hooks_2ranks 30 150 "$PY" benchmarks/bench_comm_hooks_digits.py --device cpu --epochs 3 --out "$OUT/bench_comm_hooks_digits.json"
 fi
 step fast_lane 60 200 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests
 step orthogonalize gpu 15 60 "$PY" benchmarks/bench_orthogonalize.py --device cuda --out "$OUT/bench_orthogonalize.json"
@@ -109,7 +109,7 @@ def load(name):
     except (OSError, ValueError):
         return None
 char_gpt = load("bench_char_gpt.json")
-hooks = load("bench_hooks_digits.json")
+hooks = load("bench_comm_hooks_digits.json")
 recompiles = {}
 for log in sorted(glob.glob(os.path.join(out, "char_gpt_compile*.log"))):
     lines = [l.rstrip() for l in open(log, errors="replace") if "Recompiling" in l or "triggered by" in l]

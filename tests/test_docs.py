@@ -76,18 +76,18 @@ def test_links_between_docs_resolve_with_their_anchors():
 
 
 def _hooks_md_maker():
-    spec = importlib.util.spec_from_file_location("make_hooks_md", os.path.join(DOCS, "make_hooks_md.py"))
+    spec = importlib.util.spec_from_file_location("make_plugin_hooks_md", os.path.join(DOCS, "make_plugin_hooks_md.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_the_hook_reference_is_generated_from_hookspecs():
-    """docs/hooks.md is made from ddpx/plugin/hookspecs.py; regenerate it with
-    ``python docs/make_hooks_md.py``."""
-    with open(os.path.join(DOCS, "hooks.md")) as f:
+    """docs/plugin_hooks.md is made from ddpx/plugin/hookspecs.py; regenerate it with
+    ``python docs/make_plugin_hooks_md.py``."""
+    with open(os.path.join(DOCS, "plugin_hooks.md")) as f:
         committed = f.read()
-    assert committed == _hooks_md_maker().reference_markdown(), "docs/hooks.md is stale: python docs/make_hooks_md.py"
+    assert committed == _hooks_md_maker().reference_markdown(), "docs/plugin_hooks.md is stale: python docs/make_plugin_hooks_md.py"
 
 
 def test_the_reference_states_when_batch_end_runs():

@@ -18,7 +18,7 @@ The order of the hooks is :data:`HOOK_ORDER` (:data:`START_HOOKS`,
 methods a plugin may use are :data:`TRAINER_ATTRIBUTES` and
 :data:`TRAINER_METHODS`. This module is their one source: the
 :class:`ddpx.train.trainer.Trainer` docstring and the hook reference
-``docs/hooks.md`` are made from it (``python docs/make_hooks_md.py``;
+``docs/plugin_hooks.md`` are made from it (``python docs/make_plugin_hooks_md.py``;
 ``tests/test_docs.py`` fails when the file is stale).
 """
 

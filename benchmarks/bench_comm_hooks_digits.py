@@ -7,7 +7,7 @@ ranks on one device), which runs the CUDA encode/decode across ranks.
 Each hook runs as users get it: ``ddpx.comm_hooks.register(ddp, name)`` with its
 defaults (native C++ where it has one; powersgd and onebit warm up first).
 
-Usage: python benchmarks/bench_hooks_digits.py [--device cuda|cpu] [--hooks all] [--epochs 10]
+Usage: python benchmarks/bench_comm_hooks_digits.py [--device cuda|cpu] [--hooks all] [--epochs 10]
        [--timeout 240] [--json] [--out FILE]
 Exit status 1 when a hook misses either check.
 """
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
                     q.kill()
                 codes.append(f"timed out after {args.timeout:.0f} s")
         if not os.path.exists(out):
-            print(f"bench_hooks_digits: the ranks wrote no result (exit codes {codes})", file=sys.stderr)
+            print(f"bench_comm_hooks_digits: the ranks wrote no result (exit codes {codes})", file=sys.stderr)
             return 1
         with open(out) as f:
             results = json.load(f)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hook_checks import PART2, DigitsRun, WarningRecords, batch, equal_lists, make_model, train
+from comm_hook_checks import PART2, DigitsRun, WarningRecords, batch, equal_lists, make_model, train
 
 import ddpx.comm_hooks
 from ddpx.errors import DdpxError

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hook_checks import (ALL, LOSSY, NO_WARMUP, PART2, REL_TOL, DigitsRun, WarningRecords, batch, digits_mlp,
+from comm_hook_checks import (ALL, LOSSY, NO_WARMUP, PART2, REL_TOL, DigitsRun, WarningRecords, batch, digits_mlp,
                          equal_lists, make_model, max_rel_err, train)
 
 import ddpx.comm_hooks

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import harness
-from hook_checks import NO_WARMUP, REL_TOL, equal_lists, make_model, max_rel_err, train
+from comm_hook_checks import NO_WARMUP, REL_TOL, equal_lists, make_model, max_rel_err, train
 
 import ddpx.comm_hooks
 from ddpx.comm_hooks import scope

@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import harness
-from hook_checks import DIGITS_BATCH, PART2, DigitsRun
+from comm_hook_checks import DIGITS_BATCH, PART2, DigitsRun
 
 import ddpx.comm_hooks
 from ddpx.data import digits_split

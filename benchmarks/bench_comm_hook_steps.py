@@ -13,7 +13,7 @@ Reports, per hook and path (native C++ / Python):
 * ``hook_buffer_bytes``: the hook's persistent buffers (its layouts' tensors), next to
   the model's gradient bytes.
 
-Usage: python benchmarks/bench_hook_steps.py [--hooks powersgd] [--paths native,python] [--rounds 15]
+Usage: python benchmarks/bench_comm_hook_steps.py [--hooks powersgd] [--paths native,python] [--rounds 15]
        [--steps 4] [--device cpu|cuda] [--json] [--out FILE]
 Run it with PYTHONPATH pointing at another checkout (with its extension built in place)
 to measure that one's hooks with the same script.
@@ -68,7 +68,7 @@ class Loop:
             warm = {"warmup_steps": 0} if "warmup_steps" in ddpx.comm_hooks.make_state(hook).opts else {}
             self.state = ddpx.comm_hooks.register(self.ddp, hook, native=native, **warm)
             if bool(getattr(self.state, "native", False)) != native:
-                raise SystemExit(f"bench_hook_steps: {hook} did not register on the {'native' if native else 'Python'} path")
+                raise SystemExit(f"bench_comm_hook_steps: {hook} did not register on the {'native' if native else 'Python'} path")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.i = 0
 

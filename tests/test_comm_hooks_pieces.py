@@ -9,7 +9,7 @@ round trip and DDP's bucket rebuild.
 import pytest
 import torch
 
-from hook_checks import equal_lists, make_model, train
+from comm_hook_checks import equal_lists, make_model, train
 
 import ddpx.comm_hooks
 from ddpx.errors import DdpxError

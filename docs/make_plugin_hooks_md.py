@@ -1,4 +1,4 @@
-"""Write docs/hooks.md, the hook reference, from ddpx/plugin/hookspecs.py: ``python docs/make_hooks_md.py``.
+"""Write docs/plugin_hooks.md, the hook reference, from ddpx/plugin/hookspecs.py: ``python docs/make_plugin_hooks_md.py``.
 
 tests/test_docs.py fails when the committed file differs from what this makes.
 """
@@ -9,7 +9,7 @@ import re
 
 from ddpx.plugin import hookspecs
 
-HOOKS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hooks.md")
+HOOKS_MD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugin_hooks.md")
 
 
 
@@ -25,12 +25,12 @@ def _markdown_doc(text: str) -> str:
 
 
 def reference_markdown() -> str:
-    """docs/hooks.md: every hook with its signature and docstring, in the order of
+    """docs/plugin_hooks.md: every hook with its signature and docstring, in the order of
     ddpx/plugin/hookspecs.py, the hook order and the trainer's attributes and methods."""
     out = [
         "# Hook reference",
         "",
-        "<!-- Generated from ddpx/plugin/hookspecs.py by `python docs/make_hooks_md.py`;",
+        "<!-- Generated from ddpx/plugin/hookspecs.py by `python docs/make_plugin_hooks_md.py`;",
         "     tests/test_docs.py fails when this file is stale. Edit ddpx/plugin/hookspecs.py, not this file. -->",
         "",
         "Every hook a ddpx plugin can implement, in the order of a run. Kinds: *every plugin* "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hook_checks import ALL, PART2, REL_TOL, equal_lists, max_rel_err
+from comm_hook_checks import ALL, PART2, REL_TOL, equal_lists, max_rel_err
 
 HOOKS = ALL + PART2
 
