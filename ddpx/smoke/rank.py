@@ -163,86 +163,91 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
     if run_dir is None:
         raise DdpxError("the smoke run needs run_dir=DIR (ddpx train --smoke sets it)")
     log = StageLog(Path(run_dir) / "smoke" / f"rank{rank}.json", rank, world_size)
-    detail: dict = {}
-    trainer = None
+    running: list = [None]  # the trainer a failure must close
     try:
-        with log.stage("config", detail):
-            base = load_smoke_config(config_path, overrides, [])
-            config = load_smoke_config(config_path, overrides, _smoke_overrides(base, world_size))
-            plugins = [name for name, _ in config.plugin_manager.list_name_plugin()]
-            detail["text"] = f"{len(plugins)} plugins: {', '.join(plugins)}"
-        log.plugin_manager = config.plugin_manager
-        checkpoints = "checkpoint" in config and config.section("checkpoint").get("enabled", False)
-        if rank == 0 and checkpoints:
-            _clear_checkpoints(config)  # before the first collective: no rank reads them yet
-
-        trainer = Trainer(config)
-        with log.stage("setup", detail := {}):
-            trainer.setup()
-            detail["text"] = (f"{trainer.world_size} ranks, backend {trainer.backend}, "
-                              f"{len(trainer.train_set)} train / {len(trainer.eval_set or [])} eval samples")
-        with log.stage("train", detail := {}):
-            detail["text"] = _train_steps(trainer, TRAIN_STEPS)
-        with log.stage("evaluate", detail := {}):
-            if trainer.eval_loader is None:
-                detail["text"] = "no eval set: nothing to evaluate"
-            else:
-                metrics = trainer.evaluate()
-                detail["text"] = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        saved_step = trainer.global_step
-        saved_weights = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
-        if checkpoints:
-            with log.stage("checkpoint save", detail := {}):
-                trainer.finish()  # the checkpoint plugin saves and waits
-                files = sorted(Path(trainer.run_dir, config.section("checkpoint")["dir"]).glob("*.pt"))
-                if rank == 0 and not files:
-                    raise RuntimeError("no checkpoint file was written")
-                detail["text"] = f"step {saved_step}" + (f" -> {files[-1].name}" if files else "")
-        else:
-            trainer.finish()
-            log.add("checkpoint save", SKIP, "checkpoint plugin not loaded or disabled")
-        trainer.close()
-
-        if not checkpoints:
-            log.add("resume", SKIP, "no checkpoint to resume from")
-            trainer = None
-        else:
-            resume_config = load_smoke_config(config_path, overrides,
-                                  [*_smoke_overrides(base, world_size), "checkpoint.resume=true",
-                                   f"run_dir={trainer.run_dir}"])
-            log.plugin_manager = resume_config.plugin_manager
-            trainer = Trainer(resume_config)
-            with log.stage("resume", detail := {}), _fresh_store_prefix("smoke-resume"):
-                trainer.setup()  # the checkpoint plugin restores at its end (ddpx_train_start)
-                if trainer.global_step != saved_step:
-                    raise RuntimeError(f"resumed at step {trainer.global_step}, the checkpoint was step {saved_step}")
-                now = trainer.module.state_dict()
-                changed = [k for k, v in saved_weights.items() if not torch.equal(now[k].cpu(), v.cpu())]
-                if changed:
-                    raise RuntimeError(f"resumed weights differ from the saved ones: {', '.join(changed[:3])}")
-                detail["text"] = f"step {saved_step}, weights identical"
-        if trainer is not None:
-            with log.stage("train after resume", detail := {}):
-                detail["text"] = _train_steps(trainer, saved_step + RESUMED_STEPS)
-            with log.stage("teardown", detail := {}):
-                trainer.finish()
-                trainer.close()
-        else:
-            log.add("train after resume", SKIP, "no checkpoint to resume from")
-            log.add("teardown", PASS, "")
+        _run_stages(log, running, config_path, overrides, rank, world_size)
     except BaseException as exc:
         if not isinstance(exc, DdpxError):
             import traceback
 
             traceback.print_exc()
         print(f"ddpx: smoke: [rank{rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if trainer is not None:
-            trainer.close(exc)  # ddpx_exception for every plugin, then the teardown every run has
+        if running[0] is not None:
+            running[0].close(exc)  # ddpx_exception for every plugin, then the teardown every run has
         log.skip_rest("after an earlier failure")
         if not isinstance(exc, Exception):
             raise
         return 1
     return 0
+
+
+def _run_stages(log: StageLog, running: list, config_path, overrides, rank: int, world_size: int) -> None:
+    """Train, evaluate and save in a first trainer; resume and train on in a second one."""
+    with log.stage("config", detail := {}):
+        base = load_smoke_config(config_path, overrides, [])
+        config = load_smoke_config(config_path, overrides, _smoke_overrides(base, world_size))
+        plugins = [name for name, _ in config.plugin_manager.list_name_plugin()]
+        detail["text"] = f"{len(plugins)} plugins: {', '.join(plugins)}"
+    log.plugin_manager = config.plugin_manager
+    checkpoints = "checkpoint" in config and config.section("checkpoint").get("enabled", False)
+    if rank == 0 and checkpoints:
+        _clear_checkpoints(config)  # before the first collective: no rank reads them yet
+
+    trainer = running[0] = Trainer(config)
+    with log.stage("setup", detail := {}):
+        trainer.setup()
+        detail["text"] = (f"{trainer.world_size} ranks, backend {trainer.backend}, "
+                          f"{len(trainer.train_set)} train / {len(trainer.eval_set or [])} eval samples")
+    with log.stage("train", detail := {}):
+        detail["text"] = _train_steps(trainer, TRAIN_STEPS)
+    with log.stage("evaluate", detail := {}):
+        if trainer.eval_loader is None:
+            detail["text"] = "no eval set: nothing to evaluate"
+        else:
+            metrics = trainer.evaluate()
+            detail["text"] = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+    saved_step = trainer.global_step
+    saved_weights = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+    if checkpoints:
+        with log.stage("checkpoint save", detail := {}):
+            trainer.finish()  # the checkpoint plugin saves and waits
+            files = sorted(Path(trainer.run_dir, config.section("checkpoint")["dir"]).glob("*.pt"))
+            if rank == 0 and not files:
+                raise RuntimeError("no checkpoint file was written")
+            detail["text"] = f"step {saved_step}" + (f" -> {files[-1].name}" if files else "")
+    else:
+        trainer.finish()
+        log.add("checkpoint save", SKIP, "checkpoint plugin not loaded or disabled")
+    trainer.close()
+    running[0] = None
+    if not checkpoints:
+        for stage in ("resume", "train after resume"):
+            log.add(stage, SKIP, "no checkpoint to resume from")
+        log.add("teardown", PASS, "")
+        return
+    resume_overrides = [*_smoke_overrides(base, world_size), "checkpoint.resume=true", f"run_dir={trainer.run_dir}"]
+    _resume_stages(log, running, load_smoke_config(config_path, overrides, resume_overrides), saved_step,
+                   saved_weights)
+
+
+def _resume_stages(log: StageLog, running: list, config, saved_step: int, saved_weights: dict) -> None:
+    """A fresh trainer resumes from the first one's checkpoint: the same step and weights, then more steps."""
+    log.plugin_manager = config.plugin_manager
+    trainer = running[0] = Trainer(config)
+    with log.stage("resume", detail := {}), _fresh_store_prefix("smoke-resume"):
+        trainer.setup()  # the checkpoint plugin restores at its end (ddpx_train_start)
+        if trainer.global_step != saved_step:
+            raise RuntimeError(f"resumed at step {trainer.global_step}, the checkpoint was step {saved_step}")
+        now = trainer.module.state_dict()
+        changed = [k for k, v in saved_weights.items() if not torch.equal(now[k].cpu(), v.cpu())]
+        if changed:
+            raise RuntimeError(f"resumed weights differ from the saved ones: {', '.join(changed[:3])}")
+        detail["text"] = f"step {saved_step}, weights identical"
+    with log.stage("train after resume", detail := {}):
+        detail["text"] = _train_steps(trainer, saved_step + RESUMED_STEPS)
+    with log.stage("teardown", detail := {}):
+        trainer.finish()
+        trainer.close()
 
 
 def _clear_checkpoints(config) -> None:
