@@ -104,7 +104,7 @@ if hookimpl is not None:
     @hookimpl(tryfirst=True)  # runs first once every batch-end hook and the epoch's loss reduce are done
     def ddpx_evaluate(trainer, loader):
         _mark_end(trainer)
-        return None  # the core evaluates
+        return None  # the trainer evaluates
 
     @hookimpl(tryfirst=True)  # the end mark when the epoch has no evaluation
     def ddpx_epoch_end(trainer, epoch, metrics):

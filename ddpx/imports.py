@@ -1,7 +1,7 @@
 """Objects from import paths: ``resolve("torch.optim.SGD")`` and ``instantiate(section)``.
 
-Config targets (``model.target``), ``plugins.enable`` entries and the core
-plugin are all found this way. Every failure is a one-line
+Config targets (``model.target``), ``plugins.enable`` entries, the built-in plugins
+and the trainer's default hooks are all found this way. Every failure is a one-line
 :class:`~ddpx.errors.DdpxError` naming the config key.
 """
 

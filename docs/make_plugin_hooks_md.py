@@ -35,7 +35,7 @@ def reference_markdown() -> str:
         "",
         "Every hook a ddpx plugin can implement, in the order of a run. Kinds: *every plugin* "
         "(each implementation is called; results are collected), *first result* (the first "
-        "implementation returning something other than `None` wins; the core's default runs last), "
+        "implementation returning something other than `None` wins; the trainer's default runs last), "
         "*wrapper* (implement with `@hookimpl(wrapper=True)` as a generator that yields once). "
         "Writing a plugin, and the built-in plugins: [plugins.md](plugins.md).",
         "",

@@ -106,7 +106,7 @@ class LastAtBatchEnd:
 
 class GradNormRecorder:
     """Records into EVENTS ``(step, total gradient norm)`` of every optimizer step, computed
-    by torch's own ``get_total_norm`` before the core clips and steps."""
+    by torch's own ``get_total_norm`` before the trainer clips and steps."""
 
     @hookimpl
     def ddpx_optimizer_step(self, trainer):
@@ -114,7 +114,7 @@ class GradNormRecorder:
 
         grads = [p.grad for p in trainer.module.parameters() if p.grad is not None]
         EVENTS.append((trainer.global_step + 1, float(torch.nn.utils.get_total_norm(grads))))
-        return None  # the core clips and steps
+        return None  # the trainer clips and steps
 
 
 class NanGradAtStep:

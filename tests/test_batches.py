@@ -60,7 +60,7 @@ def logits_accuracy(outputs, batch):
 
 
 def run(tmp_path, name, *overrides):
-    pm = make_plugin_manager(None, builtins=False, entry_points=False)  # the core alone
+    pm = make_plugin_manager(None, builtins=False, entry_points=False)  # the trainer alone
     config = load_config(None, [f"run_dir={tmp_path}/{name}", "trainer.epochs=2", "data.args.test_fraction=0.5",
                                 "model.args.hidden=32", *overrides], plugin_manager=pm)
     trainer = Trainer(config)

@@ -266,7 +266,7 @@ def test_unknown_comm_hook_name_lists_the_choices():
 
 
 def _amp_trainer(grad_clip=None, init_scale=1024.0):
-    """A stand-in trainer with what the AMP plugin and the core's optimizer step read, on CPU."""
+    """A stand-in trainer with what the AMP plugin and the trainer's optimizer step read, on CPU."""
     from types import SimpleNamespace
 
     from ddpx_plugins.amp import AmpPlugin
@@ -304,13 +304,13 @@ def test_amp_unscales_before_clipping_and_restores_the_scaler():
     true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in reference])).item()
     trainer.scaler.scale(loss).backward()  # what Trainer.backward does
     assert trainer.module.weight.grad.abs().max() > 100 * reference[0].abs().max()  # scaled by 1024
-    core = DefaultHooks()
-    assert core.ddpx_optimizer_step(trainer=trainer) is True
+    defaults = DefaultHooks()
+    assert defaults.ddpx_optimizer_step(trainer=trainer) is True
     assert trainer.norms_seen == [pytest.approx(true_norm, rel=1e-5)]  # clipping saw the true gradients
 
     trainer.module.weight.grad = torch.full_like(trainer.module.weight, math.inf)
     before = trainer.module.weight.detach().clone()
-    assert core.ddpx_optimizer_step(trainer=trainer) is False
+    assert defaults.ddpx_optimizer_step(trainer=trainer) is False
     assert torch.equal(trainer.module.weight, before)
     assert trainer.scaler.get_scale() == 512.0
 

@@ -223,7 +223,7 @@ def test_consecutive_async_saves_reusing_buffers_keep_each_checkpoint_intact(tmp
 
 
 def _stop_agreement(**cfg):
-    """The core's stop agreement with the checkpoint plugin's settings, on a stand-in trainer."""
+    """The trainer's stop agreement with the checkpoint plugin's settings, on a stand-in trainer."""
     from types import SimpleNamespace
 
     from ddpx.train.stopping import StopAgreement

@@ -126,7 +126,7 @@ def test_plugin_sections_are_validated(tmp_path, monkeypatch):
 
 
 def test_default_yaml_is_complete():
-    # The shipped default names every core section explicitly (users copy it).
+    # The shipped default names every one of ddpx's own sections explicitly (users copy it).
     assert {"model", "data", "loss", "optimizer", "scheduler", "trainer"} <= set(read_yaml(DEFAULT_CONFIG))
 
 

@@ -1,4 +1,4 @@
-"""Every config key (core and every built-in plugin's section) and every hookspec
+"""Every config key (ddpx's own and every built-in plugin's section) and every hookspec
 is documented in docs/, and the README's links to docs/ pages resolve."""
 
 import importlib.util

@@ -30,12 +30,12 @@ def ddpx_setup(trainer): calls.append("ddpx_setup")
 @hookimpl
 def ddpx_build_model(trainer):
     calls.append("ddpx_build_model")
-    return torch.nn.Sequential(torch.nn.Linear(64, 10))  # overrides the core's default model
+    return torch.nn.Sequential(torch.nn.Linear(64, 10))  # overrides the trainer's default model
 @hookimpl
 def ddpx_ddp_options(trainer): calls.append("ddpx_ddp_options")
 @hookimpl(wrapper=True)
 def ddpx_wrap_model(trainer, model):
-    wrapped = yield  # the core asks ddpx_ddp_options inside
+    wrapped = yield  # the trainer asks ddpx_ddp_options inside
     calls.append("ddpx_wrap_model")
     return wrapped
 @hookimpl
@@ -57,7 +57,7 @@ def ddpx_forward(trainer, batch):
     calls.append("ddpx_forward")
     return (yield)
 @hookimpl
-def ddpx_optimizer_step(trainer): calls.append("ddpx_optimizer_step")  # None: the core steps
+def ddpx_optimizer_step(trainer): calls.append("ddpx_optimizer_step")  # None: the trainer steps
 @hookimpl
 def ddpx_batch_end(trainer, batch_index, loss, stepped):
     calls.append("ddpx_batch_end")
@@ -195,7 +195,7 @@ def test_hooks_run_in_the_documented_order(plugin_dir, tmp_path):
     trainer.run()
     assert recorder.calls == expected_calls([1, 1, 1], epochs=2)
     assert recorder.batches == [(i % 3, True, i + 1) for i in range(6)]  # (index in the epoch, stepped, step)
-    # The plugin's provider result replaced the core's default model.
+    # The plugin's provider result replaced the trainer's default model.
     assert isinstance(trainer.module, __import__("torch").nn.Sequential)
     assert trainer.global_step == 6 and not dist.is_initialized()  # torn down
 

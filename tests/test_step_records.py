@@ -2,7 +2,7 @@
 
 ``tests/fixtures/step_records.json`` holds the epoch records of ``ddpx train`` on
 the digits default, written by the code before the rewrite (9b8e6f0, the step
-spread over step_hooks, core, amp and accumulation). The same runs now must give
+spread over step_hooks, the default hooks, amp and accumulation). The same runs now must give
 the same records bit for bit on CPU: training loss, evaluation metrics, steps,
 AMP's skips and scale. Only the wall-clock fields differ between runs.
 

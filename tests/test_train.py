@@ -1,4 +1,4 @@
-"""The core loop against a hand-written one, and the default `ddpx train` run end to end."""
+"""The trainer loop against a hand-written one, and the default `ddpx train` run end to end."""
 
 import json
 

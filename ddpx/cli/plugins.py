@@ -10,7 +10,7 @@ def register(subparsers):
     p = subparsers.add_parser(
         "plugins",
         help="list loaded plugins (entry points of group 'ddpx' and plugins.enable) and their hooks",
-        description="Plugins in registration order; a later plugin's hooks run first, the core's last.",
+        description="Plugins in registration order; a later plugin's hooks run first, the trainer's last.",
     )
     p.add_argument("config", nargs="?", default=None, help="YAML config whose plugins section to apply")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. plugins.block=[amp]")

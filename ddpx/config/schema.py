@@ -80,7 +80,7 @@ TARGET_SECTIONS = ("model", "data", "loss", "optimizer", "scheduler")
 FREE_FORM = frozenset(f"{section}.args" for section in TARGET_SECTIONS)
 
 
-# Numeric ranges of core keys: (lowest allowed, whether the lowest itself is allowed, hint).
+# Numeric ranges of ddpx's own keys: (lowest allowed, whether the lowest itself is allowed, hint).
 RANGES: dict = {
     "trainer.epochs": (1, True, "the number of passes over the data"),
     "trainer.batch_size": (1, True, "samples per rank and step"),

@@ -6,7 +6,7 @@ subset of the arguments). Kinds of hook:
 
 * notification hooks return nothing; every plugin's implementation is called;
 * provider hooks (``firstresult=True``) stop at the first implementation that
-  returns something other than ``None``; the core trainer registers the
+  returns something other than ``None``; the trainer registers the
   defaults last (``trylast``), so any plugin can take over;
 * a provider hook may also be implemented as a wrapper, with
   ``@hookimpl(wrapper=True)`` as a generator that ``yield``\\ s once, receives
@@ -48,7 +48,7 @@ END_HOOKS = ("ddpx_train_end",)
 HOOK_ORDER = f"""\
 At start-up (every rank): ddpx_configure (also in the launcher), then
 {" -> ".join(START_HOOKS)}
-(ddpx_ddp_options is asked by the core's ddpx_wrap_model; a checkpoint is restored in ddpx_train_start).
+(ddpx_ddp_options is asked by the trainer's ddpx_wrap_model; a checkpoint is restored in ddpx_train_start).
 
 Every epoch: ddpx_epoch_start, then for every optimizer step (Trainer.train_step):
 
@@ -116,7 +116,7 @@ TRAINER_METHODS = {
     "clip_gradients()": "clip the gradient norm to ``trainer.grad_clip``; returns the norm",
     "watch_grad_norm(step)": "compute ``grad_norm`` at optimizer step ``step`` also without ``grad_clip``",
     "evaluate(loader=None)": "metrics on ``loader`` (default: the eval loader), reduced over all ranks",
-    "state_dict()": "the core's state, each plugin object's ``state_dict()`` under its name, ``ddpx_state_dict`` entries",
+    "state_dict()": "the trainer's state, each plugin object's ``state_dict()`` under its name, ``ddpx_state_dict`` entries",
     "load_state_dict(state)": "restore what ``state_dict()`` holds",
     "plugin(name)": "the registered plugin ``name`` (a built-in plugin's object holds its per-run state); "
                     "a one-line error when it is not loaded",
@@ -189,7 +189,7 @@ def ddpx_wrap_model(trainer: "Trainer", model: "torch.nn.Module") -> Optional["t
 @hookspec
 def ddpx_ddp_options(trainer: "Trainer") -> Optional[Mapping[str, Any]]:
     """Keyword arguments this plugin wants passed to ``DistributedDataParallel``
-    by the core's ``ddpx_wrap_model`` (the comm hook plugin: its hook's
+    by the trainer's ``ddpx_wrap_model`` (the comm hook plugin: its hook's
     ``bucket_cap_mb``). The config's ``trainer.find_unused_parameters``,
     ``static_graph`` and a non-null ``bucket_cap_mb`` win; two plugins asking
     for different values of a key the config leaves open is an error."""
@@ -217,7 +217,7 @@ def ddpx_autocast(trainer: "Trainer") -> Optional[ContextManager]:
 
 @hookspec(firstresult=True)
 def ddpx_grad_scaler(trainer: "Trainer") -> Optional["torch.amp.GradScaler"]:
-    """A ``torch.amp.GradScaler`` for the run (fp16 AMP), or None. The core back-propagates
+    """A ``torch.amp.GradScaler`` for the run (fp16 AMP), or None. The trainer back-propagates
     ``scaler.scale(loss)``, unscales before clipping and skips an optimizer step whose
     gradients overflowed (``trainer.skipped_steps``). Asked once, before ``ddpx_train_start``."""
 
@@ -238,7 +238,7 @@ def ddpx_epoch_start(trainer: "Trainer", epoch: int) -> None:
 @hookspec(firstresult=True)
 def ddpx_step_window(trainer: "Trainer", batch_index: int, num_batches: int) -> Optional[int]:
     """How many micro-batches, from ``batch_index`` on (of ``num_batches`` this epoch
-    on this rank), make the next optimizer step. The core runs all but the last
+    on this rank), make the next optimizer step. The trainer runs all but the last
     under ``no_sync`` and divides each back-propagated loss by this number, so the
     step's gradient is the window's mean (gradient accumulation). Called once per
     optimizer step. None (no plugin answers): 1."""
@@ -248,7 +248,7 @@ def ddpx_step_window(trainer: "Trainer", batch_index: int, num_batches: int) -> 
 def ddpx_forward(trainer: "Trainer", batch: Any) -> "torch.Tensor":
     """Compute the loss of one micro-batch (runs inside ``trainer.autocast``).
 
-    The core implements the body: :func:`ddpx.core.model_loss` (tuple or dict
+    The trainer implements the body: :func:`ddpx.train.batches.model_loss` (tuple or dict
     batches; the loss function, or the model's own loss with ``loss.target: null``).
     A plugin may provide the loss instead, or wrap the body
     (``@hookimpl(wrapper=True)``) to change it.
@@ -261,7 +261,7 @@ def ddpx_optimizer_step(trainer: "Trainer") -> Optional[bool]:
     if the step was applied, False if skipped. Default: through ``trainer.scaler``
     (unscale, clip, ``scaler.step``, ``scaler.update``; False after an fp16
     overflow), or clip and ``optimizer.step()`` without fp16 AMP. Gradients are
-    zeroed by the core afterwards."""
+    zeroed by the trainer afterwards."""
 
 
 @hookspec

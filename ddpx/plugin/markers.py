@@ -2,8 +2,8 @@
 (what plugin authors use: ``from ddpx import hookimpl``).
 
 A leaf module: it imports only pluggy, so the hook specs, the plugin manager,
-the core plugin and every plugin can import the markers without importing
-each other.
+the trainer's default hooks and every plugin can import the markers without
+importing each other.
 """
 
 import pluggy

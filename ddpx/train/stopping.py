@@ -236,6 +236,6 @@ class StopAgreement:
 
 def _nonfinite_loss(trainer, steps) -> None:
     if trainer.scaler.is_enabled():
-        return  # fp16 AMP: the GradScaler skipped those steps; the core reports a scale that collapses
+        return  # fp16 AMP: the GradScaler skipped those steps; the trainer reports a scale that collapses
     first, last = steps
     trainer.nonfinite_loss(f"between optimizer steps {first} and {last} (epoch {trainer.epoch})")

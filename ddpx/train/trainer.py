@@ -58,7 +58,7 @@ class Trainer:
     """One rank's training run.
 
     A non-finite loss or weights (``trainer.nonfinite``): see
-    :meth:`nonfinite_loss`; the core checks the epoch's all-reduced loss, the
+    :meth:`nonfinite_loss`; the trainer checks the epoch's all-reduced loss, the
     checkpoint plugin the loss between its stop checks and the weights before
     every save.
 
@@ -455,7 +455,7 @@ class Trainer:
     # --- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Everything a checkpoint holds: the core's ``model``, ``optimizer``, ``scheduler``
+        """Everything a checkpoint holds: the trainer's ``model``, ``optimizer``, ``scheduler``
         and ``progress``; each plugin object's ``state_dict()`` filed under the plugin's
         name (:func:`ddpx.plugin.manager.stateful_plugins`; None files nothing); and the entries
         of module plugins' ``ddpx_state_dict`` hooks."""
@@ -469,7 +469,7 @@ class Trainer:
             state["scheduler"] = self.scheduler.state_dict()
         for name, plugin in stateful_plugins(self.plugin_manager):
             if name in TRAINER_STATE:
-                raise DdpxError(f"plugin '{name}' cannot keep state under its name: {name!r} is the core's; rename the plugin")
+                raise DdpxError(f"plugin '{name}' cannot keep state under its name: {name!r} is the trainer's; rename the plugin")
             part = plugin.state_dict(self)
             if part is not None:
                 state[name] = part

@@ -1,12 +1,12 @@
 """Gradient accumulation: one optimizer step every ``steps`` micro-batches.
 
 Micro-batches are grouped into windows of ``steps`` (``ddpx_step_window``); the
-core runs all but the last of a window inside ``model.no_sync()`` (DDP
+trainer runs all but the last of a window inside ``model.no_sync()`` (DDP
 communicates once per window) and divides each back-propagated loss by the
 window's size, so the accumulated gradient is the mean over the window, the
 gradient of one big batch. The last window of an epoch is shorter when the epoch
 does not divide, instead of leaking gradients into the next epoch. Logged
-losses are the micro-batches' own; the core steps the LR scheduler once per
+losses are the micro-batches' own; the trainer steps the LR scheduler once per
 optimizer step.
 
 Config section ``accumulation``: ``steps`` (1: no accumulation).

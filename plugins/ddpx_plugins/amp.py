@@ -1,6 +1,6 @@
 """Automatic mixed precision: the forward pass under ``torch.autocast``.
 
-``dtype: fp16`` adds a ``torch.amp.GradScaler``, which the core uses (see
+``dtype: fp16`` adds a ``torch.amp.GradScaler``, which the trainer uses (see
 ``Trainer.train_step``): the loss is scaled before backward, gradients are
 unscaled before ``trainer.clip_gradients()`` (so clipping sees true norms), and
 a step whose gradients overflowed (inf/NaN) is skipped, the scale lowered and

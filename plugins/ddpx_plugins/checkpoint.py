@@ -4,9 +4,9 @@ Saving. Every ``every_steps`` optimizer steps (0: never mid-epoch), at every
 epoch end, when a stop is requested and when training ends, all ranks take part
 in one save, always at an optimizer-step boundary (never inside an
 accumulation window). The content is every plugin's ``ddpx_state_dict``
-(``trainer.state_dict()``: the core's model, optimizer, scheduler and
+(``trainer.state_dict()``: the trainer's model, optimizer, scheduler and
 progress -- step and epoch --, the sampler position, the GradScaler, the
-comm-hook state, ...) plus each rank's RNG states. The core's entries
+comm-hook state, ...) plus each rank's RNG states. The trainer's entries
 (``model``, ``optimizer``, ``scheduler``, ``progress``) are identical on every
 rank under DDP and are taken from rank 0; every other entry and the RNG
 states are per rank and reach rank 0 through one ``gather_object`` (same order
@@ -115,7 +115,7 @@ class CheckpointSession:
         self.writer = AsyncCheckpointWriter(self.directory, async_write=cfg["async_write"])
         self.finite_at = 0  # the last step whose state was checked finite (a save or the resumed checkpoint)
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
-        # The core's stop agreement (ddpx/train/stopping.py): SIGTERM/SIGINT stop every rank
+        # The trainer's stop agreement (ddpx/train/stopping.py): SIGTERM/SIGINT stop every rank
         # after the same step, with a final checkpoint written here.
         self.stops = trainer.agree_on_stops(cfg["stop_check_every"], cfg["stop_check_s"], cfg["stop_timeout_s"],
                                             "checkpoint.stop_timeout_s", "a final checkpoint")
@@ -132,7 +132,7 @@ class CheckpointSession:
 
     def at_step(self, trainer):
         """A stop check and/or a periodic save, at an optimizer-step boundary (also
-        one whose step AMP skipped: the core counts both in global_step)."""
+        one whose step AMP skipped: the trainer counts both in global_step)."""
         stop = self.stops.check(trainer)
         self.schedule(trainer)  # after the check: it moves the next check
         if stop:
@@ -288,7 +288,7 @@ def _refuse_restart_after_divergence(trainer, session) -> None:
 
 # --- collective parts (every rank, same order) -------------------------------------------
 
-# Entries of the core plugin's state: replicated by DDP, so taken from rank 0 only.
+# Entries of the trainer's own state: replicated by DDP, so taken from rank 0 only.
 
 
 def _finite_state(trainer, state) -> bool:

@@ -8,7 +8,7 @@ selects the C++ hook that runs without Python per bucket, where the algorithm
 has one. The hook's state (error feedback, warm starts) is saved in checkpoints
 (key ``"comm_hook"``). If ``ddpx.comm_hooks`` cannot be imported, training falls
 back to DDP's all-reduce and says so once. The DDP bucket size the hook works
-best with (``ddpx.comm_hooks.ddp_options``: 4 MB for ``int8``) is passed to the core's
+best with (``ddpx.comm_hooks.ddp_options``: 4 MB for ``int8``) is passed to the trainer's
 DDP wrap unless ``trainer.bucket_cap_mb`` sets one, and so is
 ``gradient_as_bucket_view=True`` (the hook writes into the bucket, so DDP's copy
 back into ``.grad`` is saved).
