@@ -21,10 +21,7 @@ from ..net import free_port, measure_allreduce_seconds, read_text
 from .checks import FAIL, OK, Check
 
 COLLECTIVE_BYTES = 32 << 20
-WORKER_MODULE = "ddpx.doctor.collectives"
-
-
-COLLECTIVE_BYTES = 32 << 20
+RANK_MODULE = "ddpx.doctor.collectives"  # what each of the local processes runs
 
 
 def run_collectives(nproc: int, timeout_s: float = 120.0, nbytes: int = COLLECTIVE_BYTES,
@@ -44,7 +41,7 @@ def run_collectives(nproc: int, timeout_s: float = 120.0, nbytes: int = COLLECTI
         if hooks is not None:
             env["DDPX_DOCTOR_HOOKS"] = ",".join(hooks)
         log = open(os.path.join(outdir, f"rank{rank}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", RANK_MODULE], env=env,
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout_s
     for p in procs:
@@ -82,7 +79,7 @@ def _collective_report(outdir: str, procs, hung: list[int], timeout_s: float) ->
         checks.append(Check("collectives", FAIL, f"rank {rank} exited with {procs[rank].returncode}: {tail[0]}",
                             f"see {outdir}/rank{rank}.log"))
     if not checks:
-        checks.append(Check("collectives", FAIL, "the workers reported nothing", f"see the logs in {outdir}"))
+        checks.append(Check("collectives", FAIL, "the ranks reported nothing", f"see the logs in {outdir}"))
     return checks
 
 
@@ -157,7 +154,7 @@ def _hook_consistency(name: str, rank: int, world: int, native: bool, scope: str
     return OK, f"ranks agree; relative error vs exact mean {rel_err:.2g} (2 steps, several buckets)"
 
 
-def _collectives_worker() -> int:
+def _collectives_rank() -> int:
     """One rank of ``--collectives`` (started by :func:`run_collectives`)."""
     from datetime import timedelta
 
@@ -218,4 +215,4 @@ def _collectives_worker() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_collectives_worker())
+    sys.exit(_collectives_rank())
