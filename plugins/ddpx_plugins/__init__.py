@@ -1,1 +1,2 @@
-"""Built-in ddpx plugins, registered through the `ddpx` entry-point group like any third-party plugin."""
+"""Built-in ddpx plugins. Every run loads them (``ddpx/plugin/builtin.py`` lists them) unless
+``plugins.block`` names them; they use the same hooks as a third-party plugin."""
