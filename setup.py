@@ -97,8 +97,10 @@ setup(
     long_description=open(os.path.join(ROOT, "README.md")).read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=find_packages(include=["ddpx", "ddpx.*"]) + ["ddpx_plugins"],
+    packages=find_packages(include=["ddpx", "ddpx.*"])
+    + find_packages("plugins", include=["ddpx_plugins", "ddpx_plugins.*"]),
     # plugins/ is a source root: the folder plugins/ddpx_plugins is named as it is imported
+    # (its subpackages, e.g. ddpx_plugins.logging, follow from this one entry)
     package_dir={"ddpx_plugins": "plugins/ddpx_plugins"},
     package_data={"ddpx": ["data/*.csv.gz", "config/*.yaml"]},
     ext_modules=_extensions(),

@@ -424,7 +424,7 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(ranks, tmp_path):
 def test_progress_bar_loss_follows_training(capsys):
     """The bar shows the mean loss since its previous redraw, not the last step line's."""
     from ddpx.train.losses import EpochLosses
-    from ddpx_plugins.logging import MetricsLog
+    from ddpx_plugins.logging.metrics_log import MetricsLog
 
     losses = EpochLosses()  # what the trainer keeps
     log = MetricsLog(every_steps=50, progress=True, samples_per_batch=32)

@@ -151,7 +151,7 @@ def test_mlflow_default_local_store_and_resume(make_config, tmp_path):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    from ddpx_plugins.logging import local_mlflow_uri
+    from ddpx_plugins.logging.trackers import local_mlflow_uri
 
     run_dir = tmp_path / "run"
     tracked = [*RUN, "logging.mlflow.experiment=digits"]

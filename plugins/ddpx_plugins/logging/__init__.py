@@ -1,0 +1,179 @@
+"""Progress bar, rank-aware log messages and ``metrics.jsonl``.
+
+* Rank 0 shows a tqdm progress bar (one for the whole run, labelled with the
+  epoch) with the training loss (rank 0's mean micro-batch loss since the
+  previous redraw, read from a loss window of its own at the redraw, about
+  every ``progress.BAR_SECONDS``) and the throughput in samples/s (all ranks together:
+  ``world_size * batch_size`` per micro-batch, from the latest step line).
+* Log messages of the ``ddpx`` logger (``trainer.log``) carry a rank prefix
+  (``[rank1] ...``); by default only rank 0's info messages are shown (warnings
+  and errors of every rank always are); ``all_ranks: true`` shows every rank's.
+* Rank 0 appends one JSON line to ``<run_dir>/<metrics_file>`` every
+  ``every_steps`` optimizer steps (``kind: "step"``: ``step``, ``epoch``, ``loss``
+  = rank 0's mean micro-batch loss since the previous line, ``lr``,
+  ``samples_per_s``, ``time``) and one per epoch (``kind: "epoch"``: ``step``,
+  ``epoch`` and the epoch's metrics, e.g. ``loss``, ``accuracy``). The
+  micro-batch losses come from a loss window of the trainer
+  (``trainer.open_loss_window``): device tensors, summed and read (one
+  ``.item()``) only on logged steps.
+* Every step line also carries ``grad_norm`` (the total gradient norm of that
+  step: ``trainer.watch_grad_norm``), ``amp_scale`` (fp16), and the comm hook's
+  ``comm_wire_bytes_per_step`` (this rank's sent bytes per optimizer step since
+  the previous line) and ``comm_compression``.
+* The same records go to every backend (:class:`trackers.Backend`: log the resolved
+  config once, log metrics at a step, log a file, close), all on rank 0:
+  ``metrics.jsonl`` always; ``tensorboard: true`` (``ddpx[tensorboard]``):
+  ``<run_dir>/tensorboard``; ``wandb.project`` set (``ddpx[wandb]``): a Weights
+  & Biases run; ``mlflow.experiment`` set (``ddpx[mlflow]``): an MLflow run.
+  Scalar names there: ``train/<key>`` for step lines (``comm/<key>`` for the
+  comm hook's), ``epoch/<metric>`` for epoch lines; the x axis is the
+  optimizer step. W&B and MLflow runs are resumed (the run id is kept in the
+  run directory), and get ``metrics.jsonl`` and the final checkpoint as files.
+* Nothing runs per step: on rank 0, when there is a bar or step lines, the
+  plugin is called (``trainer.call_at_step``) at logged steps and, for the
+  bar, about every ``progress.BAR_SECONDS`` (the number of steps adapts to the step
+  time); the bar also advances at the epoch end.
+
+Config section ``logging``: ``progress`` (true), ``all_ranks`` (false),
+``every_steps`` (50, as Lightning's ``log_every_n_steps``; 0 writes only
+per-epoch lines), ``metrics_file`` (``metrics.jsonl``; relative to the run
+directory), ``tensorboard`` (false), ``wandb`` (``project``, ``entity``,
+``name``, ``tags``, ``mode``), ``mlflow`` (``tracking_uri``, ``experiment``,
+``run_name``).
+
+Per-run state: ``trainer.plugin("logging").state`` (a :class:`metrics_log.MetricsLog`; docs/plugins.md, "Per-run state").
+
+This module is the plugin (its config section and hooks); ``console``: the logger set-up,
+``progress``: the bar, ``metrics_log``: the run's records, ``trackers``: the backends.
+"""
+
+import importlib.util
+import math
+import time
+
+from ddpx import hookimpl
+from ddpx.errors import DdpxError
+
+from .console import configure_logger
+from .metrics_log import MetricsLog
+from .trackers import open_backends, wanted_backends
+
+__all__ = ["LoggingPlugin"]
+
+EXTRAS = {  # config key -> (import name, extra)
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+}
+
+
+def _importable(module):
+    try:
+        if module == "torch.utils.tensorboard":
+            import torch.utils.tensorboard  # noqa: F401  (itself checks for the tensorboard package)
+
+            return True
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+def _format(value):
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class LoggingPlugin:
+    """``state``: the run's :class:`MetricsLog` (None before ``ddpx_setup``)."""
+
+    def __init__(self):
+        self.state = None
+
+    @hookimpl
+    def ddpx_config_defaults(self):
+        return {"logging": {"progress": True, "all_ranks": False, "every_steps": 50, "metrics_file": "metrics.jsonl",
+                            "tensorboard": False,
+                            "wandb": {"project": None, "entity": None, "name": None, "tags": [], "mode": None},
+                            "mlflow": {"tracking_uri": None, "experiment": None, "run_name": None}}}
+
+    @hookimpl
+    def ddpx_configure(self, config):
+        cfg = config.section("logging")
+        if cfg["every_steps"] < 0:
+            raise DdpxError(f"logging.every_steps must be 0 (epoch lines only) or more (got {cfg['every_steps']})")
+        if not cfg["metrics_file"]:
+            raise DdpxError("logging.metrics_file must name a file (e.g. metrics.jsonl)")
+        mode = cfg["wandb"]["mode"]
+        if mode not in (None, "online", "offline", "disabled"):
+            raise DdpxError(f"logging.wandb.mode must be online, offline, disabled or null (got {mode!r})")
+        if cfg["wandb"]["project"] is not None and not isinstance(cfg["wandb"]["project"], str):
+            raise DdpxError(f"logging.wandb.project must be a project name (got {cfg['wandb']['project']!r})")
+        if cfg["mlflow"]["experiment"] is not None and not isinstance(cfg["mlflow"]["experiment"], str):
+            raise DdpxError(f"logging.mlflow.experiment must be an experiment name (got {cfg['mlflow']['experiment']!r})")
+        for name in wanted_backends(cfg):
+            module, extra = EXTRAS[name]
+            if not _importable("torch.utils.tensorboard" if name == "tensorboard" else module):
+                turn_off = {"tensorboard": "tensorboard=false", "wandb": "wandb.project=null",
+                            "mlflow": "mlflow.experiment=null"}[name]
+                raise DdpxError(f"logging.{name} needs the {module} package: pip install 'ddpx[{extra}]' "
+                                f"(or set logging.{turn_off})")
+
+    @hookimpl(tryfirst=True)  # before other plugins log from their setup hooks
+    def ddpx_setup(self, trainer):
+        cfg = trainer.config.section("logging")
+        configure_logger(trainer.rank, cfg["all_ranks"])
+        samples_per_batch = trainer.world_size * trainer.config.trainer.batch_size
+        self.state = MetricsLog(cfg["every_steps"], cfg["progress"], samples_per_batch)
+
+    @hookimpl
+    def ddpx_train_start(self, trainer):
+        log = self.state
+        log.start = log.mark = time.perf_counter()
+        if trainer.rank != 0:
+            return
+        log.backends = open_backends(trainer, trainer.config.section("logging"))
+        if log.progress or log.every_steps > 0:
+            log.window = trainer.open_loss_window()
+            if log.progress:
+                log.bar_window = trainer.open_loss_window()
+            log.last_call = (trainer.global_step, log.start)
+            log.schedule(trainer)
+
+    @hookimpl(trylast=True)  # after the sampler has set the epoch: len(train_loader) is this epoch's
+    def ddpx_epoch_start(self, trainer, epoch):
+        log = self.state
+        log.mark = time.perf_counter()
+        if log.window is None:
+            return
+        log.epoch_base = log.window.pending
+        # The bar's step time is measured within epochs: evaluation (or anything
+        # else between epochs) would make it look slow and the bar update every step.
+        log.last_call = (trainer.global_step, log.mark)
+        if log.progress:
+            epochs_left = trainer.config.trainer.epochs - epoch
+            has_len = hasattr(trainer.train_loader, "__len__")
+            log.start_bar(epoch, len(trainer.train_loader) * epochs_left if has_len else None)
+
+    @hookimpl(trylast=True)  # after other plugins added their entries to ``metrics``
+    def ddpx_epoch_end(self, trainer, epoch, metrics):
+        log = self.state
+        if trainer.rank != 0:
+            return
+        log.advance_bar()
+        log.log_metrics("epoch", trainer.global_step, {"epoch": epoch, **{k: v for k, v in metrics.items()
+                                                                            if k != "step"}})
+        shown = "  ".join(f"{k} {_format(v)}" for k, v in metrics.items() if k not in ("epoch", "step"))
+        trainer.log.info("epoch %d (step %d): %s", epoch, trainer.global_step, shown)
+
+    @hookimpl(wrapper=True)  # around every other plugin's: the final checkpoint is written when it closes
+    def ddpx_train_end(self, trainer):
+        result = yield
+        self.state.close(trainer)
+        return result
+
+    @hookimpl
+    def ddpx_exception(self, trainer, exc):
+        log, self.state = self.state, None
+        if log is not None:  # None: ddpx_setup did not run
+            log.close(failed=True)
