@@ -212,7 +212,7 @@ def _codec(compression, tensors, op, process_group):
     if compression is None or compression == "allreduce":
         return _plain
     from . import comm_hooks
-    from .comm_hooks.base import HookState
+    from .comm_hooks.state import HookState
 
     if isinstance(compression, HookState):
         state = compression

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx.comm_hooks
 from ddpx.rank import process_group
-from ddpx.comm_hooks import base
+from ddpx.comm_hooks import executor
 
 HOOKS = ["int8", "powersgd"]  # the multi-phase hooks: they run on a worker thread
 
@@ -49,7 +49,7 @@ def group(tmp_path):
     # leave no thread to the next test, whatever this one did
     for t in threading.enumerate():
         if t.name.startswith("ddpx-"):
-            t.join(5 * base.IDLE_CHECK_S)
+            t.join(5 * executor.IDLE_CHECK_S)
 
 
 def trained(name, native):
@@ -82,7 +82,7 @@ def test_idle_worker_ends_when_its_group_is_destroyed(group, native):
     ddp, state = trained("powersgd", native)  # both kept alive
     assert ddpx_threads()
     dist.destroy_process_group()
-    assert wait_for_no_ddpx_threads(5 * base.IDLE_CHECK_S) == []
+    assert wait_for_no_ddpx_threads(5 * executor.IDLE_CHECK_S) == []
     del ddp, state
 
 

@@ -24,7 +24,7 @@ import pkgutil
 import torch
 
 from ..errors import DdpxError
-from .base import HookState, hook
+from .state import HookState, hook
 
 log = logging.getLogger("ddpx.comm_hooks")
 
@@ -42,7 +42,7 @@ def _registry() -> dict[str, type]:
     if _REGISTRY is None:
         found: dict[str, type] = {}
         for info in pkgutil.iter_modules(__path__):
-            if info.name.startswith("_") or info.name == "base":
+            if info.name.startswith("_") or info.name in ("state", "executor"):
                 continue
             module = importlib.import_module(f".{info.name}", __name__)
             for cls in getattr(module, "HOOKS", ()):

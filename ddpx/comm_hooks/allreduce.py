@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import HookState, ring_allreduce_bytes
+from .state import HookState, ring_allreduce_bytes
 
 
 def allreduce_average(state: HookState, bucket) -> torch.futures.Future:

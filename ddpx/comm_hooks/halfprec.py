@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .base import LossyState, ring_allreduce_bytes
+from .state import LossyState, ring_allreduce_bytes
 from .twophase import Piece, Scoped
 
 

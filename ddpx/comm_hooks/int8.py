@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .base import LossyState, Option, non_negative, positive_multiple_of
+from .state import LossyState, Option, non_negative, positive_multiple_of
 from .twophase import (Piece, TwoPhaseState, all_gather_single, piece_elements, piece_ranges, piece_spans,
                        segment_spans)
 

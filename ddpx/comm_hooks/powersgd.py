@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .base import HookState, LossyState, Option, non_negative, ring_allreduce_bytes
+from .state import HookState, LossyState, Option, non_negative, ring_allreduce_bytes
 from .twophase import Piece, TwoPhaseState
 
 

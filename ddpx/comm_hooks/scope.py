@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .base import BucketLayout, ring_allreduce_bytes
+from .state import BucketLayout, ring_allreduce_bytes
 from .twophase import Piece, Pipelined
 
 log = logging.getLogger("ddpx.comm_hooks")

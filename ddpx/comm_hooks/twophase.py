@@ -41,7 +41,7 @@ import torch.distributed as dist
 from typing import Any
 
 from .allreduce import allreduce_average
-from .base import LossyState, profiled
+from .state import LossyState, profiled
 
 _UNRESOLVED = object()
 
