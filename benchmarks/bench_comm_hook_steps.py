@@ -9,7 +9,7 @@ Reports, per hook and path (native C++ / Python):
 * ``ratio``: the median over rounds of (hook step time / no-hook step time);
 * ``aten_calls_per_step``: operator calls the profiler records per step
   (``aten::*`` and ``ddpx::*``, nested calls included), with and without the hook,
-  and those on the hook's worker thread (the multi-phase hooks' own work);
+  and those on the hook's executor thread (the multi-phase hooks' own work);
 * ``hook_buffer_bytes``: the hook's persistent buffers (its layouts' tensors), next to
   the model's gradient bytes.
 
@@ -112,7 +112,7 @@ class Loop:
 
 
 def profile(loop, batches, steps):
-    """(operator calls, operator calls off the main thread: the hook's worker) per step. Every thread is recorded where torch can (2.5+'s
+    """(operator calls, operator calls off the main thread: the hook's executor) per step. Every thread is recorded where torch can (2.5+'s
     ``profile_all_threads``); elsewhere only the main thread's calls count."""
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -127,12 +127,12 @@ def profile(loop, batches, steps):
         for _ in range(steps):
             loop.step(batches)
     main = next(e.thread for e in prof.events() if e.name == "bench_hook_steps_main")
-    calls = worker_calls = 0
+    calls = executor_calls = 0
     for e in prof.events():
         if e.name.startswith(("aten::", "ddpx::")):
             calls += 1
-            worker_calls += e.thread != main
-    return calls / steps, worker_calls / steps
+            executor_calls += e.thread != main
+    return calls / steps, executor_calls / steps
 
 
 def measure(hook, native, args, model, batches) -> dict:
@@ -148,12 +148,12 @@ def measure(hook, native, args, model, batches) -> dict:
         times["hook"].append(t[id(hooked)])
         ratios.append(t[id(hooked)] / t[id(plain)])
     calls_plain, _ = profile(plain, batches, args.profile_steps)
-    calls_hook, calls_worker = profile(hooked, batches, args.profile_steps)
+    calls_hook, calls_executor = profile(hooked, batches, args.profile_steps)
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())
     result = {"hook": hook, "path": "native" if native else "python", "ratio": statistics.median(ratios),
               "plain_ms": statistics.median(times["plain"]) * 1e3, "hook_ms": statistics.median(times["hook"]) * 1e3,
               "aten_calls_per_step": {"hook": calls_hook, "plain": calls_plain, "difference": calls_hook - calls_plain,
-                                      "hook_worker_thread": calls_worker},
+                                      "hook_executor_thread": calls_executor},
               "hook_buffer_bytes": hooked.buffer_bytes(),
               "grad_bytes": grad_bytes}
     if hooked.state is not None and hasattr(hooked.state, "close"):
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
             c = r["aten_calls_per_step"]
             print(f"{r['hook']:>9} {r['path']:>6}: step {r['hook_ms']:.1f} ms vs {r['plain_ms']:.1f} without "
                   f"(ratio {r['ratio']:.3f}); operator calls/step {c['hook']:.0f} vs {c['plain']:.0f} "
-                  f"(on the hook's worker thread {c['hook_worker_thread']:.0f}); "
+                  f"(on the hook's executor thread {c['hook_executor_thread']:.0f}); "
                   f"buffers {r['hook_buffer_bytes'] / 1e6:.2f} MB for {r['grad_bytes'] / 1e6:.2f} MB of gradients")
     from ddpx.rank import process_group
 

@@ -1,4 +1,4 @@
-"""No ddpx comm-hook worker thread outlives its hook state, its DDP model or its
+"""No ddpx comm-hook executor thread outlives its hook state, its DDP model or its
 process group (Python and native paths): a thread left over from an earlier run
 in the same process kept CUDA/NCCL resources alive on the GPU machine. One rank,
 in this process, over gloo."""
@@ -17,11 +17,11 @@ import ddpx.comm_hooks
 from ddpx.rank import process_group
 from ddpx.comm_hooks import executor
 
-HOOKS = ["int8", "powersgd"]  # the multi-phase hooks: they run on a worker thread
+HOOKS = ["int8", "powersgd"]  # the multi-phase hooks: they run on an executor thread
 
 
 def ddpx_threads() -> list[str]:
-    """Names of this process's ddpx worker threads, Python ('ddpx-int8-hook') and native ('ddpx-int8')."""
+    """Names of this process's ddpx executor threads, Python ('ddpx-int8-hook') and native ('ddpx-int8')."""
     names = [t.name for t in threading.enumerate() if t.name.startswith("ddpx-")]
     for comm in Path("/proc/self/task").glob("*/comm"):
         try:
@@ -66,19 +66,19 @@ def trained(name, native):
 
 @pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
 @pytest.mark.parametrize("name", HOOKS)
-def test_worker_ends_with_its_model_and_state(group, name, native):
+def test_executor_ends_with_its_model_and_state(group, name, native):
     ddp, state = trained(name, native)
-    assert ddpx_threads(), "the hook's worker thread is not running (or not named ddpx-...)"
+    assert ddpx_threads(), "the hook's executor thread is not running (or not named ddpx-...)"
     del ddp, state
     gc.collect()
     # before the group goes: the state's finalizer / the reducer's destructor ends it. Where the
-    # worker itself held the last reference (the job it just finished), the finalizer ran on the
-    # worker, which cannot join itself: it ends right after, so allow a moment, not the idle check
+    # executor itself held the last reference (the job it just finished), the finalizer ran on the
+    # executor, which cannot join itself: it ends right after, so allow a moment, not the idle check
     assert wait_for_no_ddpx_threads(1.0) == []
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
-def test_idle_worker_ends_when_its_group_is_destroyed(group, native):
+def test_idle_executor_ends_when_its_group_is_destroyed(group, native):
     ddp, state = trained("powersgd", native)  # both kept alive
     assert ddpx_threads()
     dist.destroy_process_group()
@@ -87,7 +87,7 @@ def test_idle_worker_ends_when_its_group_is_destroyed(group, native):
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
-def test_close_ends_the_worker_and_the_hook(group, native):
+def test_close_ends_the_executor_and_the_hook(group, native):
     ddp, state = trained("int8", native)
     state.close()
     assert ddpx_threads() == []

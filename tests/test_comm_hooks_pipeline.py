@@ -65,7 +65,7 @@ class _RecordingPipeline:
                 assert gather == f"ag {pc.name}"
                 self.log.append(f"finish {pc.name}")
 
-        state = object.__new__(Recording)  # only the pipeline: no group, no worker
+        state = object.__new__(Recording)  # only the pipeline: no group, no executor
         state._advancing, state._finishing = None, []  # what TwoPhaseState.__init__ sets
         state.log = []
         return state

@@ -180,9 +180,9 @@ def register(ddp_model, name: str, native: bool = True, **options) -> HookState:
 
         try:
             kind = _native_kind(state)
-            worker_group = state.worker_group if state.multi_phase and kind == state.native_kind else None
+            executor_group = state.executor_group if state.multi_phase and kind == state.native_kind else None
             state._native_close = _C.register_native_comm_hook(ddp_model.reducer, state.process_group,
-                                                               worker_group, state, kind)
+                                                               executor_group, state, kind)
         except (TypeError, RuntimeError) as exc:
             reason = f"the reducer did not accept the native hook ({exc})"
         else:

@@ -5,10 +5,10 @@ collectives directly in the hook: DDP calls hooks in bucket order on every
 rank. Multi-phase formats (int8, onebit, powersgd) issue collectives that
 depend on earlier results; doing that in future callbacks would issue them in
 whatever order the network finishes (the bug behind torch's powerSGD crash on
-gloo). They run on one FIFO worker thread per state instead, so every rank
+gloo). They run on one FIFO executor thread per state instead, so every rank
 issues every collective in bucket order, with several buckets queued at once
-and backward computation overlapping the communication. The worker uses its
-own process group (``worker_group``, a private copy of the hook's group made
+and backward computation overlapping the communication. The executor uses its
+own process group (``executor_group``, a private copy of the hook's group made
 at the same point on every rank): DDP itself issues collectives on the main
 group while buckets are still in flight (e.g. the unused-parameter map with
 ``find_unused_parameters=True``), and two threads sharing one group would
@@ -28,15 +28,15 @@ import torch.distributed as dist
 from ..errors import DdpxError
 
 
-# How often an idle worker thread checks that its process group still exists
+# How often an idle executor thread checks that its process group still exists
 # (one wake-up per interval while idle, nothing per step).
 IDLE_CHECK_S = 1.0
 # How long close() waits for a job in progress to end.
 CLOSE_TIMEOUT_S = 30.0
 
 
-class SerialWorker:
-    """A FIFO worker thread: jobs run one after another, in submission order.
+class SerialExecutor:
+    """A FIFO executor thread: jobs run one after another, in submission order.
 
     ``submit(fn, device)`` returns a torch Future completed with ``fn()``'s
     result (or its exception). ``submit_deferred(fn, device)`` calls
@@ -45,15 +45,15 @@ class SerialWorker:
     so collectives are issued in the order DDP hands buckets over -- the same
     on every rank.
 
-    The thread (named ``name``) ends when the worker is closed (``close()``,
-    also when the worker is garbage-collected with its hook state) and when,
+    The thread (named ``name``) ends when the executor is closed (``close()``,
+    also when the executor is garbage-collected with its hook state) and when,
     idle, it finds ``group`` destroyed; a later submit after that starts a new one.
     """
 
     def __init__(self, name: str, group=None):
         self._jobs = _JobQueue(name, group)
-        # the queue, not the worker, runs the thread: so the thread does not keep
-        # the worker (and the hook state owning it) alive
+        # the queue, not the executor, runs the thread: so the thread does not keep
+        # the executor (and the hook state owning it) alive
         self._finalizer = weakref.finalize(self, self._jobs.close)
         self._finalizer.atexit = False  # at exit the daemon thread just ends: no wait for a stuck job
 
@@ -78,7 +78,7 @@ class SerialWorker:
 
 
 class _JobQueue:
-    """A SerialWorker's jobs and the thread that runs them."""
+    """A SerialExecutor's jobs and the thread that runs them."""
 
     def __init__(self, name: str, group):
         self.name = name

@@ -63,7 +63,7 @@ class HalfPrecisionState(Scoped, LossyState):
     def start_phase1(self, buf, lay, pc):
         for off, n, poff in lay.comp_runs:
             ops.scale_cast(buf.narrow(0, off, n), 1.0 / self.world_size, self.dtype, out=lay.wire.narrow(0, poff, n))
-        return dist.all_reduce(lay.wire, group=self.worker_group, async_op=True)
+        return dist.all_reduce(lay.wire, group=self.executor_group, async_op=True)
 
     def result_message(self, lay, pc):
         return lay.wire  # the summed 16-bit values

@@ -10,7 +10,7 @@ int8 codes are not summable, so the bucket is reduced by hand in two phases:
    ``all_gather_single`` gives every rank every averaged chunk, which is
    dequantized into the bucket.
 
-Buckets are pipelined on the worker (ddpx/comm_hooks/twophase.py): bucket i's
+Buckets are pipelined on the executor (ddpx/comm_hooks/twophase.py): bucket i's
 quantize and all-to-all start before bucket i-1's reduce and all-gather, and
 bucket i-2 is decoded only then, so the link has the next collective queued
 while the CPU codes a neighbour. The order is fixed (A2A 0, A2A 1, AG 0,
@@ -135,7 +135,7 @@ class Int8State(TwoPhaseState):
             for r in range(world):
                 ops.int8_quantize(lay.comp.narrow(0, r * s + pc.base, c), block,
                                   lay.worker_error.narrow(0, r * s + pc.base, c), out_q=q[r], out_scales=scales[r])
-        return dist.all_to_all_single(pc.recv, pc.send, group=self.worker_group, async_op=True)
+        return dist.all_to_all_single(pc.recv, pc.send, group=self.executor_group, async_op=True)
 
     def start_phase2(self, buf, lay, pc, exchange):
         """Average this rank's chunk of the piece in fp32, server error feedback, requantize, start the all-gather."""
@@ -147,7 +147,7 @@ class Int8State(TwoPhaseState):
         ops.int8_dequant_accumulate_(pc.reduced, q, scales, block, 1.0 / world)
         ops.int8_quantize(pc.reduced, block, lay.server_error.narrow(0, rank * pc.stride + pc.base, pc.chunk),
                           out_q=q2[0], out_scales=scales2[0])
-        return all_gather_single(pc.recv2, pc.send2, group=self.worker_group, async_op=True)
+        return all_gather_single(pc.recv2, pc.send2, group=self.executor_group, async_op=True)
 
     def finish(self, buf, lay, pc, gather):
         """Dequantize every averaged chunk of the piece into the bucket."""

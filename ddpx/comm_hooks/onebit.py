@@ -203,7 +203,7 @@ class OnebitState(TwoPhaseState):
                 _, scales, bits = self._views(pc, pc.send, m)
                 ops.onebit_pack(comp_buf.narrow(0, r * s + pc.base, m), chunk,
                                 lay.worker_error.narrow(0, r * s + pc.base, m), out_bits=bits[r], out_scales=scales[r])
-        return dist.all_to_all_single(pc.recv, pc.send, group=self.worker_group, async_op=True)
+        return dist.all_to_all_single(pc.recv, pc.send, group=self.executor_group, async_op=True)
 
     def start_phase2(self, buf, lay, pc, exchange):
         """Average this rank's segment of the piece in fp32, server error feedback, re-pack, start the all-gather."""
@@ -216,7 +216,7 @@ class OnebitState(TwoPhaseState):
         ops.onebit_average_repack(bits, scales, chunk, 1.0 / world,
                                   lay.server_error.narrow(0, rank * pc.stride + pc.base, m),
                                   out_bits=bits2[0], out_scales=scales2[0])
-        return all_gather_single(pc.recv2, pc.send2, group=self.worker_group, async_op=True)
+        return all_gather_single(pc.recv2, pc.send2, group=self.executor_group, async_op=True)
 
     def finish(self, buf, lay, pc, gather):
         """Unpack every averaged segment of the piece into the bucket."""

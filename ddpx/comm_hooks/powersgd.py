@@ -24,7 +24,7 @@ load resets them (Q redrawn). A matrix whose P is non-finite (a NaN/Inf
 gradient on some rank) comes out NaN, so GradScaler skips the step; it keeps
 its previous error (M - G, where that is finite, else 0) and draws a fresh Q.
 
-The P and Q phases depend on each other, so they run on the state's FIFO worker
+The P and Q phases depend on each other, so they run on the state's FIFO executor
 thread, pipelined across buckets (ddpx/comm_hooks/twophase.py): every rank issues
 P0, P1, Q0, P2, Q1, ..., Q last (torch 2.13's ``powerSGD_hook`` issues the Q
 allreduce from a future callback, in completion order, and crashes on gloo
@@ -222,7 +222,7 @@ class PowerSGDState(TwoPhaseState):
             qt.copy_(q.transpose(1, 2))
         for grad, (key, _, _, _, error, p, p_prev, qt, q) in zip(self._grads(buf, pc), pc.views):
             ops.lowrank_project_(grad, error, p_prev, qt, p)  # error = (G + error) - P' Q'^T = M; P = M Q
-        return dist.all_reduce(pc.pbuf, group=self.worker_group, async_op=True)
+        return dist.all_reduce(pc.pbuf, group=self.executor_group, async_op=True)
 
     def start_phase2(self, buf, lay, pc, reduce_p):
         """Orthogonalize the piece's P's, a batch per shape; Q = M^T P, all in one allreduce.
@@ -236,7 +236,7 @@ class PowerSGDState(TwoPhaseState):
             ops.lowrank_transpose_project_(error, p, qt)  # Q^T = P^T M, reading M row by row
         for _, q, qt, _ in pc.batch_views:
             q.copy_(qt.transpose(1, 2))
-        return dist.all_reduce(pc.q, group=self.worker_group, async_op=True)
+        return dist.all_reduce(pc.q, group=self.executor_group, async_op=True)
 
     def finish(self, buf, lay, pc, reduce_q):
         """P Q^T into the bucket, P kept for the next step; the exempt values back into the bucket."""

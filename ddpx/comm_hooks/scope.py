@@ -186,7 +186,7 @@ def shard_key(param_keys, topo) -> int:
 
 class InterNode(Pipelined):
     """The ``inter_node`` plan of one hook state: layouts and the three stages, pipelined
-    as the two-phase hooks are (ddpx/comm_hooks/twophase.py), on the state's worker.
+    as the two-phase hooks are (ddpx/comm_hooks/twophase.py), on the state's executor.
 
     Stage 2 is ``inner``, a state of the hook's own class on ``cross_group``, run
     through its phase functions on the node's shard of each bucket (``fp16``/``bf16``:
@@ -217,7 +217,7 @@ class InterNode(Pipelined):
         if not self.keep_whole:  # the shard is one compressed tensor
             opts.update({k: v for k, v in (("min_numel", 0), ("compress_vectors", True)) if k in cls.options})
         self.inner = cls(process_group=topo.cross_group, **opts)
-        self.inner._worker_group = topo.cross_group  # private to the hooks: the worker may use it directly
+        self.inner._executor_group = topo.cross_group  # private to the hooks: the executor may use it directly
         self.inner.memory = state.memory
         if self.keep_whole:  # the same parameter keys: memory is the global hook's, per parameter
             self.inner.key_of = state.key_of
@@ -281,7 +281,7 @@ class InterNode(Pipelined):
         lay = self.layout(bucket.index(), bucket.parameters())
         last = bucket.is_last()
         st.count(buf.numel(), self.wire_bytes(lay), last)
-        return st.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
+        return st.executor().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
 
     def _stage_in(self, buf, lay) -> None:
         """Stage 1, inside the node, exact: the node's sum of this rank's shard (or of the

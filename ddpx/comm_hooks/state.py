@@ -14,7 +14,7 @@ DDP's initial bucket order, which is deterministic for a given model and
 new layout adopts each parameter's memory, so nothing is lost or mixed.
 
 Collective order. Multi-phase hooks issue their collectives on the state's
-FIFO worker (``state.worker()``, on ``state.worker_group``); see
+FIFO executor (``state.executor()``, on ``state.executor_group``); see
 ddpx/comm_hooks/executor.py for why.
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DdpxError
-from .executor import SerialWorker
+from .executor import SerialExecutor
 
 log = logging.getLogger("ddpx.comm_hooks")
 
@@ -152,7 +152,7 @@ class HookState:
     memories: tuple[str, ...] = ()
     # the C++ algorithm that runs this state natively (its DDPX_REGISTER_NATIVE_HOOK kind), or None
     native_kind: str | None = None
-    # collectives depend on earlier results: run on the worker, on worker_group
+    # collectives depend on earlier results: run on the executor, on executor_group
     multi_phase = False
     # the DDP bucket size this hook works best with (None: DDP's default 25 MB); see ddp_options()
     bucket_cap_mb: float | None = None
@@ -176,10 +176,10 @@ class HookState:
         # memory[name][key] = flat tensor (a live view into a layout buffer, or
         # a loaded tensor waiting for its parameter's layout)
         self.memory: dict[str, dict[int, torch.Tensor]] = {m: {} for m in self.memories}
-        self._worker: SerialWorker | None = None
-        self._worker_group = None
+        self._executor: SerialExecutor | None = None
+        self._executor_group = None
         self.native = False  # set by ddpx.comm_hooks.register when the C++ hook runs it
-        self._native_close: Callable[[], None] | None = None  # ends the native hook's worker (register sets it)
+        self._native_close: Callable[[], None] | None = None  # ends the native hook's executor (register sets it)
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------- options
@@ -290,29 +290,29 @@ class HookState:
         return int(self.counters[2])
 
     @property
-    def worker_group(self):
-        """The private process group of the worker's collectives (same ranks as
+    def executor_group(self):
+        """The private process group of the executor's collectives (same ranks as
         ``process_group``); created on first use, which is the same point on
         every rank (the first compressed bucket, or ``ddpx.comm_hooks.register``)."""
-        if self._worker_group is None:
+        if self._executor_group is None:
             group = self.process_group
-            self._worker_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
-                                                backend=dist.get_backend(group), use_local_synchronization=True)
-        return self._worker_group
+            self._executor_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
+                                                  backend=dist.get_backend(group), use_local_synchronization=True)
+        return self._executor_group
 
-    def worker(self) -> SerialWorker:
-        """The FIFO worker of multi-phase hooks; call from run_bucket (DDP's thread)."""
-        if self._worker is None:
-            self._worker = SerialWorker(f"ddpx-{self.name}-hook", self.worker_group)
-        return self._worker
+    def executor(self) -> SerialExecutor:
+        """The FIFO executor of multi-phase hooks; call from run_bucket (DDP's thread)."""
+        if self._executor is None:
+            self._executor = SerialExecutor(f"ddpx-{self.name}-hook", self.executor_group)
+        return self._executor
 
     def close(self) -> None:
-        """End this hook's worker thread (the native hook's too) after the jobs in
+        """End this hook's executor thread (the native hook's too) after the jobs in
         flight; the hook must not run again. Garbage collection of the state (and of
-        the DDP model, for the native hook) does the same, and an idle worker ends
+        the DDP model, for the native hook) does the same, and an idle executor ends
         by itself once its process group is destroyed."""
-        if self._worker is not None:
-            self._worker.close()
+        if self._executor is not None:
+            self._executor.close()
         if self._native_close is not None:
             self._native_close()
 

@@ -4,7 +4,7 @@ of the averages) and ``powersgd`` (allreduce P, orthogonalize, allreduce Q).
 
 Gloo runs a group's collectives one after another, so a rank that waits for a
 bucket's second collective before it starts the next bucket's first leaves
-the link idle while it computes. The worker job of bucket i therefore
+the link idle while it computes. The executor job of bucket i therefore
 
 * starts bucket i (code it, start its first collective: ``start_phase1``),
 * advances bucket i-1 (wait for that, compute, start its second collective:
@@ -162,7 +162,7 @@ class Pipelined:
         self._finishing: list = []  # jobs whose second collective is in flight
 
     def _pipeline(self, buf, lay, last, fut):
-        """The worker job of one bucket: its pieces, one pipeline step each."""
+        """The executor job of one bucket: its pieces, one pipeline step each."""
         for pc in lay.pieces:
             self._step([buf, lay, pc, None, fut], last and pc.last)
 
@@ -235,4 +235,4 @@ class TwoPhaseState(Scoped, Pipelined, LossyState):
         return sum(2 * (self.world_size - 1) * pc.piece for pc in lay.pieces)
 
     def run_global(self, buf, lay, last):
-        return self.worker().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
+        return self.executor().submit_deferred(lambda fut: self._pipeline(buf, lay, last, fut), buf.device)
