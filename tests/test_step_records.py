@@ -11,6 +11,11 @@ One difference was intended: 9b8e6f0 reported an accumulated micro-batch's loss 
 micro-batches; the rewrite reports the loss itself. The accumulation run's records
 were written by 9b8e6f0 with that report fixed (the fixture says how); its weights,
 hence its evaluation metrics, were bit-identical with and without the fix.
+
+Bit for bit holds on one kind of CPU: another one rounds float32 losses and gradients
+differently in the last bit with the same code and torch. ``other_cpus`` in the fixture
+holds the records of such a CPU (an AVX-512 Xeon), written by a commit whose records
+equal 9b8e6f0's where those were written; a run must equal one stored set exactly.
 """
 
 import json
@@ -36,6 +41,18 @@ def epoch_records(run_dir: pathlib.Path) -> list:
     return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in records if r.get("kind") == "epoch"]
 
 
+def expected(stored: dict, name: str) -> list:
+    """Every stored record set of run ``name``: one per kind of CPU that wrote one."""
+    if name == "resume":
+        return [[stored["resume"]["epoch_2"]], *([cpu["resume_epoch_2"]] for cpu in stored["other_cpus"])]
+    return [stored["runs"][name]["records"], *(cpu["runs"][name] for cpu in stored["other_cpus"])]
+
+
+def assert_one_of(records: list, sets: list) -> None:
+    if records not in sets:  # show the difference from the stored set with the most equal records
+        assert records == max(sets, key=lambda s: sum(a == b for a, b in zip(records, s)))
+
+
 def train(ranks, tmp_path, name: str) -> list:
     run_dir = tmp_path / name
     rc, out, err = ranks.cli(["train", *RUNS[name], "logging.progress=false", f"run_dir={run_dir}",
@@ -49,7 +66,7 @@ def train(ranks, tmp_path, name: str) -> list:
 def test_epoch_records_equal_those_before_the_step_rewrite(ranks, tmp_path, name):
     stored = json.loads(FIXTURE.read_text())
     assert stored["runs"][name]["overrides"] == RUNS[name]
-    assert train(ranks, tmp_path, name) == stored["runs"][name]["records"]
+    assert_one_of(train(ranks, tmp_path, name), expected(stored, name))
 
 
 CHECKPOINT = FIXTURE.parent / "checkpoint-9b8e6f0"  # every plugin's state in the layout before the rewrite
@@ -61,7 +78,8 @@ def test_a_checkpoint_written_before_the_rewrite_resumes_exactly(ranks, tmp_path
     saved by 9b8e6f0, resumed now: epoch 2 must equal the uninterrupted run's, bit for
     bit (the GradScaler, the sampler position, the EMA, the early-stopping counters and
     the RNG states all came back)."""
-    stored = json.loads(FIXTURE.read_text())["resume"]
+    fixture = json.loads(FIXTURE.read_text())
+    stored = fixture["resume"]
     run_dir = tmp_path / "run"
     shutil.copytree(CHECKPOINT, run_dir / "checkpoints")
     rc, out, err = ranks.cli(["train", *stored["overrides"], "trainer.epochs=3", "logging.progress=false",
@@ -70,4 +88,4 @@ def test_a_checkpoint_written_before_the_rewrite_resumes_exactly(ranks, tmp_path
     assert "step-000000012.pt (epoch 2, step 12)" in err
     for fresh_start in ("starting the hook fresh", "without an EMA", "starting its patience afresh"):
         assert fresh_start not in err
-    assert epoch_records(run_dir) == [stored["epoch_2"]]
+    assert_one_of(epoch_records(run_dir), expected(fixture, "resume"))
