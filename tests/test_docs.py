@@ -4,6 +4,7 @@ is documented in docs/, and the README's links to docs/ pages resolve."""
 import importlib.util
 import inspect
 import os
+import pathlib
 import re
 
 from ddpx.plugin import hookspecs
@@ -51,6 +52,19 @@ def test_readme_links_to_docs_resolve():
     assert any(link.startswith("docs/") for link in links)
     missing = [link for link in links if not os.path.exists(os.path.join(ROOT, link))]
     assert not missing, missing
+
+
+def test_the_readme_layout_names_every_module():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    layout = readme[readme.index("## Layout"):readme.index("## Development")]
+    missing = []
+    for package in ("ddpx", os.path.join("plugins", "ddpx_plugins")):
+        for path in sorted(pathlib.Path(ROOT, package).rglob("*.py")):
+            if path.name == "__init__.py" and path.parent.name not in layout:
+                missing.append(str(path.relative_to(ROOT)))
+            elif path.name != "__init__.py" and path.name not in layout:
+                missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"README.md's layout section does not name: {missing}"
 
 
 def github_anchor(heading: str) -> str:
