@@ -63,7 +63,7 @@ class CastPhases final : public TwoPhaseAlgorithm {
       ddpx::ops::scale_cast_out(buf.narrow(0, r.offset, r.numel), inv_, out);
     }
     std::vector<at::Tensor> t{wire};
-    return runner.worker_group().allreduce(t);
+    return runner.executor_group().allreduce(t);
   }
 
   WorkPtr start_phase2(HookRunner&, const at::Tensor&, const Layout&, const Layout&, c10d::Work& reduce) override {

@@ -60,7 +60,7 @@ class Int8 final : public TwoPhaseAlgorithm {
       }
     }
     std::vector<int64_t> equal_splits;
-    return runner.worker_group().alltoall_base(recv, send, equal_splits, equal_splits);
+    return runner.executor_group().alltoall_base(recv, send, equal_splits, equal_splits);
   }
 
   // Phase 2 start: average this rank's chunk of the piece in fp32, server error feedback, requantize.
@@ -79,7 +79,7 @@ class Int8 final : public TwoPhaseAlgorithm {
     at::sum_out(p2, plain, {0}).mul_(inv);
     ddpx::ops::int8_dequant_accumulate_(reduced, q, scales, block_, inv, false);
     ddpx::ops::int8_quantize_out(reduced, block_, server_error.narrow(0, rank * z.stride + z.base, z.c), qq2, s2);
-    return runner.worker_group()._allgather_base(recv2, send2);
+    return runner.executor_group()._allgather_base(recv2, send2);
   }
 
   // Phase 2 end: dequantize every averaged chunk of the piece into the bucket.

@@ -157,7 +157,7 @@ class InterNode final : public TwoPhaseAlgorithm {
   c10::intrusive_ptr<c10d::ProcessGroup> local_, cross_;
   std::unique_ptr<HookRunner> inner_runner_;
   TwoPhaseAlgorithm* inner_;  // inner_runner_'s algorithm
-  // the exempt values' cross-node allreduce per bucket in flight; worker thread only
+  // the exempt values' cross-node allreduce per bucket in flight; executor thread only
   std::unordered_map<const Layout*, WorkPtr> plain_work_;
 };
 

@@ -1,4 +1,4 @@
-// The native hook's shared machinery: algorithm registry, FIFO worker, layouts
+// The native hook's shared machinery: algorithm registry, FIFO executor, layouts
 // fetched from the Python state, counters, and the plain fp32 average.
 #include "comm_hooks/native_hook.h"
 
@@ -37,18 +37,18 @@ bool register_algorithm(const std::string& kind, AlgorithmFactory factory) {
 
 std::vector<std::string> algorithm_kinds() { return registered_kinds(); }
 
-// ------------------------------------------------------------ SerialWorker
+// ------------------------------------------------------------ SerialExecutor
 namespace {
-// How often an idle worker checks that its process group still exists.
+// How often an idle executor checks that its process group still exists.
 constexpr auto kIdleCheck = std::chrono::seconds(1);
 }  // namespace
 
-SerialWorker::SerialWorker(std::string name, std::function<bool()> alive)
+SerialExecutor::SerialExecutor(std::string name, std::function<bool()> alive)
     : name_(std::move(name)), alive_(std::move(alive)) {}
 
-SerialWorker::~SerialWorker() { stop(); }
+SerialExecutor::~SerialExecutor() { stop(); }
 
-void SerialWorker::stop() {
+void SerialExecutor::stop() {
   std::thread thread;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -70,7 +70,7 @@ void SerialWorker::stop() {
   }
 }
 
-void SerialWorker::submit(std::function<void()> job) {
+void SerialExecutor::submit(std::function<void()> job) {
   std::thread finished;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -86,7 +86,7 @@ void SerialWorker::submit(std::function<void()> job) {
   if (finished.joinable()) finished.join();
 }
 
-void SerialWorker::loop() {
+void SerialExecutor::loop() {
   pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());  // Linux: at most 15 characters
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
@@ -209,12 +209,12 @@ std::function<bool()> registered(const c10::intrusive_ptr<c10d::ProcessGroup>& p
 }
 }  // namespace
 
-HookRunner::HookRunner(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
+HookRunner::HookRunner(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> executor_pg,
                        py::object state, const std::string& kind)
     : pg_(std::move(pg)),
-      worker_pg_(std::move(worker_pg)),
+      executor_pg_(std::move(executor_pg)),
       state_(std::move(state)),
-      worker_("ddpx-" + kind, registered(worker_pg_)) {
+      executor_("ddpx-" + kind, registered(executor_pg_)) {
   world_ = state_.attr("world_size").cast<int64_t>();
   rank_ = state_.attr("rank").cast<int64_t>();
   counters_ = state_.attr("counters").cast<at::Tensor>();
@@ -225,7 +225,7 @@ HookRunner::HookRunner(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive
 }
 
 HookRunner::~HookRunner() {
-  worker_.stop();  // first: its jobs use the state
+  executor_.stop();  // first: its jobs use the state
   // The Python state may only be released under the GIL, and not at all once
   // the interpreter is gone.
   if (Py_IsInitialized()) {
@@ -236,11 +236,11 @@ HookRunner::~HookRunner() {
   }
 }
 
-void HookRunner::close() { worker_.stop(); }
+void HookRunner::close() { executor_.stop(); }
 
-c10d::ProcessGroup& HookRunner::worker_group() {
-  TORCH_CHECK(worker_pg_, "ddpx native comm hook: this hook was registered without a worker group");
-  return *worker_pg_;
+c10d::ProcessGroup& HookRunner::executor_group() {
+  TORCH_CHECK(executor_pg_, "ddpx native comm hook: this hook was registered without an executor group");
+  return *executor_pg_;
 }
 
 int64_t HookRunner::int_option(const char* name, int64_t fallback) const {
@@ -324,11 +324,11 @@ FuturePtr HookRunner::submit_deferred(const at::Tensor& buf, std::function<void(
     ready->record(impl.getStream(device));
   }
   auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), devices);
-  worker_.submit([this, fut, ready, device, work = std::move(work)]() {
+  executor_.submit([this, fut, ready, device, work = std::move(work)]() {
     try {
       if (ready) {
         c10::impl::VirtualGuardImpl impl(device.type());
-        // One stream for every job, as the Python worker: torch keeps a cuBLAS workspace
+        // One stream for every job, as the Python executor: torch keeps a cuBLAS workspace
         // per (handle, stream), 32 MiB each on sm90, so a pool stream per job (32 of
         // them in turn) held about 1 GiB for PowerSGD's matmuls.
         if (!side_stream_ || side_stream_->device() != device) side_stream_ = impl.getStreamFromGlobalPool(device);

@@ -1,7 +1,7 @@
 // Native DDP comm hooks: the ddpx algorithms run in C++ on the reducer, with
 // no Python and no GIL per bucket.
 //
-// The Python state object (ddpx/comm_hooks/base.py) stays the owner of everything:
+// The Python state object (ddpx/comm_hooks/state.py) stays the owner of everything:
 // options, the counters tensor, per-bucket layouts and their buffers (error
 // feedback memory included). The native hook asks it for a bucket's layout
 // only when DDP hands over a bucket it has not seen (first iterations and the
@@ -39,7 +39,7 @@ struct Run {
   int64_t packed;  // in the class's packed buffer
 };
 
-// C++ view of a ddpx.comm_hooks.base.BucketLayout: the runs, plus every int and
+// C++ view of a ddpx.comm_hooks.state.BucketLayout: the runs, plus every int and
 // tensor attribute the Python hook's build_layout() set, by attribute name.
 struct Layout {
   std::vector<const c10::TensorImpl*> signature;  // the bucket's parameters
@@ -55,7 +55,7 @@ struct Layout {
   // `pieces`; null otherwise.
   std::shared_ptr<const Layout> inner;
   // An algorithm's own data for this layout or piece (e.g. views of its buffers), made
-  // on first use by the worker thread and gone with the layout.
+  // on first use by the executor thread and gone with the layout.
   mutable std::shared_ptr<void> cache;
 
   const at::Tensor& tensor(const std::string& name) const;
@@ -87,13 +87,13 @@ void for_each_span(const Layout& lay, F f) {
 
 // Runs jobs one after another on one thread, in submission order, so every
 // rank issues the multi-phase collectives in DDP's bucket order. The thread
-// (named `name`, as ddpx.comm_hooks.base.SerialWorker's) ends on stop() (the
+// (named `name`, as ddpx.comm_hooks.executor.SerialExecutor's) ends on stop() (the
 // hook's close(), its destruction) and when, idle, it finds `alive()` false
 // (the process group destroyed); a later submit starts a new one.
-class SerialWorker {
+class SerialExecutor {
  public:
-  SerialWorker(std::string name, std::function<bool()> alive);
-  ~SerialWorker();
+  SerialExecutor(std::string name, std::function<bool()> alive);
+  ~SerialExecutor();
   void submit(std::function<void()> job);
   // Runs the jobs already queued, ends the thread and waits for it; submit fails after.
   void stop();
@@ -156,7 +156,7 @@ class TwoPhaseAlgorithm : public NativeAlgorithm {
   };
   void step(HookRunner& runner, Job started, bool last);
   static void fail(Job& job, std::exception_ptr error);
-  // touched only by the worker thread
+  // touched only by the executor thread
   std::unique_ptr<Job> advancing_;  // first collective started
   std::deque<Job> finishing_;       // second collective started
 };
@@ -172,15 +172,15 @@ std::vector<std::string> algorithm_kinds();  // one entry per registration
 // Runs one native hook's NativeAlgorithm on each bucket (NativeHook::runHook;
 // scope=inter_node keeps one more for its stage 2) and holds what every native
 // hook shares: the group, the Python state and its options, counters and
-// layouts, and the FIFO worker.
+// layouts, and the FIFO executor.
 class HookRunner {
  public:
-  // `worker_pg` (may be null for single-phase hooks) is the private group of
-  // the worker's collectives; see ddpx/comm_hooks/base.py (worker_group) for why.
-  HookRunner(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> worker_pg,
+  // `executor_pg` (may be null for single-phase hooks) is the private group of
+  // the executor's collectives; see ddpx/comm_hooks/executor.py (executor_group) for why.
+  HookRunner(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::intrusive_ptr<c10d::ProcessGroup> executor_pg,
              pybind11::object state, const std::string& kind);
   ~HookRunner();
-  // Ends the worker thread (ddpx.comm_hooks.base.HookState.close()); the hook must not run again.
+  // Ends the executor thread (ddpx.comm_hooks.state.HookState.close()); the hook must not run again.
   void close();
 
   FuturePtr run(c10d::GradBucket& bucket);
@@ -192,7 +192,7 @@ class HookRunner {
   bool warming_up() const;
   // Plain fp32 average in place (the allreduce hook and every warm-up step).
   FuturePtr allreduce_average(c10d::GradBucket& bucket);
-  // Runs `work` on the FIFO worker (on a side stream that waits for the
+  // Runs `work` on the FIFO executor (on a side stream that waits for the
   // bucket, on accelerators); the future completes with the bucket.
   FuturePtr submit(const at::Tensor& buf, std::function<void()> work);
   // Like submit, but `work` completes the future itself, possibly from a later
@@ -207,12 +207,12 @@ class HookRunner {
   // The Python state (use under the GIL) and the algorithm running it.
   const pybind11::object& state() const { return state_; }
   NativeAlgorithm& algorithm() { return *algorithm_; }
-  c10d::ProcessGroup& worker_group();
+  c10d::ProcessGroup& executor_group();
   int64_t world() const { return world_; }
   int64_t rank() const { return rank_; }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_, worker_pg_;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_, executor_pg_;
   pybind11::object state_;  // the Python HookState; touched only under the GIL
   int64_t world_, rank_;
   int64_t warmup_ = 0;
@@ -220,8 +220,8 @@ class HookRunner {
   std::mutex layouts_mu_;
   std::unordered_map<size_t, std::shared_ptr<const Layout>> layouts_;
   std::unique_ptr<NativeAlgorithm> algorithm_;
-  std::optional<c10::Stream> side_stream_;  // the worker's stream on accelerators (worker thread only)
-  SerialWorker worker_;  // last member: stopped first on destruction
+  std::optional<c10::Stream> side_stream_;  // the executor's stream on accelerators (executor thread only)
+  SerialExecutor executor_;  // last member: stopped first on destruction
 };
 
 class NativeHook : public c10d::CppCommHookInterface<std::shared_ptr<HookRunner>> {

@@ -83,7 +83,7 @@ class Onebit final : public TwoPhaseAlgorithm {
       }
     }
     std::vector<int64_t> equal_splits;
-    return runner.worker_group().alltoall_base(recv, send, equal_splits, equal_splits);
+    return runner.executor_group().alltoall_base(recv, send, equal_splits, equal_splits);
   }
 
   // Phase 2 start: average this rank's segment of the piece in fp32, server error feedback, re-pack.
@@ -101,7 +101,7 @@ class Onebit final : public TwoPhaseAlgorithm {
     at::sum_out(p2, plain, {0}).mul_(inv);
     at::Tensor mine_error = server_error.narrow(0, rank * pc.integer("stride") + pc.integer("base"), m);
     ddpx::ops::onebit_average_repack(bits, scales, chunk_, inv, mine_error, b2, s2);
-    return runner.worker_group()._allgather_base(recv2, send2);
+    return runner.executor_group()._allgather_base(recv2, send2);
   }
 
   // Phase 2 end: unpack every averaged segment of the piece into the bucket.

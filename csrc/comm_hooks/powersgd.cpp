@@ -34,7 +34,7 @@ class PowerSGD final : public TwoPhaseAlgorithm {
   struct Batch {
     at::Tensor p, q, qt, finite;
   };
-  // What the worker keeps per piece: views made once, and phase 2's flags on their way to the host.
+  // What the executor keeps per piece: views made once, and phase 2's flags on their way to the host.
   struct PieceState {
     std::vector<Mat> mats;
     std::vector<Batch> batches;
@@ -116,7 +116,7 @@ class PowerSGD final : public TwoPhaseAlgorithm {
       ddpx::ops::lowrank_project_(g[i], x.error, x.p_prev, x.qt, x.p);  // error = (G + error) - P' Q'^T = M; P = M Q
     }
     std::vector<at::Tensor> tensors{pc.tensor("pbuf")};
-    return runner.worker_group().allreduce(tensors);
+    return runner.executor_group().allreduce(tensors);
   }
 
   // Orthogonalize the piece's P's, a batch per shape; Q = M^T P, all in one allreduce.
@@ -140,7 +140,7 @@ class PowerSGD final : public TwoPhaseAlgorithm {
     for (Mat& x : st.mats) ddpx::ops::lowrank_transpose_project_(x.error, x.p, x.qt);  // Q^T = P^T M, row by row
     for (Batch& b : st.batches) b.q.copy_(b.qt.transpose(1, 2));
     std::vector<at::Tensor> tensors{pc.tensor("q")};
-    return runner.worker_group().allreduce(tensors);
+    return runner.executor_group().allreduce(tensors);
   }
 
   // P Q^T into the bucket, P kept for the next step; the exempt values back into the bucket.
