@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # imported only for the annotations
     import torch
     from torch.utils.data import DataLoader, Dataset
 
-# "Trainer" is ddpx.train.trainer.Trainer and "Config" ddpx.config.Config: named, not imported,
-# because both sit above the plugin machinery (tests/test_layers.py).
+    from ..config import Config
+    from ..train.trainer import Trainer
 
 
 # The hooks of a run in the order the trainer calls them (tests/test_plugin_system.py reads these).
