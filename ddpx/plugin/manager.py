@@ -68,6 +68,7 @@ def make_plugin_manager(config=None, *, builtins: bool = True, entry_points: boo
     for path in section.get("enable") or []:
         register_path(pm, path)
     _register(pm, resolve(TRAINER_PLUGIN_PATH, "the trainer's default hooks")(), TRAINER_PLUGIN)
+    pm.distributions[TRAINER_PLUGIN] = ("ddpx", __version__)
     check_pending(pm)
     if section.get("trace") or os.environ.get(TRACE_ENV, "") not in ("", "0"):
         enable_tracing(pm)
@@ -152,6 +153,11 @@ def _direct_call(caller: pluggy.HookCaller):
     return impl.function
 
 
+def _plugin_object(found):
+    """A plugin class gives one object per plugin manager, which holds the plugin's per-run state."""
+    return found() if isinstance(found, type) else found
+
+
 def _register(pm: pluggy.PluginManager, plugin, name: str, origin: str = "") -> None:
     try:
         pm.register(plugin, name=name)
@@ -175,7 +181,7 @@ def load_builtins(pm: PluginManager) -> None:
         except DdpxError as exc:
             raise DdpxError(f"{exc}; reinstall ddpx (pip install --no-build-isolation -e . in a checkout) "
                             f"or run without it: plugins.block=[{name}]") from None
-        _register(pm, plugin() if isinstance(plugin, type) else plugin, name, " (built in)")
+        _register(pm, _plugin_object(plugin), name, " (built in)")
         pm.distributions[name] = ("ddpx", __version__)
 
 
@@ -196,9 +202,7 @@ def load_entry_points(pm: PluginManager, skip: Collection[str] = ()) -> None:
             continue
         seen.add(ep.name)
         try:
-            plugin = ep.load()
-            if isinstance(plugin, type):  # a plugin class: one object per plugin manager holds its per-run state
-                plugin = plugin()
+            plugin = _plugin_object(ep.load())  # in the try: a failing __init__ is reported like a failing import
         except ModuleNotFoundError as exc:
             if exc.name and ep.module.startswith(exc.name):
                 # Stale metadata (the module was removed but the install record
@@ -225,10 +229,7 @@ def register_path(pm: pluggy.PluginManager, path: str) -> None:
     """Register the module (or object) at a dotted path, under that path as its name."""
     if pm.is_blocked(path) or pm.get_plugin(path) is not None:
         return
-    plugin = resolve(path, "plugins.enable entry")
-    if isinstance(plugin, type):
-        plugin = plugin()
-    _register(pm, plugin, path, " (from plugins.enable)")
+    _register(pm, _plugin_object(resolve(path, "plugins.enable entry")), path, " (from plugins.enable)")
 
 
 # Hooks of ddpx's development versions, removed before 0.1.0 was released (docs/changelog.md).
@@ -344,8 +345,6 @@ def plugin_table(pm: pluggy.PluginManager) -> list[dict]:
     for name, plugin in registered(pm):
         if name in dists:
             dist_name, version = dists[name]
-        elif name == TRAINER_PLUGIN:
-            dist_name, version = "ddpx", __version__
         else:
             dist_name, version = _distribution_of(plugin)
         hooks = sorted(caller.name for caller in (pm.get_hookcallers(plugin) or []))
