@@ -13,6 +13,14 @@ class DdpxError(Exception):
     """A problem the user can fix; printed as one line by the CLI."""
 
     exit_code = 2
+    same_on_every_rank = False  # True: every rank raises it with the same message (printed once per node)
+
+
+class RanksDisagree(DdpxError):
+    """Ranks that must agree do not (their models, their collectives): found on every rank at
+    once, with the same message, which rank 0 of each node prints."""
+
+    same_on_every_rank = True
 
 
 class TrainingDiverged(DdpxError):
@@ -21,6 +29,7 @@ class TrainingDiverged(DdpxError):
     with 3, distinct from a config error (2), a crash (1) and a signal (128+N)."""
 
     exit_code = 3
+    same_on_every_rank = True
 
 
 def did_you_mean(name: str, options: Iterable[str], prefix: str = "") -> str:

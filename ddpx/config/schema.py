@@ -38,6 +38,8 @@ DEFAULTS: dict = {
         "eval_every_epochs": 1,
         "timeout_s": 300,
         "first_timeout_s": 900,
+        "check_collectives": True,
+        "stall_s": 10,
         "nonfinite": "stop",
         "eval_metric": None,
         "sync_batchnorm": False,
@@ -64,6 +66,7 @@ TYPES: dict = {
     "trainer.max_steps": (int, type(None)),
     "trainer.timeout_s": (float,),
     "trainer.first_timeout_s": (float,),
+    "trainer.stall_s": (float,),
     "launch.nproc_per_node": (int, str),
     "launch.nnodes": (int, str),
 }
@@ -92,6 +95,7 @@ RANGES: dict = {
     "trainer.bucket_cap_mb": (0, False, "null for DDP's default"),
     "trainer.timeout_s": (0, False, "seconds"),
     "trainer.first_timeout_s": (0, False, "seconds"),
+    "trainer.stall_s": (0, False, "seconds a rank may wait in one collective before the ranks compare notes"),
     "launch.max_restarts": (0, True, "0 for none"),
 }
 

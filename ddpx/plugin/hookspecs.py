@@ -100,11 +100,14 @@ TRAINER_ATTRIBUTES = {
     "epoch_losses": "the running epoch's micro-batch losses (:class:`ddpx.train.losses.EpochLosses`)",
     "next_due_step": "the step of the next call scheduled with ``call_at_step``",
     "end_reason": "why training ends early, set through :meth:`end_training`",
+    "peer_failure": "set (before ``ddpx_exception``) when the run failed because another rank did, e.g. "
+                    "``stopped at step 46: rank 1 failed first: ...``; else None",
     "shared": "what the run's plugins share, typed: ``shared[KEY]``, ``shared.get(KEY)`` "
               "(:mod:`ddpx.plugin.shared`: the keys, who sets and who reads them)",
     "autocast": "the context every forward pass runs in (``ddpx_autocast``; a null context without AMP)",
     "scaler": "the ``torch.amp.GradScaler`` (``ddpx_grad_scaler``; a disabled one without fp16 AMP)",
-    "skipped_steps": "optimizer steps the scaler skipped because gradients overflowed",
+    "skipped_steps": "optimizer steps not applied (the scaler skipped them: gradients overflowed); the same "
+                     "on every rank, checked at epoch boundaries with ``trainer.check_collectives``",
     "grad_norm": "the total gradient norm (0-dim device tensor) of the latest step that computed it, or None",
     "grad_norm_step": "the optimizer step ``grad_norm`` belongs to",
 }

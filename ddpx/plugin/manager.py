@@ -269,12 +269,7 @@ def raised_by(pm: pluggy.PluginManager, exc: BaseException) -> Optional[tuple[st
     origin = getattr(exc, ORIGIN_ATTRIBUTE, None)
     if origin is not None:
         return origin
-    codes: dict = {}
-    for hook_name, caller in vars(pm.hook).items():
-        for impl in caller.get_hookimpls() if hasattr(caller, "get_hookimpls") else ():
-            code = getattr(impl.function, "__code__", None)
-            if code is not None:
-                codes.setdefault(code, (impl.plugin_name, hook_name))
+    codes = hook_codes(pm)
     tb = exc.__traceback__
     while tb is not None:  # outermost first: the last match is the innermost
         origin = codes.get(tb.tb_frame.f_code, origin)
@@ -285,6 +280,31 @@ def raised_by(pm: pluggy.PluginManager, exc: BaseException) -> Optional[tuple[st
         except AttributeError:  # exception types with __slots__
             pass
     return origin
+
+
+def hook_codes(pm: pluggy.PluginManager) -> dict:
+    """``{code object: (plugin name, hook name)}`` of every hook implementation: which
+    plugin a frame belongs to (an error's traceback, a collective's caller)."""
+    codes: dict = {}
+    for hook_name, caller in vars(pm.hook).items():
+        for impl in caller.get_hookimpls() if hasattr(caller, "get_hookimpls") else ():
+            code = getattr(impl.function, "__code__", None)
+            if code is not None:
+                codes.setdefault(code, (impl.plugin_name, hook_name))
+    return codes
+
+
+def plugin_code_map(pm: pluggy.PluginManager) -> tuple[dict, dict]:
+    """:func:`hook_codes`, and ``{code object: (plugin name, function name)}`` of the other
+    functions of plugin objects and modules (a callback scheduled with ``call_at_step``)."""
+    functions: dict = {}
+    for name, plugin in registered(pm):
+        owner = plugin if isinstance(plugin, types.ModuleType) else type(plugin)
+        for value in vars(owner).values():
+            code = getattr(value, "__code__", None)
+            if code is not None and getattr(value, "__module__", None) == getattr(owner, "__module__", owner.__name__):
+                functions.setdefault(code, (name, value.__qualname__))
+    return hook_codes(pm), functions
 
 
 def origin(exc: BaseException) -> Optional[tuple[str, str]]:

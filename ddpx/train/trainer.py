@@ -37,7 +37,8 @@ from ..imports import instantiate
 from ..plugin import hookspecs
 from ..plugin.manager import plugin_signature, raised_by, rank_prefix, stateful_plugins
 from ..plugin.shared import Shared
-from ..rank import process_group
+from ..rank import failures, process_group
+from ..rank.collectives import CollectiveLog
 from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
@@ -48,6 +49,7 @@ from .losses import EpochLosses, LossWindow
 from .nonfinite import NonfiniteGuard
 from .stopping import StopAgreement, StopSignals, TrainingStopped
 from .sync_batchnorm import convert_sync_batchnorm
+from . import model_checks
 
 
 NEVER = sys.maxsize  # the next due step when nothing is scheduled
@@ -118,6 +120,10 @@ class Trainer:
         self._plugins_before: Optional[set] = None
         self._closed = False
         self._run_lock = None  # rank 0's lock on run_dir (ddpx/rank/run_lock.py)
+        self._collectives: Optional[CollectiveLog] = None  # trainer.check_collectives
+        # Set by close() when the run failed because another rank did: the one line to print
+        # instead of a traceback (ddpx/rank/failures.py).
+        self.peer_failure: Optional[str] = None
 
     @property
     def is_main(self) -> bool:
@@ -169,12 +175,18 @@ class Trainer:
         optimizer-step boundary with ``global_step >= until_step`` (a later call goes
         on from there, in the same epoch). Returns the metrics of every finished epoch."""
         epochs = self.config.trainer.epochs
-        while self.epoch < epochs and self.global_step < self._stop_step(until_step) and self.end_reason is None:
-            self.train_epoch(self.epoch, until_step)
-            if not self._epoch_finished:
-                break  # cut short by max_steps or until_step: a later run or call continues this epoch
-            self.epoch += 1
-            self._epoch_finished = False  # nothing of the next epoch is consumed yet
+        try:
+            while self.epoch < epochs and self.global_step < self._stop_step(until_step) and self.end_reason is None:
+                self.train_epoch(self.epoch, until_step)
+                if not self._epoch_finished:
+                    break  # cut short by max_steps or until_step: a later run or call continues this epoch
+                self.epoch += 1
+                self._epoch_finished = False  # nothing of the next epoch is consumed yet
+        except RuntimeError as exc:
+            unused = model_checks.explain_unused(exc, self.model, self.global_step)
+            if unused is None:
+                raise
+            raise unused from exc
         return self.metrics
 
     def finish(self) -> None:
@@ -201,6 +213,9 @@ class Trainer:
         if self.stop_agreement is not None:
             self.stop_agreement.release()
         self._signals.restore()  # first: a signal now acts as it did before the run
+        if self._collectives is not None:
+            self._collectives.stop()  # before the store goes with the group
+            self._collectives.uninstall()
         try:
             # Free the DDP wrapper (its reducer holds the process group) before
             # destroying the group: otherwise torch 2.13 + gloo aborts at exit
@@ -218,8 +233,15 @@ class Trainer:
                 restore_logger(self.log, self._saved_logger)
 
     def _report_exception(self, exc: BaseException) -> None:
+        store = failures.default_store()
+        if failures.is_peer_failure(exc):
+            # Another rank failed, died or hung: the plugin whose collective broke is not to blame.
+            self.peer_failure = failures.peer_failure_line(exc, store, self.global_step)
+        elif not isinstance(exc, (TrainingStopped, KeyboardInterrupt)):
+            failures.record_first_failure(store, self.rank, exc)
         where = raised_by(self.plugin_manager, exc)  # before the run's plugins are detached
-        if where is not None and not isinstance(exc, (DdpxError, TrainingStopped, KeyboardInterrupt)):
+        if where is not None and self.peer_failure is None \
+                and not isinstance(exc, (DdpxError, TrainingStopped, KeyboardInterrupt)):
             plugin, hook = where
             self.log.error(f"plugin '{plugin}' raised in {hook}: {type(exc).__name__}: {exc}")
             if hasattr(exc, "add_note"):  # Python 3.11+: shown under the traceback
@@ -249,6 +271,12 @@ class Trainer:
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world_size)  # one run per run_dir
+        if cfg.check_collectives and self.world_size > 1:
+            self._collectives = CollectiveLog(self.rank, self.world_size, cfg.stall_s, self._progress,
+                                              self.plugin_manager, self.run_dir,
+                                              dist.distributed_c10d._get_default_store(), self.device)
+            self._collectives.install()
+            self._collectives.start()
         torch.manual_seed(self.config.seed)  # identical initial weights and default shuffles on every rank
         self.hook.ddpx_setup(trainer=self)
         if not self.log.handlers:
@@ -259,6 +287,8 @@ class Trainer:
             self.module = convert_sync_batchnorm(self.module, self.device)
         self.loss_fn = instantiate(self.config.loss, "loss") if self.config.loss.target else None
         self._grad_norms = GradientNorms(self.module)
+        if self._collectives is not None:
+            model_checks.check_same_model(self.module)
         self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
         self.hook.ddpx_model_wrapped(trainer=self, model=self.model)  # comm hooks go on the DDP model
         if cfg.compile:
@@ -272,6 +302,11 @@ class Trainer:
         )
         self.autocast = self.hook.ddpx_autocast(trainer=self) or contextlib.nullcontext()
         self.scaler = self.hook.ddpx_grad_scaler(trainer=self) or torch.amp.GradScaler(self.device.type, enabled=False)
+
+    def _progress(self) -> dict:
+        """Where training is (read by the collectives' watchdog thread)."""
+        return {"step": self.global_step, "epoch": self.epoch, "batch": self.epoch_batches,
+                "batches": self.num_batches}
 
     def _propose_run_dir(self) -> str:
         if self.config.run_dir:
@@ -302,6 +337,8 @@ class Trainer:
             self.epoch_batches = 0
             self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
             self.num_batches = len(self.train_loader)
+            self._check_ranks_agree({"batches in this epoch": self.num_batches,
+                                     "skipped optimizer steps": self.skipped_steps})
             self._batches = iter(self.train_loader)
         stop_at = self._stop_step(until_step)
         self.module.train()
@@ -334,6 +371,7 @@ class Trainer:
     def _end_epoch(self, epoch: int) -> dict:
         """The epoch's all-reduced loss, the evaluation when due, then ``ddpx_epoch_end``."""
         metrics: dict = {"epoch": epoch, "step": self.global_step, **self._epoch_train_loss()}
+        self._check_ranks_agree({"skipped optimizer steps": self.skipped_steps})
         if not math.isfinite(metrics.get("loss", 0.0)) and not self.scaler.is_enabled():  # else fp16 overflows
             self.nonfinite_loss(f"in epoch {epoch} (its mean training loss is {metrics['loss']})")
         every = self.config.trainer.eval_every_epochs
@@ -387,6 +425,22 @@ class Trainer:
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, scaled by the GradScaler under fp16 AMP."""
         self.scaler.scale(loss).backward()
+
+    def _check_ranks_agree(self, counters: dict) -> None:
+        """At an epoch's start and end (``trainer.check_collectives``): every rank issued the same
+        collectives and has the same ``counters``; else :class:`~ddpx.errors.RanksDisagree` on every
+        rank, before the disagreement hangs a collective or crashes gloo. One small all_reduce."""
+        if self._collectives is None:
+            return
+        stepping = ", ".join(i.plugin_name for i in reversed(self.plugin_manager.hook.ddpx_optimizer_step.get_hookimpls()))
+        self._collectives.agree(counters, {
+            "skipped optimizer steps": f": a ddpx_optimizer_step hook (plugins: {stepping}) returned False on some "
+                                       "ranks only, so their weights differ now; decide from values every rank "
+                                       "shares (all-reduced ones)",
+            "batches in this epoch": ": DDP needs the same number of steps on every rank; give every rank the "
+                                     "same number of batches (a sampler that splits the data evenly, e.g. "
+                                     "DistributedSampler, which pads, or drop_last)",
+        })
 
     def _epoch_train_loss(self) -> dict:
         """``{"loss": mean micro-batch loss of the epoch over all ranks}`` (empty if

@@ -1,0 +1,91 @@
+"""Blame only the guilty: which rank failed first.
+
+When a rank fails, the collectives of the others break ("Connection closed by
+peer", a timeout) inside whatever plugin was communicating at the time. That
+plugin did nothing wrong. A rank that fails on its own writes its error to the
+store (the first one wins); a rank whose collective broke reads it and says
+"stopped: rank 1 failed first: ..." in one line instead of a traceback that names
+the innocent plugin. The store may be gone with the failed rank (rank 0 serves
+it): then the line says that another rank failed or was lost.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+FIRST_FAILURE = "ddpx/first_failure"
+# What gloo, NCCL and the store say when the other end of a collective went away or hung.
+PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting|"
+                       r"timed out|Socket Timeout|NCCL communicator was aborted|ECONNRESET", re.IGNORECASE)
+PEER_ADDRESS = re.compile(r"peer \[?([0-9a-fA-F.:]+?)\]?:\d+")
+CXX_LOCATION = re.compile(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\] ")  # "[.../unbound_buffer.cc:78] " before gloo's words
+STORE_WAIT_S = 3.0  # for the failed rank's line to reach the store
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` broke a collective or the store because another rank failed, died or hung."""
+    if isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    return isinstance(exc, RuntimeError) and PEER_GONE.search(str(exc)) is not None
+
+
+def summary(exc: BaseException, limit: int = 160) -> str:
+    """``Type: first line`` of an error, cut to ``limit`` characters."""
+    first = CXX_LOCATION.sub("", (str(exc).strip().splitlines() or [""])[0])
+    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def default_store():
+    """The default group's store, with a short timeout (a failing run must not wait on it), or None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=STORE_WAIT_S))
+        return store
+    except Exception:
+        return None
+
+
+def record_first_failure(store, rank: int, exc: BaseException) -> None:
+    """File this rank's error as the run's first failure, unless another rank's came first."""
+    if store is None:
+        return
+    try:
+        store.compare_set(FIRST_FAILURE, "", f"{rank}\t{summary(exc)}")
+    except Exception:  # the store is gone: the launcher still names the first rank to exit
+        pass
+
+
+def first_failure(store, wait_s: float = STORE_WAIT_S) -> Optional[tuple[int, str]]:
+    """``(rank, error)`` of the first rank that failed on its own, or None when none said so in time."""
+    if store is None:
+        return None
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            if store.check([FIRST_FAILURE]):
+                rank, _, text = store.get(FIRST_FAILURE).decode().partition("\t")
+                return int(rank), text
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
+    except Exception:  # the store went with the failed rank
+        return None
+
+
+def peer_failure_line(exc: BaseException, store, step: int) -> str:
+    """What a rank whose collective broke prints instead of a traceback."""
+    first = first_failure(store)
+    if first is not None:
+        return f"stopped at step {step}: rank {first[0]} failed first: {first[1]}"
+    found = PEER_ADDRESS.search(str(exc))
+    why = f"the connection to {found.group(1)} broke" if found else summary(exc, limit=100)
+    return (f"stopped at step {step}: another rank failed, hung or lost its host ({why}); "
+            f"the output of that rank or host says why")
