@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 import textwrap
+import threading
 import time
 import types
 
@@ -143,7 +144,22 @@ class DictStore:
         return all(k in self.data for k in keys)
 
 
-def two_ranks(tmp_path, rank0_history, rank1_history, stall_s=15.0):
+@pytest.fixture
+def blocked_thread():
+    """A thread blocked at one line, standing in for a rank's main thread stuck in a call."""
+    release = threading.Event()
+
+    def park():
+        release.wait()
+
+    thread = threading.Thread(target=park, daemon=True)
+    thread.start()
+    yield thread.ident
+    release.set()
+    thread.join()
+
+
+def two_ranks(tmp_path, rank0_history, rank1_history, main_thread, stall_s=15.0):
     store, exits, reports = DictStore(), [], []
     logs = []
     for rank, history in enumerate((rank0_history, rank1_history)):
@@ -153,15 +169,16 @@ def two_ranks(tmp_path, rank0_history, rank1_history, stall_s=15.0):
             log.history.append(collectives.Fingerprint(seq, signature, collectives._stack(sys._getframe())))
             log.seq = seq
         log.exit = lambda code, rank=rank: exits.append((rank, code))
+        log._main_thread = main_thread
         log.report = reports.append
         logs.append(log)
     return logs, exits, reports
 
 
-def test_a_rank_stuck_in_a_collective_that_differs_ends_every_rank(tmp_path):
+def test_a_rank_stuck_in_a_collective_that_differs_ends_every_rank(tmp_path, blocked_thread):
     (log0, log1), exits, reports = two_ranks(
         tmp_path, [(1, "all_reduce(float32[1], SUM)"), (2, "all_reduce(int32[1], MIN)")],
-        [(1, "all_reduce(int32[1], MIN)")])
+        [(1, "all_reduce(int32[1], MIN)")], blocked_thread)
     log0.in_flight, log0.in_flight_since = log0.history[-1], 100.0
     watch0, watch1 = Watch(), Watch()
     log0.look(watch0, 110.0)  # 10 s: not yet
@@ -177,8 +194,8 @@ def test_a_rank_stuck_in_a_collective_that_differs_ends_every_rank(tmp_path):
     assert (tmp_path / "stalls" / "rank0.txt").exists() and (tmp_path / "stalls" / "rank1.txt").exists()
 
 
-def test_a_stall_without_a_difference_reports_where_each_rank_is_and_goes_on(tmp_path):
-    (log0, log1), exits, reports = two_ranks(tmp_path, [(1, "barrier()")], [(1, "barrier()")])
+def test_a_stall_without_a_difference_reports_where_each_rank_is_and_goes_on(tmp_path, blocked_thread):
+    (log0, log1), exits, reports = two_ranks(tmp_path, [(1, "barrier()")], [(1, "barrier()")], blocked_thread)
     watch0, watch1 = Watch(), Watch()
     log0.look(watch0, 100.0)  # the last progress
     log1.look(watch1, 100.0)
@@ -188,11 +205,22 @@ def test_a_stall_without_a_difference_reports_where_each_rank_is_and_goes_on(tmp
     log0.look(watch0, 131.0)
     log0.look(watch0, 131.5)
     assert exits == [] and len(reports) == 1
-    assert "rank 0: in " in reports[0] and "rank 1: in " in reports[0] and "every thread's stack" in reports[0]
+    assert "  rank 0: in blocked_thread.<locals>.park (test_disagreements.py:" in reports[0], reports[0]
+    assert "  rank 1: in blocked_thread.<locals>.park" in reports[0] and "every thread's stack" in reports[0]
     log1.look(watch1, 132.0)
     assert exits == []  # the verdict was "stall": the job goes on
     log1.look(watch1, 133.0)
     assert log1.store.add(f"{collectives.KEY}/asked", 0) == 1  # asked once per stall
+
+
+def test_a_busy_main_thread_is_progress_even_without_steps(tmp_path):
+    (log0, _), exits, reports = two_ranks(tmp_path, [(1, "barrier()")], [(1, "barrier()")],
+                                          threading.main_thread().ident)
+    watch = Watch()
+    for t in range(100, 160, 2):  # a minute of evaluation: this thread's stack differs at every look
+        log0.look(watch, float(t))
+        log0.look(watch, float(t + 1))
+    assert log0.store.add(f"{collectives.KEY}/asked", 0) == 0 and not reports
 
 
 # --- the same checks every epoch -------------------------------------------------------------------
@@ -325,6 +353,17 @@ PROJECT = {
             mine = range(0, half) if trainer.rank == 0 else range(half - 200, len(train_set))
             return DataLoader(Subset(train_set, mine), batch_size=32), DataLoader(eval_set, batch_size=256)
     """,
+    "driftplug.py": """
+        import torch
+        from ddpx import hookimpl
+
+
+        @hookimpl
+        def ddpx_batch_end(trainer, batch_index, loss, stepped):
+            if trainer.rank == 1 and batch_index == 5:
+                with torch.no_grad():
+                    next(trainer.module.parameters()).add_(0.01)  # an update only rank 1 applies
+    """,
     "badplug.py": """
         from ddpx import hookimpl
 
@@ -411,7 +450,8 @@ def test_a_submodule_skipped_on_some_batches_is_named_with_the_fix(ranks, tmp_pa
      "(plugins: skipplug, trainer) returned False on some ranks only"),
     (["plugins.enable=[unevenplug]"],
      "the ranks disagree on the batches in this epoch (rank 0: 23, rank 1: 29)"),
-], ids=["model", "skipped_step", "uneven_batches"])
+    (["plugins.enable=[driftplug]"], "the ranks disagree on the sum of the weights (rank 0: "),
+], ids=["model", "skipped_step", "uneven_batches", "drifting_weights"])
 def test_other_disagreements_end_the_job_in_a_line(ranks, tmp_path, overrides, expected):
     code, out, elapsed = train(ranks, tmp_path, *overrides)
     assert code == 2, out

@@ -1,18 +1,20 @@
 """Ranks that disagree, or hang, explained within seconds instead of at the timeout.
 
-While a run trains (``trainer.check_collectives: on``, the default), every
+While a run trains (``trainer.check_collectives: true``, the default), every
 blocking collective issued through ``torch.distributed`` on the default group
 (``dist.all_reduce(t)`` in a plugin, in ddpx, in a model) leaves a fingerprint
 before it runs: its sequence number, op, reduce op, shapes and dtypes, and the
 calling code (read as plugin, hook and file:line only when a report needs it).
 Asynchronous collectives (comm hooks inside DDP's backward, ddpx's stop vote) and
 DDP's own all-reduces are issued alike on every rank by construction and are not
-recorded; neither are collectives on other groups.
+recorded; neither are collectives on other groups or from other threads.
 
 A watchdog thread per rank looks once a second. When its rank has waited
-``trainer.stall_s`` in one collective, or made no progress for twice that, every
-rank is asked, through the store (it answers while the process group is stuck),
-for its last fingerprints, where it is, and its threads' stacks
+``trainer.stall_s`` in one collective, or made no progress for twice that (no
+step, no collective, and its main thread's stack the same at every look: busy
+code such as a long evaluation moves on), every rank is asked, through the
+store (it answers while the process group is stuck), for its last
+fingerprints, where it is, and its threads' stacks
 (``<run_dir>/stalls/rank<N>.txt``). Then rank 0:
 
 - finds the first sequence number at which the fingerprints differ: the ranks
@@ -22,6 +24,11 @@ for its last fingerprints, where it is, and its threads' stacks
 - or, when the fingerprints agree (a slow rank, a deadlock in a data loader, a
   collective one rank has not reached yet), prints where each rank is and lets
   the job run on: ``trainer.timeout_s`` still ends it if nothing moves.
+
+At every epoch's start and end the trainer calls :meth:`CollectiveLog.agree`: one
+small all_reduce that compares a digest of the fingerprints so far, and counts
+every rank must share (batches, skipped steps, the weights' sum), so a
+disagreement that would not hang (same shapes, paired silently) is found too.
 """
 
 from __future__ import annotations
@@ -150,8 +157,8 @@ class CollectiveLog:
     def _recording(self, name: str, original):
         @functools.wraps(original)
         def collective(*args, **kwargs):
-            if _is_async(args, kwargs) or _other_group(args, kwargs):
-                return original(*args, **kwargs)
+            if _is_async(args, kwargs) or _other_group(args, kwargs) or threading.get_ident() != self._main_thread:
+                return original(*args, **kwargs)  # not in the one sequence every rank's main thread follows
             self.seq += 1
             fp = Fingerprint(self.seq, describe(name, args, kwargs), _stack(sys._getframe(1)))
             self.digest = zlib.crc32(fp.signature.encode(), self.digest)
@@ -186,7 +193,10 @@ class CollectiveLog:
 
     def look(self, watch: "Watch", now: float) -> None:
         """One look: ask the ranks when this one is stuck, answer when asked, report on rank 0."""
-        progress = (tuple(self.progress().values()), self.seq)
+        # Progress: a step, a collective, or the main thread anywhere else than a look ago (a long
+        # evaluation or save is busy, not stuck; a hang shows the same stack at every look).
+        main = sys._current_frames().get(self._main_thread)
+        progress = (tuple(self.progress().values()), self.seq, _stack(main)[:8] if main is not None else ())
         if progress != watch.progress:
             watch.progress, watch.progress_at, watch.asked = progress, now, False
         asked = self.store.add(f"{KEY}/asked", 0)
@@ -268,25 +278,32 @@ class CollectiveLog:
         self.report("\n".join(where_ranks_are(answers, self.world_size, self.stall_s)))
 
 
-    def agree(self, counters: dict, hints: Optional[dict] = None) -> None:
-        """At a boundary every rank reaches together (an epoch's end): compare the collectives issued
-        so far and ``counters`` (values that must be equal on every rank) in one small all_reduce;
-        raise :class:`RanksDisagree` on every rank, naming the first difference (and ``hints[name]``,
-        what to do about a counter), when they differ."""
-        values = [float(self.digest), *map(float, counters.values())]
-        both = torch.tensor(values + [-v for v in values], dtype=torch.float64, device=self.device)
+    def agree(self, counters: dict, hints: Optional[dict] = None, sums: Optional[dict] = None) -> None:
+        """At a boundary every rank reaches together (an epoch's start or end): compare the collectives
+        issued so far, ``counters`` (ints that must be equal on every rank) and ``sums`` (0-dim float
+        tensors that must be equal up to rounding, e.g. of the weights) in one small all_reduce; raise
+        :class:`RanksDisagree` on every rank, naming the first difference (and ``hints[name]``, what to
+        do about it), when they differ."""
+        sums = sums or {}
+        exact = torch.tensor([float(self.digest), *map(float, counters.values())], dtype=torch.float64,
+                             device=self.device)
+        values = torch.cat([exact, *(v.detach().to(self.device, torch.float64).reshape(1) for v in sums.values())])
+        both = torch.cat([values, -values])
         dist.all_reduce(both, op=dist.ReduceOp.MAX)  # max and -min of each value
         highest, lowest = both[:len(values)].tolist(), [-v for v in both[len(values):].tolist()]
-        if highest == lowest:
+        names = [None, *counters, *sums]  # None: the digest
+        differs = [h != lo if i < len(exact) else abs(h - lo) > 1e-7 * max(abs(h), abs(lo), 1.0)
+                   for i, (h, lo) in enumerate(zip(highest, lowest))]
+        if not any(differs):
             return
-        mine = {"rank": self.rank, "counters": counters,
+        mine = {"rank": self.rank, "values": {**counters, **{k: v.item() for k, v in sums.items()}},
                 "history": [[fp.seq, fp.signature, caller(fp.stack, self._codes())] for fp in self.history]}
         answers: list = [None] * self.world_size
         dist.all_gather_object(answers, mine)
         lines = first_difference(answers)
         if not lines:
-            name = next(k for i, k in enumerate(counters, start=1) if highest[i] != lowest[i])
-            by_rank = ", ".join(f"rank {a['rank']}: {a['counters'][name]}" for a in answers[:8])
+            name = next(names[i] for i, d in enumerate(differs) if d and names[i] is not None)
+            by_rank = ", ".join(f"rank {a['rank']}: {a['values'][name]:.10g}" for a in answers[:8])
             lines = [f"the ranks disagree on the {name} ({by_rank}){(hints or {}).get(name, '')}"]
         raise RanksDisagree("\n".join(lines))
 

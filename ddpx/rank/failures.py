@@ -22,7 +22,7 @@ FIRST_FAILURE = "ddpx/first_failure"
 # What gloo, NCCL and the store say when the other end of a collective went away or hung.
 PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting|"
                        r"timed out|Socket Timeout|NCCL communicator was aborted|ECONNRESET", re.IGNORECASE)
-PEER_ADDRESS = re.compile(r"peer \[?([0-9a-fA-F.:]+?)\]?:\d+")
+PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")  # gloo: "Read error [10.0.0.2]:40123: ...", "peer [...]:..."
 CXX_LOCATION = re.compile(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\] ")  # "[.../unbound_buffer.cc:78] " before gloo's words
 STORE_WAIT_S = 3.0  # for the failed rank's line to reach the store
 

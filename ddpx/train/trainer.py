@@ -337,8 +337,7 @@ class Trainer:
             self.epoch_batches = 0
             self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
             self.num_batches = len(self.train_loader)
-            self._check_ranks_agree({"batches in this epoch": self.num_batches,
-                                     "skipped optimizer steps": self.skipped_steps})
+            self._check_ranks_agree(at_start=True)
             self._batches = iter(self.train_loader)
         stop_at = self._stop_step(until_step)
         self.module.train()
@@ -371,7 +370,7 @@ class Trainer:
     def _end_epoch(self, epoch: int) -> dict:
         """The epoch's all-reduced loss, the evaluation when due, then ``ddpx_epoch_end``."""
         metrics: dict = {"epoch": epoch, "step": self.global_step, **self._epoch_train_loss()}
-        self._check_ranks_agree({"skipped optimizer steps": self.skipped_steps})
+        self._check_ranks_agree(at_start=False)
         if not math.isfinite(metrics.get("loss", 0.0)) and not self.scaler.is_enabled():  # else fp16 overflows
             self.nonfinite_loss(f"in epoch {epoch} (its mean training loss is {metrics['loss']})")
         every = self.config.trainer.eval_every_epochs
@@ -426,17 +425,27 @@ class Trainer:
         """Back-propagate ``loss``, scaled by the GradScaler under fp16 AMP."""
         self.scaler.scale(loss).backward()
 
-    def _check_ranks_agree(self, counters: dict) -> None:
+    def _check_ranks_agree(self, at_start: bool) -> None:
         """At an epoch's start and end (``trainer.check_collectives``): every rank issued the same
-        collectives and has the same ``counters``; else :class:`~ddpx.errors.RanksDisagree` on every
-        rank, before the disagreement hangs a collective or crashes gloo. One small all_reduce."""
+        collectives and skipped the same optimizer steps; at the start, every rank has as many batches;
+        at the end, the weights are the same. Else :class:`~ddpx.errors.RanksDisagree` on every rank,
+        before the disagreement hangs a collective, crashes gloo or is saved. One small all_reduce."""
         if self._collectives is None:
             return
+        counters, sums = {"skipped optimizer steps": self.skipped_steps}, {}
+        if at_start:
+            counters["batches in this epoch"] = self.num_batches
+        else:
+            sums["sum of the weights"] = torch.stack([p.detach().sum(dtype=torch.float64)
+                                                      for p in self.module.parameters()]).sum()
         stepping = ", ".join(i.plugin_name for i in reversed(self.plugin_manager.hook.ddpx_optimizer_step.get_hookimpls()))
-        self._collectives.agree(counters, {
+        self._collectives.agree(counters, sums=sums, hints={
             "skipped optimizer steps": f": a ddpx_optimizer_step hook (plugins: {stepping}) returned False on some "
                                        "ranks only, so their weights differ now; decide from values every rank "
                                        "shares (all-reduced ones)",
+            "sum of the weights": ": the replicas drifted apart, so some rank applied another update (with "
+                                  "trainer.static_graph: true the set of parameters a step uses must not change "
+                                  "between steps; a plugin may change weights on some ranks only)",
             "batches in this epoch": ": DDP needs the same number of steps on every rank; give every rank the "
                                      "same number of batches (a sampler that splits the data evenly, e.g. "
                                      "DistributedSampler, which pads, or drop_last)",
