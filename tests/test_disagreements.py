@@ -186,7 +186,7 @@ def test_a_rank_stuck_in_a_collective_that_differs_ends_every_rank(tmp_path, blo
     assert not exits and not reports
     log0.look(watch0, 115.5)  # rank 0 waited stall_s in one collective: it asks, and answers
     log1.look(watch1, 116.0)  # rank 1 answers
-    log0.look(watch0, 116.5)  # rank 0 has every answer: the verdict
+    log0.look(watch0, 116.5)  # rank 0 has every answer: the verdict (it waits up to 3 s for rank 1 to read it)
     assert exits == [(0, 2)]
     assert "collective 1 differs" in reports[0] and "rank 0: all_reduce(float32[1], SUM)" in reports[0]
     log1.look(watch1, 117.0)  # rank 1 reads the verdict and ends too

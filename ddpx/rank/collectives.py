@@ -219,7 +219,8 @@ class CollectiveLog:
         elif self.store.check([f"{KEY}/{asked}/verdict"]):
             watch.pending = None
             if self.store.get(f"{KEY}/{asked}/verdict") == b"mismatch":
-                if os.environ.get("LOCAL_RANK", "0") == "0" and self.rank != 0:
+                self.store.add(f"{KEY}/{asked}/seen", 1)
+                if os.environ.get("LOCAL_RANK", "0") == "0":
                     self.report(f"ddpx: error: [rank{self.rank}] stopped: the ranks issued different collectives "
                                 "(rank 0's output names them)")
                 self.exit(MISMATCH_EXIT)
@@ -272,6 +273,10 @@ class CollectiveLog:
         if lines:
             self.report("\nddpx: error: " + "\n".join(lines))
             self.store.set(f"{KEY}/{asked}/verdict", "mismatch")
+            # The store goes with this process: wait (briefly) until every rank has read the verdict.
+            deadline = time.monotonic() + 2 * POLL_S + 1.0
+            while self.store.add(f"{KEY}/{asked}/seen", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
             self.exit(MISMATCH_EXIT)
             return
         self.store.set(f"{KEY}/{asked}/verdict", "stall")
