@@ -298,3 +298,14 @@ def test_stop_watchdog_waits_while_steps_advance_and_gives_up_once_they_stop():
     stops.stop_agreed()  # a stop agreed in time ends the watchdog
     time.sleep(1.0)
     assert not gave_up
+
+
+def test_a_checkpoint_of_another_model_is_one_line_naming_the_file(make_config, tmp_path):
+    from ddpx.errors import DdpxError
+    from ddpx.train.trainer import Trainer
+
+    Trainer(make_config("trainer.epochs=1")).run()
+    with pytest.raises(DdpxError, match=r"checkpoint .*step-0+\d+\.pt holds another model's weights \(Error\(s\) in "
+                                        r"loading state_dict for DigitsMLP: size mismatch for net.0.weight.*resume it "
+                                        r"with the model it was saved with"):
+        Trainer(make_config("trainer.epochs=2", "model.args.hidden=32")).run()

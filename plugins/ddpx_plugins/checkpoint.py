@@ -456,7 +456,16 @@ def _resume(trainer, session):
     old_world, ranks = checkpoint["world_size"], checkpoint["ranks"]
     same_world = old_world == trainer.world_size
     mine = ranks[trainer.rank] if same_world else ranks[0]
-    trainer.load_state_dict({**checkpoint["replicated"], **mine["plugins"]})
+    try:
+        trainer.load_state_dict({**checkpoint["replicated"], **mine["plugins"]})
+    except RuntimeError as exc:
+        if "Error(s) in loading state_dict" not in str(exc):
+            raise
+        detail = " ".join(str(exc).split())  # torch's lines: the model's class, missing and unexpected keys
+        detail = detail if len(detail) <= 200 else detail[:197] + "..."
+        raise DdpxError(f"checkpoint {path} holds another model's weights ({detail}); resume it with the model "
+                        "it was saved with, or start afresh in another run_dir (or set checkpoint.resume=false)"
+                        ) from None
     session.saved = (trainer.global_step, None)
     session.finite_at = trainer.global_step
     trainer.shared[LAST_FINITE_CHECKPOINT] = str(path)
