@@ -223,6 +223,7 @@ class CollectiveLog:
                 if os.environ.get("LOCAL_RANK", "0") == "0":
                     self.report(f"ddpx: error: [rank{self.rank}] stopped: the ranks issued different collectives "
                                 "(rank 0's output names them)")
+                time.sleep(POLL_S)  # rank 0 first: the launcher names the first rank to exit
                 self.exit(MISMATCH_EXIT)
         elif now - since >= 3 * GATHER_S:
             watch.pending = None  # rank 0 never concluded (it is gone or its Python is blocked)
