@@ -281,6 +281,7 @@ def test_a_broken_connection_is_another_ranks_failure_and_names_it_when_the_stor
 
     store = DictStore()
     store.compare_set = lambda key, expected, value: store.data.setdefault(key, value.encode())
+    store.timeout, store.set_timeout = None, lambda timeout: None
     assert failures.peer_failure_line(closed, store, 12) .startswith(
         "stopped at step 12: another rank failed, hung or lost its host (the connection to 10.0.0.2 broke)")
     failures.record_first_failure(store, 1, ValueError("bad metric file"))

@@ -11,6 +11,7 @@ it): then the line says that another rank failed or was lost.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import re
 import time
@@ -42,15 +43,25 @@ def summary(exc: BaseException, limit: int = 160) -> str:
 
 
 def default_store():
-    """The default group's store, with a short timeout (a failing run must not wait on it), or None."""
+    """The default group's store, or None."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=STORE_WAIT_S))
-        return store
+        return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
+
+
+@contextlib.contextmanager
+def short_timeout(store):
+    """A failing run must not wait on the store for long; the plugins' exception hooks after us
+    (a final checkpoint) get its usual timeout back."""
+    before = store.timeout
+    store.set_timeout(datetime.timedelta(seconds=STORE_WAIT_S))
+    try:
+        yield store
+    finally:
+        store.set_timeout(before)
 
 
 def record_first_failure(store, rank: int, exc: BaseException) -> None:
@@ -58,7 +69,8 @@ def record_first_failure(store, rank: int, exc: BaseException) -> None:
     if store is None:
         return
     try:
-        store.compare_set(FIRST_FAILURE, "", f"{rank}\t{summary(exc)}")
+        with short_timeout(store):
+            store.compare_set(FIRST_FAILURE, "", f"{rank}\t{summary(exc)}")
     except Exception:  # the store is gone: the launcher still names the first rank to exit
         pass
 
@@ -69,13 +81,14 @@ def first_failure(store, wait_s: float = STORE_WAIT_S) -> Optional[tuple[int, st
         return None
     deadline = time.monotonic() + wait_s
     try:
-        while True:
-            if store.check([FIRST_FAILURE]):
-                rank, _, text = store.get(FIRST_FAILURE).decode().partition("\t")
-                return int(rank), text
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.1)
+        with short_timeout(store):
+            while True:
+                if store.check([FIRST_FAILURE]):
+                    rank, _, text = store.get(FIRST_FAILURE).decode().partition("\t")
+                    return int(rank), text
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.1)
     except Exception:  # the store went with the failed rank
         return None
 
