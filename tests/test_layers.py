@@ -2,7 +2,7 @@
 
 Bottom to top: the leaves (errors, import paths, sockets, kernels, models); the plugin
 machinery; the config; the per-rank plumbing that does not know the trainer (``rank/``);
-the public comm hooks and data; the trainer (``train/``); the launcher (``launch/``,
+the public comm hooks and data; fused_allreduce and the optimizers built on the hooks; the trainer (``train/``); the launcher (``launch/``,
 what runs before and around torchrun); and the programs built from them (the worker, the
 doctor, the smoke run, the benchmarks, the CLI). The README's layout section lists them.
 
@@ -26,7 +26,7 @@ LAYERS = [
     ["config"],
     ["rank"],
     ["comm_hooks", "data"],
-    ["comm"],
+    ["comm", "optim"],
     ["train"],
     ["launch"],
     ["worker", "doctor"],

@@ -28,7 +28,7 @@ from .state import HookState, hook
 
 log = logging.getLogger("ddpx.comm_hooks")
 
-__all__ = ["make", "register", "available", "ddp_options", "without_warmup", "HookState", "hook"]
+__all__ = ["make", "register", "available", "ddp_options", "needs_optimizer", "without_warmup", "HookState", "hook"]
 
 _REGISTRY: dict[str, type] | None = None
 _FALLBACK_LOGGED: set[str] = set()
@@ -54,9 +54,11 @@ def _registry() -> dict[str, type]:
     return _REGISTRY
 
 
-def available() -> list[str]:
-    """Names accepted by :func:`make` and :func:`register`."""
-    return list(_registry())
+def available(with_optimizer: bool = False) -> list[str]:
+    """Names accepted by :func:`make` and :func:`register`: the hooks that average the
+    gradients by themselves, and with ``with_optimizer`` also those that need their
+    optimizer to do it (``onebit_adam``: ``ddpx.optim.OneBitAdam``)."""
+    return [name for name, cls in _registry().items() if with_optimizer or not cls.needs_optimizer]
 
 
 def _state_class(name: str) -> type:
@@ -76,6 +78,12 @@ def ddp_options(name: str) -> dict:
     if cls.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = cls.bucket_cap_mb
     return options
+
+
+def needs_optimizer(name: str) -> str | None:
+    """The optimizer (import path) hook `name` must be paired with, or None (``onebit_adam``:
+    ``"ddpx.optim.OneBitAdam"``, which averages the gradients in its compressed stage)."""
+    return _state_class(name).needs_optimizer
 
 
 def without_warmup(name: str) -> dict:
@@ -174,6 +182,7 @@ def register(ddp_model, name: str, native: bool = True, **options) -> HookState:
     """
     state = make_state(name, getattr(ddp_model, "process_group", None), **options)
     _warn_if_nothing_compresses(ddp_model, state)
+    native = native and state.native_kind is not None  # a hook without a C++ twin (onebit_adam): nothing to warn
     reason = _native_unavailable(ddp_model, state) if native else "native=False"
     if reason is None:
         from .. import _C

@@ -152,6 +152,8 @@ class HookState:
     memories: tuple[str, ...] = ()
     # the C++ algorithm that runs this state natively (its DDPX_REGISTER_NATIVE_HOOK kind), or None
     native_kind: str | None = None
+    # the optimizer (import path) that averages the gradients for this hook, or None: the hook does
+    needs_optimizer: str | None = None
     # collectives depend on earlier results: run on the executor, on executor_group
     multi_phase = False
     # the DDP bucket size this hook works best with (None: DDP's default 25 MB); see ddp_options()

@@ -13,6 +13,12 @@ DDP wrap unless ``trainer.bucket_cap_mb`` sets one, and so is
 ``gradient_as_bucket_view=True`` (the hook writes into the bucket, so DDP's copy
 back into ``.grad`` is saved).
 
+An optimizer that averages the gradients itself names its hook (``comm_hook``
+class attribute): ``optimizer.target: ddpx.optim.OneBitAdam`` registers
+``onebit_adam`` (with ``comm_hook.options``) and pairs the two at train start;
+any other ``comm_hook.name`` with it, or ``onebit_adam`` without it, is a one-line
+config error.
+
 Config section ``comm_hook``: ``name`` (``allreduce``), ``native`` (true),
 ``options`` (``{}``: keyword arguments of the hook, e.g. ``{rank: 4}``).
 
@@ -24,6 +30,7 @@ plugins as ``trainer.shared[COMM_HOOK]``.
 import importlib
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
+from ddpx.imports import resolve
 from ddpx.plugin.shared import COMM_HOOK
 
 BUILTIN = "allreduce"  # DDP's own all-reduce: no hook
@@ -36,6 +43,27 @@ def _hooks_module():
     except ImportError:
         return None
     return hooks if hasattr(hooks, "register") and hasattr(hooks, "available") else None
+
+
+def hook_name(config, hooks) -> str:
+    """The hook a run uses: ``comm_hook.name``, or the one the optimizer needs (its class's
+    ``comm_hook``, e.g. ``ddpx.optim.OneBitAdam``: ``onebit_adam``); a mismatch is a DdpxError."""
+    name = config.section("comm_hook")["name"]
+    target = config.optimizer.target
+    paired = getattr(resolve(target, "optimizer.target"), "comm_hook", None)
+    if paired is not None and name not in (BUILTIN, paired):
+        raise DdpxError(f"optimizer.target {target} averages the gradients through comm hook {paired!r}: set "
+                        f"comm_hook.name: {paired} (or leave it at {BUILTIN}), not {name!r}")
+    name = paired or name
+    available = list(hooks.available(with_optimizer=True))
+    if name != BUILTIN and name not in available:
+        choices = [BUILTIN, *(n for n in available if n != BUILTIN)]
+        raise DdpxError(f"unknown comm_hook.name {name!r}; choose one of: {', '.join(choices)}")
+    needs = None if name == BUILTIN else hooks.needs_optimizer(name)
+    if needs and paired is None:
+        raise DdpxError(f"comm_hook.name {name} needs optimizer.target: {needs} (it takes torch.optim.AdamW's "
+                        f"arguments), not {target}")
+    return name
 
 
 class CommHookPlugin:
@@ -53,43 +81,43 @@ class CommHookPlugin:
     def ddpx_configure(self, config):
         cfg = config.section("comm_hook")
         hooks = _hooks_module()
-        if cfg["name"] == BUILTIN or hooks is None:
+        if hooks is None:
             return
-        available = list(hooks.available())
-        if cfg["name"] not in available:
-            choices = [BUILTIN, *(n for n in available if n != BUILTIN)]
-            raise DdpxError(f"unknown comm_hook.name {cfg['name']!r}; choose one of: {', '.join(choices)}")
-        hooks.make_state(cfg["name"], **cfg["options"])  # bad options fail here, before any worker starts
+        name = hook_name(config, hooks)
+        if name == BUILTIN:
+            return
+        hooks.make_state(name, **cfg["options"])  # bad options fail here, before any worker starts
 
     @hookimpl
     def ddpx_ddp_options(self, trainer):
-        name = trainer.config.section("comm_hook")["name"]
         hooks = _hooks_module()
-        return None if name == BUILTIN or hooks is None else hooks.ddp_options(name)
+        name = BUILTIN if hooks is None else hook_name(trainer.config, hooks)
+        return None if name == BUILTIN else hooks.ddp_options(name)
+
+    @hookimpl
+    def ddpx_train_start(self, trainer):
+        if self.state is not None and getattr(self.state, "needs_optimizer", None):
+            trainer.optimizer.pair(self.state)  # the optimizer averages the momentum through the hook
 
     @hookimpl
     def ddpx_model_wrapped(self, trainer, model):
         from torch.nn.parallel import DistributedDataParallel
 
         cfg = trainer.config.section("comm_hook")
-        self.state, self.name = None, cfg["name"]
-        if cfg["name"] == BUILTIN:
+        hooks = _hooks_module()
+        self.state = None
+        self.name = BUILTIN if hooks is None else hook_name(trainer.config, hooks)
+        if self.name == BUILTIN:
             return
         if not isinstance(model, DistributedDataParallel):
-            trainer.log.warning("comm_hook.name=%s ignored: the model is not wrapped in DDP", cfg["name"])
+            trainer.log.warning("comm_hook.name=%s ignored: the model is not wrapped in DDP", self.name)
             return
-        hooks = _hooks_module()
-        if hooks is None:
-            trainer.log.warning(
-                "ddpx.comm_hooks is not available; comm_hook.name=%s falls back to DDP's all-reduce", cfg["name"]
-            )
-            return
-        self.state = trainer.shared[COMM_HOOK] = hooks.register(model, cfg["name"], native=cfg["native"],
+        self.state = trainer.shared[COMM_HOOK] = hooks.register(model, self.name, native=cfg["native"],
                                                                 **cfg["options"])
         kind = "native C++" if getattr(self.state, "native", False) else "Python"
         bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
         views = ", gradients as bucket views" if getattr(model, "gradient_as_bucket_view", False) else ""
-        trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)", cfg["name"], kind, bucket_mb, views)
+        trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)", self.name, kind, bucket_mb, views)
 
     def state_dict(self, trainer):
         if self.state is None or not hasattr(self.state, "state_dict"):
