@@ -254,10 +254,11 @@ def test_unknown_comm_hook_name_lists_the_choices():
     from ddpx_plugins.comm_hook import CommHookPlugin
 
     pytest.importorskip("ddpx.comm_hooks")
-    config = SimpleNamespace(section=lambda name: {"name": "int7", "native": True, "options": {}})
+    sgd = SimpleNamespace(target="torch.optim.SGD")  # an optimizer that needs no hook of its own
+    config = SimpleNamespace(section=lambda name: {"name": "int7", "native": True, "options": {}}, optimizer=sgd)
     with pytest.raises(DdpxError, match="unknown comm_hook.name 'int7'; choose one of: allreduce, bf16, .*int8"):
         CommHookPlugin().ddpx_configure(config=config)
-    config = SimpleNamespace(section=lambda name: {"name": "int8", "native": True, "options": {"blok": 3}})
+    config = SimpleNamespace(section=lambda name: {"name": "int8", "native": True, "options": {"blok": 3}}, optimizer=sgd)
     with pytest.raises(DdpxError, match="unknown option.*blok"):
         CommHookPlugin().ddpx_configure(config=config)
 

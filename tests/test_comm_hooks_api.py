@@ -62,8 +62,10 @@ def test_bad_options_are_one_line_errors(name, opts, needle):
 
 
 def test_options_validated():
-    with pytest.raises(ddpx.DdpxError, match="rank must be >= 1"):
+    with pytest.raises(ddpx.DdpxError, match="rank must be 'auto' or an int >= 1, got 0"):
         ddpx.comm_hooks.make("powersgd", rank=0)
+    with pytest.raises(ddpx.DdpxError, match="rank must be 'auto' or an int >= 1, got 4.0"):
+        ddpx.comm_hooks.make("powersgd", rank=4.0)
     with pytest.raises(ddpx.DdpxError, match="chunk_size must be a positive multiple of 8"):
         ddpx.comm_hooks.make("onebit", chunk_size=12)
     with pytest.raises(ddpx.DdpxError, match="unknown option"):

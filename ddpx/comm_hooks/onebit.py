@@ -72,37 +72,28 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import ops
-from .state import LossyState, log, Option, non_negative, positive_multiple_of
+from .state import LossyState, Option, adam_family, log, non_negative, on_first_optimizer_step, positive_multiple_of
 from .twophase import (Piece, TwoPhaseState, all_gather_single, piece_elements, piece_ranges, piece_spans,
                        segment_spans)
 
 
-_adam_watch = None  # the optimizer step pre-hook of watch_for_adam, while one is registered
+_adam_warned = False  # the warning of warn_with_adam is given once per process
 
 
-def watch_for_adam() -> None:
-    """Warn once, at the first optimizer step of the process, when that optimizer is of the
-    Adam family (it has ``betas``): 1-bit gradients with error feedback do not give Adam
-    the update it would have had (a small GPT with AdamW lost 0.41 nats), the momentum
-    path ``onebit_adam`` does. One check, then the pre-hook removes itself."""
-    global _adam_watch
-    if _adam_watch is not None:
+def warn_with_adam(optimizer) -> None:
+    """1-bit gradients with error feedback do not give Adam the update it would have had (a
+    small GPT with AdamW lost 0.41 nats); the momentum path ``onebit_adam`` does: say so,
+    once, when the first optimizer step after the hook is made is an Adam-family one."""
+    global _adam_warned
+    if _adam_warned or not adam_family(optimizer) or getattr(optimizer, "comm_hook", None):
         return
-
-    def check(optimizer, args, kwargs):
-        global _adam_watch
-        _adam_watch.remove()
-        if "betas" in optimizer.defaults and not getattr(optimizer, "comm_hook", None) and \
-                (not dist.is_initialized() or dist.get_rank() == 0):
-            log.warning("comm hook 'onebit' with %s: 1-bit gradients do not give Adam the update it would have "
-                        "had (a small GPT with AdamW lost 0.4 nats); use the Adam-aware path, optimizer "
-                        "ddpx.optim.OneBitAdam with comm hook 'onebit_adam' (docs/comm_hooks.md)",
-                        type(optimizer).__name__)
-
-    _adam_watch = register_optimizer_step_pre_hook(check)
+    _adam_warned = True
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.warning("comm hook 'onebit' with %s: 1-bit gradients do not give Adam the update it would have had "
+                    "(a small GPT with AdamW lost 0.4 nats); use the Adam-aware path, optimizer "
+                    "ddpx.optim.OneBitAdam with comm hook 'onebit_adam' (docs/comm_hooks.md)", type(optimizer).__name__)
 
 
 class OnebitState(TwoPhaseState):
@@ -125,7 +116,7 @@ class OnebitState(TwoPhaseState):
     def __init__(self, process_group=None, **opts):
         super().__init__(process_group, **opts)
         if type(self) is OnebitState:  # the gradient hook, not onebit_adam's momentum
-            watch_for_adam()
+            on_first_optimizer_step(warn_with_adam)
 
     def build_layout(self, lay):
         world, rank, chunk = self.world_size, self.rank, self.chunk_size

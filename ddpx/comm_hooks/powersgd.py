@@ -60,12 +60,17 @@ ring adds an element's copies in an order that depends on the buffer length).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from .. import ops
-from .state import HookState, LossyState, Option, non_negative, ring_allreduce_bytes
+from .state import HookState, LossyState, Option, adam_family, non_negative, on_first_optimizer_step, ring_allreduce_bytes
 from .twophase import Piece, TwoPhaseState
+
+# rank "auto": {with an Adam-family optimizer: r}; see the module docstring
+AUTO_RANKS = {False: 4, True: 16}
 
 
 def _matrix_shape(p: torch.Tensor) -> tuple[int, int]:
@@ -78,7 +83,9 @@ class PowerSGDState(TwoPhaseState):
     name = "powersgd"
     native_kind = "powersgd"
     options = {
-        "rank": Option(int, 4, lambda v: None if v >= 1 else "must be >= 1", "approximation rank r"),
+        "rank": Option(object, "auto", lambda v: None if v == "auto" or (type(v) is int and v >= 1) else
+                       "must be 'auto' or an int >= 1", "approximation rank r; auto: 16 with an Adam-family "
+                       "optimizer, else 4 (see the docstring)"),
         "warmup_steps": Option(int, 100, non_negative,
                                "iterations of plain fp32 allreduce before compression starts (see the docstring)"),
         "min_numel": LossyState.options["min_numel"],
@@ -90,15 +97,43 @@ class PowerSGDState(TwoPhaseState):
     keep_matrices_whole = True  # scope=inter_node: exact allreduce in the node, then this (ddpx/comm_hooks/scope.py)
     memories = ("error", "q", "p")  # error: the last step's M (see above); p: its P
 
+    def __init__(self, process_group=None, **opts):
+        super().__init__(process_group, **opts)
+        self._auto_rank = None  # rank "auto", once fixed: by the first optimizer step or the first layout
+        if self.opts["rank"] == "auto":
+            this = weakref.ref(self)
+            on_first_optimizer_step(lambda opt: this() is not None and this()._fix_rank(opt))
+
     # HookState.rank is the process rank; the option of the same name (the
-    # user-facing spelling, as in the paper) is stored as `approx_rank`.
+    # user-facing spelling, as in the paper) is read through `approx_rank`.
     @property
     def rank(self) -> int:
         return HookState.rank.fget(self)
 
     @rank.setter
-    def rank(self, value: int) -> None:
-        self.approx_rank = value
+    def rank(self, value) -> None:
+        pass  # the option stays in self.opts
+
+    @property
+    def approx_rank(self) -> int:
+        """The approximation rank r: the option, or for ``auto`` the rank fixed so far (4 until then)."""
+        if self.opts["rank"] != "auto":
+            return self.opts["rank"]
+        return self._auto_rank or AUTO_RANKS[False]
+
+    def _fix_rank(self, optimizer=None) -> None:
+        """Fix rank ``auto``: by the first optimizer step after the hook was made, unless a
+        layout (the first compressed step) came first; that one runs with what it saw."""
+        if self._auto_rank is None:
+            self._auto_rank = AUTO_RANKS[optimizer is not None and adam_family(optimizer)]
+
+    def layout(self, index, params):
+        if self.opts["rank"] == "auto":
+            self._fix_rank()  # the layout's matrices must keep their rank
+        return super().layout(index, params)
+
+    def state_dict(self) -> dict:
+        return dict(super().state_dict(), approx_rank=self.approx_rank)
 
     def r_of(self, p: torch.Tensor) -> int:
         n, m = _matrix_shape(p)
@@ -191,6 +226,8 @@ class PowerSGDState(TwoPhaseState):
         q.copy_(torch.randn(q.numel(), generator=g).view(q.shape))
 
     def load_state_dict(self, sd: dict) -> None:
+        if self.opts["rank"] == "auto" and sd.get("approx_rank"):
+            self._auto_rank = sd["approx_rank"]  # a resumed run keeps the rank its memory has
         super().load_state_dict(sd)
         saved = sd.get("memory", {})
         if "error" in saved and "p" not in saved:  # saved before P was kept: its "error" is the error itself

@@ -66,6 +66,36 @@ def profiled(name: str):
     return contextlib.nullcontext()
 
 
+_first_step_callbacks: list = []  # waiting for the next optimizer step (see on_first_optimizer_step)
+_first_step_hook = None
+
+
+def on_first_optimizer_step(callback: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Call ``callback(optimizer)`` at the first optimizer step of the process after this
+    call. One torch step pre-hook per process, registered at the first call and kept (torch
+    iterates its hooks while calling them, so one cannot remove itself): it returns at once
+    while nothing waits."""
+    global _first_step_hook
+    if _first_step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def first_step(optimizer, args, kwargs):
+            if _first_step_callbacks:
+                waiting = _first_step_callbacks[:]
+                del _first_step_callbacks[:]
+                for cb in waiting:
+                    cb(optimizer)
+
+        _first_step_hook = register_optimizer_step_pre_hook(first_step)
+    _first_step_callbacks.append(callback)
+
+
+def adam_family(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` divides by a second moment as Adam does (it has ``betas``:
+    Adam, AdamW, NAdam, RAdam, Adamax, and most third-party Adams)."""
+    return "betas" in optimizer.defaults
+
+
 def ring_allreduce_bytes(nbytes: int, world: int) -> int:
     """Bytes one rank sends in a ring allreduce of `nbytes` (reduce-scatter + allgather)."""
     return 2 * (world - 1) * nbytes // world
