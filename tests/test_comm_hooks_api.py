@@ -149,3 +149,24 @@ def test_register_refuses_an_extension_whose_kinds_differ(monkeypatch, change, n
         ddpx.comm_hooks.register(model, "fp16")
     assert needle in str(info.value) and "rebuild the extension (pip install -e .)" in str(info.value)
     assert not hasattr(model, "registered")
+
+
+def _step(optimizer_class, **kwargs):
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.ones(3)
+    optimizer_class([w], **kwargs).step()
+
+
+def test_powersgd_rank_auto_follows_the_first_optimizer_step():
+    adam, sgd, fixed = (ddpx.comm_hooks.make_state("powersgd") for _ in range(3))
+    fixed._fix_rank()  # what the first compressed layout does: before any optimizer step, rank 4 for good
+    assert adam.approx_rank == sgd.approx_rank == 4  # until an optimizer steps
+    _step(torch.optim.AdamW)
+    assert adam.approx_rank == 16 and fixed.approx_rank == 4
+    sgd = ddpx.comm_hooks.make_state("powersgd")
+    _step(torch.optim.SGD, lr=0.1)
+    assert sgd.approx_rank == 4
+    assert ddpx.comm_hooks.make_state("powersgd", rank=8).approx_rank == 8
+    resumed = ddpx.comm_hooks.make_state("powersgd")
+    resumed.load_state_dict(adam.state_dict())  # a resumed run keeps the rank its memory was built with
+    assert resumed.approx_rank == 16

@@ -90,8 +90,8 @@ def onebit_code(v, chunk):
 
 def reference(world=2, steps=STEPS):
     """Params after every step, in fp64: AdamW on the exact mean gradient for the warm-up,
-    then 1-bit Adam: local momentum, compressed average with worker and server error,
-    the second moment frozen."""
+    then 1-bit Adam: local momentum over the frozen denominator (the update), its
+    compressed average with worker and server error, that update applied."""
     model = make_model(torch.float64)
     params = list(model.parameters())
     b1, b2 = ADAMW["betas"]
@@ -121,10 +121,12 @@ def reference(world=2, steps=STEPS):
                     p.sub_(lr / (1 - b1 ** t) * m[i] / ((v[i] / (1 - b2 ** t)).sqrt() + eps))
                     frozen = t
             else:
-                local = [[b1 * m[i] + (1 - b1) * grads[r][i] for i in range(len(params))] for r in range(world)]
-                for i in range(len(params)):
-                    if i not in compressed:  # exact average
-                        m[i] = sum(local[r][i] for r in range(world)) / world
+                denom = [(v[i] / (1 - b2 ** frozen)).sqrt() + eps for i in range(len(params))]
+                # what travels: each rank's update, its local momentum over the frozen denominator
+                bound = (1 - b1) / ((1 - b2) * (1 - b1 * b1 / b2)) ** 0.5  # exact Adam's largest |m / sqrt(v)|
+                local = [[((b1 * m[i] + (1 - b1) * grads[r][i]) / denom[i]).clamp(-bound, bound)
+                          for i in range(len(params))] for r in range(world)]
+                update = [sum(local[r][i] for r in range(world)) / world for i in range(len(params))]  # exact
                 # the hook packs the compressed parameters in descending key (= parameter) order
                 order = compressed[::-1]
                 sent = []
@@ -138,11 +140,12 @@ def reference(world=2, steps=STEPS):
                 off = 0
                 for i in order:
                     k = params[i].numel()
-                    m[i] = result[off:off + k].view_as(params[i]).clone()
+                    update[i] = result[off:off + k].view_as(params[i]).clone()
                     off += k
                 for i, p in enumerate(params):
+                    m[i] = update[i] * denom[i]
                     p.mul_(1 - lr * wd)
-                    p.sub_(lr / (1 - b1 ** t) * m[i] / ((v[i] / (1 - b2 ** frozen)).sqrt() + eps))
+                    p.sub_(lr / (1 - b1 ** t) * update[i])
         out.append([p.detach().float().clone() for p in params])
     return out
 
@@ -323,3 +326,49 @@ def test_the_plugin_pairs_the_optimizer_with_its_hook():
         hook_name(_config("ddpx.optim.OneBitAdam", "int8"), ddpx.comm_hooks)
     with pytest.raises(DdpxError, match="comm_hook.name onebit_adam needs optimizer.target: ddpx.optim.OneBitAdam"):
         hook_name(_config("torch.optim.AdamW", "onebit_adam"), ddpx.comm_hooks)
+
+
+@pytest.mark.slow
+def test_ddpx_train_with_one_config_change_and_a_resume(ranks, tmp_path):
+    """``optimizer.target: ddpx.optim.OneBitAdam`` alone pairs it with its hook, under bf16
+    autocast, accumulation, clipping and weight decay; a second launch resumes from the
+    checkpoint (Adam's state, the hook's error memory) and trains on in the compressed stage."""
+    import json
+
+    def train(epochs):
+        return ranks.cli(["train", f"run_dir={tmp_path}/run", "logging.progress=false", "logging.every_steps=5",
+                          "optimizer.target=ddpx.optim.OneBitAdam", "optimizer.args={lr: 0.003, weight_decay: 0.1}",
+                          "comm_hook.options={warmup_steps: 8, min_numel: 1024}", "amp.enabled=true",
+                          "amp.dtype=bf16", "accumulation.steps=2", "trainer.grad_clip=1.0",
+                          f"trainer.epochs={epochs}", "--nproc-per-node", "2"], timeout=180, cwd=tmp_path)
+
+    code, _, err = train(2)
+    assert code == 0, err
+    assert "comm hook onebit_adam installed (Python hook" in err
+    code, _, err = train(4)
+    assert code == 0, err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [0, 1, 2, 3] and epochs[-1]["accuracy"] > 0.85, epochs
+    steps = [r for r in records if r["kind"] == "step" and r.get("comm_wire_bytes_per_step")]
+    # 1-bit updates after the resume (the first line after it averages over the restored counters)
+    assert steps[-1]["step"] > 40 and steps[-1]["comm_wire_bytes_per_step"] < steps[0]["comm_wire_bytes_per_step"] / 8
+
+
+def test_a_coordinate_without_gradient_in_the_warmup_steps_no_further_than_adam_can():
+    """Its frozen second moment is 0: unbounded, its first gradient would step by m / eps."""
+    from ddpx.optim import adam_step_bound
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    state = ddpx.comm_hooks.make_state("onebit_adam")
+    opt = ddpx.optim.OneBitAdam([w], comm=state, lr=0.1, betas=(0.9, 0.99), weight_decay=0.0)
+    w.grad = torch.tensor([1.0, 0.0])
+    opt.step()  # the warm-up (an exact AdamW step): coordinate 1 saw no gradient
+    state.compressing = True
+    state.average = lambda params, tensors: None  # one rank: the average is its own update
+    before = w.detach().clone()
+    w.grad = torch.tensor([1.0, 1.0])
+    opt.step()
+    moved = (w.detach() - before).abs()
+    bound = 0.1 * adam_step_bound(0.9, 0.99) / (1 - 0.9 ** 2)  # lr x bound / the step's bias correction
+    assert 0 < moved[1] <= bound + 1e-6 and 0 < moved[0] < bound

@@ -14,11 +14,13 @@ The work is split between this hook and the optimizer:
   gradients exactly (fp32 allreduce) and ``OneBitAdam`` steps as ``AdamW``;
 * compressed stage: the hook sends no gradient at all, so DDP's own allreduce is
   not sent twice; each rank keeps its local gradient. ``OneBitAdam`` folds it into
-  its momentum and calls :meth:`OneBitAdamState.average_momentum`, which averages
-  every rank's momentum with the ``onebit`` hook's two-phase compressed allreduce
+  its momentum, divides that by Adam's frozen denominator and calls
+  :meth:`OneBitAdamState.average`, which averages every rank's update with the
+  ``onebit`` hook's two-phase compressed allreduce
   (signs + one scale per ``chunk_size`` elements, worker and server error
   feedback, pieces pipelined on the executor, the same kernels and profiler
-  phases), and steps with the averaged momentum and the frozen second moment.
+  phases), and steps with it (ddpx/optim.py says why the update travels, not the
+  momentum).
 
 Non-finite gradients. Gradients stay local in the compressed stage, so one rank
 could see an inf that the others do not, and a GradScaler would then skip the
@@ -44,7 +46,7 @@ from .allreduce import allreduce_average
 from .onebit import OnebitState
 from .state import Option, non_negative, positive_multiple_of, ring_allreduce_bytes
 
-# the layout index of the momentum "bucket" (DDP's buckets are 0, 1, ...)
+# the layout index of the optimizer's "bucket" (DDP's buckets are 0, 1, ...)
 MOMENTUM = -1
 
 
@@ -89,23 +91,24 @@ class OneBitAdamState(OnebitState):
 
         return fut.then(finish)
 
-    def average_momentum(self, params: list[torch.Tensor], momenta: list[torch.Tensor]) -> None:
-        """Replace every rank's ``momenta`` (one per parameter of ``params``, the same list
-        on every rank) by their average over the ranks, 1-bit compressed with error
-        feedback (parameters under ``min_numel`` and vectors: exact), in place."""
+    def average(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        """Replace every rank's ``tensors`` (one per parameter of ``params``, the same list
+        on every rank: OneBitAdam's updates) by their average over the ranks, 1-bit
+        compressed with worker and server error feedback kept per parameter (parameters
+        under ``min_numel`` and vectors: exact), in place."""
         lay = self.layout(MOMENTUM, params)
-        for m in momenta:
-            if m.dtype != torch.float32:
-                raise DdpxError(f"ddpx.optim.OneBitAdam: momentum of dtype {m.dtype}; 1-bit Adam needs float32 "
+        for t in tensors:
+            if t.dtype != torch.float32:
+                raise DdpxError(f"ddpx.optim.OneBitAdam: a parameter of dtype {t.dtype}; 1-bit Adam needs float32 "
                                 "parameters (keep the model in fp32 and use amp.enabled for bf16/fp16)")
-        ops.flatten(momenta, out=lay.momentum)
+        ops.flatten(tensors, out=lay.flat)
         self.counters[1] += self.wire_bytes(lay)
-        self.run_global(lay.momentum, lay, True).wait()
-        ops.unflatten_(lay.momentum, momenta)
+        self.run_global(lay.flat, lay, True).wait()
+        ops.unflatten_(lay.flat, tensors)
 
     def build_layout(self, lay):
         super().build_layout(lay)
-        lay.momentum = torch.empty(lay.numel, dtype=torch.float32, device=lay.params[0].device)
+        lay.flat = torch.empty(lay.numel, dtype=torch.float32, device=lay.params[0].device)  # the "bucket"
 
 
 HOOKS = (OneBitAdamState,)
