@@ -79,7 +79,8 @@ def train_run(config: str, hook: str | None, seed: int, steps: int = STEPS) -> d
     import ddpx.comm_hooks
     from ddpx.comm_hooks.state import ring_allreduce_bytes
 
-    sys.path.insert(0, CHAR_GPT)
+    if CHAR_GPT not in sys.path:
+        sys.path.insert(0, CHAR_GPT)
     import gpt
     import text
 

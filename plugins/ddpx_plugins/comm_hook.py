@@ -105,8 +105,14 @@ class CommHookPlugin:
 
         cfg = trainer.config.section("comm_hook")
         hooks = _hooks_module()
-        self.state = None
-        self.name = BUILTIN if hooks is None else hook_name(trainer.config, hooks)
+        self.state, self.name = None, cfg["name"]
+        if hooks is None:
+            if self.name != BUILTIN:
+                trainer.log.warning(
+                    "ddpx.comm_hooks is not available; comm_hook.name=%s falls back to DDP's all-reduce", self.name
+                )
+            return
+        self.name = hook_name(trainer.config, hooks)
         if self.name == BUILTIN:
             return
         if not isinstance(model, DistributedDataParallel):
