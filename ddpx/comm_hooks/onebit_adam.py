@@ -24,7 +24,7 @@ The work is split between this hook and the optimizer:
 
 Non-finite gradients. Gradients stay local in the compressed stage, so one rank
 could see an inf that the others do not, and a GradScaler would then skip the
-step on that rank only (the next momentum exchange would hang). Each bucket
+step on that rank only (the next update exchange would hang). Each bucket
 therefore allreduces one "non-finite here" flag (4 bytes) and a flagged bucket
 gets a NaN on every rank: every rank skips the step together.
 
@@ -32,7 +32,7 @@ State: the step counter and the error memories (per parameter, per rank: one
 ``state_dict()`` per rank; a different world size on load resets the memory with
 a warning), as the ``onebit`` hook keeps them. Adam's moments are the
 optimizer's (identical on every rank). Python hook only: in its compressed stage
-the hook does next to nothing, and the momentum exchange runs the native kernels.
+the hook does next to nothing, and the update exchange runs the native kernels.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from .onebit import OnebitState
 from .state import Option, non_negative, positive_multiple_of, ring_allreduce_bytes
 
 # the layout index of the optimizer's "bucket" (DDP's buckets are 0, 1, ...)
-MOMENTUM = -1
+OPTIMIZER_BUCKET = -1
 
 
 class OneBitAdamState(OnebitState):
-    """Exact allreduce during the warm-up, then local gradients and a 1-bit momentum exchange."""
+    """Exact allreduce during the warm-up, then local gradients and OneBitAdam's 1-bit update exchange."""
 
     name = "onebit_adam"
     native_kind = None
@@ -61,18 +61,17 @@ class OneBitAdamState(OnebitState):
         "warmup_steps": Option(int, 100, lambda v: None if v >= 1 else "must be >= 1 (Adam's second moment is "
                                "frozen at its end)", "iterations of exact allreduce and AdamW steps before the "
                                "second moment is frozen"),
-        "min_numel": Option(int, 16384, non_negative, "parameters with fewer elements send their momentum exactly"),
-        "compress_vectors": Option(bool, False, None, "compress 1-D parameters' momentum (biases, norms) too"),
+        "min_numel": Option(int, 16384, non_negative, "parameters with fewer elements send their update exactly"),
+        "compress_vectors": Option(bool, False, None, "compress 1-D parameters' update (biases, norms) too"),
         "chunk_size": Option(int, 128, positive_multiple_of(8), "elements per fp32 scale"),
         "piece_mb": Option(float, 16.0, non_negative,
-                           "MB of fp32 momentum per pipelined piece (0: one piece)"),
+                           "MB of fp32 update per pipelined piece (0: one piece)"),
     }
 
     def __init__(self, process_group=None, **opts):
         super().__init__(process_group, **opts)
-        # whether the hook's latest step left the gradients local (the optimizer then exchanges momentum)
+        # whether the hook's latest step left the gradients local (the optimizer then exchanges its update)
         self.compressing = False
-        self._flags: dict[torch.device, torch.Tensor] = {}
 
     def run_bucket(self, bucket):
         self.compressing = not self.warming_up()
@@ -96,7 +95,7 @@ class OneBitAdamState(OnebitState):
         on every rank: OneBitAdam's updates) by their average over the ranks, 1-bit
         compressed with worker and server error feedback kept per parameter (parameters
         under ``min_numel`` and vectors: exact), in place."""
-        lay = self.layout(MOMENTUM, params)
+        lay = self.layout(OPTIMIZER_BUCKET, params)
         for t in tensors:
             if t.dtype != torch.float32:
                 raise DdpxError(f"ddpx.optim.OneBitAdam: a parameter of dtype {t.dtype}; 1-bit Adam needs float32 "
