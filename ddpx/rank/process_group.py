@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -168,18 +168,28 @@ def agree(signature: Sequence[str], proposal: Any) -> Any:
     """
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (list(signature), proposal))
-    reference = gathered[0][0]
-    for rank, (names, _) in enumerate(gathered):
-        if names != reference:
-            first = next((i for i, (a, b) in enumerate(zip(reference, names)) if a != b), min(len(reference), len(names)))
-            mine = names[first] if first < len(names) else "<nothing>"
-            theirs = reference[first] if first < len(reference) else "<nothing>"
-            raise DdpxError(
-                f"rank {rank} loaded different plugins than rank 0 (position {first}: {mine} vs {theirs}; "
-                f"rank {rank}: {', '.join(names)}; rank 0: {', '.join(reference)}); "
-                f"install the same plugins and config on every node"
-            )
+    lists = [names for names, _ in gathered]
+    differs = first_disagreement(lists)
+    if differs is not None:
+        rank, first, mine, theirs = differs
+        raise DdpxError(
+            f"rank {rank} loaded different plugins than rank 0 (position {first}: {mine} vs {theirs}; "
+            f"rank {rank}: {', '.join(lists[rank])}; rank 0: {', '.join(lists[0])}); "
+            f"install the same plugins and config on every node"
+        )
     return gathered[0][1]
+
+
+def first_disagreement(lists: Sequence[Sequence]) -> Optional[tuple[int, int, Any, Any]]:
+    """``(rank, position, that rank's item, rank 0's item)`` for the first rank whose list differs
+    from rank 0's (``"<nothing>"`` past a list's end), or None when every rank's list is rank 0's."""
+    reference = lists[0]
+    for rank, theirs in enumerate(lists):
+        if theirs != reference:
+            i = next((i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b), min(len(reference), len(theirs)))
+            return (rank, i, theirs[i] if i < len(theirs) else "<nothing>",
+                    reference[i] if i < len(reference) else "<nothing>")
+    return None
 
 
 def teardown() -> None:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DdpxError, RanksDisagree
+from ..rank.process_group import first_disagreement
 
 UNFINISHED = "Expected to have finished reduction in the prior iteration"
 INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
@@ -50,17 +51,14 @@ def check_same_model(module: torch.nn.Module) -> None:
         return
     layouts: list = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, layout)
-    reference = layouts[0]
-    for rank, theirs in enumerate(layouts):
-        if theirs == reference:
-            continue
-        i = next((i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b), min(len(reference), len(theirs)))
-        mine = theirs[i] if i < len(theirs) else "nothing"
-        first = reference[i] if i < len(reference) else "nothing"
-        raise RanksDisagree(
-            f"the model differs between ranks: tensor {i} is {mine} on rank {rank} but {first} on rank 0 "
-            f"({len(theirs)} and {len(reference)} tensors); build it the same way on every rank (a size read "
-            "from RANK, or a file or package version that differs between hosts?)")
+    differs = first_disagreement(layouts)
+    if differs is None:  # the same layouts after all
+        return
+    rank, i, mine, first = differs
+    raise RanksDisagree(
+        f"the model differs between ranks: tensor {i} is {mine} on rank {rank} but {first} on rank 0 "
+        f"({len(layouts[rank])} and {len(layouts[0])} tensors); build it the same way on every rank (a size read "
+        "from RANK, or a file or package version that differs between hosts?)")
 
 
 def reducer_parameter_names(ddp: torch.nn.Module) -> list[str]:
