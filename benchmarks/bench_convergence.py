@@ -257,11 +257,44 @@ def worker(args) -> int:
     rows = run_matrix(_csv(args.models), _csv(args.optimizers), _csv(args.batches, int), _csv(args.runs),
                       _csv(args.hooks), args.seed, log, args.seeds)
     if rank == 0:
-        out = os.environ.get("DDPX_BENCH_CONVERGENCE_OUT")
-        with open(out, "w") if out else open(os.devnull, "w") as f:
-            json.dump(rows, f)
+        hand_rows_back(rows)
     process_group.teardown()
     return 0
+
+
+ROWS_OUT = "DDPX_BENCH_CONVERGENCE_OUT"  # where rank 0 writes its rows for the launching process
+
+
+def hand_rows_back(rows) -> None:
+    """Rank 0's rows, to the process that started the ranks (:func:`rows_from_ranks`)."""
+    out = os.environ.get(ROWS_OUT)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+
+
+def rows_from_ranks(script: str, argv, nproc: int = 2):
+    """Run ``script argv`` on ``nproc`` ranks under torchrun; rank 0's rows, or torchrun's exit code."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1", **{ROWS_OUT: out})
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               os.path.abspath(script), *argv]
+        rc = subprocess.call(cmd, env=env)
+        if rc:
+            return rc
+        with open(out) as f:
+            return json.load(f)
+
+
+def write_json(dest: str, report: dict) -> None:
+    """``--json [FILE]``: the report to FILE, or to stdout for ``-``."""
+    text = json.dumps(report, indent=1)
+    if dest == "-":
+        print(text)
+    else:
+        with open(dest, "w") as f:
+            f.write(text)
 
 
 def _without_nproc(argv):
@@ -282,28 +315,16 @@ def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ:
         return worker(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1", DDPX_BENCH_CONVERGENCE_OUT=out)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               os.path.abspath(__file__), *_without_nproc(sys.argv[1:] if argv is None else argv)]
-        rc = subprocess.call(cmd, env=env)
-        if rc:
-            return rc
-        with open(out) as f:
-            rows = json.load(f)
+    rows = rows_from_ranks(__file__, _without_nproc(sys.argv[1:] if argv is None else argv), args.nproc)
+    if isinstance(rows, int):
+        return rows
     hooks = _csv(args.hooks)
     print(table(rows, hooks))
     bad = {h: round(v, 2) for h, v in worst(rows).items() if v > args.bound}
     print(f"\nevery hook within {args.bound} points of allreduce in every cell: {'yes' if not bad else f'no {bad}'}")
     if args.json:
-        text = json.dumps({"bound": args.bound, "nproc": args.nproc, "nodes": args.nodes, "seeds": args.seeds,
-                           "rows": rows}, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
+        write_json(args.json, {"bound": args.bound, "nproc": args.nproc, "nodes": args.nodes, "seeds": args.seeds,
+                               "rows": rows})
     return 0
 
 

@@ -33,17 +33,14 @@ Without ``RANK`` in the environment it starts itself under
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
-from bench_convergence import parse_hook
+from bench_convergence import hand_rows_back, parse_hook, rows_from_ranks, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHAR_GPT = os.path.join(os.path.dirname(HERE), "examples", "char_gpt")
@@ -234,9 +231,7 @@ def worker(args) -> int:
 
     rows = run_table(_csv(args.configs), _csv(args.hooks), range(args.seeds), args.steps, log)
     if rank == 0:
-        out = os.environ.get("DDPX_BENCH_CONVERGENCE_OUT")
-        with open(out, "w") if out else open(os.devnull, "w") as f:
-            json.dump(rows, f)
+        hand_rows_back(rows)
     process_group.teardown()
     return 0
 
@@ -246,28 +241,16 @@ def main(argv=None) -> int:
     args = parse(argv)
     if "RANK" in os.environ:
         return worker(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1", DDPX_BENCH_CONVERGENCE_OUT=out)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.abspath(__file__), *argv]
-        rc = subprocess.call(cmd, env=env)
-        if rc:
-            return rc
-        with open(out) as f:
-            rows = json.load(f)
+    rows = rows_from_ranks(__file__, argv)
+    if isinstance(rows, int):
+        return rows
     hooks = _csv(args.hooks)
     print(table(rows, hooks))
     bad = misses(rows)
     print(f"\nevery hook within its target (int8/fp16/bf16 0.01, onebit_adam/powersgd 0.03 nats): "
           f"{'yes' if not bad else f'no {bad}'}")
     if args.json:
-        text = json.dumps({"targets": TARGETS, "seeds": args.seeds, "rows": rows}, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
+        write_json(args.json, {"targets": TARGETS, "seeds": args.seeds, "rows": rows})
     return 0
 
 
