@@ -196,17 +196,16 @@ class CollectiveLog:
         # Progress: a step, a collective, or the main thread anywhere else than a look ago (a long
         # evaluation or save is busy, not stuck; a hang shows the same stack at every look).
         main = sys._current_frames().get(self._main_thread)
-        progress = (tuple(self.progress().values()), self.seq, _stack(main)[:8] if main is not None else ())
+        progress = (tuple(self.progress().values()), self.seq, _stack(main, depth=8) if main is not None else ())
         if progress != watch.progress:
-            watch.progress, watch.progress_at, watch.asked = progress, now, False
+            watch.progress, watch.progress_at = progress, now
         asked = self.store.add(f"{KEY}/asked", 0)
         if asked > watch.answered:
             self._answer(watch, asked, now)
         in_flight = self.in_flight
         stuck = (in_flight is not None and now - self.in_flight_since >= self.stall_s) \
             or now - watch.progress_at >= 2 * self.stall_s
-        if stuck and not watch.asked and watch.answered_at < watch.progress_at:  # nobody asked in this stall
-            watch.asked = True
+        if stuck and watch.answered_at < watch.progress_at:  # nobody (this rank included) asked in this stall
             self._answer(watch, self.store.add(f"{KEY}/asked", 1), now)
         if watch.pending is None:
             return
@@ -284,12 +283,12 @@ class CollectiveLog:
         self.report("\n".join(where_ranks_are(answers, self.world_size, self.stall_s)))
 
 
-    def agree(self, counters: dict, hints: Optional[dict] = None, sums: Optional[dict] = None) -> None:
+    def agree(self, counters: dict, hints: Optional[Callable[[], dict]] = None, sums: Optional[dict] = None) -> None:
         """At a boundary every rank reaches together (an epoch's start or end): compare the collectives
         issued so far, ``counters`` (ints that must be equal on every rank) and ``sums`` (0-dim float
         tensors that must be equal up to rounding, e.g. of the weights) in one small all_reduce; raise
-        :class:`RanksDisagree` on every rank, naming the first difference (and ``hints[name]``, what to
-        do about it), when they differ."""
+        :class:`RanksDisagree` on every rank, naming the first difference (and ``hints()[name]``, what to
+        do about it: made only then), when they differ."""
         sums = sums or {}
         exact = torch.tensor([float(self.digest), *map(float, counters.values())], dtype=torch.float64,
                              device=self.device)
@@ -310,7 +309,8 @@ class CollectiveLog:
         if not lines:
             name = next(names[i] for i, d in enumerate(differs) if d and names[i] is not None)
             by_rank = ", ".join(f"rank {a['rank']}: {a['values'][name]:.10g}" for a in answers[:8])
-            lines = [f"the ranks disagree on the {name} ({by_rank}){(hints or {}).get(name, '')}"]
+            hint = (hints() if hints is not None else {}).get(name, "")
+            lines = [f"the ranks disagree on the {name} ({by_rank}){hint}"]
         raise RanksDisagree("\n".join(lines))
 
     def _codes(self):
@@ -323,16 +323,15 @@ class Watch:
     def __init__(self):
         self.progress = None
         self.progress_at = time.monotonic()
-        self.asked = False  # this rank asked during the current stall
         self.answered = 0  # the last request this rank answered
         self.answered_at = float("-inf")  # when
         self.pending: Optional[tuple] = None  # (request, when answered) not concluded yet
 
 
-def _stack(frame) -> tuple:
+def _stack(frame, depth: int = STACK_DEPTH) -> tuple:
     """``((code, line), ...)`` innermost first: code objects stay alive anyway, frames (and their tensors) do not."""
     stack = []
-    while frame is not None and len(stack) < STACK_DEPTH:
+    while frame is not None and len(stack) < depth:
         stack.append((frame.f_code, frame.f_lineno))
         frame = frame.f_back
     return tuple(stack)

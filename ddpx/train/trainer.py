@@ -438,8 +438,12 @@ class Trainer:
         else:
             sums["sum of the weights"] = torch.stack([p.detach().sum(dtype=torch.float64)
                                                       for p in self.module.parameters()]).sum()
+        self._collectives.agree(counters, sums=sums, hints=self._disagreement_hints)
+
+    def _disagreement_hints(self) -> dict:
+        """What to do about each value :meth:`_check_ranks_agree` compares (made only when ranks differ)."""
         stepping = ", ".join(i.plugin_name for i in reversed(self.plugin_manager.hook.ddpx_optimizer_step.get_hookimpls()))
-        self._collectives.agree(counters, sums=sums, hints={
+        return {
             "skipped optimizer steps": f": a ddpx_optimizer_step hook (plugins: {stepping}) returned False on some "
                                        "ranks only, so their weights differ now; decide from values every rank "
                                        "shares (all-reduced ones)",
@@ -449,7 +453,7 @@ class Trainer:
             "batches in this epoch": ": DDP needs the same number of steps on every rank; give every rank the "
                                      "same number of batches (a sampler that splits the data evenly, e.g. "
                                      "DistributedSampler, which pads, or drop_last)",
-        })
+        }
 
     def _epoch_train_loss(self) -> dict:
         """``{"loss": mean micro-batch loss of the epoch over all ranks}`` (empty if
