@@ -22,6 +22,7 @@ import logging
 import pkgutil
 
 import torch
+import torch.distributed as dist
 
 from ..errors import DdpxError
 from .state import HookState, hook
@@ -104,7 +105,20 @@ def make(name: str, process_group=None, **options):
     ddp_comm_hook=hook)``. ``process_group`` defaults to the world group;
     unknown or invalid options raise :class:`ddpx.DdpxError`.
     """
-    return make_state(name, process_group, **options), hook
+    state = make_state(name, process_group, **options)
+    _announce_warmup(state)
+    return state, hook
+
+
+def _announce_warmup(state) -> None:
+    """A hook with warm-up steps sends exact fp32 first, so a short trial shows no compression
+    at all: say when compression starts, once per registration, on rank 0 (as the onebit-with-Adam
+    warning, through the ``ddpx.comm_hooks`` logger, which a plain script shows too)."""
+    steps = state.opts.get("warmup_steps", 0)
+    if not steps or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    log.warning("comm hook %s: %s (option warmup_steps; comm_hook.options.warmup_steps in a ddpx config)",
+                state.name, state.warmup_text.format(n=steps))
 
 
 def _warn_if_nothing_compresses(ddp_model, state) -> None:
@@ -181,6 +195,7 @@ def register(ddp_model, name: str, native: bool = True, **options) -> HookState:
     are not this package's (a stale build) raises :class:`DdpxError`.
     """
     state = make_state(name, getattr(ddp_model, "process_group", None), **options)
+    _announce_warmup(state)
     _warn_if_nothing_compresses(ddp_model, state)
     native = native and state.native_kind is not None  # a hook without a C++ twin (onebit_adam): nothing to warn
     reason = _native_unavailable(ddp_model, state) if native else "native=False"

@@ -68,6 +68,9 @@ class OneBitAdamState(OnebitState):
                            "MB of fp32 update per pipelined piece (0: one piece)"),
     }
 
+    warmup_text = ("exact allreduce and AdamW steps for the first {n} steps; from step {n} Adam's second moment "
+                   "is frozen and the updates travel 1-bit")
+
     def __init__(self, process_group=None, **opts):
         super().__init__(process_group, **opts)
         # whether the hook's latest step left the gradients local (the optimizer then exchanges its update)

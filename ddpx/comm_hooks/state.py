@@ -436,6 +436,9 @@ class LossyState(HookState):
                         "(ddpx/comm_hooks/scope.py)"),
     }
 
+    # What the warm-up does, said at registration (ddpx.comm_hooks._announce_warmup).
+    warmup_text = "exact fp32 allreduce for the first {n} steps, compressing from step {n}"
+
     def compressible(self, p):
         return p.numel() >= self.min_numel and (p.dim() > 1 or self.compress_vectors)
 
