@@ -11,10 +11,10 @@ from ..config import default_run_dir, load_config
 from ..errors import DdpxError
 from ..rank.run_lock import JOB_ENV
 from .options import DEFAULT_MASTER_PORT, LaunchOptions, check_options, from_environment
-from .preflight import check_run_dir
+from .preflight import check_run_dir, warn_if_oversubscribed
 from .rendezvous import DEFAULT_RDZV_ID
 from .resume import print_resume_command, record_launch
-from .torchrun import run_torchrun, torchrun_argv
+from .torchrun import nproc_per_node, run_torchrun, torchrun_argv
 
 
 def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOptions) -> int:
@@ -32,6 +32,7 @@ def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOpt
     try:
         check_run_dir(run_dir, config)
         argv = torchrun_argv(opts, config.launch, config_path, overrides)  # checks ports, nothing created yet
+        warn_if_oversubscribed(nproc_per_node(from_environment(opts), config.launch), config.trainer)
         record_launch(run_dir, config_path, overrides)
         started = True
         code = run_torchrun(argv)

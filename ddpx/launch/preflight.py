@@ -1,10 +1,11 @@
-"""Checks of the run directory before any worker starts: writable, not held by another
-run, room for a checkpoint."""
+"""Checks before any worker starts: the run directory (writable, not held by another run,
+room for a checkpoint), and a warning when the workers oversubscribe this node."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -45,3 +46,47 @@ def check_run_dir(run_dir: str, config) -> None:
         if free < needed:
             raise DdpxError(f"run_dir {run_dir} has {free / 2**20:.0f} MB free, a checkpoint needs about "
                             f"{needed / 2**20:.0f} MB; free some space or choose another run_dir")
+
+
+def oversubscription(nproc: int, trainer_cfg, cores: Optional[int] = None, gpus: Optional[int] = None,
+                     threads: Optional[str] = None) -> Optional[str]:
+    """Why ``nproc`` workers on this node oversubscribe it, with the fix, or None. DDP's
+    collectives wait for the slowest rank at every step, so a worker that waits for a core
+    (more workers x threads than cores) or a GPU (more workers than GPUs) slows them all.
+    ``cores``, ``gpus``, ``threads`` (``OMP_NUM_THREADS``): this machine's unless given. The
+    device is chosen as ddpx.rank.process_group does: with ``auto``, the GPUs only when
+    every worker has its own."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, backend = trainer_cfg.device, trainer_cfg.backend
+    on_gpu = device == "cuda" or (device == "auto" and (backend == "nccl" or (backend == "auto" and 0 < nproc <= gpus)))
+    if on_gpu and nproc > gpus:
+        return (f"{nproc} workers share {gpus} GPU{'s' if gpus != 1 else ''}: ranks on one GPU take turns and every "
+                f"collective waits for them; use --nproc-per-node {gpus}")
+    if not on_gpu and device == "auto" and backend == "auto" and 0 < gpus < nproc:
+        return (f"{nproc} workers but {gpus} GPU{'s' if gpus != 1 else ''}: trainer.device=auto trains on the CPU "
+                f"(gloo) unless every worker has its own GPU; use --nproc-per-node {gpus} to train on the GPUs")
+    if on_gpu:
+        return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = os.environ.get("OMP_NUM_THREADS") if threads is None else threads
+    per_worker = int(threads) if threads and threads.strip().isdigit() and int(threads) > 0 else cores
+    if nproc * per_worker <= cores:
+        return None
+    if nproc > cores:
+        fix = f"use --nproc-per-node {cores} (or fewer)"
+    else:
+        fix = f"set OMP_NUM_THREADS={cores // nproc}"
+    return (f"{nproc} workers x {per_worker} thread{'s' if per_worker != 1 else ''} (OMP_NUM_THREADS) on {cores} "
+            f"CPU core{'s' if cores != 1 else ''}: oversubscribed, every collective waits for a worker without a core; "
+            f"{fix}")
+
+
+def warn_if_oversubscribed(nproc: int, trainer_cfg) -> None:
+    """One warning line at launch (not an error: a small trial may be worth it)."""
+    why = oversubscription(nproc, trainer_cfg)
+    if why is not None:
+        print(f"ddpx: warning: {why}", file=sys.stderr, flush=True)

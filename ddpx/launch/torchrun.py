@@ -36,9 +36,7 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
     interface, before anything starts.
     """
     opts = from_environment(opts)
-    nproc = opts.nproc_per_node if opts.nproc_per_node is not None else launch_cfg["nproc_per_node"]
-    if str(nproc) == "auto":
-        nproc = default_nproc()
+    nproc = nproc_per_node(opts, launch_cfg)
     nnodes = str(opts.nnodes if opts.nnodes is not None else launch_cfg["nnodes"])
     max_restarts = opts.max_restarts if opts.max_restarts is not None else launch_cfg["max_restarts"]
     argv = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
@@ -95,6 +93,12 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
     if config_path is not None:
         argv += ["--config", os.path.abspath(config_path)]
     return argv + list(overrides)
+
+
+def nproc_per_node(opts: LaunchOptions, launch_cfg) -> int:
+    """Workers on this node: the option (after :func:`from_environment`), else ``launch.nproc_per_node``; auto: one per GPU, 2 on CPU."""
+    nproc = opts.nproc_per_node if opts.nproc_per_node is not None else launch_cfg["nproc_per_node"]
+    return default_nproc() if str(nproc) == "auto" else int(nproc)
 
 
 class WorkerCrashed(DdpxError):
