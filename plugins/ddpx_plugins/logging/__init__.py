@@ -49,10 +49,12 @@ This module is the plugin (its config section and hooks); ``console``: the logge
 
 import importlib.util
 import math
+import os
 import time
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
+from ddpx.plugin.shared import ACCUMULATION_STEPS
 
 from .console import configure_logger
 from .metrics_log import MetricsLog
@@ -65,6 +67,45 @@ EXTRAS = {  # config key -> (import name, extra)
     "wandb": ("wandb", "wandb"),
     "mlflow": ("mlflow", "mlflow"),
 }
+
+
+TURN_OFF = {"tensorboard": "tensorboard=false", "wandb": "wandb.project=null", "mlflow": "mlflow.experiment=null"}
+SWITCHES = {"wandb": "project", "mlflow": "experiment"}  # the key that turns a tracker on
+
+
+def check_tracker_switches(cfg):
+    """A tracker's settings without the key that turns it on would be silently ignored:
+    ``logging.mlflow.tracking_uri`` without ``logging.mlflow.experiment`` logs nothing."""
+    for tracker, switch in SWITCHES.items():
+        section = cfg[tracker]
+        if section[switch] is not None:
+            continue
+        given = [key for key, value in section.items() if value not in (None, [], "")]
+        if given:
+            raise DdpxError(f"logging.{tracker}.{given[0]} is set but logging.{tracker}.{switch} is not, so "
+                            f"nothing goes to {tracker}: set logging.{tracker}.{switch}=NAME (or remove "
+                            f"logging.{tracker}.{given[0]})")
+
+
+def check_mlflow_uri(uri):
+    """Ask the installed MLflow for the store of ``logging.mlflow.tracking_uri`` (no network:
+    an http(s) store connects at its first request), so a URI it refuses (an unknown scheme;
+    the file store, in maintenance mode since MLflow 3.13) is one line before any worker starts.
+    The default (null: SQLite in the run directory) is left to the run."""
+    if uri is None:
+        return
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=uri)
+    except Exception as exc:
+        text = " ".join(str(exc).split())
+        reason = text.split(". ")[0].rstrip(".")
+        keep = " or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store," if "MLFLOW_ALLOW_FILE_STORE" in text else ""
+        raise DdpxError(f"logging.mlflow.tracking_uri={uri}: MLflow {getattr(mlflow, '__version__', '?')} refuses it "
+                        f"({reason}); use a database (sqlite:///PATH/mlflow.db) or an http(s) server,{keep} or set "
+                        "logging.mlflow.tracking_uri=null for a SQLite store in the run directory") from None
 
 
 def _importable(module):
@@ -82,6 +123,41 @@ def _format(value):
     if isinstance(value, float) and math.isfinite(value):
         return f"{value:.4g}"
     return str(value)
+
+
+def batches_left(trainer, epoch):
+    """The progress bar's micro-batches from this epoch's start to the end of the run: the
+    epochs left, or fewer where ``trainer.max_steps`` ends the run first (its steps left times
+    the accumulation's micro-batches per step); None for a loader without a length."""
+    if not hasattr(trainer.train_loader, "__len__"):
+        return None
+    left = len(trainer.train_loader) * (trainer.config.trainer.epochs - epoch)
+    max_steps = trainer.config.trainer.max_steps
+    if max_steps is not None:
+        left = min(left, max(0, max_steps - trainer.global_step) * trainer.shared.get(ACCUMULATION_STEPS, 1))
+    return left
+
+
+def run_summary(trainer, seconds):
+    """Rank 0's last line of a run that ended normally: how long it took, the last epoch's
+    metrics and the run directory."""
+    last = trainer.metrics[-1] if trainer.metrics else None
+    if last is None:
+        shown = "no epoch ended in this run"
+    else:
+        values = "  ".join(f"{k} {_format(v)}" for k, v in last.items() if k not in ("epoch", "step"))
+        shown = f"epoch {last['epoch']}: {values}"
+    return (f"finished after {_duration(seconds)} of training (step {trainer.global_step}); {shown}; "
+            f"run directory {trainer.run_dir}")
+
+
+def _duration(seconds):
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    return f"{minutes // 60} h {minutes % 60} min"
 
 
 class LoggingPlugin:
@@ -111,13 +187,14 @@ class LoggingPlugin:
             raise DdpxError(f"logging.wandb.project must be a project name (got {cfg['wandb']['project']!r})")
         if cfg["mlflow"]["experiment"] is not None and not isinstance(cfg["mlflow"]["experiment"], str):
             raise DdpxError(f"logging.mlflow.experiment must be an experiment name (got {cfg['mlflow']['experiment']!r})")
+        check_tracker_switches(cfg)
         for name in wanted_backends(cfg):
             module, extra = EXTRAS[name]
             if not _importable("torch.utils.tensorboard" if name == "tensorboard" else module):
-                turn_off = {"tensorboard": "tensorboard=false", "wandb": "wandb.project=null",
-                            "mlflow": "mlflow.experiment=null"}[name]
                 raise DdpxError(f"logging.{name} needs the {module} package: pip install 'ddpx[{extra}]' "
-                                f"(or set logging.{turn_off})")
+                                f"(or set logging.{TURN_OFF[name]})")
+        if "mlflow" in wanted_backends(cfg) and os.environ.get("RANK", "0") == "0":  # the launcher, or rank 0
+            check_mlflow_uri(cfg["mlflow"]["tracking_uri"])
 
     @hookimpl(tryfirst=True)  # before other plugins log from their setup hooks
     def ddpx_setup(self, trainer):
@@ -151,9 +228,7 @@ class LoggingPlugin:
         # else between epochs) would make it look slow and the bar update every step.
         log.last_call = (trainer.global_step, log.mark)
         if log.progress:
-            epochs_left = trainer.config.trainer.epochs - epoch
-            has_len = hasattr(trainer.train_loader, "__len__")
-            log.start_bar(epoch, len(trainer.train_loader) * epochs_left if has_len else None)
+            log.start_bar(epoch, batches_left(trainer, epoch))
 
     @hookimpl(trylast=True)  # after other plugins added their entries to ``metrics``
     def ddpx_epoch_end(self, trainer, epoch, metrics):
@@ -170,6 +245,8 @@ class LoggingPlugin:
     def ddpx_train_end(self, trainer):
         result = yield
         self.state.close(trainer)
+        if trainer.rank == 0:
+            trainer.log.info(run_summary(trainer, time.perf_counter() - self.state.start))
         return result
 
     @hookimpl
