@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 
 import pytest
@@ -420,6 +421,28 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(ranks, tmp_path):
     assert "[rank1] recorder warning from rank 1" in errors[1]
     assert f"epoch {epochs - 1}: 100%" in errors[0] and "samples_s=" in errors[0]  # rank 0's progress bar
     assert "%|" not in errors[1]  # no bar on other ranks
+
+
+def test_a_run_ends_with_a_summary_and_its_bar_counts_to_max_steps(make_config, tmp_path, capsys):
+    """The default run ended without a summary, and with ``trainer.max_steps`` ending the run
+    first the bar counted every epoch's batches (char GPT: 0/35700, 2-hour ETA, stuck at 0 %)."""
+    from ddpx.train.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    config = make_config("trainer.epochs=50", "trainer.max_steps=5", "trainer.batch_size=128", "accumulation.steps=5",
+                         "logging.progress=true", run_dir=run_dir)
+    metrics = Trainer(config).run()
+    err = capsys.readouterr().err
+    bar = err.replace("\r", "\n")
+    # 5 steps of 5 micro-batches first; at epoch 1's start, the 12 batches of epoch 0 (3 steps, the
+    # last of 2 batches) plus 2 steps of 5: 22, all of them shown at the end (was 0/600: 12 x 50 epochs)
+    assert "| 0/25 [" in bar and "100%|██████████| 22/22 [" in bar
+    assert "/600 [" not in bar
+    last = metrics[-1]
+    shown = "  ".join(f"{k} {v:.4g}" for k, v in last.items() if k not in ("epoch", "step"))
+    summary = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"\[rank0\] finished after \d+\.\d s of training \(step 5\); epoch {last['epoch']}: "
+                        rf"{re.escape(shown)}; run directory {re.escape(str(run_dir))}", summary), summary
 
 
 def test_progress_bar_loss_follows_training(capsys):

@@ -109,6 +109,30 @@ def test_register_says_when_no_parameter_would_be_compressed(caplog, name, optio
     assert (said in caplog.text) is warned, caplog.text
 
 
+WARMUP_OPTION = "(option warmup_steps; comm_hook.options.warmup_steps in a ddpx config)"
+
+
+@pytest.mark.parametrize("name, options, said", [
+    ("powersgd", {}, "exact fp32 allreduce for the first 100 steps, compressing from step 100"),
+    ("onebit", {}, "exact fp32 allreduce for the first 100 steps, compressing from step 100"),
+    ("onebit_adam", {}, "exact allreduce and AdamW steps for the first 100 steps; from step 100 Adam's second "
+                        "moment is frozen and the updates travel 1-bit"),
+    ("int8", {"warmup_steps": 5}, "exact fp32 allreduce for the first 5 steps, compressing from step 5"),
+    ("int8", {}, None),
+    ("powersgd", {"warmup_steps": 0}, None),
+])
+def test_a_hook_that_warms_up_says_when_compression_starts(caplog, name, options, said):
+    """With defaults, onebit and powersgd send plain allreduce for 100 steps: a short trial
+    showed no compression at all. register() and make() say so, once each."""
+    for make in (lambda: ddpx.comm_hooks.register(NoReducer(), name, native=False, **options),
+                 lambda: ddpx.comm_hooks.make(name, **options)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ddpx.comm_hooks"):
+            make()
+        notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"comm hook {name}: ")]
+        assert notes == ([f"comm hook {name}: {said} {WARMUP_OPTION}"] if said else [])
+
+
 # ------------------------------ the hook names, and the native algorithms behind them
 def test_a_hook_name_given_twice_is_refused(monkeypatch):
     from ddpx.comm_hooks import halfprec

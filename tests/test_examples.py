@@ -26,12 +26,21 @@ def lines(run_dir):
 def test_char_gpt_smoke(ranks, tmp_path):
     example = copy_example("char_gpt", tmp_path)
     run_dir = tmp_path / "run"
-    rc, out, err = ranks.cli(["train", "config.yaml", f"run_dir={run_dir}", "logging.progress=false",
-                            "logging.every_steps=5", "model.args={n_layer: 2, n_head: 4, n_embd: 128, dropout: 0.0}",
+    rc, out, err = ranks.cli(["train", "config.yaml", f"run_dir={run_dir}", "logging.every_steps=5", "model.args={n_layer: 2, n_head: 4, n_embd: 128, dropout: 0.0}",
                             "trainer.max_steps=30", "scheduler.args={warmup_steps: 5, total_steps: 30}"],
                            cwd=example, timeout=120)
     assert rc == 0, err[-3000:]
     assert "comm hook powersgd installed" in err
+    # what a short trial gets from powersgd's defaults, said once (rank 0) at registration
+    notes = [line for line in err.splitlines() if "comm hook powersgd: " in line]
+    assert notes == ["[rank0] comm hook powersgd: exact fp32 allreduce for the first 100 steps, compressing from "
+                     "step 100 (option warmup_steps; comm_hook.options.warmup_steps in a ddpx config)"]
+    # the bar counts to max_steps (30 steps of 2 micro-batches), not every epoch's batches (0/35700)
+    bar = err.replace("\r", "\n")
+    assert "| 0/60 [" in bar and "100%|██████████| 60/60 [" in bar and "/35700" not in bar
+    summary = err.strip().splitlines()[-1]
+    assert summary.startswith("[rank0] finished after ") and " of training (step 30); epoch 0: loss " in summary
+    assert summary.endswith(f"; run directory {run_dir}") and " eval_loss " in summary
     records = lines(run_dir)
     steps = [r for r in records if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [5, 10, 15, 20, 25, 30]

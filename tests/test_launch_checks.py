@@ -119,3 +119,44 @@ def test_train_synopsis_in_docs_names_every_option():
     synopsis = docs[docs.index("ddpx train [CONFIG]"):][:1500]
     missing = [o for o in options if o not in synopsis]
     assert not missing, f"options missing from the `ddpx train` synopsis in docs/config.md: {missing}"
+
+
+# --- oversubscription: one warning line at launch, with the fix (issue 40, item 3) --------------------
+
+
+@pytest.mark.parametrize("nproc, omp, said", [
+    ("3", "1", "3 workers x 1 thread (OMP_NUM_THREADS) on 2 CPU cores: oversubscribed, every collective waits "
+               "for a worker without a core; use --nproc-per-node 2 (or fewer)"),
+    ("2", "2", "2 workers x 2 threads (OMP_NUM_THREADS) on 2 CPU cores: oversubscribed, every collective waits "
+               "for a worker without a core; set OMP_NUM_THREADS=1"),
+    ("2", "1", None),
+    ("1", "2", None),
+])
+def test_workers_that_oversubscribe_the_cpus_are_one_warning_at_launch(tmp_path, monkeypatch, capsys, nproc, omp,
+                                                                        said):
+    """`--nproc-per-node 3` on a 2-core machine trained without a word."""
+    import torch
+
+    started = []
+    monkeypatch.setattr("ddpx.launch.launcher.run_torchrun", lambda argv: started.append(argv) or 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert main(["train", f"run_dir={tmp_path / 'run'}", "--nproc-per-node", nproc]) == 0
+    assert started and f"--nproc-per-node={nproc}" in started[0]  # a warning, not an error: training starts
+    assert capsys.readouterr().err.splitlines() == ([f"ddpx: warning: {said}"] if said else [])
+
+
+@pytest.mark.parametrize("overrides, nproc, said", [
+    ([], 3, "3 workers but 2 GPUs: trainer.device=auto trains on the CPU (gloo) unless every worker has its own "
+            "GPU; use --nproc-per-node 2 to train on the GPUs"),
+    (["trainer.device=cuda"], 3, "3 workers share 2 GPUs: ranks on one GPU take turns and every collective waits "
+                                 "for them; use --nproc-per-node 2"),
+    ([], 2, None),
+    (["trainer.device=cuda"], 2, None),
+])
+def test_more_workers_than_gpus_is_said_with_the_fix(overrides, nproc, said):
+    from ddpx.launch.preflight import oversubscription
+
+    trainer_cfg = load_config(None, overrides).trainer
+    assert oversubscription(nproc, trainer_cfg, cores=64, gpus=2, threads="1") == said

@@ -38,6 +38,84 @@ def test_a_bad_wandb_mode_is_one_line():
         load_config(None, ["logging.wandb.project=p", "logging.wandb.mode=sometimes"])
 
 
+# --- checked at launch, before any worker starts (issue 40, item 6) ---------------------------------
+
+
+def launch_refused(tmp_path, monkeypatch, capsys, *overrides):
+    """``ddpx train`` with ``overrides``: (exit code, stderr lines, whether the run started)."""
+    from ddpx.cli import main
+
+    started = []
+    monkeypatch.setattr("ddpx.launch.launcher.run_torchrun", lambda argv: started.append(argv) or 0)
+    code = main(["train", f"run_dir={tmp_path / 'run'}", *overrides])
+    return code, capsys.readouterr().err.splitlines(), bool(started) or (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, tracker, key, switch", [
+    ("logging.mlflow.tracking_uri=http://mlflow.example:5000", "mlflow", "tracking_uri", "experiment"),
+    ("logging.mlflow.run_name=first", "mlflow", "run_name", "experiment"),
+    ("logging.wandb.entity=me", "wandb", "entity", "project"),
+    ("logging.wandb.mode=offline", "wandb", "mode", "project"),
+    ("logging.wandb.tags=[baseline]", "wandb", "tags", "project"),
+])
+def test_tracker_settings_without_the_key_that_turns_it_on_stop_the_launch(tmp_path, monkeypatch, capsys, override,
+                                                                           tracker, key, switch):
+    """``logging.mlflow.tracking_uri`` without ``logging.mlflow.experiment`` was silently off."""
+    code, err, started = launch_refused(tmp_path, monkeypatch, capsys, override)
+    assert (code, started) == (2, False)
+    assert err == [f"ddpx: error: logging.{tracker}.{key} is set but logging.{tracker}.{switch} is not, so nothing "
+                   f"goes to {tracker}: set logging.{tracker}.{switch}=NAME (or remove logging.{tracker}.{key})"]
+
+
+MLFLOW_FILE_STORE_REFUSAL = (  # what MLflow 3.18's MlflowClient raises for a file store (./mlruns, file:///...)
+    "The filesystem tracking backend (e.g., './mlruns') is in maintenance mode and will not receive further "
+    "updates. Please migrate to a database backend (e.g., 'sqlite:///mlflow.db') to access the latest MLflow "
+    "features. The `mlflow migrate-filestore` tool migrates your existing data losslessly. See "
+    "https://mlflow.org/docs/latest/self-hosting/migrate-from-file-store for migration guidance. If the "
+    "filesystem backend is required for your workflow, set `MLFLOW_ALLOW_FILE_STORE=true` to opt out of this "
+    "exception.")
+
+
+def fake_mlflow(monkeypatch, refusal):
+    """An installed ``mlflow`` 3.18 whose ``MlflowClient(tracking_uri=...)`` raises ``refusal`` for file
+    stores (as the real one does when it builds the store) and accepts the rest; returns the URIs asked."""
+    import importlib.machinery
+    import types
+
+    asked = []
+
+    class MlflowClient:
+        def __init__(self, tracking_uri=None):
+            asked.append(tracking_uri)
+            if "://" not in tracking_uri or tracking_uri.startswith("file:"):
+                raise RuntimeError(refusal)
+
+    mlflow, tracking = types.ModuleType("mlflow"), types.ModuleType("mlflow.tracking")
+    mlflow.__spec__ = importlib.machinery.ModuleSpec("mlflow", None)
+    mlflow.__version__, mlflow.tracking, tracking.MlflowClient = "3.18.0", tracking, MlflowClient
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", tracking)
+    return asked
+
+
+def test_a_tracking_uri_the_installed_mlflow_refuses_stops_the_launch_in_one_line(tmp_path, monkeypatch, capsys):
+    """It killed both workers after start with 166 lines."""
+    asked = fake_mlflow(monkeypatch, MLFLOW_FILE_STORE_REFUSAL)
+    code, err, started = launch_refused(tmp_path, monkeypatch, capsys, "logging.mlflow.experiment=digits",
+                                        "logging.mlflow.tracking_uri=./mlruns")
+    assert (code, started, asked) == (2, False, ["./mlruns"])
+    assert err == ["ddpx: error: logging.mlflow.tracking_uri=./mlruns: MLflow 3.18.0 refuses it (The filesystem "
+                   "tracking backend (e.g., './mlruns') is in maintenance mode and will not receive further "
+                   "updates); use a database (sqlite:///PATH/mlflow.db) or an http(s) server, or set "
+                   "MLFLOW_ALLOW_FILE_STORE=true to keep the file store, or set logging.mlflow.tracking_uri=null "
+                   "for a SQLite store in the run directory"]
+    code, err, started = launch_refused(tmp_path, monkeypatch, capsys, "logging.mlflow.experiment=digits",
+                                        "logging.mlflow.tracking_uri=http://mlflow.example:5000")
+    assert (code, err, started) == (0, [], True)  # an accepted URI: the run starts (no request is made)
+    code, err, started = launch_refused(tmp_path, monkeypatch, capsys, "logging.mlflow.experiment=digits")
+    assert (code, started, asked[-1]) == (0, True, "http://mlflow.example:5000")  # the default store: not asked
+
+
 # --- Weights & Biases, offline ----------------------------------------------------------------
 
 
