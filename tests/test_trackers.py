@@ -114,6 +114,9 @@ def test_a_tracking_uri_the_installed_mlflow_refuses_stops_the_launch_in_one_lin
     assert (code, err, started) == (0, [], True)  # an accepted URI: the run starts (no request is made)
     code, err, started = launch_refused(tmp_path, monkeypatch, capsys, "logging.mlflow.experiment=digits")
     assert (code, started, asked[-1]) == (0, True, "http://mlflow.example:5000")  # the default store: not asked
+    monkeypatch.setenv("RANK", "1")  # a worker: the launcher checked; a check on some ranks only would hang the rest
+    load_config(None, ["logging.mlflow.experiment=digits", "logging.mlflow.tracking_uri=./mlruns"])
+    assert asked == ["./mlruns", "http://mlflow.example:5000"]
 
 
 # --- Weights & Biases, offline ----------------------------------------------------------------

@@ -193,7 +193,9 @@ class LoggingPlugin:
             if not _importable("torch.utils.tensorboard" if name == "tensorboard" else module):
                 raise DdpxError(f"logging.{name} needs the {module} package: pip install 'ddpx[{extra}]' "
                                 f"(or set logging.{TURN_OFF[name]})")
-        if "mlflow" in wanted_backends(cfg) and os.environ.get("RANK", "0") == "0":  # the launcher, or rank 0
+        if "mlflow" in wanted_backends(cfg) and "RANK" not in os.environ:
+            # In the launcher (or a run in this process) only: a check on some ranks of a
+            # started group would leave the others waiting for them.
             check_mlflow_uri(cfg["mlflow"]["tracking_uri"])
 
     @hookimpl(tryfirst=True)  # before other plugins log from their setup hooks
