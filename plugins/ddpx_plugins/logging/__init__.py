@@ -4,7 +4,12 @@
   epoch) with the training loss (rank 0's mean micro-batch loss since the
   previous redraw, read from a loss window of its own at the redraw, about
   every ``progress.BAR_SECONDS``) and the throughput in samples/s (all ranks together:
-  ``world_size * batch_size`` per micro-batch, from the latest step line).
+  ``world_size * batch_size`` per micro-batch, from the latest step line). It counts
+  micro-batches to the end of ``trainer.epochs``, or of ``trainer.max_steps`` where that
+  comes first (re-estimated at each epoch start). At a normal end rank 0 logs one summary
+  line: the training time, the last epoch's metrics, the run directory.
+* The trackers' settings are checked in the launcher (``ddpx_configure``): a setting without
+  the key that turns its tracker on, and an MLflow ``tracking_uri`` the installed MLflow refuses.
 * Log messages of the ``ddpx`` logger (``trainer.log``) carry a rank prefix
   (``[rank1] ...``); by default only rank 0's info messages are shown (warnings
   and errors of every rank always are); ``all_ranks: true`` shows every rank's.
