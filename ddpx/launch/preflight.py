@@ -61,7 +61,8 @@ def oversubscription(nproc: int, trainer_cfg, cores: Optional[int] = None, gpus:
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device, backend = trainer_cfg.device, trainer_cfg.backend
-    on_gpu = str(device).startswith("cuda") or (device == "auto" and (backend == "nccl" or (backend == "auto" and 0 < nproc <= gpus)))
+    on_gpu = str(device).startswith("cuda") or (
+        device == "auto" and (backend == "nccl" or (backend == "auto" and 0 < nproc <= gpus)))
     if on_gpu and nproc > gpus:
         return (f"{nproc} workers share {gpus} GPU{'s' if gpus != 1 else ''}: ranks on one GPU take turns and every "
                 f"collective waits for them; use --nproc-per-node {gpus}")

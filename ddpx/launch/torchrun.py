@@ -96,7 +96,8 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
 
 
 def nproc_per_node(opts: LaunchOptions, launch_cfg) -> int:
-    """Workers on this node: the option (after :func:`from_environment`), else ``launch.nproc_per_node``; auto: one per GPU, 2 on CPU."""
+    """Workers on this node: the option (after :func:`from_environment`), else
+    ``launch.nproc_per_node``; auto: one per GPU, 2 on CPU."""
     nproc = opts.nproc_per_node if opts.nproc_per_node is not None else launch_cfg["nproc_per_node"]
     return default_nproc() if str(nproc) == "auto" else int(nproc)
 

@@ -107,7 +107,8 @@ def check_mlflow_uri(uri):
     except Exception as exc:
         text = " ".join(str(exc).split())
         reason = text.split(". ")[0].rstrip(".")
-        keep = " or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store," if "MLFLOW_ALLOW_FILE_STORE" in text else ""
+        keep = " or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store," \
+            if "MLFLOW_ALLOW_FILE_STORE" in text else ""
         raise DdpxError(f"logging.mlflow.tracking_uri={uri}: MLflow {getattr(mlflow, '__version__', '?')} refuses it "
                         f"({reason}); use a database (sqlite:///PATH/mlflow.db) or an http(s) server,{keep} or set "
                         "logging.mlflow.tracking_uri=null for a SQLite store in the run directory") from None
