@@ -69,7 +69,7 @@ def oversubscription(nproc: int, trainer_cfg, cores: Optional[int] = None, gpus:
     if not on_gpu and device == "auto" and backend == "auto" and 0 < gpus < nproc:
         return (f"{nproc} workers but {gpus} GPU{'s' if gpus != 1 else ''}: trainer.device=auto trains on the CPU "
                 f"(gloo) unless every worker has its own GPU; use --nproc-per-node {gpus} to train on the GPUs")
-    if on_gpu:
+    if on_gpu or nproc == 1:  # one worker has no collective to hold up
         return None
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
