@@ -6,7 +6,15 @@ traceback. Keep the message to one line naming the key/file/port and the fix.
 """
 
 import difflib
+import os
 from typing import Iterable
+
+# Set (to anything but 0) to see the full traceback of an error ddpx prints as one line.
+TRACEBACK_ENV = "DDPX_TRACEBACK"
+
+
+def show_tracebacks() -> bool:
+    return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
 
 
 class DdpxError(Exception):
@@ -14,6 +22,7 @@ class DdpxError(Exception):
 
     exit_code = 2
     same_on_every_rank = False  # True: every rank raises it with the same message (printed once per node)
+    shown = False  # True: a worker printed the message already; the CLI only exits with exit_code
 
 
 class RanksDisagree(DdpxError):

@@ -46,13 +46,27 @@ def resolve(path: str, key: str = "import path"):
                     raise DdpxError(f"{key} '{path}': importing {mod}.{name} failed: {exc}") from None
             hint = did_you_mean(name, [n for n in dir(module) if not n.startswith("_")])
             raise DdpxError(f"{key} '{path}' does not resolve: module '{mod}' has no attribute '{name}'{hint}") from None
+    top = path.replace(":", ".").split(".")[0]
+    if last_error is not None and last_error.name == top:
+        raise DdpxError(f"{key} '{path}' does not resolve: no module named '{top}' in {searched_dirs()}; "
+                        f"put {top}.py (or the package {top}/) in one of these directories")
     raise DdpxError(f"{key} '{path}' does not resolve: {last_error}")
+
+
+def searched_dirs() -> str:
+    """Where imports look: the user's directories (ddpx/config/paths.py), then the rest of sys.path."""
+    from .config.paths import SEARCHED  # lazy: the config package imports this module
+
+    mine = [f"{d} ({what})" for d, what in SEARCHED.items()]
+    return ", ".join([*mine, "PYTHONPATH and the installed packages (sys.path)"])
 
 
 def instantiate(section: Mapping, key: str, *args):
     """Call ``section.target`` with ``*args`` and ``**section.args``."""
     factory = resolve(section["target"], f"{key}.target")
+    kwargs = dict(section.get("args") or {})
     try:
-        return factory(*args, **dict(section.get("args") or {}))
-    except TypeError as exc:
-        raise DdpxError(f"{key}: calling {section['target']} with args {dict(section.get('args') or {})} failed: {exc}") from None
+        return factory(*args, **kwargs)
+    except (TypeError, ValueError) as exc:  # what a target says of arguments it cannot take: the config's mistake
+        call = f"{section['target']}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+        raise DdpxError(f"{key}: {call} failed: {type(exc).__name__}: {exc}; fix {key}.args") from exc

@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import load_config
-from .errors import DdpxError, TrainingDiverged
-from .rank.launcher_contract import mark_done, stop_with_the_launcher
+from .errors import DdpxError, show_tracebacks
+from .rank import failures
+from .rank.launcher_contract import LAUNCHER_PID_ENV, mark_done, stop_with_the_launcher
 from .train.stopping import TrainingStopped
 from .train.trainer import Trainer
 
@@ -36,25 +38,35 @@ def main(argv=None) -> int:
         trainer = Trainer(config)
         trainer.run()
         mark_done(rank)
-    except DdpxError as exc:
-        what = "training diverged: " if isinstance(exc, TrainingDiverged) else ""
-        if not exc.same_on_every_rank:
-            print(f"ddpx: error: [rank{rank}] {what}{exc}", file=sys.stderr, flush=True)
-        elif os.environ.get("LOCAL_RANK", "0") == "0":  # every rank stops with the same message: one per node
-            print(f"ddpx: error: {what}{exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
     except TrainingStopped as exc:
-        print(f"ddpx: [rank{rank}] {exc}", file=sys.stderr, flush=True)
+        if not os.environ.get(LAUNCHER_PID_ENV):  # ddpx train says it once for the node
+            print(f"ddpx: [rank{rank}] {exc}", file=sys.stderr, flush=True)
         return 128 + exc.signum
-    except Exception:
-        if trainer is None or trainer.peer_failure is None:
-            raise
-        # Another rank failed first: one line per node, not a traceback through the plugin that was
-        # communicating (every local rank would say the same).
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"ddpx: [rank{rank}] {trainer.peer_failure}", file=sys.stderr, flush=True)
-        return 1  # a crash (docs/checkpoints.md lists the exit codes)
+    except Exception as exc:
+        report_failure(exc, trainer, rank)
+        return exc.exit_code if isinstance(exc, DdpxError) else 1  # docs/checkpoints.md lists the exit codes
     return 0
+
+
+def report_failure(exc: Exception, trainer, rank: str) -> None:
+    """One line for the error that ended this rank, printed by the first failing rank of each
+    node only (the others failed the same way, or because of it); an unexpected error's
+    traceback comes with it, every rank's with DDPX_TRACEBACK=1."""
+    peer_failure = trainer.peer_failure if trainer is not None else None
+    line, unexpected = failures.failure_line(exc, peer_failure)
+    store = trainer.failure_store if trainer is not None else None
+    if store is None and getattr(exc, "same_on_every_rank", False):
+        first = os.environ.get("LOCAL_RANK", "0") == "0"  # no store to ask: one rank per node says it
+    else:
+        first = failures.claim_report(store)
+    if show_tracebacks() or (unexpected and first):
+        traceback.print_exception(exc)
+    if first:
+        if peer_failure is not None:
+            print(f"ddpx: [rank{rank}] {line}", file=sys.stderr, flush=True)
+        else:
+            prefix = "" if getattr(exc, "same_on_every_rank", False) else f"[rank{rank}] "
+            print(f"ddpx: error: {prefix}{line}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def main(argv=None):
     try:
         return int(args.func(args) or 0)
     except DdpxError as exc:
-        print(f"ddpx: error: {exc}", file=sys.stderr)
+        if not exc.shown:
+            print(f"ddpx: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("ddpx: interrupted", file=sys.stderr)

@@ -17,7 +17,7 @@ import yaml
 
 from ..errors import DdpxError, did_you_mean
 from ..imports import resolve
-from ..plugin.manager import make_plugin_manager
+from ..plugin.manager import blocked_sections, make_plugin_manager
 from .paths import add_user_module_dirs
 from .schema import CHOICES, DEFAULTS, FREE_FORM, TARGET_SECTIONS, TYPES, check_ranges
 
@@ -251,6 +251,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
     pm = plugin_manager if plugin_manager is not None else make_plugin_manager(plugins_section)
 
     defaults = merge(DEFAULTS, plugin_defaults(pm))
+    check_blocked_sections(raw, defaults, plugins_section["block"])
     _validate(raw, defaults, TYPES)
     values = merge(defaults, raw, FREE_FORM)
     for section in TARGET_SECTIONS:
@@ -275,6 +276,18 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
     config.plugin_manager = pm
     pm.hook.ddpx_configure(config=config)
     return config
+
+
+def check_blocked_sections(raw: Mapping, defaults: Mapping, blocked) -> None:
+    """A section of a plugin that ``plugins.block`` blocks is not just an unknown key: say whose it is."""
+    unknown = [key for key in raw if key not in defaults]
+    if not unknown or not blocked:
+        return
+    owners = blocked_sections(blocked)
+    for key in unknown:
+        if key in owners:
+            raise DdpxError(f"config section '{key}' belongs to the plugin '{owners[key]}', which plugins.block "
+                            f"blocks; remove the section, or take '{owners[key]}' out of plugins.block")
 
 
 def split_config_and_overrides(config: Optional[str], overrides: Iterable[str]) -> tuple[Optional[str], list[str]]:

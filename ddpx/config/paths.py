@@ -24,8 +24,19 @@ def user_module_dirs(config_path: Optional[str]) -> list[str]:
     return list(dict.fromkeys([*dirs, os.getcwd()]))
 
 
+# The directories add_user_module_dirs put first, each with what it is (for "no module named" errors).
+SEARCHED: dict = {}
+
+
 def add_user_module_dirs(config_path: Optional[str]) -> None:
     """Put :func:`user_module_dirs` at the front of ``sys.path`` (once)."""
-    for directory in reversed(user_module_dirs(config_path)):
+    dirs = user_module_dirs(config_path)
+    SEARCHED.clear()
+    for directory in dirs:
+        what = "the config file's directory" if config_path is not None and directory == dirs[0] else ""
+        if directory == os.getcwd():
+            what = f"{what} and the current directory" if what else "the current directory"
+        SEARCHED[directory] = what
+    for directory in reversed(dirs):
         if directory not in sys.path:
             sys.path.insert(0, directory)

@@ -1,5 +1,6 @@
 """``ddpx train``'s launcher: validate the config, check the run directory and the network,
-record the launch, run torchrun; when training does not finish, say how to resume."""
+record the launch, run torchrun; when training does not finish, say how to resume (or
+remove the run directory the launch made, when nothing was saved there)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,18 @@ from ..config import default_run_dir, load_config
 from ..errors import DdpxError
 from ..rank.run_lock import JOB_ENV
 from .options import DEFAULT_MASTER_PORT, LaunchOptions, check_options, from_environment
-from .preflight import check_run_dir, warn_if_oversubscribed
+from .preflight import check_run_dir, check_target_arguments, warn_if_oversubscribed
 from .rendezvous import DEFAULT_RDZV_ID
-from .resume import print_resume_command, record_launch
+from .resume import LaunchTrace, after_failure, record_launch
 from .torchrun import nproc_per_node, run_torchrun, torchrun_argv
 
 
 def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOptions) -> int:
     """Validate the config here (one-line errors, nothing spawned), then run torchrun.
-    When training does not finish, the last line says how to resume."""
+    When training does not finish, the last line says how to resume, if there is a checkpoint
+    to resume from."""
     config = load_config(config_path, overrides)  # raises DdpxError before any worker exists
+    check_target_arguments(config)
     check_options(opts)
     run_dir = config.run_dir
     if run_dir is None:  # one for the whole launch: a restarted worker group resumes there
@@ -28,23 +31,23 @@ def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOpt
         overrides = [*overrides, f"run_dir={run_dir}"]
     given_job = os.environ.get(JOB_ENV)
     os.environ[JOB_ENV] = given_job or job_identity(opts)  # the run_dir lock's owner (ddpx/rank/run_lock.py)
-    started = False
+    started = None
     try:
         check_run_dir(run_dir, config)
         argv = torchrun_argv(opts, config.launch, config_path, overrides)  # checks ports, nothing created yet
         warn_if_oversubscribed(nproc_per_node(from_environment(opts), config.launch), config.trainer)
+        started = LaunchTrace.before(run_dir, config)
         record_launch(run_dir, config_path, overrides)
-        started = True
         code = run_torchrun(argv)
-    except DdpxError:
-        if started:
-            print_resume_command(config_path, overrides, run_dir)
+    except DdpxError as exc:
+        if started is not None:
+            after_failure(started, config_path, overrides, bad_input=exc.exit_code == DdpxError.exit_code)
         raise
     finally:
         if given_job is None:
             os.environ.pop(JOB_ENV, None)
     if code != 0:
-        print_resume_command(config_path, overrides, run_dir)
+        after_failure(started, config_path, overrides, bad_input=False)
     return code
 
 

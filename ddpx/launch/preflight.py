@@ -1,16 +1,18 @@
 """Checks before any worker starts: the run directory (writable, not held by another run,
-room for a checkpoint), and a warning when the workers oversubscribe this node."""
+room for a checkpoint), the config targets' arguments (names their signatures take), and a
+warning when the workers oversubscribe this node."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Optional
 
-from ..errors import DdpxError
-from ..imports import instantiate
+from ..errors import DdpxError, did_you_mean
+from ..imports import instantiate, resolve
 from ..rank.run_lock import job_id, read_holder, refusal, stale_reason
 
 
@@ -91,3 +93,41 @@ def warn_if_oversubscribed(nproc: int, trainer_cfg) -> None:
     why = oversubscription(nproc, trainer_cfg)
     if why is not None:
         print(f"ddpx: warning: {why}", file=sys.stderr, flush=True)
+
+
+# What the trainer passes before a target's config args (ddpx/train/trainer.py): the model's
+# parameters to the optimizer, the optimizer to the scheduler.
+TRAINER_POSITIONALS = {"model": 0, "data": 0, "loss": 0, "optimizer": 1, "scheduler": 1}
+
+
+def check_target_arguments(config) -> None:
+    """Before any worker starts: every ``<section>.args`` key of a target section is an argument
+    its target takes (``optimizer.args.lrr``: did you mean 'lr'?), and no argument the target
+    needs is missing. A target taking ``**kwargs`` accepts any name; one whose signature
+    Python cannot read is left to the workers."""
+    for section, passed in TRAINER_POSITIONALS.items():
+        target = (config.get(section) or {}).get("target")
+        if not target:
+            continue
+        factory = resolve(target, f"{section}.target")
+        try:
+            params = list(inspect.signature(factory).parameters.values())
+        except (TypeError, ValueError):
+            continue
+        args = dict(config[section].get("args") or {})
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:passed]
+        named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p not in positional]
+        any_name = any(p.kind is p.VAR_KEYWORD for p in params)
+        for name in args:
+            if name in (p.name for p in positional):
+                raise DdpxError(f"{section}.args.{name}: the trainer passes '{name}' to {target} itself; "
+                                f"remove {section}.args.{name}")
+            if name not in named and not any_name:
+                hint = did_you_mean(name, named, f"{section}.args.") or \
+                    (f"; it takes {', '.join(named)}" if named else "; it takes no arguments")
+                raise DdpxError(f"{section}.args.{name}: {target} has no argument '{name}'{hint}")
+        missing = [p.name for p in params if p not in positional and p.default is p.empty
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in args]
+        if missing:
+            raise DdpxError(f"{section}: {target} needs the argument{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(missing)}; set {section}.args.{missing[0]}=VALUE")

@@ -1,4 +1,5 @@
-"""What a launch records in its run directory, and the ``ddpx train`` command that resumes it."""
+"""What a launch records in its run directory, the ``ddpx train`` command that resumes it,
+and what a failed launch leaves behind."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -25,6 +27,67 @@ def resume_command(config_path: Optional[str], overrides: Sequence[str], run_dir
 def print_resume_command(config_path, overrides, run_dir) -> None:
     print(f"ddpx: to resume this run: {resume_command(config_path, overrides, run_dir)}", file=sys.stderr,
           flush=True)
+
+
+@dataclass
+class LaunchTrace:
+    """What the run directory held before the workers started."""
+
+    run_dir: str
+    checkpoint_dir: Path
+    made: list  # the directories this launch creates (run_dir and the parents it lacks), innermost first
+    checkpoints: list  # (step, path) of the checkpoints already there
+
+    @classmethod
+    def before(cls, run_dir: str, config) -> "LaunchTrace":
+        path = Path(run_dir).absolute()
+        made = [p for p in (path, *path.parents) if not p.exists()]
+        directory = Path(config.section("checkpoint").get("dir") or "checkpoints")
+        directory = directory if directory.is_absolute() else path / directory
+        return cls(run_dir, directory, made, saved_checkpoints(directory))
+
+
+def saved_checkpoints(directory: Path) -> list:
+    from ..rank.checkpoint_files import CheckpointDirectory
+
+    try:
+        return CheckpointDirectory(directory).checkpoints()
+    except OSError:
+        return []
+
+
+def after_failure(trace: LaunchTrace, config_path: Optional[str], overrides: Sequence[str], bad_input: bool) -> None:
+    """The resume command, when there is a checkpoint to resume from (not after bad input that
+    saved nothing new: the same command would fail the same way); otherwise remove what the
+    launch made if nothing was saved in it."""
+    now = saved_checkpoints(trace.checkpoint_dir)
+    if now and not (bad_input and now == trace.checkpoints):
+        print_resume_command(config_path, overrides, trace.run_dir)
+    elif trace.made:
+        remove_unused(trace.made)
+
+
+def remove_unused(made: Sequence[Path]) -> None:
+    """Remove the launch record, empty files and empty directories from the directories a
+    failed launch made, innermost first; a file with anything in it keeps its directory."""
+    run_dir = made[0]
+    (run_dir / LAUNCH_RECORD).unlink(missing_ok=True)
+    for path in sorted(run_dir.rglob("*"), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            _rmdir_if_empty(path)
+        elif path.is_file() and not path.is_symlink() and path.stat().st_size == 0:
+            path.unlink()
+    for directory in made:
+        if not _rmdir_if_empty(directory):
+            break
+
+
+def _rmdir_if_empty(directory: Path) -> bool:
+    try:
+        directory.rmdir()  # only an empty directory
+        return True
+    except OSError:
+        return False
 
 
 def record_launch(run_dir: str, config_path: Optional[str], overrides: Sequence[str]) -> None:

@@ -11,7 +11,10 @@ code instead of an exception we can turn into one line naming the failed rank.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -121,10 +124,35 @@ def run_torchrun(argv: Sequence[str]) -> int:
             env[SHARE_STORE_ENV] = "1"
         os.environ.update(env)
         try:
-            return _run_agent(run, args, done_dir)
+            with _quiet_agent():
+                return _run_agent(run, args, done_dir)
         finally:
             for name in env:
                 os.environ.pop(name, None)
+
+
+# torchrun's log lines that ddpx says in its own words (a failed or stopped rank, a signal).
+AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+AGENT_NOISE = ("Received %s death signal", "Sending process %s closing signal", "failed (exitcode: %s)",
+               "Got termination signal")
+
+
+class _AgentNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(AGENT_NOISE))
+
+
+@contextlib.contextmanager
+def _quiet_agent():
+    noise = _AgentNoise()
+    loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(noise)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(noise)
 
 
 def _run_agent(run, args, done_dir: str) -> int:
@@ -140,7 +168,10 @@ def _run_agent(run, args, done_dir: str) -> int:
         more = f" (and {others} more rank{'s' if others > 1 else ''})" if others > 0 else ""
         code = failure.exitcode
         if code == TrainingDiverged.exit_code:
-            raise TrainingDiverged("training diverged (the reason is printed above)") from None
+            diverged = TrainingDiverged("training diverged (the reason is printed above)")
+            diverged.shown = True
+            raise diverged from None
+        stopped_by = _signal_name(code - 128) if code > 128 else None
         why = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         if _every_local_worker_finished(args, done_dir):
             # Every local worker finished training (process group destroyed, checkpoints
@@ -149,10 +180,14 @@ def _run_agent(run, args, done_dir: str) -> int:
             print(f"ddpx: warning: training finished; rank {rank} then {why} while exiting{more}", file=sys.stderr)
             return 0
         node = f"node {args.local_addr}: " if args.local_addr else ""
+        if stopped_by is not None:  # a worker stopped by a signal that did not reach this launcher
+            print(f"ddpx: {node}stopped: rank {rank} was stopped by {stopped_by}{more}", file=sys.stderr, flush=True)
+            return code
         message = f"{node}training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above"
-        if code == DdpxError.exit_code:  # the worker found bad input (one line above): exit 2 too
-            raise DdpxError(message) from None
-        raise WorkerCrashed(message) from None
+        failed = DdpxError(message) if code == DdpxError.exit_code else WorkerCrashed(message)
+        # A ddpx worker's own exit codes: the first failing rank of this node printed why (ddpx/worker.py).
+        failed.shown = code in (WorkerCrashed.exit_code, DdpxError.exit_code)
+        raise failed from None
     except RendezvousError as exc:
         if _every_local_worker_finished(args, done_dir):
             # The agent lost the c10d store because the node hosting it exited first
@@ -164,6 +199,13 @@ def _run_agent(run, args, done_dir: str) -> int:
         print(f"ddpx: stopped by {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
+
+
+def _signal_name(number: int) -> Optional[str]:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return None
 
 
 def _rendezvous_failure(args, exc) -> str:

@@ -232,6 +232,29 @@ def register_path(pm: pluggy.PluginManager, path: str) -> None:
     _register(pm, _plugin_object(resolve(path, "plugins.enable entry")), path, " (from plugins.enable)")
 
 
+def blocked_sections(blocked: Collection[str]) -> dict:
+    """``{config section: plugin name}`` of the sections the plugins in ``plugins.block`` would
+    declare (``ddpx_config_defaults``), to tell a user why such a section is unknown. Each
+    blocked plugin is imported, not registered; one that cannot be read declares nothing."""
+    found = {}
+    entry_points = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    for name in blocked:
+        found.setdefault(name, name)  # a plugin's section usually has its name
+        try:
+            if name in BUILTIN_PLUGINS:
+                plugin = resolve(BUILTIN_PLUGINS[name], f"built-in plugin '{name}'")
+            elif name in entry_points:
+                plugin = entry_points[name].load()
+            else:
+                plugin = resolve(name, "plugins.block entry")
+            declared = getattr(_plugin_object(plugin), "ddpx_config_defaults", None)
+            for section in (declared() or {}) if callable(declared) else ():
+                found[section] = name
+        except Exception:
+            continue
+    return found
+
+
 # Hooks of ddpx's development versions, removed before 0.1.0 was released (docs/changelog.md).
 REMOVED_HOOKS = {
     "ddpx_should_step": "implement ddpx_step_window(trainer, batch_index, num_batches), returning the number of "

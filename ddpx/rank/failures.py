@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import re
 import time
+import traceback
 from typing import Optional
 
 import torch.distributed as dist
 
 FIRST_FAILURE = "ddpx/first_failure"
+REPORTED_ON_NODE = "ddpx/reported/node"  # + GROUP_RANK: the rank that prints its node's failure
 # What gloo, NCCL and the store say when the other end of a collective went away or hung.
 PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting|"
                        r"timed out|Socket Timeout|NCCL communicator was aborted|ECONNRESET", re.IGNORECASE)
@@ -102,3 +105,41 @@ def peer_failure_line(exc: BaseException, store, step: int) -> str:
     why = f"the connection to {found.group(1)} broke" if found else summary(exc, limit=100)
     return (f"stopped at step {step}: another rank failed, hung or lost its host ({why}); "
             f"the output of that rank or host says why")
+
+
+def claim_report(store) -> bool:
+    """Whether this rank prints its failure: the first rank of its node (GROUP_RANK) to ask does,
+    the others stay silent, so a node shows one line, not one per rank. True when the store
+    cannot tell (no process group yet, or it went with a failed rank)."""
+    if store is None:
+        return True
+    me = os.environ.get("RANK", "0")
+    try:
+        with short_timeout(store):
+            return store.compare_set(REPORTED_ON_NODE + os.environ.get("GROUP_RANK", "0"), "", me) == me.encode()
+    except Exception:
+        return True
+
+
+def where_raised(exc: BaseException) -> str:
+    """``file.py:LINE`` of the innermost frame that raised ``exc``, or ""."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+
+
+def failure_line(exc: BaseException, peer_failure: Optional[str] = None) -> tuple[str, bool]:
+    """The one line a rank prints for the error that ended its run, and whether an unexpected
+    error's traceback should come with it (not for bad input, a plugin's own error, or a rank
+    stopped by another's failure: their line says all a user needs)."""
+    from ..errors import DdpxError, TrainingDiverged
+    from ..plugin.manager import TRAINER_PLUGIN, origin
+
+    if peer_failure is not None:
+        return peer_failure, False
+    if isinstance(exc, DdpxError):
+        return f"{'training diverged: ' if isinstance(exc, TrainingDiverged) else ''}{exc}", False
+    at = where_raised(exc)
+    where = origin(exc)
+    if where is not None and where[0] != TRAINER_PLUGIN:  # the trainer's own hooks run the user's model: show where
+        return f"plugin '{where[0]}' raised in {where[1]}: {summary(exc, limit=400)} ({at})", False
+    return f"{summary(exc, limit=400)} ({at})", True

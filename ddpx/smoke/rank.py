@@ -9,25 +9,30 @@ import math
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
 from ..config.loader import DEFAULT_CONFIG, apply_overrides, load_config, merge, read_yaml
+from ..config.paths import add_user_module_dirs
 from ..config.schema import DEFAULTS
-from ..errors import DdpxError
+from ..errors import DdpxError, show_tracebacks
 from ..imports import instantiate
 from ..plugin.manager import make_plugin_manager, origin, raised_by
+from ..rank import failures
 from ..train.trainer import Trainer
 from ..worker import parse_args
 
 SMOKE_MODULE = "ddpx.smoke"
-TRAIN_STEPS = 3  # optimizer steps before the checkpoint
-RESUMED_STEPS = 2  # optimizer steps after the resume
+STEPS_PER_EPOCH = 2  # the data slice's: the steps below cross epoch boundaries (epoch 1's hooks run too)
+TRAIN_STEPS = 3  # optimizer steps before the checkpoint: all of epoch 0, the first of epoch 1
+RESUMED_STEPS = 2  # optimizer steps after the resume: the rest of epoch 1, the first of epoch 2
 EVAL_SAMPLES = 64
 STAGES = ("config", "setup", "train", "evaluate", "checkpoint save", "resume", "train after resume", "teardown")
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+TRACEBACK_SUFFIX = ".traceback"  # <run_dir>/smoke/rank<N>.traceback: the error that failed the rank, in full
 SMOKE_TIMEOUT_S = 60  # steady-state collective timeout: a hung rank ends the smoke run quickly
 
 
@@ -96,15 +101,15 @@ class StageLog:
 
 def _smoke_overrides(config, world_size: int) -> list[str]:
     """Overrides that turn the user's config into the smoke run (same plugins, small data)."""
-    steps = TRAIN_STEPS + RESUMED_STEPS + 1
     accumulation = config.section("accumulation").get("steps", 1) if "accumulation" in config else 1
-    train_samples = world_size * config.trainer.batch_size * accumulation * steps
+    train_samples = world_size * config.trainer.batch_size * accumulation * STEPS_PER_EPOCH
+    epochs = -(-(TRAIN_STEPS + RESUMED_STEPS) // STEPS_PER_EPOCH)
     data = {"target": config.data.target, "args": config.section("data").get("args") or {},
             "train_samples": train_samples, "eval_samples": EVAL_SAMPLES}
     overrides = [
         f"data.target={__name__}.data_slice",
         f"data.args={json.dumps(data)}",
-        "trainer.epochs=2",
+        f"trainer.epochs={epochs}",
         "trainer.eval_every_epochs=0",  # the smoke run evaluates as its own stage
         f"trainer.timeout_s={SMOKE_TIMEOUT_S}",
         f"trainer.first_timeout_s={2 * SMOKE_TIMEOUT_S}",
@@ -115,7 +120,9 @@ def _smoke_overrides(config, world_size: int) -> list[str]:
 
 
 def load_smoke_config(config_path, overrides, extra):
-    # Build the plugin manager here so even ddpx_configure failures name their plugin.
+    # Build the plugin manager here so even ddpx_configure failures name their plugin; the
+    # user's directories first, as load_config puts them, for plugins.enable entries there.
+    add_user_module_dirs(config_path)
     raw = apply_overrides(read_yaml(config_path or DEFAULT_CONFIG), [*overrides, *extra])
     pm = make_plugin_manager(merge(DEFAULTS["plugins"], raw.get("plugins") or {}))
     try:
@@ -142,7 +149,7 @@ def _fresh_store_prefix(tag: str):
 
 
 def _train_steps(trainer, until_step: int) -> str:
-    start = trainer.global_step
+    start, first_epoch = trainer.global_step, trainer.epoch
     trainer.train(until_step=until_step)
     loss = trainer.last_loss.item() if trainer.last_loss is not None else float("nan")
     steps = trainer.global_step - start
@@ -152,7 +159,8 @@ def _train_steps(trainer, until_step: int) -> str:
     if not math.isfinite(loss):
         raise RuntimeError(f"{steps} optimizer steps, but the last loss is {loss}: fix the model, data or "
                            "optimizer.args.lr")
-    return f"{steps} optimizer steps, last loss {loss:.4f}"
+    epochs = f"epoch {first_epoch}" if trainer.epoch == first_epoch else f"epochs {first_epoch}-{trainer.epoch}"
+    return f"{steps} optimizer steps ({epochs}), last loss {loss:.4f}"
 
 
 def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
@@ -167,13 +175,17 @@ def run_rank(config_path: Optional[str], overrides: Sequence[str]) -> int:
     try:
         _run_stages(log, running, config_path, overrides, rank, world_size)
     except BaseException as exc:
-        if not isinstance(exc, DdpxError):
-            import traceback
-
-            traceback.print_exc()
-        print(f"ddpx: smoke: [rank{rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if running[0] is not None:
-            running[0].close(exc)  # ddpx_exception for every plugin, then the teardown every run has
+        trainer = running[0]
+        if trainer is not None:
+            trainer.close(exc)  # ddpx_exception for every plugin, then the teardown every run has
+        # One line per rank (the table follows); the traceback goes next to the rank's record.
+        failed_at = next((f" at {s['stage']}" for s in log.stages if s["status"] == FAIL), "")
+        line, _ = failures.failure_line(exc, trainer.peer_failure if trainer is not None else None)
+        print(f"ddpx: smoke: [rank{rank}] FAIL{failed_at}: {line}", file=sys.stderr, flush=True)
+        log.path.parent.mkdir(parents=True, exist_ok=True)
+        log.path.with_suffix(TRACEBACK_SUFFIX).write_text("".join(traceback.format_exception(exc)))
+        if show_tracebacks():
+            traceback.print_exception(exc)
         log.skip_rest("after an earlier failure")
         if not isinstance(exc, Exception):
             raise

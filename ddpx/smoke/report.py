@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 from ..errors import DdpxError
 from ..launch import torchrun
 from ..plugin.manager import origin
-from .rank import FAIL, PASS, SKIP, SMOKE_MODULE, STAGES, load_smoke_config
+from ..launch.preflight import check_target_arguments
+from .rank import FAIL, PASS, SKIP, SMOKE_MODULE, STAGES, TRACEBACK_SUFFIX, load_smoke_config
 
 
 def smoke_run_dir(config, env=os.environ) -> str:
@@ -72,7 +73,9 @@ def format_table(rows: Sequence[dict], world_size: int, run_dir: str) -> str:
     if failed:
         named = [row for row in failed if row.get("plugin")]
         culprit = f": plugin '{named[0]['plugin']}' ({named[0]['hook']})" if named else ""
-        lines.append(f"smoke run FAILED at {failed[0]['stage']}{culprit}")
+        tracebacks = sorted(Path(run_dir, "smoke").glob(f"rank*{TRACEBACK_SUFFIX}"))
+        where = f"; tracebacks: {Path(run_dir, 'smoke', 'rank*' + TRACEBACK_SUFFIX)}" if tracebacks else ""
+        lines.append(f"smoke run FAILED at {failed[0]['stage']}{culprit}{where}")
     else:
         lines.append("smoke run PASSED")
     return "\n".join(lines)
@@ -88,6 +91,7 @@ def launch_smoke(config_path: Optional[str], overrides: Sequence[str], opts) -> 
             raise
         raise DdpxError(f"smoke run FAILED at config: plugin '{where[0]}' raised in {where[1]}: "
                         f"{type(exc).__name__}: {exc}") from None
+    check_target_arguments(config)
     run_dir = smoke_run_dir(config)
     overrides = [*overrides, f"run_dir={run_dir}"]
     # no restarts: a failing stage must be reported, not retried

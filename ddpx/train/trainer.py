@@ -124,6 +124,7 @@ class Trainer:
         # Set by close() when the run failed because another rank did: the one line to print
         # instead of a traceback (ddpx/rank/failures.py).
         self.peer_failure: Optional[str] = None
+        self.failure_store = None  # set by close() after a failure: the store the failing ranks report through
 
     @property
     def is_main(self) -> bool:
@@ -233,7 +234,7 @@ class Trainer:
                 restore_logger(self.log, self._saved_logger)
 
     def _report_exception(self, exc: BaseException) -> None:
-        store = failures.default_store()
+        store = self.failure_store = failures.default_store()  # kept: the group goes before the worker reports
         if failures.is_peer_failure(exc):
             # Another rank failed, died or hung: the plugin whose collective broke is not to blame.
             self.peer_failure = failures.peer_failure_line(exc, store, self.global_step)
@@ -242,8 +243,7 @@ class Trainer:
         where = raised_by(self.plugin_manager, exc)  # before the run's plugins are detached
         if where is not None and self.peer_failure is None \
                 and not isinstance(exc, (DdpxError, TrainingStopped, KeyboardInterrupt)):
-            plugin, hook = where
-            self.log.error(f"plugin '{plugin}' raised in {hook}: {type(exc).__name__}: {exc}")
+            plugin, hook = where  # the worker's one line names them too (ddpx/rank/failures.failure_line)
             if hasattr(exc, "add_note"):  # Python 3.11+: shown under the traceback
                 exc.add_note(f"(raised by plugin '{plugin}' in {hook})")
         try:
