@@ -10,6 +10,11 @@ import os
 import sys
 import traceback
 
+if __name__ == "__main__":  # before torch loads, which takes seconds
+    from .rank.launcher_contract import quiet_interrupt_while_starting
+
+    quiet_interrupt_while_starting()
+
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import load_config

@@ -41,3 +41,10 @@ def mark_done(rank: str) -> None:
     done_dir = os.environ.get(DONE_DIR_ENV)
     if done_dir and os.path.isdir(done_dir):
         open(os.path.join(done_dir, f"rank-{rank}"), "w").close()
+
+
+def quiet_interrupt_while_starting() -> None:
+    """Ctrl-C before the trainer takes SIGINT (while torch imports, the config loads): end this
+    worker without a KeyboardInterrupt traceback per rank; ``ddpx train`` says it once. Call it
+    first thing in a worker process (not where it is merely imported)."""
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
