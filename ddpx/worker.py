@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .config import load_config
 from .errors import DdpxError, show_tracebacks
 from .rank import failures
-from .rank.launcher_contract import LAUNCHER_PID_ENV, mark_done, stop_with_the_launcher
+from .rank.launcher_contract import launcher_alive, mark_done, stop_with_the_launcher
 from .train.stopping import TrainingStopped
 from .train.trainer import Trainer
 
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         trainer.run()
         mark_done(rank)
     except TrainingStopped as exc:
-        if not os.environ.get(LAUNCHER_PID_ENV):  # ddpx train says it once for the node
+        if not launcher_alive():  # else ddpx train says it, once for the node
             print(f"ddpx: [rank{rank}] {exc}", file=sys.stderr, flush=True)
         return 128 + exc.signum
     except Exception as exc:

@@ -326,12 +326,11 @@ def test_exceptions_carry_the_plugin_that_raised_them():
     assert raised_by(pm, info.value) is None  # not from a hook
 
 
-def test_every_run_names_the_plugin_that_raised(make_config, capfd):
+def test_every_run_names_the_plugin_that_raised(make_config):
     name = "sample_plugins.RaisesAtEpochStart"
     with pytest.raises(RuntimeError, match="broken on purpose") as info:
         Trainer(make_config("trainer.epochs=1", f"plugins.enable=[{name}]")).run()
-    assert origin(info.value) == (name, "ddpx_epoch_start")
-    assert f"plugin '{name}' raised in ddpx_epoch_start: RuntimeError: broken on purpose" in capfd.readouterr().err
+    assert origin(info.value) == (name, "ddpx_epoch_start")  # what the worker's one line names
     if hasattr(info.value, "__notes__"):  # Python 3.11+
         assert f"(raised by plugin '{name}' in ddpx_epoch_start)" in info.value.__notes__
     assert not dist.is_initialized()

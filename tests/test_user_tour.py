@@ -56,7 +56,13 @@ def test_a_run_that_does_not_finish_prints_the_command_that_resumes_it(tmp_path,
     from ddpx.launch.options import LaunchOptions
     from ddpx.launch.resume import newest_run
 
-    monkeypatch.setattr(launcher, "run_torchrun", lambda argv: 143)  # stopped by SIGTERM
+    def stopped_after_a_checkpoint(argv):  # stopped by SIGTERM
+        run_dir = Path(next(a for a in argv if a.startswith("run_dir=")).split("=", 1)[1])
+        (run_dir / "checkpoints").mkdir()
+        torch.save({}, run_dir / "checkpoints" / "step-000000005.pt")
+        return 143
+
+    monkeypatch.setattr(launcher, "run_torchrun", stopped_after_a_checkpoint)
     config = tmp_path / "cfg.yaml"
     config.write_text("trainer: {epochs: 1}\n")
     monkeypatch.chdir(tmp_path)
@@ -71,7 +77,7 @@ def test_the_smoke_run_fails_on_zero_steps_or_a_nonfinite_loss():
     from ddpx.smoke.rank import _train_steps
 
     class Stub:
-        global_step, last_loss = 0, None
+        global_step, last_loss, epoch = 0, None, 0
 
         def train(self, until_step):
             pass

@@ -36,6 +36,12 @@ def stop_with_the_launcher(rank: str, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="ddpx-launcher-watch", daemon=True).start()
 
 
+def launcher_alive() -> bool:
+    """Whether this worker's ``ddpx train`` launcher runs (it then reports for the node)."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    return bool(launcher) and os.getppid() == int(launcher)
+
+
 def mark_done(rank: str) -> None:
     """Tell the launcher this rank finished training (it then forgives a crash at exit)."""
     done_dir = os.environ.get(DONE_DIR_ENV)
