@@ -102,6 +102,8 @@ TRAINER_ATTRIBUTES = {
     "end_reason": "why training ends early, set through :meth:`end_training`",
     "peer_failure": "set (before ``ddpx_exception``) when the run failed because another rank did, e.g. "
                     "``stopped at step 46: rank 1 failed first: ...``; else None",
+    "failure_store": "set (before ``ddpx_exception``) after a failure: the store the failing ranks agree through "
+                     "on who reports it, kept after the process group is gone; else None",
     "shared": "what the run's plugins share, typed: ``shared[KEY]``, ``shared.get(KEY)`` "
               "(:mod:`ddpx.plugin.shared`: the keys, who sets and who reads them)",
     "autocast": "the context every forward pass runs in (``ddpx_autocast``; a null context without AMP)",
