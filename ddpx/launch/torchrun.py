@@ -168,9 +168,7 @@ def _run_agent(run, args, done_dir: str) -> int:
         more = f" (and {others} more rank{'s' if others > 1 else ''})" if others > 0 else ""
         code = failure.exitcode
         if code == TrainingDiverged.exit_code:
-            diverged = TrainingDiverged("training diverged (the reason is printed above)")
-            diverged.shown = True
-            raise diverged from None
+            raise TrainingDiverged("training diverged (the reason is printed above)") from None
         stopped_by = _signal_name(code - 128) if code > 128 else None
         why = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         if _every_local_worker_finished(args, done_dir):
