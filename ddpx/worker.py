@@ -67,11 +67,12 @@ def report_failure(exc: Exception, trainer, rank: str) -> None:
     if show_tracebacks() or (unexpected and first):
         traceback.print_exception(exc)
     if first:
+        start = "\r\033[K" if sys.stderr.isatty() else ""  # over rank 0's progress bar, not after it
         if peer_failure is not None:
-            print(f"ddpx: [rank{rank}] {line}", file=sys.stderr, flush=True)
+            print(f"{start}ddpx: [rank{rank}] {line}", file=sys.stderr, flush=True)
         else:
             prefix = "" if getattr(exc, "same_on_every_rank", False) else f"[rank{rank}] "
-            print(f"ddpx: error: {prefix}{line}", file=sys.stderr, flush=True)
+            print(f"{start}ddpx: error: {prefix}{line}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
