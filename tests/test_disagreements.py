@@ -8,6 +8,7 @@ and check the job ends quickly, in a few lines, naming the right code."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import textwrap
@@ -409,7 +410,7 @@ def train(ranks, tmp_path, *overrides, timeout=90):
     (tmp_path / "config.yaml").write_text("trainer: {epochs: 3}\nlogging: {progress: false}\n")
     start = time.monotonic()
     code, out, err = ranks.cli(["train", "config.yaml", "--nproc-per-node", "2", f"run_dir={tmp_path / 'run'}",
-                                *overrides], timeout=timeout, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+                                *overrides], timeout=timeout, cwd=tmp_path, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
     failure = [line for line in (out + err).splitlines()
                if line.strip() and not re.match(r"\[rank\d\] (epoch \d|saved checkpoint)", line)]
     return code, "\n".join(failure), time.monotonic() - start
@@ -470,7 +471,9 @@ def test_a_rank_that_fails_is_blamed_and_the_plugin_whose_collective_broke_is_no
     # checkpoint plugin: innocent), stays silent on the same node (another node's would say
     # "stopped at step 46: rank 1 failed first: ...").
     assert out.splitlines() == ["ddpx: error: [rank1] plugin 'badplug' raised in ddpx_epoch_end: ValueError: "
-                                "bad metric file (badplug.py:7)"], out
+                                "bad metric file (badplug.py:7)",
+                                "ddpx: to resume this run: ddpx train config.yaml 'plugins.enable=[badplug]' "
+                                f"run_dir={tmp_path / 'run'}"], out
 
 
 @pytest.mark.slow

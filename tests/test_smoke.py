@@ -1,5 +1,6 @@
 """``ddpx train --smoke``: passes on the default example, names a failing plugin."""
 
+import os
 import textwrap
 
 import pytest
@@ -47,7 +48,7 @@ BROKEN_PLUGIN = textwrap.dedent(
 def test_smoke_names_the_failing_plugin(ranks, tmp_path):
     (tmp_path / "broken_smoke_plugin.py").write_text(BROKEN_PLUGIN)
     rc, out, err = ranks.cli(["train", "--smoke", "plugins.enable=[broken_smoke_plugin]"], timeout=120,
-                           cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+                           cwd=tmp_path, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
     assert rc == 1, out + err
     rows = _table(out)
     assert rows["config"][0] == rows["setup"][0] == smoke_rank.PASS, out
@@ -61,7 +62,7 @@ def test_smoke_names_a_plugin_failing_while_reading_the_config(ranks, tmp_path):
     (tmp_path / "configure_fails.py").write_text(
         "from ddpx import hookimpl\n\n@hookimpl\ndef ddpx_configure(config):\n    raise ValueError('no')\n")
     rc, out, err = ranks.cli(["train", "--smoke", "plugins.enable=[configure_fails]"], timeout=60,
-                           cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+                           cwd=tmp_path, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
     assert rc == 2  # nothing was launched: a one-line error
     assert "plugin 'configure_fails' raised in ddpx_configure: ValueError: no" in err
     assert "Traceback" not in err
