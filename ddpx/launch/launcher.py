@@ -31,23 +31,23 @@ def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOpt
         overrides = [*overrides, f"run_dir={run_dir}"]
     given_job = os.environ.get(JOB_ENV)
     os.environ[JOB_ENV] = given_job or job_identity(opts)  # the run_dir lock's owner (ddpx/rank/run_lock.py)
-    started = None
+    trace = None  # what run_dir held before the workers started
     try:
         check_run_dir(run_dir, config)
         argv = torchrun_argv(opts, config.launch, config_path, overrides)  # checks ports, nothing created yet
         warn_if_oversubscribed(nproc_per_node(from_environment(opts), config.launch), config.trainer)
-        started = LaunchTrace.before(run_dir, config)
+        trace = LaunchTrace.before(run_dir, config)
         record_launch(run_dir, config_path, overrides)
         code = run_torchrun(argv)
     except DdpxError as exc:
-        if started is not None:
-            after_failure(started, config_path, overrides, bad_input=exc.exit_code == DdpxError.exit_code)
+        if trace is not None:
+            after_failure(trace, config_path, overrides, bad_input=exc.exit_code == DdpxError.exit_code)
         raise
     finally:
         if given_job is None:
             os.environ.pop(JOB_ENV, None)
     if code != 0:
-        after_failure(started, config_path, overrides, bad_input=False)
+        after_failure(trace, config_path, overrides, bad_input=False)
     return code
 
 
