@@ -260,10 +260,11 @@ def test_host_dying_ends_the_job_and_a_rerun_resumes_exactly(ranks, tmp_path, tw
     out0 = host0.output
     assert (tmp_path / "marker").exists(), out0[-3000:]
     assert host1.returncode == -signal.SIGKILL or host1.returncode != 0
-    assert host0.returncode == 1, out0[-3000:]  # a crashed peer: one line from ddpx train (exit 1), not a hang
-    assert "training failed: rank 0" in out0, out0[-3000:]
-    # One line, blaming the lost host, not the plugin whose collective broke.
+    assert host0.returncode == 1, out0[-3000:]  # a crashed peer: exit 1, not a hang
+    # One line from host 0's rank, blaming the lost host, not the plugin whose collective broke
+    # (and nothing more from its launcher).
     assert "[rank0] stopped at step " in out0 and "another rank failed, hung or lost its host" in out0, out0[-3000:]
+    assert "training failed" not in out0, out0[-3000:]
     assert "Traceback" not in out0, out0[-3000:]
 
     (tmp_path / "marker").unlink()  # the rerun runs normally
