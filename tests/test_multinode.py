@@ -145,5 +145,5 @@ def test_a_rank_dying_before_every_local_worker_finished_is_an_error(monkeypatch
     from ddpx.errors import DdpxError
 
     monkeypatch.setattr(torch.distributed.run, "run", _agent_with_a_rank_aborting(markers=1))
-    with pytest.raises(DdpxError, match=r"training failed: rank 1 \(pid 4242\) was killed by signal 6; its error"):
+    with pytest.raises(DdpxError, match=r"training failed: rank 1 \(pid 4242\) was killed by signal 6$"):
         torchrun.run_torchrun(["--nproc-per-node", "2", "--standalone", "-m", "ddpx.worker"])

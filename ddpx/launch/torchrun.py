@@ -181,7 +181,8 @@ def _run_agent(run, args, done_dir: str) -> int:
         if stopped_by is not None:  # a worker stopped by a signal that did not reach this launcher
             print(f"ddpx: {node}stopped: rank {rank} was stopped by {stopped_by}{more}", file=sys.stderr, flush=True)
             return code
-        message = f"{node}training failed: rank {rank} (pid {failure.pid}) {why}{more}; its error is printed above"
+        said = "; its error is printed above" if code > 0 else ""  # a killed worker printed nothing
+        message = f"{node}training failed: rank {rank} (pid {failure.pid}) {why}{more}{said}"
         failed = DdpxError(message) if code == DdpxError.exit_code else WorkerCrashed(message)
         # A ddpx worker's own exit codes: the first failing rank of this node printed why (ddpx/worker.py).
         failed.shown = code in (WorkerCrashed.exit_code, DdpxError.exit_code)
