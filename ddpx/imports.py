@@ -53,11 +53,14 @@ def resolve(path: str, key: str = "import path"):
     raise DdpxError(f"{key} '{path}' does not resolve: {last_error}")
 
 
-def searched_dirs() -> str:
-    """Where imports look: the user's directories (ddpx/config/paths.py), then the rest of sys.path."""
-    from .config.paths import SEARCHED  # lazy: the config package imports this module
+# The user's directories at the front of sys.path, each with what it is (ddpx/config/paths.py
+# puts them there): named when a module is not found.
+USER_DIRS: dict = {}
 
-    mine = [f"{d} ({what})" for d, what in SEARCHED.items()]
+
+def searched_dirs() -> str:
+    """Where imports look: the user's directories, then the rest of sys.path."""
+    mine = [f"{d} ({what})" for d, what in USER_DIRS.items()]
     return ", ".join([*mine, "PYTHONPATH and the installed packages (sys.path)"])
 
 

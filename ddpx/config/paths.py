@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Optional
 
+from ..imports import USER_DIRS
+
 
 def default_run_dir() -> str:
     """``runs/<UTC timestamp>`` under the current directory, absolute. ``ddpx train``
@@ -24,19 +26,16 @@ def user_module_dirs(config_path: Optional[str]) -> list[str]:
     return list(dict.fromkeys([*dirs, os.getcwd()]))
 
 
-# The directories add_user_module_dirs put first, each with what it is (for "no module named" errors).
-SEARCHED: dict = {}
-
-
 def add_user_module_dirs(config_path: Optional[str]) -> None:
-    """Put :func:`user_module_dirs` at the front of ``sys.path`` (once)."""
+    """Put :func:`user_module_dirs` at the front of ``sys.path`` (once), and note them for
+    "no module named" errors (:data:`ddpx.imports.USER_DIRS`)."""
     dirs = user_module_dirs(config_path)
-    SEARCHED.clear()
+    USER_DIRS.clear()
     for directory in dirs:
         what = "the config file's directory" if config_path is not None and directory == dirs[0] else ""
         if directory == os.getcwd():
             what = f"{what} and the current directory" if what else "the current directory"
-        SEARCHED[directory] = what
+        USER_DIRS[directory] = what
     for directory in reversed(dirs):
         if directory not in sys.path:
             sys.path.insert(0, directory)
