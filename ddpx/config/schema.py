@@ -46,7 +46,9 @@ DEFAULTS: dict = {
         "compile": False,
         "seed_per_sample": False,
         "compile_dynamic": "batch",
+        "strategy": "ddp",
     },
+    "fsdp": {"units": "auto", "min_unit_params": 100_000, "reshard_after_forward": True, "reduce_dtype": "fp32"},
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
 }
@@ -69,11 +71,14 @@ TYPES: dict = {
     "trainer.stall_s": (float,),
     "launch.nproc_per_node": (int, str),
     "launch.nnodes": (int, str),
+    "fsdp.units": (str, list),
 }
 CHOICES: dict = {
     "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
     "trainer.nonfinite": ("stop", "warn"),
     "trainer.compile_dynamic": ("batch", "auto", "static", "all"),
+    "trainer.strategy": ("ddp", "fsdp"),
+    "fsdp.reduce_dtype": ("fp32", "bf16", "fp16"),
 }
 # Sections built from an import path; their ``args`` are free-form keyword
 # arguments: given with a target they replace the default's as a whole, and are
@@ -97,12 +102,14 @@ RANGES: dict = {
     "trainer.first_timeout_s": (0, False, "seconds"),
     "trainer.stall_s": (0, False, "seconds a rank may wait in one collective before the ranks compare notes"),
     "launch.max_restarts": (0, True, "0 for none"),
+    "fsdp.min_unit_params": (1, True, "parameters a module needs to become an FSDP unit under fsdp.units=auto"),
 }
 
 
 def check_ranges(values: Mapping) -> None:
-    """One-line errors for numbers out of range (``trainer.batch_size=0``), and for a
-    ``launch.nproc_per_node`` / ``launch.nnodes`` that torchrun would reject."""
+    """One-line errors for numbers out of range (``trainer.batch_size=0``), for a
+    ``launch.nproc_per_node`` / ``launch.nnodes`` that torchrun would reject, and
+    for an ``fsdp`` section that cannot work (:func:`check_fsdp`)."""
     for path, (low, inclusive, hint) in RANGES.items():
         section, key = path.split(".")
         value = values.get(section, {}).get(key)
@@ -116,6 +123,20 @@ def check_ranges(values: Mapping) -> None:
     nnodes = str(launch.get("nnodes"))
     if not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", nnodes):
         raise DdpxError(f"config key 'launch.nnodes' must be a number of nodes >= 1 or MIN:MAX, got {nnodes!r}")
+    check_fsdp(values)
+
+
+def check_fsdp(values: Mapping) -> None:
+    """``fsdp.units``, and what ``trainer.strategy: fsdp`` cannot be combined with yet (ddpx/train/fsdp.py)."""
+    units = values.get("fsdp", {}).get("units", "auto")
+    if isinstance(units, str) and units != "auto":
+        raise DdpxError(f"config key 'fsdp.units' must be auto or a list of module class names (e.g. [Block]), "
+                        f"got {units!r}")
+    if isinstance(units, list) and (not units or not all(isinstance(u, str) and u for u in units)):
+        raise DdpxError(f"config key 'fsdp.units' must be auto or a non-empty list of module class names, got {units!r}")
+    if values.get("trainer", {}).get("strategy") == "fsdp" and values["trainer"].get("compile"):
+        raise DdpxError("trainer.compile is not built for trainer.strategy=fsdp yet; set trainer.compile=false "
+                        "(or trainer.strategy=ddp)")
 
 
 def check_nproc(value, where: str) -> None:

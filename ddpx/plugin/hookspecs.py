@@ -54,7 +54,8 @@ Every epoch: ddpx_epoch_start, then for every optimizer step (Trainer.train_step
 
     ddpx_step_window (how many micro-batches)
     -> for each micro-batch: ddpx_forward under the autocast context, backward
-       (all but the last micro-batch under no_sync: DDP communicates once per step)
+       (all but the last micro-batch under no_sync, or FSDP's set_requires_gradient_sync(False):
+       gradients are reduced once per step)
     -> ddpx_optimizer_step (clip, step) -> zero grads, scheduler step, global_step += 1
     -> ddpx_batch_end for each micro-batch (`stepped` is true for the last one when the step was applied)
     -> the calls scheduled with trainer.call_at_step
@@ -75,7 +76,8 @@ TRAINER_ATTRIBUTES = {
     "local_rank": "the rank on this node",
     "device": "the ``torch.device`` this rank trains on",
     "backend": "the process group backend (``gloo``, ``nccl``, ...)",
-    "model": "the wrapped model (DistributedDataParallel, compiled with ``trainer.compile``)",
+    "model": "the wrapped model (DistributedDataParallel, or the FSDP2 module under ``trainer.strategy: fsdp``; "
+             "compiled with ``trainer.compile``)",
     "module": "the unwrapped model",
     "optimizer": "the optimizer",
     "scheduler": "the LR scheduler, or None",

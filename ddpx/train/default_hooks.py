@@ -2,7 +2,8 @@
 
 :class:`DefaultHooks` is registered ``trylast`` under the name "trainer" by the plugin
 manager (which loads it by its import path), so any plugin can take over a hook. Its
-``ddpx_wrap_model`` builds ``DistributedDataParallel`` with :func:`ddp_kwargs`.
+``ddpx_wrap_model`` builds ``DistributedDataParallel`` with :func:`ddp_kwargs`, or
+under ``trainer.strategy: fsdp`` shards the model (:func:`ddpx.train.fsdp.wrap`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..config import Config
 from ..errors import DdpxError
 from ..imports import instantiate, resolve
 from ..plugin.markers import hookimpl
+from . import fsdp
 from .batches import batch_size, model_loss, to_device
 
 if TYPE_CHECKING:  # imported only for the annotations
@@ -58,6 +60,8 @@ class DefaultHooks:
 
     @hookimpl(trylast=True)
     def ddpx_wrap_model(self, trainer: "Trainer", model: torch.nn.Module):
+        if fsdp.enabled(trainer.config):
+            return fsdp.wrap(trainer, model)
         device_ids = [trainer.device] if trainer.device.type == "cuda" else None
         options = ddp_kwargs(trainer.config, trainer.hook.ddpx_ddp_options(trainer=trainer))
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
@@ -112,6 +116,8 @@ class DefaultHooks:
         # (loss * n, correct, n, batches with class labels)
         sums = torch.zeros(4, dtype=torch.float64, device=trainer.device)
         metric_sums: dict = {}
+        sharded = fsdp.is_sharded(model)
+        padding = fsdp.padded_forwards(trainer, loader) if sharded else 0
         with torch.no_grad():
             for batch in loader:
                 batch = to_device(batch, trainer.device)
@@ -127,6 +133,10 @@ class DefaultHooks:
                       and targets.dim() == 1 and not targets.is_floating_point()):
                     sums[3] += 1
                     sums[1] += (outputs.argmax(dim=1) == targets).sum()
+            for _ in range(padding):  # forwards whose results are not counted: see fsdp.padded_forwards
+                model_loss(model, trainer.loss_fn, batch)
+        if sharded:
+            fsdp.reshard(model)
         model.train(was_training)
         if metric is not None:
             # A rank may have had no batch to learn the names from: agree on them first.

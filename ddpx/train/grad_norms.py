@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+
+from .fsdp import is_shard
 
 
 class GradientNorms:
@@ -15,14 +18,20 @@ class GradientNorms:
     ``clip_grad_norm_`` does, and keeps the per-parameter norms: the earliest
     (step, parameter) with a non-finite norm is folded into one device integer,
     ``step * P + index``, so tracking it costs a few tiny kernels and no host
-    sync; :meth:`first_nonfinite` reads it once, when the guard fires."""
+    sync; :meth:`first_nonfinite` reads it once, when the guard fires.
+
+    Sharded gradients (``trainer.strategy: fsdp``, DTensors): each rank holds a part of
+    each gradient, so the norms are taken over the local parts and their squares summed
+    across ranks (one all_reduce per computed norm, on every rank): the total is the
+    global norm, the same on every rank."""
 
     NONE = torch.iinfo(torch.int64).max
 
     def __init__(self, module: torch.nn.Module):
-        self.named = list(module.named_parameters())
+        self.named = list(module.named_parameters())  # after the wrap: FSDP replaces the parameters
+        self.sharded = any(is_shard(p) for _, p in self.named)
         self.first = None  # device int64: step * len(named) + index, or NONE
-        self.positions: dict = {}  # tuple of parameter indices -> their device tensor (cached)
+        self.positions: dict = {}  # tuple of parameter indices -> their device tensors (cached)
 
     def compute(self, step: int, track: bool = True) -> torch.Tensor:
         """The total 2-norm of the gradients now (a 0-dim device tensor; gradients
@@ -30,27 +39,45 @@ class GradientNorms:
         groups: dict = {}
         for index, (_, p) in enumerate(self.named):
             if p.grad is not None:
-                groups.setdefault((p.grad.device, p.grad.dtype), []).append((index, p.grad))
-        if not groups:
+                grad = p.grad.to_local() if is_shard(p.grad) else p.grad
+                groups.setdefault((grad.device, grad.dtype), []).append((index, grad))
+        if not groups and not self.sharded:
             return torch.zeros(())
-        device = next(iter(groups))[0]
+        device = next(iter(groups))[0] if groups else self.named[0][1].device
         order = tuple(i for group in groups.values() for i, _ in group)
         norms = torch.cat([torch.stack(torch._foreach_norm([g for _, g in group])).to(device, torch.float32)
-                           for group in groups.values()])
-        total = torch.linalg.vector_norm(norms)
-        if track:
-            positions = self.positions.get(order)
-            if positions is None:
-                positions = self.positions[order] = torch.tensor(order, dtype=torch.int64, device=device)
+                           for group in groups.values()]) if groups else torch.zeros(0, device=device)
+        positions, shard_mask = self._positions(order, device)
+        if self.sharded:  # the local parts' squares, summed over the ranks; whole gradients counted once
+            squares = norms.square()
+            total_sq = squares[shard_mask].sum()
+            dist.all_reduce(total_sq)
+            total = (total_sq + squares[~shard_mask].sum()).sqrt()
+        else:
+            total = torch.linalg.vector_norm(norms)
+        if track and len(order):
             keys = torch.where(norms.isfinite(), self.NONE, positions + step * len(self.named))
             self.first = keys.min() if self.first is None else torch.minimum(self.first, keys.min())
         return total
 
+    def _positions(self, order: tuple, device) -> tuple:
+        cached = self.positions.get(order)
+        if cached is None:
+            positions = torch.tensor(order, dtype=torch.int64, device=device)
+            mask = torch.tensor([is_shard(self.named[i][1]) for i in order], dtype=torch.bool, device=device)
+            cached = self.positions[order] = (positions, mask)
+        return cached
+
     def first_nonfinite(self) -> Optional[tuple]:
-        """``(parameter name, optimizer step)`` of the first non-finite gradient seen, or None."""
-        if self.first is None:
+        """``(parameter name, optimizer step)`` of the first non-finite gradient seen, or None.
+        Sharded: the earliest over all ranks (one all_reduce; every rank asks at the same boundary)."""
+        first = self.first
+        if self.sharded:
+            first = torch.tensor(self.NONE, device=self.named[0][1].device) if first is None else first.clone()
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        if first is None:
             return None
-        key = int(self.first.item())
+        key = int(first.item())
         if key == self.NONE:
             return None
         step, index = divmod(key, len(self.named))

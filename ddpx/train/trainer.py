@@ -43,6 +43,7 @@ from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
 from .batches import to_device
+from . import fsdp
 from .compile import compile_model
 from .grad_norms import GradientNorms
 from .losses import EpochLosses, LossWindow
@@ -110,6 +111,8 @@ class Trainer:
         self._grad_clip = config.trainer.grad_clip  # read every step
         self._batch_device = None  # where batches are moved (None: they stay on the CPU)
         self._grad_norms: Optional[GradientNorms] = None  # made with the model
+        self._sharded = False  # trainer.strategy: fsdp (ddpx/train/fsdp.py)
+        self._unsynced = None  # the context for an accumulation window's backward passes but the last
         self._grad_norm_due = NEVER  # the next step whose gradient norm a logger asked for (watch_grad_norm)
         self.grad_norm: Optional[torch.Tensor] = None  # see clip_gradients
         self.grad_norm_step: Optional[int] = None
@@ -286,10 +289,12 @@ class Trainer:
         if cfg.sync_batchnorm:
             self.module = convert_sync_batchnorm(self.module, self.device)
         self.loss_fn = instantiate(self.config.loss, "loss") if self.config.loss.target else None
-        self._grad_norms = GradientNorms(self.module)
         if self._collectives is not None:
             model_checks.check_same_model(self.module)
         self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
+        self._sharded = fsdp.is_sharded(self.module)
+        self._unsynced = (lambda: fsdp.unsynced(self.module)) if self._sharded else getattr(self.model, "no_sync", None)
+        self._grad_norms = GradientNorms(self.module)  # after the wrap: FSDP replaces the parameters
         self.hook.ddpx_model_wrapped(trainer=self, model=self.model)  # comm hooks go on the DDP model
         if cfg.compile:
             self.model = compile_model(self.model, cfg.compile, self.device, cfg.compile_dynamic)
@@ -392,8 +397,8 @@ class Trainer:
         losses = []
         for i, batch in enumerate(batches):
             self.batch_index = self.epoch_batches
-            if i < len(batches) - 1 and hasattr(self.model, "no_sync"):
-                with self.model.no_sync():  # DDP all-reduces on the window's last micro-batch only
+            if i < len(batches) - 1 and self._unsynced is not None:
+                with self._unsynced():  # gradients are reduced on the window's last micro-batch only
                     loss = self.forward_backward(batch, window=len(batches))
             else:
                 loss = self.forward_backward(batch, window=len(batches))
@@ -435,7 +440,7 @@ class Trainer:
         counters, sums = {"skipped optimizer steps": self.skipped_steps}, {}
         if at_start:
             counters["batches in this epoch"] = self.num_batches
-        else:
+        elif not self._sharded:  # under fsdp each rank holds other shards by design: nothing to compare
             sums["sum of the weights"] = torch.stack([p.detach().sum(dtype=torch.float64)
                                                       for p in self.module.parameters()]).sum()
         self._collectives.agree(counters, sums=sums, hints=self._disagreement_hints)
@@ -502,8 +507,8 @@ class Trainer:
         (``grad_norm_step``: the optimizer step it belongs to)."""
         max_norm = self._grad_clip
         step = self.global_step + 1  # this optimizer step's number
-        if not max_norm and step < self._grad_norm_due:
-            return None
+        if not max_norm and step < self._grad_norm_due and not self._sharded:
+            return None  # under fsdp every step: the norm is collective, and a logger asks on rank 0 only
         norm = self._grad_norms.compute(step, track=not self.scaler.is_enabled())
         self.grad_norm, self.grad_norm_step = norm, step
         if step >= self._grad_norm_due:
@@ -531,7 +536,11 @@ class Trainer:
             "epoch": self.epoch + (1 if self.epoch_finished else 0),
             "global_step": self.global_step,
         }
-        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "progress": progress}
+        if self._sharded:  # each rank's shards, keyed by parameter name
+            model, optimizer = fsdp.sharded_state(self.module, self.optimizer)
+        else:
+            model, optimizer = self.module.state_dict(), self.optimizer.state_dict()
+        state = {"model": model, "optimizer": optimizer, "progress": progress}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         for name, plugin in stateful_plugins(self.plugin_manager):
@@ -550,10 +559,13 @@ class Trainer:
         under its name (or, for a checkpoint written before it was filed there, the
         entries under its ``legacy_state_keys``, as ``{key: entry}``); module plugins get
         the whole ``state`` through ``ddpx_load_state_dict``."""
-        if "model" in state:
-            self.module.load_state_dict(state["model"])
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        if self._sharded:
+            fsdp.load_sharded_state(self.module, self.optimizer, state.get("model"), state.get("optimizer"))
+        else:
+            if "model" in state:
+                self.module.load_state_dict(state["model"])
+            if "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state and self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if "progress" in state:
