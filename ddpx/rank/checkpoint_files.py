@@ -3,7 +3,9 @@
 * :func:`atomic_write` writes to a temporary file in the target directory,
   flushes and fsyncs it, ``os.replace``\\ s it over the target and fsyncs the
   directory: a reader sees either the old file or the complete new one.
-* :class:`CheckpointDirectory` keeps ``step-NNNNNNNNN.pt`` files plus a
+* :class:`CheckpointDirectory` keeps ``step-NNNNNNNNN.pt`` files (with, for sharded
+  state, a ``step-NNNNNNNNN.shards`` directory each rank wrote its part of: see
+  :mod:`ddpx.train.fsdp`; it goes and is checked with its file) plus a
   ``latest`` pointer (written last, also atomically), prunes to the newest K
   (and, with a monitored metric, the best ``keep_best`` by it, listed in
   ``best.json`` and linked as ``best.pt``), and finds the newest checkpoint
@@ -32,6 +34,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -67,6 +70,8 @@ LATEST = "latest"
 BEST_INDEX = "best.json"  # the best checkpoints by the monitored metric, best first
 BEST_LINK = "best.pt"  # a symlink to the best one
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_SHARDS = re.compile(r"^step-(\d+)\.shards$")
+SHARDS_KEY = "sharded"  # in a checkpoint whose model and optimizer are in a shard directory: its name
 
 
 def fsync_directory(directory: Path) -> None:
@@ -291,6 +296,10 @@ class CheckpointDirectory:
     def path_for(self, step: int) -> Path:
         return self.directory / f"step-{step:09d}.pt"
 
+    def shards_for(self, step: int) -> Path:
+        """The shard directory of ``step`` (sharded state: every rank writes its part there)."""
+        return self.directory / f"step-{step:09d}.shards"
+
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Every finished checkpoint file as ``(step, path)``, oldest first."""
         if not self.directory.is_dir():
@@ -350,9 +359,20 @@ class CheckpointDirectory:
         """Delete all but the newest ``keep`` checkpoints (never the one ``latest``
         names, nor the best ones) and temporary files left by a writer that was killed."""
         protected = {self._pointer()} | {self.directory / e["file"] for e in self.best()}
-        for _, path in self.checkpoints()[: -self.keep]:
+        kept = self.checkpoints()
+        for step, path in kept[: -self.keep]:
             if path not in protected:
                 path.unlink(missing_ok=True)
+                shutil.rmtree(self.shards_for(step), ignore_errors=True)
+        # Shard directories whose file was never written (killed in between) or is gone; newer
+        # ones may belong to a save in progress.
+        newest = kept[-1][0] if kept else -1
+        for p in self.directory.glob("step-*.shards"):
+            m = _SHARDS.match(p.name)
+            if m and int(m.group(1)) < newest and not self.path_for(int(m.group(1))).exists():
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self.directory.glob(".step-*.shards.partial"):  # a sharded save killed half-way
+            shutil.rmtree(p, ignore_errors=True)
         mine = f".tmp-{os.getpid()}-"
         for p in self.directory.glob(".*.tmp-*"):
             if mine not in p.name:
@@ -399,6 +419,9 @@ class CheckpointDirectory:
                 skipped.append(f"{path.name}: not a ddpx checkpoint")
                 continue
             reason = reject(state) if reject is not None else None
+            shards = state.get(SHARDS_KEY)
+            if reason is None and shards is not None and not (self.directory / str(shards) / ".metadata").is_file():
+                reason = f"its shard directory {shards} is missing or incomplete"
             if reason:
                 log.warning("skipping checkpoint %s: %s", path, reason)
                 skipped.append(f"{path.name}: {reason}")

@@ -16,6 +16,20 @@ on every rank). Rank 0 writes ``<run_dir>/<dir>/step-N.pt`` atomically (see
 memory; serialization and fsync run on a background thread, one write at a
 time, and the run waits for the last one before it exits.
 
+Sharded state (``trainer.strategy: fsdp``). The model and optimizer entries are
+each rank's shards, keyed by parameter name: every rank writes its part with
+``torch.distributed.checkpoint`` into ``step-N.shards/`` (first into a hidden
+temporary directory, which rank 0 renames once every rank's files and the
+metadata are complete), then ``step-N.pt`` is written as above, with everything
+else, and names that directory; pruning removes the two together, and a file whose
+directory is missing is skipped on resume. That part of the save is synchronous.
+A resume reads the shards back through a reader that runs nothing stored in them
+(the metadata is unpickled through an allow-list of DCP's plain records, other
+entries are read with ``weights_only=True``), at the same or another world size.
+At the end of training rank 0 also writes ``run_dir/model_weights.pt``, the whole
+model's weights gathered into one plain state dict (``model.load_state_dict(torch.load(path))``).
+A checkpoint saved under one strategy is not resumed under the other (one line says so).
+
 Resuming. With ``resume`` (the default), the run starts from the newest
 checkpoint in that directory that loads completely (rank 0 chooses it, every
 rank reads the same file, so the directory must be on a file system all nodes
@@ -88,12 +102,16 @@ from pathlib import Path
 from ddpx import hookimpl
 from ddpx.errors import DdpxError, TrainingDiverged
 from ddpx.plugin.shared import ACCUMULATION_STEPS, LAST_FINITE_CHECKPOINT
+from ddpx.rank.checkpoint_files import SHARDS_KEY
 from ddpx.train.monitor import Monitor
 from ddpx.train.stopping import across_ranks
+from ddpx.train import fsdp
 from ddpx.train.trainer import TRAINER_STATE  # the trainer's own entries: one copy for all ranks
 
 LR_SCALING = ("none", "linear")
 DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
+SHARDED_STATE = ("model", "optimizer")  # under fsdp: in the step's shard directory, each rank its part
+FULL_WEIGHTS = "model_weights.pt"  # under fsdp: the gathered model, written at the end (rank 0)
 
 
 class CheckpointSession:
@@ -214,6 +232,8 @@ class CheckpointPlugin:
     @hookimpl(trylast=True)
     def ddpx_train_end(self, trainer):
         session = self.session
+        if fsdp.is_sharded(trainer.module):
+            _export_full_weights(trainer)
         if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
             _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
         session.writer.wait()
@@ -308,9 +328,10 @@ def _finite_state(trainer, state) -> bool:
 
 
 def _floating(named: dict) -> list:
+    """The floating tensors of ``named`` (this rank's part of a sharded one)."""
     import torch
 
-    return [t for t in named.values() if torch.is_tensor(t) and t.is_floating_point()]
+    return [fsdp.local(t) for t in named.values() if torch.is_tensor(t) and t.is_floating_point()]
 
 
 def _all_finite(tensors, device):
@@ -349,6 +370,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
         trainer.nonfinite_weights(f"{since} (epoch {trainer.epoch})")  # raises under nonfinite=stop
         return
     session.finite_at = step
+    shards = _save_shards(trainer, session, step, state) if fsdp.is_sharded(trainer.module) else None
     mine = {
         "rng": rng_state(trainer.device),
         "plugins": {k: v for k, v in state.items() if k not in TRAINER_STATE},
@@ -366,9 +388,11 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     checkpoint = {
         "step": step,
         "world_size": trainer.world_size,
-        "replicated": {k: v for k, v in state.items() if k in TRAINER_STATE},
+        "replicated": {k: v for k, v in state.items() if k in TRAINER_STATE and not (shards and k in SHARDED_STATE)},
         "ranks": gathered,
     }
+    if shards is not None:
+        checkpoint[SHARDS_KEY] = shards
     progress = state.get("progress", {})
     score = _score(trainer, session, metrics) if metrics is not None else None
 
@@ -380,6 +404,44 @@ def _save(trainer, session, at_epoch_end, metrics=None):
         trainer.log.info(f"saved checkpoint {path} ({where}, step {step})")
 
     session.writer.save(checkpoint, step, on_done=done, score=score)
+
+
+def _save_shards(trainer, session, step, state) -> str:
+    """Every rank writes its shards of the model and optimizer into the step's shard directory
+    (a temporary one first, renamed by rank 0 once complete); returns the directory's name."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from ddpx.rank.checkpoint_files import fsync_directory
+
+    session.writer.wait()  # the previous write, and its pruning, are done before this directory exists
+    final = session.directory.shards_for(step)
+    partial = final.with_name(f".{final.name}.partial")
+    if trainer.rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+    if across_ranks(trainer):
+        dist.barrier()  # no rank writes into it before rank 0 cleared it
+    fsdp.save_shards({k: state[k] for k in SHARDED_STATE}, partial)  # returns once the metadata is written
+    if trainer.rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        fsync_directory(final.parent)
+    return final.name
+
+
+def _export_full_weights(trainer) -> None:
+    """Rank 0 writes the gathered model as one plain state dict (every rank takes part)."""
+    import torch
+
+    from ddpx.rank.checkpoint_files import atomic_write
+
+    weights = fsdp.full_model_state_dict(trainer.module)
+    if trainer.rank == 0:
+        path = trainer.run_dir / FULL_WEIGHTS
+        atomic_write(path, lambda f: torch.save(weights, f))
+        trainer.log.info(f"wrote the whole model's weights to {path}")
 
 
 def _score(trainer, session, metrics):
@@ -443,6 +505,9 @@ def _resume(trainer, session):
             checkpoint = load_file(path)  # weights_only: nothing in the file runs
         except Exception as exc:
             checkpoint, error = None, exc
+    shards = checkpoint.get(SHARDS_KEY) if checkpoint is not None else None
+    if shards is not None and error is None and not (path.parent / shards / ".metadata").is_file():
+        checkpoint, error = None, f"its shard directory {shards} is missing"
     if across_ranks(trainer):  # every rank must have the file before anyone changes course
         ok = torch.tensor([0 if checkpoint is None else 1], dtype=torch.int32, device=trainer.device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
@@ -456,8 +521,9 @@ def _resume(trainer, session):
     old_world, ranks = checkpoint["world_size"], checkpoint["ranks"]
     same_world = old_world == trainer.world_size
     mine = ranks[trainer.rank] if same_world else ranks[0]
+    replicated = {**checkpoint["replicated"], **_read_shards(trainer, path, shards)}
     try:
-        trainer.load_state_dict({**checkpoint["replicated"], **mine["plugins"]})
+        trainer.load_state_dict({**replicated, **mine["plugins"]})
     except RuntimeError as exc:
         if "Error(s) in loading state_dict" not in str(exc):
             raise
@@ -488,6 +554,21 @@ def _resume(trainer, session):
         if session.cfg["lr_scaling"] == "linear":
             _scale_lr(trainer, trainer.world_size / old_world)
     trainer.log.info(f"resumed from {path} (epoch {trainer.epoch}, step {trainer.global_step})")
+
+
+def _read_shards(trainer, path, shards) -> dict:
+    """The model and optimizer entries from the checkpoint's shard directory (every rank, any
+    world size); {} for a checkpoint without one. A checkpoint of the other strategy: one line."""
+    sharded = fsdp.is_sharded(trainer.module)
+    if sharded != (shards is not None):
+        saved, now = ("fsdp", "ddp") if shards is not None else ("ddp", "fsdp")
+        raise DdpxError(f"checkpoint {path} was saved under trainer.strategy={saved}, this run uses {now}: resume it "
+                        f"with trainer.strategy={saved}, or start afresh in another run_dir (or set "
+                        "checkpoint.resume=false)")
+    if shards is None:
+        return {}
+    template = dict(zip(SHARDED_STATE, fsdp.sharded_state(trainer.module, trainer.optimizer)))
+    return fsdp.read_shards(template, path.parent / shards)
 
 
 def _accumulation_steps(trainer) -> int:
