@@ -17,7 +17,9 @@ An optimizer that averages the gradients itself names its hook (``comm_hook``
 class attribute): ``optimizer.target: ddpx.optim.OneBitAdam`` registers
 ``onebit_adam`` (with ``comm_hook.options``) and pairs the two at train start;
 any other ``comm_hook.name`` with it, or ``onebit_adam`` without it, is a one-line
-config error.
+config error. Under ``trainer.strategy: fsdp`` only ``allreduce`` (no hook: FSDP
+reduce-scatters the gradients itself) is accepted; any other name is a one-line
+config error (compression on the sharded path is not built yet).
 
 Config section ``comm_hook``: ``name`` (``allreduce``), ``native`` (true),
 ``options`` (``{}``: keyword arguments of the hook, e.g. ``{rank: 4}``).
@@ -66,6 +68,15 @@ def hook_name(config, hooks) -> str:
     return name
 
 
+def _refuse_under_fsdp(config, name) -> None:
+    """FSDP reduce-scatters the sharded gradients itself: no DDP hook applies (compression on
+    that path is not built yet)."""
+    if name != BUILTIN and config.trainer.strategy == "fsdp":
+        raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} is not built for trainer.strategy=fsdp yet (FSDP "
+                        "reduce-scatters the sharded gradients itself; compression on that path is not built); set "
+                        f"comm_hook.name={BUILTIN} (fsdp.reduce_dtype=bf16 halves the gradients' bytes)")
+
+
 class CommHookPlugin:
     """The comm hook of a run: ``state`` is the registered hook's state, or None."""
 
@@ -80,10 +91,12 @@ class CommHookPlugin:
     @hookimpl
     def ddpx_configure(self, config):
         cfg = config.section("comm_hook")
+        _refuse_under_fsdp(config, cfg["name"])
         hooks = _hooks_module()
         if hooks is None:
             return
         name = hook_name(config, hooks)
+        _refuse_under_fsdp(config, name)
         if name == BUILTIN:
             return
         hooks.make_state(name, **cfg["options"])  # bad options fail here, before any worker starts

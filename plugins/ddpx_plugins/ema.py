@@ -7,7 +7,8 @@ toward them: ``ema += (1 - decay) * (weights - ema)``, one fused
 ``torch._foreach_lerp_`` over all tensors. The update is a call scheduled with
 ``trainer.call_at_step``, so it runs after the optimizer step, and the steps
 between updates cost nothing. The weights are the same on every rank (DDP), so
-is the EMA: nothing is communicated. ``buffers: true`` averages the floating
+is the EMA: nothing is communicated. Under ``trainer.strategy: fsdp`` (sharded
+weights) the plugin refuses in one line: not built yet. ``buffers: true`` averages the floating
 buffers too (BatchNorm's running statistics) and copies the others; otherwise
 the EMA is evaluated with the model's own buffers.
 
@@ -158,6 +159,10 @@ class EmaPlugin:
             raise DdpxError(f"ema.every_steps must be >= 1 (got {cfg['every_steps']})")
         if cfg["start_step"] < 0:
             raise DdpxError(f"ema.start_step must be >= 0 (got {cfg['start_step']})")
+        if decay is not None and config.trainer.strategy == "fsdp":
+            raise DdpxError("plugin 'ema': ema.decay is not built for trainer.strategy=fsdp yet (each rank holds other "
+                            "shards of the weights, so the average, its checkpoint entry and ema_weights.pt would need "
+                            "them gathered); set ema.decay=null, or trainer.strategy=ddp")
 
     @hookimpl
     def ddpx_setup(self, trainer):
