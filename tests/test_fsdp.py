@@ -1,0 +1,185 @@
+"""trainer.strategy: fsdp (ddpx/train/fsdp.py): units, refusals, safe shard reading, and on 2 gloo
+ranks the same numbers as ddp (losses, accumulation, clipping with the global norm, padded
+evaluation), checkpoints that resume exactly at 2 ranks and train on at 1."""
+
+import json
+import pickle
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from ddpx.config import load_config
+from ddpx.errors import DdpxError
+from ddpx.train import fsdp
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+
+class Tiny(nn.Module):
+    def __init__(self, width=32, layers=3):
+        super().__init__()
+        self.embed = nn.Linear(4, width)  # 160 parameters
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))  # 1056 each
+        self.head = nn.Linear(width, 2)  # 66
+
+
+def test_auto_units_are_the_large_children_and_the_blocks_of_a_list():
+    units = fsdp.unit_modules(Tiny(), "auto", min_params=1000)
+    assert [name for name, _ in units] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [name for name, _ in fsdp.unit_modules(Tiny(), "auto", min_params=100)] == \
+        ["embed", "blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_units_by_class_name_and_a_name_the_model_lacks():
+    assert [name for name, _ in fsdp.unit_modules(Tiny(), ["Block"], 1)] == ["blocks.0", "blocks.1", "blocks.2"]
+    with pytest.raises(DdpxError, match=r"fsdp.units names Blok, but no submodule of Tiny is of that class "
+                                        r"\(its classes: Block, Linear, ModuleList\)"):
+        fsdp.unit_modules(Tiny(), ["Blok"], 1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["fsdp.units=blocks"], "config key 'fsdp.units' must be auto or a list of module class names"),
+    (["trainer.strategy=fsdp", "trainer.compile=true"], "trainer.compile is not built for trainer.strategy=fsdp"),
+    (["trainer.strategy=fsdp", "comm_hook.name=int8"], "plugin 'comm_hook': comm_hook.name=int8 is not built for "
+                                                       "trainer.strategy=fsdp yet"),
+    (["trainer.strategy=fsdp", "ema.decay=0.9"], "plugin 'ema': ema.decay is not built for trainer.strategy=fsdp"),
+    (["trainer.strategy=zero"], "config key 'trainer.strategy' must be one of ddp, fsdp"),
+])
+def test_what_fsdp_refuses_is_one_config_error(overrides, message):
+    with pytest.raises(DdpxError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_the_default_comm_hook_and_no_ema_pass_under_fsdp():
+    config = load_config(None, ["trainer.strategy=fsdp", "fsdp.units=[Linear]", "fsdp.reduce_dtype=bf16"])
+    assert config.trainer.strategy == "fsdp" and config.fsdp.units == ["Linear"]
+
+
+class Boom:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo ran > /dev/null",))
+
+
+def test_shard_metadata_that_names_other_globals_is_refused_unrun(tmp_path):
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Boom()))
+    reader, _ = fsdp._reader_classes()
+    with pytest.raises(DdpxError, match=r"refusing shard directory .*: its metadata needs posix.system, which a "
+                                        r"ddpx shard directory never holds \(loading it could run code\)"):
+        reader(str(tmp_path)).read_metadata()
+
+
+# --- 2 gloo ranks ----------------------------------------------------------------------------
+
+COMMON = {
+    "model": {"target": "ddpx.models.DigitsMLP", "args": {"hidden": 16}},
+    # 359 evaluation samples: rank 0 gets 180 (2 batches of 179), rank 1 179 (1): fsdp pads rank 1's forwards
+    "trainer": {"batch_size": 64, "eval_batch_size": 179, "backend": "gloo", "device": "cpu", "timeout_s": 60,
+                "first_timeout_s": 60},
+    "logging": {"progress": False, "every_steps": 4},
+    "comm_monitor": {"enabled": False},
+}
+
+
+def train(ranks, run_dir, world=2, timeout=150, **sections):
+    """Train on ``world`` ranks (ddpx.worker, no torchrun); return rank 0's metrics.jsonl lines."""
+    config = {key: dict(value) for key, value in COMMON.items()}
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    config["run_dir"] = str(run_dir)
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config))
+    ranks.train(run_dir, path, world, timeout)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def epochs(lines):
+    return [line for line in lines if "eval_loss" in line]
+
+
+def close(a, b, tol):
+    return all(abs(x - y) <= tol * max(1.0, abs(x)) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", [
+    {"target": "torch.optim.AdamW", "args": {"lr": 0.003}},
+    {"target": "torch.optim.SGD", "args": {"lr": 0.05, "momentum": 0.9}},
+])
+def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, optimizer):
+    """fp32: the same losses, evaluation and gradient norms as ddp, with 2 micro-batches per step
+    and a clip that acts on every step; the norm is the global one (a rank's own shards would
+    give about 1/sqrt(2) of it)."""
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        runs[strategy] = train(ranks, tmp_path / strategy, trainer={"strategy": strategy, "epochs": 2,
+                                                                    "grad_clip": 0.05},
+                               optimizer=optimizer, accumulation={"steps": 2}, checkpoint={"enabled": False},
+                               fsdp={"units": ["Linear"]})
+    ddp, sharded = runs["ddp"], runs["fsdp"]
+    assert len(epochs(ddp)) == 2
+    for key in ("loss", "eval_loss", "accuracy"):
+        assert close([e[key] for e in epochs(sharded)], [e[key] for e in epochs(ddp)], 1e-5), key
+    norms = {name: [line["grad_norm"] for line in run if "grad_norm" in line] for name, run in runs.items()}
+    assert len(norms["ddp"]) >= 2 and min(norms["ddp"]) > 0.05  # clipping acted
+    assert close(norms["fsdp"], norms["ddp"], 1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoints_resume_exactly_at_2_ranks_and_train_on_at_1(ranks, tmp_path):
+    """Each rank writes its shards; a resume at 2 ranks equals the run that was not interrupted,
+    one at 1 rank reads the 2 ranks' shards and trains on; the gathered weights load into the model."""
+    common = dict(optimizer={"target": "torch.optim.AdamW", "args": {"lr": 0.003}},
+                  checkpoint={"async_write": True, "keep": 2}, fsdp={"units": ["Linear"]})
+    whole = train(ranks, tmp_path / "whole", trainer={"strategy": "fsdp", "epochs": 3}, **common)
+    first = train(ranks, tmp_path / "resumed", trainer={"strategy": "fsdp", "epochs": 2}, **common)
+    assert epochs(first) == epochs(whole)[:2]
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == [
+        "step-000000012.pt", "step-000000012.shards", "step-000000024.pt", "step-000000024.shards"]  # keep: 2
+    assert sorted(p.name for p in (checkpoints / "step-000000024.shards").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    import shutil
+
+    shutil.copytree(tmp_path / "resumed", tmp_path / "one_rank")
+    resumed = train(ranks, tmp_path / "resumed", trainer={"strategy": "fsdp", "epochs": 3}, **common)
+    assert close([resumed[-1][k] for k in ("loss", "eval_loss", "accuracy")],
+                 [epochs(whole)[-1][k] for k in ("loss", "eval_loss", "accuracy")], 1e-6)
+    one = train(ranks, tmp_path / "one_rank", world=1, trainer={"strategy": "fsdp", "epochs": 3}, **common)
+    last = epochs(one)[-1]
+    assert last["epoch"] == 2 and last["step"] == 24 + 23 and last["eval_loss"] < epochs(first)[-1]["eval_loss"]
+    from ddpx.models import DigitsMLP
+
+    weights = torch.load(tmp_path / "one_rank" / "model_weights.pt", weights_only=True)
+    DigitsMLP(hidden=16).load_state_dict(weights)  # strict: every key, every shape
+
+
+@pytest.mark.slow
+def test_a_ddp_checkpoint_is_not_resumed_under_fsdp(ranks, tmp_path):
+    train(ranks, tmp_path / "run", world=1, trainer={"strategy": "ddp", "epochs": 1})
+    path = tmp_path / "run.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["trainer"]["strategy"] = "fsdp"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(AssertionError, match=r"was saved under trainer.strategy=ddp, this run uses fsdp: resume it "
+                                             r"with trainer.strategy=ddp"):
+        ranks.train(tmp_path / "run", path, 1, 60)
+
+
+@pytest.mark.slow
+def test_a_refused_plugin_is_one_line_and_exit_2(ranks, tmp_path):
+    rc, out, err = ranks.cli(["train", f"run_dir={tmp_path / 'run'}", "trainer.strategy=fsdp", "comm_hook.name=int8"],
+                             timeout=60)
+    assert rc == 2
+    assert err.strip().splitlines() == [
+        "ddpx: error: plugin 'comm_hook': comm_hook.name=int8 is not built for trainer.strategy=fsdp yet (FSDP "
+        "reduce-scatters the sharded gradients itself; compression on that path is not built); set "
+        "comm_hook.name=allreduce (fsdp.reduce_dtype=bf16 halves the gradients' bytes)"]
