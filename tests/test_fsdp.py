@@ -109,21 +109,27 @@ def close(a, b, tol):
     return all(abs(x - y) <= tol * max(1.0, abs(x)) for x, y in zip(a, b)) and len(a) == len(b)
 
 
+def digits_bn(hidden: int = 16) -> nn.Module:
+    """The digits MLP with a BatchNorm layer (trainer.sync_batchnorm under fsdp)."""
+    return nn.Sequential(nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", [
-    {"target": "torch.optim.AdamW", "args": {"lr": 0.003}},
-    {"target": "torch.optim.SGD", "args": {"lr": 0.05, "momentum": 0.9}},
+@pytest.mark.parametrize("optimizer, extra", [
+    ({"target": "torch.optim.AdamW", "args": {"lr": 0.003}}, {}),
+    ({"target": "torch.optim.SGD", "args": {"lr": 0.05, "momentum": 0.9}},
+     {"model": {"target": "tests.test_fsdp.digits_bn", "args": {}}, "trainer": {"sync_batchnorm": True}}),
 ])
-def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, optimizer):
+def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, optimizer, extra):
     """fp32: the same losses, evaluation and gradient norms as ddp, with 2 micro-batches per step
     and a clip that acts on every step; the norm is the global one (a rank's own shards would
-    give about 1/sqrt(2) of it)."""
+    give about 1/sqrt(2) of it). SGD's run also has a synchronized BatchNorm."""
     runs = {}
     for strategy in ("ddp", "fsdp"):
-        runs[strategy] = train(ranks, tmp_path / strategy, trainer={"strategy": strategy, "epochs": 2,
-                                                                    "grad_clip": 0.05},
-                               optimizer=optimizer, accumulation={"steps": 2}, checkpoint={"enabled": False},
-                               fsdp={"units": ["Linear"]})
+        runs[strategy] = train(ranks, tmp_path / strategy,
+                               trainer={"strategy": strategy, "epochs": 2, "grad_clip": 0.05, **extra.get("trainer", {})},
+                               model=extra.get("model", COMMON["model"]), optimizer=optimizer,
+                               accumulation={"steps": 2}, checkpoint={"enabled": False}, fsdp={"units": ["Linear"]})
     ddp, sharded = runs["ddp"], runs["fsdp"]
     assert len(epochs(ddp)) == 2
     for key in ("loss", "eval_loss", "accuracy"):

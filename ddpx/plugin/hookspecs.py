@@ -190,7 +190,8 @@ def ddpx_build_model(trainer: "Trainer") -> Optional["torch.nn.Module"]:
 @hookspec(firstresult=True)
 def ddpx_wrap_model(trainer: "Trainer", model: "torch.nn.Module") -> Optional["torch.nn.Module"]:
     """Wrap the model for data parallelism. Default: ``DistributedDataParallel``
-    with the ``trainer.find_unused_parameters`` / ``static_graph`` options."""
+    with the ``trainer.find_unused_parameters`` / ``static_graph`` options, or
+    under ``trainer.strategy: fsdp`` FSDP2's ``fully_shard`` (:mod:`ddpx.train.fsdp`)."""
 
 
 @hookspec
