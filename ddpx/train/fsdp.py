@@ -175,10 +175,14 @@ def sharded_state(module: nn.Module, optimizer) -> tuple[dict, dict]:
 
 
 def load_sharded_state(module: nn.Module, optimizer, model_state: Optional[dict], optimizer_state: Optional[dict]):
-    """Put back what :func:`sharded_state` returned (also as read at another world size)."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    """Put back what :func:`sharded_state` returned (also as read at another world size); a part
+    that is None is left as it is."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    set_state_dict(module, optimizer, model_state_dict=model_state or {}, optim_state_dict=optimizer_state or {})
+    if model_state is not None:
+        set_model_state_dict(module, model_state)
+    if optimizer_state is not None:
+        set_optimizer_state_dict(module, optimizer, optimizer_state)
 
 
 def full_model_state_dict(module: nn.Module) -> dict:
@@ -196,7 +200,8 @@ _METADATA_GLOBALS = {
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
         "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
 } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+     ("torch.serialization", "_get_layout")} | {
+    (module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "WindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):

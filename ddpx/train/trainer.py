@@ -389,9 +389,9 @@ class Trainer:
 
     def train_step(self, batches: list) -> tuple[list, bool]:
         """One optimizer step over ``batches``, the micro-batches of one accumulation
-        window: forward and backward of each (the gradients are reduced on the
-        last one only: DDP's no_sync, FSDP's set_requires_gradient_sync), then ``ddpx_optimizer_step`` (clip and step), zero the
-        gradients, step the LR scheduler. Returns the micro-batches' losses (detached)
+        window: forward and backward of each (the gradients are reduced on the last
+        one only: DDP's no_sync, FSDP's set_requires_gradient_sync), then
+        ``ddpx_optimizer_step`` (clip and step), zero the gradients, step the LR scheduler. Returns the micro-batches' losses (detached)
         and whether the step was applied (fp16 AMP skips a step whose gradients
         overflowed)."""
         losses = []
