@@ -189,3 +189,14 @@ def test_a_refused_plugin_is_one_line_and_exit_2(ranks, tmp_path):
         "ddpx: error: plugin 'comm_hook': comm_hook.name=int8 is not built for trainer.strategy=fsdp yet (FSDP "
         "reduce-scatters the sharded gradients itself; compression on that path is not built); set "
         "comm_hook.name=allreduce (fsdp.reduce_dtype=bf16 halves the gradients' bytes)"]
+
+
+@pytest.mark.parametrize("overrides, param_dtype, reduce_dtype", [
+    ([], None, torch.float32),
+    (["amp.enabled=true", "amp.dtype=bf16"], torch.bfloat16, torch.float32),
+    (["amp.enabled=true", "amp.dtype=fp16", "fsdp.reduce_dtype=bf16"], torch.float16, torch.bfloat16),
+    (["fsdp.reduce_dtype=bf16"], None, torch.bfloat16),
+])
+def test_amp_sets_the_compute_dtype_and_fsdp_the_reduce_dtype(overrides, param_dtype, reduce_dtype):
+    policy = fsdp.mixed_precision(load_config(None, ["trainer.strategy=fsdp", *overrides]))
+    assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
