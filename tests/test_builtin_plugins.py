@@ -256,10 +256,13 @@ def test_unknown_comm_hook_name_lists_the_choices():
 
     pytest.importorskip("ddpx.comm_hooks")
     sgd = SimpleNamespace(target="torch.optim.SGD")  # an optimizer that needs no hook of its own
-    config = SimpleNamespace(section=lambda name: {"name": "int7", "native": True, "options": {}}, optimizer=sgd)
+    ddp = SimpleNamespace(strategy="ddp")
+    config = SimpleNamespace(section=lambda name: {"name": "int7", "native": True, "options": {}}, optimizer=sgd,
+                             trainer=ddp)
     with pytest.raises(DdpxError, match="unknown comm_hook.name 'int7'; choose one of: allreduce, bf16, .*int8"):
         CommHookPlugin().ddpx_configure(config=config)
-    config = SimpleNamespace(section=lambda name: {"name": "int8", "native": True, "options": {"blok": 3}}, optimizer=sgd)
+    config = SimpleNamespace(section=lambda name: {"name": "int8", "native": True, "options": {"blok": 3}}, optimizer=sgd,
+                             trainer=ddp)
     with pytest.raises(DdpxError, match="unknown option.*blok"):
         CommHookPlugin().ddpx_configure(config=config)
 
