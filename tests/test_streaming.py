@@ -2,6 +2,7 @@
 steps on every rank, exact resume; data.collate with one-line errors (issue 28, finding 4);
 zero-step runs refused (finding 3)."""
 
+import itertools
 import sys
 import types
 
@@ -85,10 +86,107 @@ def test_a_stream_trains_the_same_steps_on_every_rank_and_resumes_exactly(make_c
         assert torch.equal(value, final[key]), key  # the same batches, none twice
 
 
-def test_a_stream_without_length_is_one_line(make_config):
-    _module(nolength=lambda: NoLength())
-    with pytest.raises(DdpxError, match="has no __len__: define __len__ as the number of samples in one epoch"):
-        Trainer(make_config("data.target=streams_under_test.nolength", "data.args={}")).run()
+class Counting(IterableDataset):
+    """A stream without __len__: n samples numbered as Numbers' (n=None: unbounded); records its epochs."""
+
+    epochs: list = []
+
+    def __init__(self, n=None):
+        self.n = n
+
+    def set_epoch(self, epoch):
+        Counting.epochs.append(epoch)
+
+    def __iter__(self):
+        for i in itertools.count() if self.n is None else range(self.n):
+            x = torch.zeros(64)
+            x[0] = i
+            yield x, i % 10
+
+
+def test_a_stream_without_length_trains_until_its_data_ends_and_resumes_exactly(make_config, tmp_path, capfd):
+    _module(counting=lambda n: Counting(n))
+    common = ["data.target=streams_under_test.counting", "data.args={n: 44}", "trainer.batch_size=8",
+              "trainer.eval_every_epochs=0", "trainer.epochs=3"]
+    Counting.epochs = []
+    whole = Trainer(make_config(*common, run_dir=tmp_path / "whole"))
+    metrics = whole.run()
+    assert [m["step"] for m in metrics] == [6, 12, 18]  # ceil(44 / 8) per epoch: the epoch ends with the data
+    assert Counting.epochs == [0, 1, 2]  # set_epoch before each pass
+    final = {k: v.clone() for k, v in whole.module.state_dict().items()}
+
+    Trainer(make_config(*common, "trainer.max_steps=10", run_dir=tmp_path / "cut")).run()
+    capfd.readouterr()
+    resumed = Trainer(make_config(*common, run_dir=tmp_path / "cut"))
+    resumed.run()
+    assert "epoch 1's stream is read again from its start and each rank skips the batches it already trained " \
+           "(rank 0: 4), not trained again" in capfd.readouterr().err
+    assert resumed.global_step == 18
+    for key, value in resumed.module.state_dict().items():
+        assert torch.equal(value, final[key]), key  # the same batches, none twice
+
+
+def test_an_unbounded_stream_ends_at_max_steps(make_config, tmp_path):
+    _module(counting=lambda n: Counting(n))
+    trainer = Trainer(make_config("data.target=streams_under_test.counting", "data.args={n: null}",
+                                  "trainer.batch_size=8", "trainer.eval_every_epochs=0", "trainer.max_steps=7"))
+    metrics = trainer.run()
+    assert trainer.global_step == 7 and [(m["epoch"], m["step"]) for m in metrics] == [(0, 7)]
+    assert not trainer.epoch_finished  # the stream did not end: a resume goes on in epoch 0
+
+
+def test_an_empty_stream_is_one_line(make_config):
+    _module(counting=lambda n: Counting(n))
+    with pytest.raises(DdpxError, match="the training stream of data.target streams_under_test.counting gave no "
+                                        "batch in epoch 0: nothing to train on; check data.args"):
+        Trainer(make_config("data.target=streams_under_test.counting", "data.args={n: 0}")).run()
+
+
+def test_stream_shard_names_each_rank_and_workers_part():
+    import ddpx.data.stream as module
+
+    class Mine(IterableDataset):
+        ddpx_shards_itself = True
+
+        def __iter__(self):
+            yield module.stream_shard()
+
+    parts = []
+    original = module.get_worker_info
+    try:
+        for rank in range(3):
+            for worker in range(2):
+                module.get_worker_info = lambda: types.SimpleNamespace(num_workers=2, id=worker)
+                parts += list(ShardedStream(Mine(), rank, 3, seed=0))
+    finally:
+        module.get_worker_info = original
+    assert parts == [(0, 6), (1, 6), (2, 6), (3, 6), (4, 6), (5, 6)]
+
+
+def test_stop_checks_come_at_least_every_10_steps_over_a_stream_without_length():
+    from types import SimpleNamespace
+
+    from ddpx.train.stopping import StopAgreement
+
+    trainer = SimpleNamespace(global_step=0, world_size=1, rank=0, device=torch.device("cpu"))
+    stops = StopAgreement(trainer, 0, 1.0, 20.0)
+    assert stops.interval(1e-7) == 1000
+    stops.most_steps = 10  # what StreamEnd sets: the padding at an epoch's end lasts at most two checks
+    assert [stops.interval(s) for s in (None, 1e-7, 0.5)] == [10, 10, 2]
+
+
+def test_the_smoke_run_takes_the_head_of_a_stream():
+    from ddpx.smoke.rank import data_slice
+
+    class Mine(Counting):
+        ddpx_shards_itself = True
+
+    _module(mine=lambda: Mine(None))
+    Counting.epochs = []
+    train, _ = data_slice("streams_under_test.mine", {}, 5, 2)
+    assert train.ddpx_shards_itself and not hasattr(train, "__len__")
+    train.set_epoch(3)
+    assert [int(x[0]) for x, _ in train] == [0, 1, 2, 3, 4] and Counting.epochs == [3]
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -167,3 +265,95 @@ def test_two_ranks_with_uneven_shards_and_workers_run_the_same_steps_without_han
 
     epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(e["epoch"], e["step"]) for e in epochs if "epoch" in e and "step" in e][-2:] == [(0, 6), (1, 12)]
+
+
+UNSIZED_STREAM_MODULE = '''
+import itertools
+
+import torch
+from torch.utils.data import IterableDataset
+
+from ddpx.data.stream import stream_shard
+
+
+class Unbounded(IterableDataset):
+    """Numbered samples without end and without __len__ (ddpx shards it: every rank reads it all)."""
+    def __iter__(self):
+        for i in itertools.count():
+            x = torch.zeros(64)
+            x[0] = i
+            yield x, i % 10
+
+
+class Uneven(IterableDataset):
+    """Each rank reads only its own shard, of lengths[rank] samples: rank 0's data ends first."""
+    ddpx_shards_itself = True
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __iter__(self):
+        part, parts = stream_shard()
+        for i in range(self.lengths[part]):
+            x = torch.zeros(64)
+            x[0] = part + i / 100
+            yield x, i % 10
+
+
+def unbounded():
+    return Unbounded()
+
+
+def uneven(lengths):
+    return Uneven(lengths)
+'''
+
+
+def _epoch_steps(run_dir):
+    import json
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(e["epoch"], e["step"]) for e in lines if "epoch" in e and "step" in e]
+
+
+@pytest.mark.slow
+def test_an_unbounded_stream_trains_on_two_ranks_and_workers_until_max_steps(ranks, tmp_path):
+    (tmp_path / "stream_data.py").write_text(UNSIZED_STREAM_MODULE)
+    config, run_dir = tmp_path / "c.yaml", tmp_path / "run"
+    config.write_text(f"run_dir: {run_dir}\ndata: {{target: stream_data.unbounded, args: {{}}}}\n"
+                      "trainer: {epochs: 1, batch_size: 4, num_workers: 2, max_steps: 7, eval_every_epochs: 0}\n"
+                      "logging: {progress: false}\n")
+    outputs = ranks.train(run_dir, config, 2, timeout=240)
+    assert _epoch_steps(run_dir)[-1:] == [(0, 7)]
+    assert "Unbounded of data.target stream_data.unbounded does not shard itself, so each of 2 ranks x 2 workers " \
+           "reads the whole stream and keeps 1 sample in 4" in outputs[0]
+
+
+@pytest.mark.slow
+def test_uneven_shards_end_every_epoch_at_the_same_step_and_resume(ranks, tmp_path):
+    """Rank 0 has 30 samples (8 batches of 4), rank 1 has 50 (13). Stop checks every 2 steps: rank 0
+    runs out at step 9 and pads, votes at the check of step 10, every rank reads the vote at step 12
+    and ends epoch 0 there; epoch 1 likewise ends at 24. Cut at step 10 (rank 0 padding, its data all
+    read), the resumed run: rank 0 has no batch left, pads with one borrowed from rank 1 from step 11,
+    votes at 12, and epoch 0 ends at 14, then epoch 1 at 26."""
+    (tmp_path / "stream_data.py").write_text(UNSIZED_STREAM_MODULE)
+    run_dir = tmp_path / "run"
+
+    def config(name, *more):
+        path = tmp_path / name
+        path.write_text(f"run_dir: {run_dir}\ndata: {{target: stream_data.uneven, args: {{lengths: [30, 50]}}}}\n"
+                        "trainer: {epochs: 2, batch_size: 4, eval_every_epochs: 0" + "".join(more) + "}\n"
+                        "checkpoint: {stop_check_every: 2}\nlogging: {progress: false}\n")
+        return path
+
+    ranks.train(run_dir, config("whole.yaml"), 2, timeout=240)
+    assert _epoch_steps(run_dir) == [(0, 12), (1, 24)]
+
+    import shutil
+
+    shutil.rmtree(run_dir)
+    ranks.train(run_dir, config("cut.yaml", ", max_steps: 10"), 2, timeout=240)
+    outputs = ranks.train(run_dir, config("rest.yaml"), 2, timeout=240)
+    assert _epoch_steps(run_dir)[-2:] == [(0, 14), (1, 26)]
+    assert "epoch 0's stream is read again from its start and each rank skips the batches it already trained " \
+           "(rank 0: 8), not trained again" in outputs[0]

@@ -48,11 +48,13 @@ from .grad_norms import GradientNorms
 from .losses import EpochLosses, LossWindow
 from .nonfinite import NonfiniteGuard
 from .stopping import StopAgreement, StopSignals, TrainingStopped
+from .stream_end import Padding, StreamEnd
 from .sync_batchnorm import convert_sync_batchnorm
 from . import model_checks
 
 
 NEVER = sys.maxsize  # the next due step when nothing is scheduled
+UNCOUNTED = sys.maxsize  # num_batches of an epoch over a loader without __len__: it ends where its data does
 TRAINER_STATE = ("model", "optimizer", "scheduler", "progress")  # the trainer's own entries in a checkpoint
 
 
@@ -116,6 +118,7 @@ class Trainer:
         self._signals = StopSignals(self)  # SIGTERM/SIGINT during the run
         self.stop_agreement: Optional[StopAgreement] = None  # see agree_on_stops
         self._batches = None  # the running epoch's batch iterator, kept while train() pauses
+        self._stream_end: Optional[StreamEnd] = None  # the running epoch's, over a loader without __len__
         self._saved_logger: Optional[tuple] = None  # what close() restores
         self._plugins_before: Optional[set] = None
         self._closed = False
@@ -336,9 +339,13 @@ class Trainer:
             self._losses.start_epoch()
             self.epoch_batches = 0
             self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
-            self.num_batches = len(self.train_loader)
+            self.num_batches = _batches_in(self.train_loader)
             self._check_ranks_agree(at_start=True)
             self._batches = iter(self.train_loader)
+            self._stream_end = None
+            if self.num_batches == UNCOUNTED:
+                self._stream_end = StreamEnd(self)
+                self._batches = self._stream_end.start(self._batches)
         stop_at = self._stop_step(until_step)
         self.module.train()
         while self.epoch_batches < self.num_batches and self.global_step < stop_at:
@@ -350,8 +357,10 @@ class Trainer:
                 raise DdpxError(f"a ddpx_step_window hook returned {window} micro-batches at batch {first}; "
                                 "an optimizer step needs at least 1")
             batches = list(itertools.islice(self._batches, window))
+            if len(batches) < window and self._stream_end is not None:
+                batches = self._stream_end.fill(batches, window)  # this rank's stream ran out: see StreamEnd
             if not batches:
-                break  # the loader ended early
+                break  # the loader ended early (a stream: its data ended)
             losses, applied = self.train_step(batches)
             if self.hook.ddpx_batch_end.get_hookimpls():
                 for i, loss in enumerate(losses):
@@ -361,7 +370,10 @@ class Trainer:
                 self.run_due_calls()
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
-        self._epoch_finished = self.epoch_batches >= self.num_batches
+            if self._stream_end is not None and self._stream_end.over:
+                break  # every rank's epoch ends at this step
+        ended = self._stream_end is not None and self._stream_end.over
+        self._epoch_finished = ended or self.epoch_batches >= self.num_batches
         if not self._epoch_finished and self.global_step < self._stop_step():
             return None  # paused by until_step: no epoch end yet
         self._batches = None
@@ -392,15 +404,21 @@ class Trainer:
         losses = []
         for i, batch in enumerate(batches):
             self.batch_index = self.epoch_batches
+            padding = type(batch) is Padding  # a rank whose stream ran out: weight 0, not counted
+            if padding:
+                batch = batch.batch
             if i < len(batches) - 1 and hasattr(self.model, "no_sync"):
                 with self.model.no_sync():  # DDP all-reduces on the window's last micro-batch only
-                    loss = self.forward_backward(batch, window=len(batches))
+                    loss = self.forward_backward(batch, window=len(batches), padding=padding)
             else:
-                loss = self.forward_backward(batch, window=len(batches))
+                loss = self.forward_backward(batch, window=len(batches), padding=padding)
+            if padding:
+                continue
             self.epoch_batches += 1
             self._losses.append(loss)  # summed when read: no host sync per step
             losses.append(loss)
-        self.last_loss = losses[-1]
+        if losses:
+            self.last_loss = losses[-1]
         applied = self.hook.ddpx_optimizer_step(trainer=self) is not False
         if not applied:
             self.skipped_steps += 1
@@ -410,15 +428,16 @@ class Trainer:
         self.global_step += 1
         return losses, applied
 
-    def forward_backward(self, batch, window: int) -> torch.Tensor:
+    def forward_backward(self, batch, window: int, padding: bool = False) -> torch.Tensor:
         """Forward (``ddpx_forward``, in ``autocast``) and backward of one micro-batch;
         returns its loss, detached. The back-propagated loss is divided by ``window``,
-        so the step's gradient is the window's mean, that of one big batch."""
+        so the step's gradient is the window's mean, that of one big batch; with
+        ``padding`` it is multiplied by 0 (:class:`~ddpx.train.stream_end.Padding`)."""
         if self._batch_device is not None:
             batch = to_device(batch, self._batch_device)
         with self.autocast:
             loss = self.hook.ddpx_forward(trainer=self, batch=batch)
-        self.backward(loss / window if window > 1 else loss)
+        self.backward(loss * 0.0 if padding else loss / window if window > 1 else loss)
         return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -427,15 +446,17 @@ class Trainer:
 
     def _check_ranks_agree(self, at_start: bool) -> None:
         """At an epoch's start and end (``trainer.check_collectives``): every rank issued the same
-        collectives and skipped the same optimizer steps; at the start, every rank has as many batches;
-        at the end, the weights are the same. Else :class:`~ddpx.errors.RanksDisagree` on every rank,
+        collectives and skipped the same optimizer steps; at the start, every rank has as many batches
+        (a loader without ``__len__``: no count to compare); at the end, the step and the weights are the same. Else :class:`~ddpx.errors.RanksDisagree` on every rank,
         before the disagreement hangs a collective, crashes gloo or is saved. One small all_reduce."""
         if self._collectives is None:
             return
         counters, sums = {"skipped optimizer steps": self.skipped_steps}, {}
         if at_start:
-            counters["batches in this epoch"] = self.num_batches
+            if self.num_batches != UNCOUNTED:  # a stream without __len__: its end is agreed, checked at the end
+                counters["batches in this epoch"] = self.num_batches
         else:
+            counters["optimizer steps"] = self.global_step
             sums["sum of the weights"] = torch.stack([p.detach().sum(dtype=torch.float64)
                                                       for p in self.module.parameters()]).sum()
         self._collectives.agree(counters, sums=sums, hints=self._disagreement_hints)
@@ -450,6 +471,8 @@ class Trainer:
             "sum of the weights": ": the replicas drifted apart, so some rank applied another update (with "
                                   "trainer.static_graph: true the set of parameters a step uses must not change "
                                   "between steps; a plugin may change weights on some ranks only)",
+            "optimizer steps": ": every rank must end the epoch after the same step (a loader that ran out early "
+                               "on some ranks; a stream without __len__ ends where the ranks agree)",
             "batches in this epoch": ": DDP needs the same number of steps on every rank; give every rank the "
                                      "same number of batches (a sampler that splits the data evenly, e.g. "
                                      "DistributedSampler, which pads, or drop_last)",
@@ -630,6 +653,14 @@ class Trainer:
         on (the logging plugin's step lines and the checkpoint plugin's non-finite
         check use one)."""
         return self._losses.open_window()
+
+
+def _batches_in(loader) -> int:
+    """``len(loader)``, or :data:`UNCOUNTED` for a loader without one (a stream)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return UNCOUNTED
 
 
 if Trainer.__doc__ is not None:  # None under python -OO
