@@ -163,6 +163,40 @@ def test_stream_shard_names_each_rank_and_workers_part():
     assert parts == [(0, 6), (1, 6), (2, 6), (3, 6), (4, 6), (5, 6)]
 
 
+def test_a_stream_without_length_resumed_on_other_ranks_or_workers_restarts_its_epoch_and_says_so():
+    from ddpx.data.stream import StreamLoader
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def info(self, line):
+            self.lines.append(line)
+
+        warning = info
+
+    def loader(rank, world_size, workers):
+        stream = ShardedStream(Counting(20), rank, world_size, seed=0)
+        return StreamLoader(DataLoader(stream, batch_size=2), stream, workers)
+
+    saved = loader(0, 2, 1)
+    saved.set_epoch(3)
+    saved.consumed = 4
+    state = saved.state_dict()
+    same, log = loader(1, 2, 1), Log()
+    same.load_state_dict({**state, "consumed": 3}, log)  # rank 1's own entry
+    assert (same.epoch, same.consumed) == (3, 3) and [int(x[0][0]) for x, _ in same] == [13, 17]
+    assert log.lines == ["streaming data: epoch 3's stream is read again from its start and each rank skips the "
+                         "batches it already trained (rank 1: 3), not trained again"]
+    for rank, world_size, workers in ((0, 3, 1), (0, 2, 2)):
+        other, log = loader(rank, world_size, workers), Log()
+        other.load_state_dict(state, log)
+        assert (other.epoch, other.consumed) == (3, 0)
+        assert log.lines == [f"streaming data: the checkpoint's stream was split among 2 ranks x 1 workers, now "
+                             f"{world_size} x {workers}: its place cannot be found, so epoch 3 starts again from its "
+                             "beginning (its batches trained before the checkpoint are trained again)"]
+
+
 def test_stop_checks_come_at_least_every_10_steps_over_a_stream_without_length():
     from types import SimpleNamespace
 

@@ -136,7 +136,7 @@ class StreamLoader:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         then = (int(state.get("world_size", self.stream.world_size)), int(state.get("workers", self.workers)))
         if then != (self.stream.world_size, self.workers):
-            if log is not None:
+            if log is not None and self.stream.rank == 0:
                 log.warning(f"streaming data: the checkpoint's stream was split among {then[0]} ranks x {then[1]} "
                             f"workers, now {self.stream.world_size} x {self.workers}: its place cannot be found, so "
                             f"epoch {self.epoch} starts again from its beginning (its batches trained before the "

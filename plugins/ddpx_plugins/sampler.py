@@ -51,6 +51,10 @@ def _stream_loader(trainer, train_set, loader_options, generator):
                            settings.seed_per_sample)
     loader = DataLoader(stream, batch_size=settings.batch_size, generator=generator, **loader_options)
     if not has_length(train_set):
+        if settings.max_steps is None and trainer.rank == 0:
+            trainer.log.info(f"streaming data: {type(train_set).__name__} of data.target {target} has no __len__ and "
+                             "trainer.max_steps is null: an epoch ends only where its data does (an unbounded stream "
+                             "trains until stopped)")
         return StreamLoader(loader, stream, workers)
     samples = len(train_set)
     steps = min(batches_per_rank(samples, r, trainer.world_size, workers, settings.batch_size, itself)
