@@ -391,3 +391,45 @@ def test_uneven_shards_end_every_epoch_at_the_same_step_and_resume(ranks, tmp_pa
     assert _epoch_steps(run_dir)[-2:] == [(0, 14), (1, 26)]
     assert "epoch 0's stream is read again from its start and each rank skips the batches it already trained " \
            "(rank 0: 8), not trained again" in outputs[0]
+
+
+def _stream_end_worker(rank, world_size):
+    """StreamEnd on 2 gloo ranks with a stand-in trainer: who has a batch, what a rank without one pads
+    with, an epoch no rank has data for, and a run without stop checks."""
+    import logging
+    from types import SimpleNamespace
+
+    from ddpx.train.stopping import StopAgreement
+    from ddpx.train.stream_end import Padding, StreamEnd
+
+    trainer = SimpleNamespace(global_step=5, epoch=2, world_size=world_size, rank=rank, is_main=rank == 0,
+                              device=torch.device("cpu"), config=SimpleNamespace(data=SimpleNamespace(target="m.f")),
+                              log=logging.getLogger("stream-end-test"))
+    trainer.stop_agreement = StopAgreement(trainer, 2, 1.0, 20.0)
+    result = {}
+    end = StreamEnd(trainer)  # rank 0's shard is empty (or all read before a resume)
+    batches = list(end.start(iter([] if rank == 0 else ["b1", "b2"])))
+    result["batches"], result["padding"] = batches, end.padding
+    filled = end.fill([], 3)
+    result["filled"] = [p.batch for p in filled if isinstance(p, Padding)]
+    result["voted"], result["over"] = trainer.stop_agreement.data_ended, end.over
+    nobody = StreamEnd(trainer)
+    result["nobody"] = (list(nobody.start(iter([]))), nobody.over, nobody.fill([], 2))
+    trainer.stop_agreement = None
+    try:
+        StreamEnd(trainer).start(iter(["b"]))
+    except DdpxError as exc:
+        result["without_checks"] = str(exc)
+    return result
+
+
+def test_a_rank_without_data_pads_with_a_borrowed_batch_and_an_epoch_without_data_ends_at_once(ranks):
+    r0, r1 = ranks.call(_stream_end_worker, 2, timeout=120)
+    assert (r0["batches"], r1["batches"]) == ([], ["b1", "b2"])
+    assert r0["padding"] == r1["padding"] == "b1"  # rank 1's first batch: rank 0 pads with it
+    assert r0["filled"] == ["b1", "b1", "b1"] and r0["voted"] and not r0["over"]  # voted, not yet agreed
+    assert r0["nobody"] == r1["nobody"] == ([], True, [])
+    assert r0["without_checks"] == r1["without_checks"] == (
+        "the training stream of data.target m.f has no __len__, so the ranks agree on its end at the checkpoint "
+        "plugin's stop checks, but that plugin is not loaded; remove checkpoint from plugins.block or give the "
+        "data set a __len__")

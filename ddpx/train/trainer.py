@@ -357,10 +357,11 @@ class Trainer:
                 raise DdpxError(f"a ddpx_step_window hook returned {window} micro-batches at batch {first}; "
                                 "an optimizer step needs at least 1")
             batches = list(itertools.islice(self._batches, window))
-            if len(batches) < window and self._stream_end is not None:
-                batches = self._stream_end.fill(batches, window)  # this rank's stream ran out: see StreamEnd
-            if not batches:
-                break  # the loader ended early (a stream: its data ended)
+            if len(batches) < window:
+                if self._stream_end is not None:
+                    batches = self._stream_end.fill(batches, window)  # this rank's stream ran out: see StreamEnd
+                if not batches:
+                    break  # the loader ended early (a stream: its data ended)
             losses, applied = self.train_step(batches)
             if self.hook.ddpx_batch_end.get_hookimpls():
                 for i, loss in enumerate(losses):
@@ -447,8 +448,9 @@ class Trainer:
     def _check_ranks_agree(self, at_start: bool) -> None:
         """At an epoch's start and end (``trainer.check_collectives``): every rank issued the same
         collectives and skipped the same optimizer steps; at the start, every rank has as many batches
-        (a loader without ``__len__``: no count to compare); at the end, the step and the weights are the same. Else :class:`~ddpx.errors.RanksDisagree` on every rank,
-        before the disagreement hangs a collective, crashes gloo or is saved. One small all_reduce."""
+        (a loader without ``__len__`` has no count to compare); at the end, the step and the weights are
+        the same. Else :class:`~ddpx.errors.RanksDisagree` on every rank, before the disagreement hangs a
+        collective, crashes gloo or is saved. One small all_reduce."""
         if self._collectives is None:
             return
         counters, sums = {"skipped optimizer steps": self.skipped_steps}, {}
