@@ -382,6 +382,11 @@ def test_uneven_shards_end_every_epoch_at_the_same_step_and_resume(ranks, tmp_pa
 
     ranks.train(run_dir, config("whole.yaml"), 2, timeout=240)
     assert _epoch_steps(run_dir) == [(0, 12), (1, 24)]
+    from ddpx.rank.checkpoint_files import load_file
+
+    last = load_file(run_dir / "checkpoints" / "step-000000024.pt")
+    trained = [rank["plugins"]["sampler"]["stream"]["consumed"] for rank in last["ranks"]]
+    assert trained == [8, 12]  # epoch 1: rank 0 all of its 8 batches (then 4 padding steps), rank 1 12 of 13
 
     import shutil
 
