@@ -126,6 +126,29 @@ def test_a_stream_without_length_trains_until_its_data_ends_and_resumes_exactly(
         assert torch.equal(value, final[key]), key  # the same batches, none twice
 
 
+class Told(Counting):
+    """Counting that writes each set_epoch it gets to a file: DataLoader workers are other processes."""
+
+    def __init__(self, n, path):
+        super().__init__(n)
+        self.path = path
+
+    def set_epoch(self, epoch):
+        with open(self.path, "a") as f:
+            f.write(f"{epoch}\n")
+
+
+@pytest.mark.slow
+def test_each_dataloader_worker_is_told_the_epoch_of_a_stream_without_length(make_config, tmp_path):
+    _module(told=lambda n, path: Told(n, path))
+    told = tmp_path / "told.txt"
+    metrics = Trainer(make_config("data.target=streams_under_test.told", f"data.args={{n: 40, path: '{told}'}}",
+                                  "trainer.batch_size=4", "trainer.num_workers=2", "trainer.eval_every_epochs=0",
+                                  "trainer.epochs=3")).run()
+    assert [m["step"] for m in metrics] == [10, 20, 30]  # two workers of 20 samples: 5 + 5 batches an epoch
+    assert sorted(int(line) for line in told.read_text().split()) == [0, 0, 1, 1, 2, 2]  # persistent workers
+
+
 def test_an_unbounded_stream_ends_at_max_steps(make_config, tmp_path):
     _module(counting=lambda n: Counting(n))
     trainer = Trainer(make_config("data.target=streams_under_test.counting", "data.args={n: null}",
