@@ -428,9 +428,10 @@ def _stream_end_worker(rank, world_size):
     from types import SimpleNamespace
 
     from ddpx.train.stopping import StopAgreement
-    from ddpx.train.stream_end import Padding, StreamEnd
+    from ddpx.train.stream_end import StreamEnd
 
     trainer = SimpleNamespace(global_step=5, epoch=2, world_size=world_size, rank=rank, is_main=rank == 0,
+                              num_batches=sys.maxsize, epoch_batches=4,
                               device=torch.device("cpu"), config=SimpleNamespace(data=SimpleNamespace(target="m.f")),
                               log=logging.getLogger("stream-end-test"))
     trainer.stop_agreement = StopAgreement(trainer, 2, 1.0, 20.0)
@@ -438,11 +439,10 @@ def _stream_end_worker(rank, world_size):
     end = StreamEnd(trainer)  # rank 0's shard is empty (or all read before a resume)
     batches = list(end.start(iter([] if rank == 0 else ["b1", "b2"])))
     result["batches"], result["padding"] = batches, end.padding
-    filled = end.fill([], 3)
-    result["filled"] = [p.batch for p in filled if isinstance(p, Padding)]
-    result["voted"], result["over"] = trainer.stop_agreement.data_ended, end.over
+    result["passes"] = end.padding_passes(1, 3)
+    result["voted"], result["num_batches"] = trainer.stop_agreement.data_ended, trainer.num_batches
     nobody = StreamEnd(trainer)
-    result["nobody"] = (list(nobody.start(iter([]))), nobody.over, nobody.fill([], 2))
+    result["nobody"] = (list(nobody.start(iter([]))), trainer.num_batches)
     trainer.stop_agreement = None
     try:
         StreamEnd(trainer).start(iter(["b"]))
@@ -455,8 +455,9 @@ def test_a_rank_without_data_pads_with_a_borrowed_batch_and_an_epoch_without_dat
     r0, r1 = ranks.call(_stream_end_worker, 2, timeout=120)
     assert (r0["batches"], r1["batches"]) == ([], ["b1", "b2"])
     assert r0["padding"] == r1["padding"] == "b1"  # rank 1's first batch: rank 0 pads with it
-    assert r0["filled"] == ["b1", "b1", "b1"] and r0["voted"] and not r0["over"]  # voted, not yet agreed
-    assert r0["nobody"] == r1["nobody"] == ([], True, [])
+    assert r0["passes"] == 2 and r0["voted"]  # fills the window, voted at the next stop check
+    assert r0["num_batches"] == sys.maxsize  # the epoch goes on until the ranks read the vote
+    assert r0["nobody"] == r1["nobody"] == ([], 4)  # no rank has data: the epoch ends after the 4 trained
     assert r0["without_checks"] == r1["without_checks"] == (
         "the training stream of data.target m.f has no __len__, so the ranks agree on its end at the checkpoint "
         "plugin's stop checks, but that plugin is not loaded; remove checkpoint from plugins.block or give the "

@@ -22,7 +22,7 @@ slowest rank's step time, which travels in the same all_reduce, as does
 whether a rank's loss was non-finite since its previous check (see
 ``trainer.nonfinite_loss``) and whether a rank's stream without ``__len__`` ran out
 (:attr:`StopAgreement.data_ended`: the epoch then ends on every rank at the check that
-reads it, :attr:`StopAgreement.data_end_agreed`). A signal takes effect within two intervals.
+reads it, :mod:`ddpx.train.stream_end`). A signal takes effect within two intervals.
 ``torchrun`` also SIGTERMs the survivors when a rank fails; those make no
 progress, so a rank that reaches no step boundary for ``timeout_s`` after the
 signal terminates at once (:meth:`StopAgreement.arm_stop_deadline`).
@@ -114,7 +114,6 @@ class StopAgreement:
         self.stop_vote = None  # (work, tensor, steps it covers) of the all_reduce started at the last check
         self.taking_signals = True  # the trainer hands SIGTERM/SIGINT to on_signal until release()
         self.data_ended = False  # this rank's stream (no __len__) ran out in this epoch: voted at the next check
-        self.data_end_agreed = False  # every rank read that some stream ran out: the epoch ends at this check
         self.most_steps = MAX_STOP_CHECK  # the longest auto interval (set by the trainer, the same on every rank)
         self.start_checks(0)
 
@@ -220,8 +219,9 @@ class StopAgreement:
             return True
         if nonfinite_steps is not None:
             _nonfinite_loss(trainer, nonfinite_steps)
-        if data_ended:  # every rank read it here: the epoch ends now, the next vote is the next epoch's
-            self.data_end_agreed, self.data_ended = True, False
+        if data_ended:  # every rank reads it here: the epoch ends at this step, the next vote is the next epoch's
+            self.data_ended = False
+            trainer.num_batches = trainer.epoch_batches
         self.next_check = step + self.interval(slowest_step_s)
         nonfinite = 0.0 if loss_sum is None else (~torch.isfinite(loss_sum)).double()
         tensor = torch.tensor([flag, step_s, 0.0, float(self.data_ended)], dtype=torch.float64,

@@ -6,11 +6,11 @@ several, a rank whose data ends first (uneven shards) cannot just stop: its peer
 it in their next gradient all_reduce. So it votes "my data ended" in the next stop check's
 all_reduce (:class:`~ddpx.train.stopping.StopAgreement`, at the checkpoint plugin's
 ``stop_check_every``/``stop_check_s`` cadence) and, until the check that reads the vote, fills its
-steps with :class:`Padding`: forward and backward passes of one of its batches with the loss
-multiplied by 0. They issue the same collectives as its peers' steps (DDP's, SyncBatchNorm's) but
-add no gradient, and are not counted (losses, ``epoch_batches``, ``ddpx_batch_end``). Every rank
-then ends the epoch after that check: at most two stop-check intervals after the first rank ran
-out (the automatic interval is at most ``STREAM_STOP_CHECK`` = 10 steps over such a stream). Those
+steps with padding passes: forward and backward passes of one of its batches that back-propagate
+nothing (:meth:`StreamEnd.pad`). They issue the same collectives as its peers' steps (DDP's,
+SyncBatchNorm's) but add no gradient, and are not counted (losses, ``epoch_batches``,
+``ddpx_batch_end``). Every rank then ends the epoch after that check (``trainer.num_batches``
+becomes the batches it trained): at most two stop-check intervals after the first rank ran out (the automatic interval is at most ``STREAM_STOP_CHECK`` = 10 steps over such a stream). Those
 steps are optimizer steps (``global_step``, the LR schedule and ``trainer.max_steps`` count them):
 DDP still divides the summed gradient by the world size, so they are scaled by (ranks with data) /
 (world size), and where no rank has data left the optimizer steps with zero gradients (momentum
@@ -24,6 +24,7 @@ borrowed from the first rank that has one; when no rank has one, the epoch ends 
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterator
 
 import torch
@@ -31,15 +32,6 @@ import torch.distributed as dist
 
 from ..errors import DdpxError
 from .stopping import STREAM_STOP_CHECK, across_ranks
-
-
-class Padding:
-    """A micro-batch that only keeps the collectives in step: trained with weight 0, not counted."""
-
-    __slots__ = ("batch",)
-
-    def __init__(self, batch):
-        self.batch = batch
 
 
 class StreamEnd:
@@ -50,7 +42,6 @@ class StreamEnd:
         self.across = across_ranks(trainer)
         self.agreement = trainer.stop_agreement
         self.padding = None  # the batch a padding pass reads
-        self.ran_out = False  # no rank has data (at the epoch's start), or one rank alone ran out
 
     def start(self, batches: Iterator) -> Iterator:
         """The epoch's batches, after the ranks learned who has one (one all_reduce)."""
@@ -60,7 +51,7 @@ class StreamEnd:
                             "the ranks agree on its end at the checkpoint plugin's stop checks, but that plugin is "
                             "not loaded; remove checkpoint from plugins.block or give the data set a __len__")
         if self.agreement is not None:
-            self.agreement.data_ended = self.agreement.data_end_agreed = False
+            self.agreement.data_ended = False
             self.agreement.most_steps = STREAM_STOP_CHECK  # bounds the padding at the epoch's end
         first = next(batches, None)
         owners = [0] if first is not None else []
@@ -74,7 +65,6 @@ class StreamEnd:
                 dist.broadcast_object_list(box, src=owners[0])
                 self.padding = box[0]
         if not owners:
-            self.ran_out = True
             if trainer.global_step == 0:
                 raise DdpxError(f"the training stream of data.target {trainer.config.data.target} gave no batch in "
                                 f"epoch {trainer.epoch}: nothing to train on; check data.args")
@@ -82,22 +72,33 @@ class StreamEnd:
                 trainer.log.warning(f"the training stream of data.target {trainer.config.data.target} has no batch "
                                     f"left in epoch {trainer.epoch} on any rank: the epoch ends with no step (a data "
                                     "set whose __iter__ can run only once gives nothing from its second epoch)")
+            self.end_here()
             return iter(())
         if first is not None:
             self.padding = first
             return itertools.chain([first], batches)
         return batches
 
-    def fill(self, batches: list, window: int) -> list:
-        """This rank's data ran out within ``window``: the micro-batches to train (padded until
-        every rank knows; none when the epoch ends here)."""
-        if not self.across or self.ran_out:
-            self.ran_out = True
-            return batches
-        self.agreement.data_ended = True  # voted at the next stop check
-        return batches + [Padding(self.padding)] * (window - len(batches))
+    def padding_passes(self, batches: int, window: int) -> int:
+        """This rank's data ran out with ``batches`` of a ``window``: the padding passes that fill
+        it, voted at the next stop check (none with one rank: the epoch ends with this step)."""
+        if not self.across:
+            self.end_here(batches)
+            return 0
+        self.agreement.data_ended = True
+        return window - batches
 
-    @property
-    def over(self) -> bool:
-        """Whether the epoch's data ended (on every rank: agreed, or there is one rank)."""
-        return self.ran_out or (self.agreement is not None and self.agreement.data_end_agreed)
+    def pad(self, passes: int) -> None:
+        """``passes`` forward and backward passes of the padding batch with no gradient, the
+        window's last outside ``no_sync``: the collectives of a step, nothing trained."""
+        trainer = self.trainer
+        for i in range(passes):
+            if i < passes - 1 and hasattr(trainer.model, "no_sync"):
+                with trainer.model.no_sync():
+                    trainer.forward_backward(self.padding, window=math.inf)
+            else:
+                trainer.forward_backward(self.padding, window=math.inf)
+
+    def end_here(self, pending: int = 0) -> None:
+        """The epoch ends after this rank's ``pending`` batches (every rank ends it at the same step)."""
+        self.trainer.num_batches = self.trainer.epoch_batches + pending

@@ -48,7 +48,7 @@ from .grad_norms import GradientNorms
 from .losses import EpochLosses, LossWindow
 from .nonfinite import NonfiniteGuard
 from .stopping import StopAgreement, StopSignals, TrainingStopped
-from .stream_end import Padding, StreamEnd
+from .stream_end import StreamEnd
 from .sync_batchnorm import convert_sync_batchnorm
 from . import model_checks
 
@@ -357,12 +357,13 @@ class Trainer:
                 raise DdpxError(f"a ddpx_step_window hook returned {window} micro-batches at batch {first}; "
                                 "an optimizer step needs at least 1")
             batches = list(itertools.islice(self._batches, window))
+            padding = 0
             if len(batches) < window:
-                if self._stream_end is not None:
-                    batches = self._stream_end.fill(batches, window)  # this rank's stream ran out: see StreamEnd
-                if not batches:
-                    break  # the loader ended early (a stream: its data ended)
-            losses, applied = self.train_step(batches)
+                if self._stream_end is not None:  # this rank's stream ran out: see StreamEnd
+                    padding = self._stream_end.padding_passes(len(batches), window)
+                if not batches and not padding:
+                    break  # the loader ended early (a stream: the epoch's data ended)
+            losses, applied = self.train_step(batches, padding)
             if self.hook.ddpx_batch_end.get_hookimpls():
                 for i, loss in enumerate(losses):
                     stepped = applied and i == len(losses) - 1
@@ -371,10 +372,7 @@ class Trainer:
                 self.run_due_calls()
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
-            if self._stream_end is not None and self._stream_end.over:
-                break  # every rank's epoch ends at this step
-        ended = self._stream_end is not None and self._stream_end.over
-        self._epoch_finished = ended or self.epoch_batches >= self.num_batches
+        self._epoch_finished = self.epoch_batches >= self.num_batches
         if not self._epoch_finished and self.global_step < self._stop_step():
             return None  # paused by until_step: no epoch end yet
         self._batches = None
@@ -395,29 +393,28 @@ class Trainer:
         self.hook.ddpx_epoch_end(trainer=self, epoch=epoch, metrics=metrics)
         return metrics
 
-    def train_step(self, batches: list) -> tuple[list, bool]:
+    def train_step(self, batches: list, padding: int = 0) -> tuple[list, bool]:
         """One optimizer step over ``batches``, the micro-batches of one accumulation
         window: forward and backward of each (DDP all-reduces the gradients on the
         last one only), then ``ddpx_optimizer_step`` (clip and step), zero the
-        gradients, step the LR scheduler. Returns the micro-batches' losses (detached)
-        and whether the step was applied (fp16 AMP skips a step whose gradients
-        overflowed)."""
+        gradients, step the LR scheduler. ``padding``: passes of weight 0 that end the
+        window (:class:`~ddpx.train.stream_end.StreamEnd`: this rank's stream ran out).
+        Returns the micro-batches' losses (detached) and whether the step was applied
+        (fp16 AMP skips a step whose gradients overflowed)."""
         losses = []
+        window = len(batches) + padding
         for i, batch in enumerate(batches):
             self.batch_index = self.epoch_batches
-            padding = type(batch) is Padding  # a rank whose stream ran out: weight 0, not counted
-            if padding:
-                batch = batch.batch
-            if i < len(batches) - 1 and hasattr(self.model, "no_sync"):
+            if i < window - 1 and hasattr(self.model, "no_sync"):
                 with self.model.no_sync():  # DDP all-reduces on the window's last micro-batch only
-                    loss = self.forward_backward(batch, window=len(batches), padding=padding)
+                    loss = self.forward_backward(batch, window=window)
             else:
-                loss = self.forward_backward(batch, window=len(batches), padding=padding)
-            if padding:
-                continue
+                loss = self.forward_backward(batch, window=window)
             self.epoch_batches += 1
             self._losses.append(loss)  # summed when read: no host sync per step
             losses.append(loss)
+        if padding:
+            self._stream_end.pad(padding)
         if losses:
             self.last_loss = losses[-1]
         applied = self.hook.ddpx_optimizer_step(trainer=self) is not False
@@ -429,16 +426,16 @@ class Trainer:
         self.global_step += 1
         return losses, applied
 
-    def forward_backward(self, batch, window: int, padding: bool = False) -> torch.Tensor:
+    def forward_backward(self, batch, window: float) -> torch.Tensor:
         """Forward (``ddpx_forward``, in ``autocast``) and backward of one micro-batch;
         returns its loss, detached. The back-propagated loss is divided by ``window``,
-        so the step's gradient is the window's mean, that of one big batch; with
-        ``padding`` it is multiplied by 0 (:class:`~ddpx.train.stream_end.Padding`)."""
+        so the step's gradient is the window's mean, that of one big batch
+        (``math.inf``: no gradient, a padding pass of :mod:`~ddpx.train.stream_end`)."""
         if self._batch_device is not None:
             batch = to_device(batch, self._batch_device)
         with self.autocast:
             loss = self.hook.ddpx_forward(trainer=self, batch=batch)
-        self.backward(loss * 0.0 if padding else loss / window if window > 1 else loss)
+        self.backward(loss / window if window > 1 else loss)
         return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:

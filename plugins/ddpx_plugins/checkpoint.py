@@ -330,9 +330,8 @@ def _all_finite(tensors, device):
 
 
 def _epoch_exhausted(trainer) -> bool:
-    """The step just taken was the epoch's last (a stream without __len__: the ranks agreed its data ended)."""
-    agreement = trainer.stop_agreement
-    return trainer.epoch_batches >= trainer.num_batches or (agreement is not None and agreement.data_end_agreed)
+    """The step just taken was the epoch's last."""
+    return trainer.epoch_batches >= trainer.num_batches
 
 
 def _save(trainer, session, at_epoch_end, metrics=None):
