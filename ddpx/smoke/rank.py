@@ -4,6 +4,7 @@ each recorded in ``<run_dir>/smoke/rank<N>.json`` as it ends."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -66,8 +67,6 @@ class StreamHead(torch.utils.data.IterableDataset):
             self.dataset.set_epoch(epoch)
 
     def __iter__(self):
-        import itertools
-
         return itertools.islice(iter(self.dataset), self.samples)
 
 

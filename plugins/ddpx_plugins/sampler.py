@@ -8,7 +8,9 @@ forget it. The position counts only batches trained on (not those the loader
 prefetched): it is brought up to ``trainer.epoch_batches`` when a checkpoint
 reads it, not every step, so a checkpoint (key ``"sampler"``) resumes exactly
 after the last trained batch, even with a different number of ranks. Evaluation data is split into
-contiguous shards without padding, so no sample is counted twice.
+contiguous shards without padding, so no sample is counted twice. An
+``IterableDataset`` is sharded, told the epoch (``set_epoch``) and resumed by
+:mod:`ddpx.data.stream` instead (with or without ``__len__``).
 
 Config section ``sampler``: ``shuffle`` (true), ``drop_last`` (false: the short
 tail of an epoch is divided across ranks instead of dropped). The training
@@ -45,8 +47,9 @@ def _stream_loader(trainer, train_set, loader_options, generator):
     if not itself and trainer.world_size * workers > 1 and trainer.rank == 0:
         trainer.log.info(f"streaming data: {type(train_set).__name__} of data.target {target} does not shard itself, "
                          f"so each of {trainer.world_size} ranks x {workers} workers reads the whole stream and keeps "
-                         f"1 sample in {trainer.world_size * workers}; to read only its part, set ddpx_shards_itself "
-                         "= True on it (docs/config.md, Streaming data)")
+                         f"1 sample in {trainer.world_size * workers}; to read only its part, let it shard itself "
+                         "(ddpx_shards_itself = True, ddpx.data.stream.stream_shard(): docs/config.md, Streaming "
+                         "data)")
     stream = ShardedStream(train_set, trainer.rank, trainer.world_size, trainer.config.seed,
                            settings.seed_per_sample)
     loader = DataLoader(stream, batch_size=settings.batch_size, generator=generator, **loader_options)
