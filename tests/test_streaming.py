@@ -220,6 +220,19 @@ def test_a_stream_without_length_resumed_on_other_ranks_or_workers_restarts_its_
                              "beginning (its batches trained before the checkpoint are trained again)"]
 
 
+def test_a_hugging_face_stream_split_among_workers_by_itself_must_shard_itself():
+    from ddpx.data.stream import check_worker_split
+
+    hf = type("IterableDataset", (Counting,), {"__module__": "datasets.iterable_dataset"})
+    with pytest.raises(DdpxError, match="data.target m.f returned a datasets IterableDataset, which splits itself "
+                                        "among DataLoader workers, so ddpx must not split it again"):
+        check_worker_split(hf(), "m.f", 2)
+    flagged = hf()
+    flagged.ddpx_shards_itself = True
+    for dataset, workers in ((hf(), 1), (flagged, 2), (Counting(), 2)):
+        check_worker_split(dataset, "m.f", workers)  # one worker, a stream that shards itself, any other stream
+
+
 def test_stop_checks_come_at_least_every_10_steps_over_a_stream_without_length():
     from types import SimpleNamespace
 

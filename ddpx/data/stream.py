@@ -65,6 +65,21 @@ def stream_shard() -> tuple:
     return rank * workers + worker, world_size * workers
 
 
+WORKER_SPLITTING = ("datasets", "webdataset")  # packages whose streams split among DataLoader workers on their own
+
+
+def check_worker_split(dataset, target: str, workers: int) -> None:
+    """A Hugging Face or webdataset stream splits itself among DataLoader workers: split again by
+    ddpx, each worker would train a fraction of its part. Such a stream must shard itself."""
+    package = type(dataset).__module__.split(".")[0]
+    if workers > 1 and package in WORKER_SPLITTING and not getattr(dataset, "ddpx_shards_itself", False):
+        raise DdpxError(f"data.target {target} returned a {package} {type(dataset).__name__}, which splits itself "
+                        "among DataLoader workers, so ddpx must not split it again: split it among ranks too "
+                        "(datasets.distributed.split_dataset_by_node, or webdataset's nodesplitter=split_by_node) and "
+                        "set ddpx_shards_itself = True on it, or set trainer.num_workers=1 (docs/config.md, "
+                        "Streaming data)")
+
+
 def has_length(dataset) -> bool:
     """Whether ``len(dataset)`` works (a stream without it ends when its data does)."""
     try:

@@ -39,10 +39,12 @@ def _stream_loader(trainer, train_set, loader_options, generator):
     the same steps on every rank; without, the epoch ends where the data does (the trainer agrees on it)."""
     from torch.utils.data import DataLoader
 
-    from ddpx.data.stream import CountedStreamLoader, ShardedStream, StreamLoader, batches_per_rank, has_length
+    from ddpx.data.stream import (CountedStreamLoader, ShardedStream, StreamLoader, batches_per_rank,
+                                  check_worker_split, has_length)
 
     settings, target = trainer.config.trainer, trainer.config.data.target
     workers = max(1, settings.num_workers)
+    check_worker_split(train_set, target, workers)
     itself = bool(getattr(train_set, "ddpx_shards_itself", False))
     if not itself and trainer.world_size * workers > 1 and trainer.rank == 0:
         trainer.log.info(f"streaming data: {type(train_set).__name__} of data.target {target} does not shard itself, "
