@@ -22,8 +22,10 @@ Without ``__len__`` (a generator, a Hugging Face streaming set, a webdataset
 pipeline) an epoch lasts until the stream runs out, possibly never
 (``trainer.max_steps`` then ends the run). The ranks agree on the end at their
 stop checks (:mod:`ddpx.train.stopping`), with no per-step collective; a rank
-whose data ended first keeps DDP's collectives in step with zero-weight passes
-of its last batch until then (``ddpx.train.trainer``, "The end of a stream").
+whose data ended first keeps DDP's collectives in step with passes of one of
+its batches that back-propagate nothing until then (:mod:`ddpx.train.stream_end`).
+A Hugging Face or webdataset stream splits itself among DataLoader workers, so
+with more than one worker it must shard itself (:func:`check_worker_split`).
 
 Resume: the stream is read again from the start of the interrupted epoch and
 each rank skips the batches it already trained (read, not trained), so the run
