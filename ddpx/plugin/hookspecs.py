@@ -89,7 +89,9 @@ TRAINER_ATTRIBUTES = {
     "epoch": "the epoch running or about to run (0-based)",
     "global_step": "optimizer-step boundaries so far",
     "batch_index": "the micro-batch in the epoch (the one training, or the last trained)",
-    "num_batches": "micro-batches of the running epoch on this rank (``len(train_loader)`` at its start)",
+    "num_batches": "micro-batches of the running epoch on this rank (``len(train_loader)`` at its start; for "
+                   "a loader without ``__len__``, ``sys.maxsize`` until the ranks agree its data ended, then "
+                   "the batches this rank trained)",
     "epoch_batches": "micro-batches of the running epoch trained so far by this run",
     "epoch_finished": "whether every batch of the running epoch was trained",
     "run_dir": "the run directory (``pathlib.Path``; exists on every rank)",

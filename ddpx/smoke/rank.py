@@ -4,6 +4,7 @@ each recorded in ``<run_dir>/smoke/rank<N>.json`` as it ends."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -41,14 +42,37 @@ SMOKE_TIMEOUT_S = 60  # steady-state collective timeout: a hung rank ends the sm
 
 def data_slice(target: str, args: dict, train_samples: int, eval_samples: int):
     """The configured data (``target(**args)``), cut to its first samples."""
-    from torch.utils.data import Subset
-
     data = instantiate({"target": target, "args": args}, "data")
     train, evaluation = (data[0], data[1]) if isinstance(data, (tuple, list)) else (data, None)
-    train = Subset(train, range(min(train_samples, len(train))))
+    train = _head(train, train_samples)
     if evaluation is not None:
-        evaluation = Subset(evaluation, range(min(eval_samples, len(evaluation))))
+        evaluation = _head(evaluation, eval_samples)
     return train, evaluation
+
+
+def _head(dataset, samples: int):
+    from torch.utils.data import IterableDataset, Subset
+
+    if isinstance(dataset, IterableDataset):
+        return StreamHead(dataset, samples)
+    return Subset(dataset, range(min(samples, len(dataset))))
+
+
+class StreamHead(torch.utils.data.IterableDataset):
+    """The first ``samples`` samples of each pass over a stream (of each part, for a stream that
+    shards itself); it shards and is told the epoch as the stream is. No ``__len__``: the
+    epoch ends where the head does."""
+
+    def __init__(self, dataset, samples: int):
+        self.dataset, self.samples = dataset, samples
+        self.ddpx_shards_itself = getattr(dataset, "ddpx_shards_itself", False)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self):
+        return itertools.islice(iter(self.dataset), self.samples)
 
 
 # --- one rank ----------------------------------------------------------------------------
@@ -209,7 +233,7 @@ def _run_stages(log: StageLog, running: list, config_path, overrides, rank: int,
     with log.stage("setup", detail := {}):
         trainer.setup()
         detail["text"] = (f"{trainer.world_size} ranks, backend {trainer.backend}, "
-                          f"{len(trainer.train_set)} train / {len(trainer.eval_set or [])} eval samples")
+                          f"{_samples(trainer.train_set)} train / {_samples(trainer.eval_set or [])} eval samples")
     with log.stage("train", detail := {}):
         detail["text"] = _train_steps(trainer, TRAIN_STEPS)
     with log.stage("evaluate", detail := {}):
@@ -260,6 +284,12 @@ def _resume_stages(log: StageLog, running: list, config, saved_step: int, saved_
     with log.stage("teardown", detail := {}):
         trainer.finish()
         trainer.close()
+
+
+def _samples(dataset) -> str:
+    from ..data.stream import has_length
+
+    return str(len(dataset)) if has_length(dataset) else "streamed"
 
 
 def _clear_checkpoints(config) -> None:

@@ -20,7 +20,9 @@ rank waits for the others; all of them stop after the same step. The checks
 fall on the same ``global_step`` on every rank: the interval is taken from the
 slowest rank's step time, which travels in the same all_reduce, as does
 whether a rank's loss was non-finite since its previous check (see
-``trainer.nonfinite_loss``). A signal takes effect within two intervals.
+``trainer.nonfinite_loss``) and whether a rank's stream without ``__len__`` ran out
+(:attr:`StopAgreement.data_ended`: the epoch then ends on every rank at the check that
+reads it, :mod:`ddpx.train.stream_end`). A signal takes effect within two intervals.
 ``torchrun`` also SIGTERMs the survivors when a rank fails; those make no
 progress, so a rank that reaches no step boundary for ``timeout_s`` after the
 signal terminates at once (:meth:`StopAgreement.arm_stop_deadline`).
@@ -41,6 +43,7 @@ import torch.distributed as dist
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FIRST_STOP_CHECK = 10  # optimizer steps to the first stop check (auto), before any step time is known
 MAX_STOP_CHECK = 1000  # auto never checks less often than this
+STREAM_STOP_CHECK = 10  # ... or than this over a stream without __len__: its end comes within two checks
 
 
 class TrainingStopped(Exception):
@@ -110,6 +113,8 @@ class StopAgreement:
         self.stop_deadline: Optional[threading.Event] = None  # set() ends the watchdog of a stop
         self.stop_vote = None  # (work, tensor, steps it covers) of the all_reduce started at the last check
         self.taking_signals = True  # the trainer hands SIGTERM/SIGINT to on_signal until release()
+        self.data_ended = False  # this rank's stream (no __len__) ran out in this epoch: voted at the next check
+        self.most_steps = MAX_STOP_CHECK  # the longest auto interval (set by the trainer, the same on every rank)
         self.start_checks(0)
 
     # --- the signal --------------------------------------------------------------------
@@ -161,8 +166,8 @@ class StopAgreement:
         if self.every_steps:
             return self.every_steps
         if slowest_step_s is None:
-            return FIRST_STOP_CHECK
-        return max(1, min(MAX_STOP_CHECK, int(self.every_s / max(slowest_step_s, 1e-9))))
+            return min(FIRST_STOP_CHECK, self.most_steps)
+        return max(1, min(self.most_steps, int(self.every_s / max(slowest_step_s, 1e-9))))
 
     def start_checks(self, step: int) -> None:
         self.check_step, self.check_time = step, time.perf_counter()
@@ -176,14 +181,14 @@ class StopAgreement:
     def collect_vote(self):
         """Wait for the all_reduce in flight (if any): (did any rank vote to stop,
         the slowest rank's seconds per step or None, the steps ``(first, last)`` in
-        which some rank's loss was non-finite, or None)."""
+        which some rank's loss was non-finite, or None, did some rank's stream run out)."""
         vote, self.stop_vote = self.stop_vote, None
         if vote is None:
-            return False, None, None
+            return False, None, None, False
         work, tensor, steps = vote
         work.wait()
-        flag, slowest_step_s, nonfinite = tensor.tolist()
-        return flag > 0, slowest_step_s, steps if nonfinite > 0 else None
+        flag, slowest_step_s, nonfinite, data_ended = tensor.tolist()
+        return flag > 0, slowest_step_s, steps if nonfinite > 0 else None, data_ended > 0
 
     def take_losses(self, trainer):
         """The sum of the losses since the previous call (a float64 device tensor,
@@ -209,14 +214,18 @@ class StopAgreement:
             if loss_sum is not None and not math.isfinite(loss_sum.item()):
                 _nonfinite_loss(trainer, steps)
             return bool(flag)
-        agreed, slowest_step_s, nonfinite_steps = self.collect_vote()
+        agreed, slowest_step_s, nonfinite_steps, data_ended = self.collect_vote()
         if agreed:
             return True
         if nonfinite_steps is not None:
             _nonfinite_loss(trainer, nonfinite_steps)
+        if data_ended:  # every rank reads it here: the epoch ends at this step, the next vote is the next epoch's
+            self.data_ended = False
+            trainer.num_batches = trainer.epoch_batches
         self.next_check = step + self.interval(slowest_step_s)
         nonfinite = 0.0 if loss_sum is None else (~torch.isfinite(loss_sum)).double()
-        tensor = torch.tensor([flag, step_s, 0.0], dtype=torch.float64, device=trainer.device)
+        tensor = torch.tensor([flag, step_s, 0.0, float(self.data_ended)], dtype=torch.float64,
+                              device=trainer.device)
         tensor[2] = nonfinite  # a device tensor copied on the device: no host sync
         self.stop_vote = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True), tensor, steps)
         return False

@@ -49,11 +49,13 @@ from .grad_norms import GradientNorms
 from .losses import EpochLosses, LossWindow
 from .nonfinite import NonfiniteGuard
 from .stopping import StopAgreement, StopSignals, TrainingStopped
+from .stream_end import StreamEnd
 from .sync_batchnorm import convert_sync_batchnorm
 from . import model_checks
 
 
 NEVER = sys.maxsize  # the next due step when nothing is scheduled
+UNCOUNTED = sys.maxsize  # num_batches of an epoch over a loader without __len__: it ends where its data does
 TRAINER_STATE = ("model", "optimizer", "scheduler", "progress")  # the trainer's own entries in a checkpoint
 
 
@@ -119,6 +121,7 @@ class Trainer:
         self._signals = StopSignals(self)  # SIGTERM/SIGINT during the run
         self.stop_agreement: Optional[StopAgreement] = None  # see agree_on_stops
         self._batches = None  # the running epoch's batch iterator, kept while train() pauses
+        self._stream_end: Optional[StreamEnd] = None  # the running epoch's, over a loader without __len__
         self._saved_logger: Optional[tuple] = None  # what close() restores
         self._plugins_before: Optional[set] = None
         self._closed = False
@@ -341,9 +344,13 @@ class Trainer:
             self._losses.start_epoch()
             self.epoch_batches = 0
             self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
-            self.num_batches = len(self.train_loader)
+            self.num_batches = _batches_in(self.train_loader)
             self._check_ranks_agree(at_start=True)
             self._batches = iter(self.train_loader)
+            self._stream_end = None
+            if self.num_batches == UNCOUNTED:
+                self._stream_end = StreamEnd(self)
+                self._batches = self._stream_end.start(self._batches)
         stop_at = self._stop_step(until_step)
         self.module.train()
         while self.epoch_batches < self.num_batches and self.global_step < stop_at:
@@ -355,9 +362,13 @@ class Trainer:
                 raise DdpxError(f"a ddpx_step_window hook returned {window} micro-batches at batch {first}; "
                                 "an optimizer step needs at least 1")
             batches = list(itertools.islice(self._batches, window))
-            if not batches:
-                break  # the loader ended early
-            losses, applied = self.train_step(batches)
+            padding = 0
+            if len(batches) < window:
+                if self._stream_end is not None:  # this rank's stream ran out: see StreamEnd
+                    padding = self._stream_end.padding_passes(len(batches), window)
+                if not batches and not padding:
+                    break  # the loader ended early (a stream: the epoch's data ended)
+            losses, applied = self.train_step(batches, padding)
             if self.hook.ddpx_batch_end.get_hookimpls():
                 for i, loss in enumerate(losses):
                     stepped = applied and i == len(losses) - 1
@@ -387,25 +398,31 @@ class Trainer:
         self.hook.ddpx_epoch_end(trainer=self, epoch=epoch, metrics=metrics)
         return metrics
 
-    def train_step(self, batches: list) -> tuple[list, bool]:
+    def train_step(self, batches: list, padding: int = 0) -> tuple[list, bool]:
         """One optimizer step over ``batches``, the micro-batches of one accumulation
         window: forward and backward of each (the gradients are reduced on the last
         one only: DDP's no_sync, FSDP's set_requires_gradient_sync), then
-        ``ddpx_optimizer_step`` (clip and step), zero the gradients, step the LR scheduler. Returns the micro-batches' losses (detached)
-        and whether the step was applied (fp16 AMP skips a step whose gradients
-        overflowed)."""
+        ``ddpx_optimizer_step`` (clip and step), zero the gradients, step the LR scheduler.
+        ``padding``: passes of weight 0 that end the window
+        (:class:`~ddpx.train.stream_end.StreamEnd`: this rank's stream ran out).
+        Returns the micro-batches' losses (detached) and whether the step was applied
+        (fp16 AMP skips a step whose gradients overflowed)."""
         losses = []
+        window = len(batches) + padding
         for i, batch in enumerate(batches):
             self.batch_index = self.epoch_batches
-            if i < len(batches) - 1 and self._unsynced is not None:
+            if i < window - 1 and self._unsynced is not None:
                 with self._unsynced():  # gradients are reduced on the window's last micro-batch only
-                    loss = self.forward_backward(batch, window=len(batches))
+                    loss = self.forward_backward(batch, window=window)
             else:
-                loss = self.forward_backward(batch, window=len(batches))
+                loss = self.forward_backward(batch, window=window)
             self.epoch_batches += 1
             self._losses.append(loss)  # summed when read: no host sync per step
             losses.append(loss)
-        self.last_loss = losses[-1]
+        if padding:
+            self._stream_end.pad(padding)
+        if losses:
+            self.last_loss = losses[-1]
         applied = self.hook.ddpx_optimizer_step(trainer=self) is not False
         if not applied:
             self.skipped_steps += 1
@@ -415,10 +432,11 @@ class Trainer:
         self.global_step += 1
         return losses, applied
 
-    def forward_backward(self, batch, window: int) -> torch.Tensor:
+    def forward_backward(self, batch, window: float) -> torch.Tensor:
         """Forward (``ddpx_forward``, in ``autocast``) and backward of one micro-batch;
         returns its loss, detached. The back-propagated loss is divided by ``window``,
-        so the step's gradient is the window's mean, that of one big batch."""
+        so the step's gradient is the window's mean, that of one big batch
+        (``math.inf``: no gradient, a padding pass of :mod:`~ddpx.train.stream_end`)."""
         if self._batch_device is not None:
             batch = to_device(batch, self._batch_device)
         with self.autocast:
@@ -432,15 +450,19 @@ class Trainer:
 
     def _check_ranks_agree(self, at_start: bool) -> None:
         """At an epoch's start and end (``trainer.check_collectives``): every rank issued the same
-        collectives and skipped the same optimizer steps; at the start, every rank has as many batches;
-        at the end, the weights are the same. Else :class:`~ddpx.errors.RanksDisagree` on every rank,
-        before the disagreement hangs a collective, crashes gloo or is saved. One small all_reduce."""
+        collectives and skipped the same optimizer steps; at the start, every rank has as many batches
+        (a loader without ``__len__`` has no count to compare); at the end, the step and the weights are
+        the same. Else :class:`~ddpx.errors.RanksDisagree` on every rank, before the disagreement hangs a
+        collective, crashes gloo or is saved. One small all_reduce."""
         if self._collectives is None:
             return
         counters, sums = {"skipped optimizer steps": self.skipped_steps}, {}
         if at_start:
-            counters["batches in this epoch"] = self.num_batches
-        elif not self._sharded:  # under fsdp each rank holds other shards by design: nothing to compare
+            if self.num_batches != UNCOUNTED:  # a stream without __len__: its end is agreed, checked at the end
+                counters["batches in this epoch"] = self.num_batches
+        else:
+            counters["optimizer steps"] = self.global_step
+        if not at_start and not self._sharded:  # under fsdp each rank holds other shards by design
             sums["sum of the weights"] = torch.stack([p.detach().sum(dtype=torch.float64)
                                                       for p in self.module.parameters()]).sum()
         self._collectives.agree(counters, sums=sums, hints=self._disagreement_hints)
@@ -455,6 +477,8 @@ class Trainer:
             "sum of the weights": ": the replicas drifted apart, so some rank applied another update (with "
                                   "trainer.static_graph: true the set of parameters a step uses must not change "
                                   "between steps; a plugin may change weights on some ranks only)",
+            "optimizer steps": ": every rank must end the epoch after the same step (a loader that ran out early "
+                               "on some ranks; a stream without __len__ ends where the ranks agree)",
             "batches in this epoch": ": DDP needs the same number of steps on every rank; give every rank the "
                                      "same number of batches (a sampler that splits the data evenly, e.g. "
                                      "DistributedSampler, which pads, or drop_last)",
@@ -642,6 +666,14 @@ class Trainer:
         on (the logging plugin's step lines and the checkpoint plugin's non-finite
         check use one)."""
         return self._losses.open_window()
+
+
+def _batches_in(loader) -> int:
+    """``len(loader)``, or :data:`UNCOUNTED` for a loader without one (a stream)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return UNCOUNTED
 
 
 if Trainer.__doc__ is not None:  # None under python -OO

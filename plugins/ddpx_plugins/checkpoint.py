@@ -543,9 +543,12 @@ def _resume(trainer, session):
         seed_rank(trainer.config.seed, trainer.rank, trainer.global_step)  # not the fresh start's stream again
         if trainer.rank == 0:
             batch, accumulation = trainer.config.trainer.batch_size, _accumulation_steps(trainer)
+            sampler = getattr(trainer.train_loader, "batch_sampler", None)
+            redivided = f"the rest of epoch {trainer.epoch} is re-divided, " if hasattr(sampler, "epoch_batches") \
+                else ""  # a stream says itself what it does
             trainer.log.warning(
-                f"resuming with {trainer.world_size} ranks from a checkpoint of {old_world}: the rest "
-                f"of epoch {trainer.epoch} is re-divided, the global batch is now {trainer.world_size} ranks x "
+                f"resuming with {trainer.world_size} ranks from a checkpoint of {old_world}: {redivided}"
+                f"the global batch is now {trainer.world_size} ranks x "
                 f"{batch} x {accumulation} accumulation steps = {trainer.world_size * batch * accumulation} "
                 "samples, RNG states are seeded from (seed, rank, step), the learning rate is "
                 + ("scaled linearly" if session.cfg["lr_scaling"] == "linear" else "unchanged")

@@ -8,7 +8,9 @@ forget it. The position counts only batches trained on (not those the loader
 prefetched): it is brought up to ``trainer.epoch_batches`` when a checkpoint
 reads it, not every step, so a checkpoint (key ``"sampler"``) resumes exactly
 after the last trained batch, even with a different number of ranks. Evaluation data is split into
-contiguous shards without padding, so no sample is counted twice.
+contiguous shards without padding, so no sample is counted twice. An
+``IterableDataset`` is sharded, told the epoch (``set_epoch``) and resumed by
+:mod:`ddpx.data.stream` instead (with or without ``__len__``).
 
 Config section ``sampler``: ``shuffle`` (true), ``drop_last`` (false: the short
 tail of an epoch is divided across ranks instead of dropped). The training
@@ -33,25 +35,39 @@ def _collate(target):
 
 
 def _stream_loader(trainer, train_set, loader_options, generator):
-    """An IterableDataset: sharded across ranks and workers, the same steps on every rank (ddpx/data/stream.py)."""
+    """An IterableDataset: sharded across ranks and workers (ddpx/data/stream.py). With ``__len__``,
+    the same steps on every rank; without, the epoch ends where the data does (the trainer agrees on it)."""
     from torch.utils.data import DataLoader
 
-    from ddpx.data.stream import ShardedStream, StreamLoader, batches_per_rank, stream_length
+    from ddpx.data.stream import (CountedStreamLoader, ShardedStream, StreamLoader, batches_per_rank,
+                                  check_worker_split, has_length)
 
-    settings = trainer.config.trainer
-    samples = stream_length(train_set, trainer.config.data.target)
+    settings, target = trainer.config.trainer, trainer.config.data.target
     workers = max(1, settings.num_workers)
+    check_worker_split(train_set, target, workers)
     itself = bool(getattr(train_set, "ddpx_shards_itself", False))
-    steps = min(batches_per_rank(samples, r, trainer.world_size, workers, settings.batch_size, itself)
-                for r in range(trainer.world_size))
-    if steps == 0:
-        raise DdpxError(f"zero steps per epoch: the stream of data.target {trainer.config.data.target} has "
-                        f"{samples} samples, not one for each of {trainer.world_size} ranks; use more data or "
-                        "fewer ranks")
+    if not itself and trainer.world_size * workers > 1 and trainer.rank == 0:
+        trainer.log.info(f"streaming data: {type(train_set).__name__} of data.target {target} does not shard itself, "
+                         f"so each of {trainer.world_size} ranks x {workers} workers reads the whole stream and keeps "
+                         f"1 sample in {trainer.world_size * workers}; to read only its part, let it shard itself "
+                         "(ddpx_shards_itself = True, ddpx.data.stream.stream_shard(): docs/config.md, Streaming "
+                         "data)")
     stream = ShardedStream(train_set, trainer.rank, trainer.world_size, trainer.config.seed,
                            settings.seed_per_sample)
     loader = DataLoader(stream, batch_size=settings.batch_size, generator=generator, **loader_options)
-    return StreamLoader(loader, stream, steps)
+    if not has_length(train_set):
+        if settings.max_steps is None and trainer.rank == 0:
+            trainer.log.info(f"streaming data: {type(train_set).__name__} of data.target {target} has no __len__ and "
+                             "trainer.max_steps is null: an epoch ends only where its data does (an unbounded stream "
+                             "trains until stopped)")
+        return StreamLoader(loader, stream, workers)
+    samples = len(train_set)
+    steps = min(batches_per_rank(samples, r, trainer.world_size, workers, settings.batch_size, itself)
+                for r in range(trainer.world_size))
+    if steps == 0:
+        raise DdpxError(f"zero steps per epoch: the stream of data.target {target} has {samples} samples, not one "
+                        f"for each of {trainer.world_size} ranks; use more data or fewer ranks")
+    return CountedStreamLoader(loader, stream, workers, steps)
 
 
 def _stream(trainer):
