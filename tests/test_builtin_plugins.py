@@ -467,3 +467,20 @@ def test_progress_bar_loss_follows_training(capsys):
     log.advance_bar()  # nothing new: the last loss stays
     assert log.bar.postfix == "loss=0.5000"
     log.close()
+
+
+def test_the_bar_over_a_stream_counts_to_max_steps():
+    """A loader without a length (a stream) gave the bar no total even with ``trainer.max_steps``."""
+    from types import SimpleNamespace
+
+    from ddpx_plugins.logging import ACCUMULATION_STEPS, batches_left
+
+    def trainer(loader, max_steps, step=0):
+        config = SimpleNamespace(trainer=SimpleNamespace(epochs=3, max_steps=max_steps))
+        return SimpleNamespace(train_loader=loader, config=config, global_step=step,
+                               shared={ACCUMULATION_STEPS: 2})
+
+    stream = iter(())  # no __len__
+    assert batches_left(trainer(stream, max_steps=None), epoch=0) is None
+    assert batches_left(trainer(stream, max_steps=10, step=4), epoch=1) == 12  # 6 steps of 2 micro-batches
+    assert batches_left(trainer(range(5), max_steps=10, step=4), epoch=1) == 10  # 2 epochs of 5 come first

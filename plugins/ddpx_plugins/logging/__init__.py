@@ -134,13 +134,15 @@ def _format(value):
 def batches_left(trainer, epoch):
     """The progress bar's micro-batches from this epoch's start to the end of the run: the
     epochs left, or fewer where ``trainer.max_steps`` ends the run first (its steps left times
-    the accumulation's micro-batches per step); None for a loader without a length."""
-    if not hasattr(trainer.train_loader, "__len__"):
-        return None
-    left = len(trainer.train_loader) * (trainer.config.trainer.epochs - epoch)
+    the accumulation's micro-batches per step); for a loader without a length (a stream),
+    ``trainer.max_steps``'s batches left, or None without it."""
+    left = None
+    if hasattr(trainer.train_loader, "__len__"):
+        left = len(trainer.train_loader) * (trainer.config.trainer.epochs - epoch)
     max_steps = trainer.config.trainer.max_steps
     if max_steps is not None:
-        left = min(left, max(0, max_steps - trainer.global_step) * trainer.shared.get(ACCUMULATION_STEPS, 1))
+        by_steps = max(0, max_steps - trainer.global_step) * trainer.shared.get(ACCUMULATION_STEPS, 1)
+        left = by_steps if left is None else min(left, by_steps)
     return left
 
 
