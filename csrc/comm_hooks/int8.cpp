@@ -9,7 +9,7 @@ namespace {
 
 class Int8 final : public TwoPhaseAlgorithm {
  public:
-  explicit Int8(HookRunner& runner) : block_(runner.int_option("block_size", 256)) {}
+  explicit Int8(HookRunner& runner) : block_(runner.int_option("block_size")) {}
 
  private:
   // The piece's sizes (ddpx/comm_hooks/int8.py, Int8State.build_layout): its per-rank chunk

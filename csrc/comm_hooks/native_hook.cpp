@@ -243,6 +243,8 @@ c10d::ProcessGroup& HookRunner::executor_group() {
   return *executor_pg_;
 }
 
+int64_t HookRunner::int_option(const char* name) const { return state_.attr(name).cast<int64_t>(); }
+
 int64_t HookRunner::int_option(const char* name, int64_t fallback) const {
   py::object v = py::getattr(state_, name, py::none());
   return v.is_none() ? fallback : v.cast<int64_t>();

@@ -198,7 +198,9 @@ class HookRunner {
   // Like submit, but `work` completes the future itself, possibly from a later
   // job (software pipelining across buckets).
   FuturePtr submit_deferred(const at::Tensor& buf, std::function<void(const FuturePtr&)> work);
-  // An option of the Python state (read once, at construction time).
+  // An option of the Python state (read once, at construction time). Without a
+  // fallback the state must have it: its Option default is the only default.
+  int64_t int_option(const char* name) const;
   int64_t int_option(const char* name, int64_t fallback) const;
   double float_option(const char* name, double fallback) const;
   std::string str_option(const char* name) const;

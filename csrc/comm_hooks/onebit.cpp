@@ -12,7 +12,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 class Onebit final : public TwoPhaseAlgorithm {
  public:
-  explicit Onebit(HookRunner& runner) : chunk_(runner.int_option("chunk_size", 128)) {}
+  explicit Onebit(HookRunner& runner) : chunk_(runner.int_option("chunk_size")) {}
 
  private:
   // (plain fp32 [R, plain_chunk], scales fp32 [R, ceil(m / chunk)], bits uint8 [R, ceil(m / 8)]) views

@@ -21,7 +21,7 @@ namespace {
 
 class PowerSGD final : public TwoPhaseAlgorithm {
  public:
-  explicit PowerSGD(HookRunner& runner) : seed_(runner.int_option("seed", 0)) {}
+  explicit PowerSGD(HookRunner& runner) : seed_(runner.int_option("seed")) {}
 
  private:
   // Views of one compressed matrix's memory in the layout's buffers (PowerSGDState's pc.views).
