@@ -169,17 +169,19 @@ def test_replicas_bit_identical(part2_training, name):
 def gpt_cell_worker(rank, world):
     torch.set_num_threads(1)
     bench = harness.benchmark("bench_convergence_gpt")
-    return bench.run_table(("gpt2x128c128",), ("onebit_adam", "powersgd"), (0,))
+    return bench.run_table(("gpt2x128c128",), ("onebit_adam", "powersgd", "int8"), (0,)), bench.TARGETS
 
 
+@pytest.mark.timeout(960)  # four 400-step runs: about 3 minutes on an idle machine, 10 on a busy shared one
 def test_adam_paths_hold_on_a_transformer(ranks):
     """The transformer table (benchmarks/bench_convergence_gpt.py, docs/comm_hooks.md) in reduced
-    form: its smaller GPT, one seed, the two hooks with its largest differences, 400 AdamW steps at
-    their defaults: 1-bit Adam and powersgd within 0.03 nats of allreduce's eval loss, 1-bit Adam's
+    form: its smaller GPT, one seed, the hooks with its largest differences against their targets,
+    400 AdamW steps at their defaults: 1-bit Adam and powersgd within 0.03 nats of allreduce's eval
+    loss, int8 within 0.01 (its seed 0 was +0.015 at the old block size 256), 1-bit Adam's
     compressed stage at most 1/16 of fp32's bytes."""
-    (row,) = ranks.call(gpt_cell_worker, 2, timeout=600)[0]
+    (row,), targets = ranks.call(gpt_cell_worker, 2, timeout=900)[0]
     assert row["allreduce"] < 2.5, row  # it learned (the unigram baseline is 3.13)
     for hook, r in row["hooks"].items():
         assert r["replicas_agree"], hook
-        assert r["delta"] <= 0.03, f"{hook}: {r['eval_loss']:.3f} vs {row['allreduce']:.3f} with allreduce"
+        assert r["delta"] <= targets[hook], f"{hook}: {r['eval_loss']:.3f} vs {row['allreduce']:.3f} with allreduce"
     assert row["hooks"]["onebit_adam"]["compressed_bytes_per_step"] <= row["fp32_bytes_per_step"] / 16
