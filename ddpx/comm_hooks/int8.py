@@ -50,7 +50,8 @@ class Int8State(TwoPhaseState):
     wire at the block size of then, 256: 102 ms at 1 Gbit/s).
 
     ``block_size`` (default 64): 256 missed the 0.01-nat target of the GPT table
-    with AdamW (+0.016), 64 meets it for 4.7 % more wire (docs/comm_hooks.md).
+    with AdamW (+0.016), 64 meets it for 4.7 % more wire and slower quantizing
+    (docs/comm_hooks.md: the GPT table, and the 2-host benchmark's cost).
     """
 
     name = "int8"
