@@ -7,6 +7,8 @@ import os
 import pathlib
 import re
 
+import pytest
+
 from ddpx.plugin import hookspecs
 from ddpx.config.loader import plugin_defaults
 from ddpx.config.schema import DEFAULTS, FREE_FORM
@@ -124,3 +126,70 @@ def test_the_trainer_attribute_list_is_complete_and_exists():
     assert all(hasattr(trainer, name.partition("(")[0]) for name in hookspecs.TRAINER_METHODS)
     assert all(hasattr(trainer, name.partition("(")[0]) for name in hookspecs.TRAINER_LIFECYCLE)
     assert "``shared``" in Trainer.__doc__
+
+
+def _section(text: str, heading: str) -> str:
+    """From ``heading`` (a whole line) to the next heading of the same level."""
+    level = heading.split(" ")[0]
+    start = text.index(f"\n{heading}\n")
+    end = text.find(f"\n{level} ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def test_every_builtin_plugin_has_its_section_in_plugins_md():
+    from ddpx.plugin.builtin import BUILTIN_PLUGINS
+
+    text = open(os.path.join(DOCS, "plugins.md")).read()
+    builtin = _section(text, "## Built-in plugins")
+    table = [m for m in re.findall(r"^\| \[`(\w+)`\]", builtin, flags=re.M)]
+    assert table == list(BUILTIN_PLUGINS), "docs/plugins.md's table of built-in plugins vs ddpx/plugin/builtin.py"
+    headings = " ".join(re.findall(r"^### (.+)$", builtin, flags=re.M))
+    assert [name for name in BUILTIN_PLUGINS if not re.search(rf"\b{name}\b", headings)] == []
+    count = {10: "ten"}.get(len(BUILTIN_PLUGINS), str(len(BUILTIN_PLUGINS)))
+    for page, said in (("README.md", "the built-in ones\n(`" + "`, `".join(BUILTIN_PLUGINS)),
+                       (os.path.join("docs", "plugins.md"), f"The {count} built-in ones")):
+        assert " ".join(said.split()) in " ".join(open(os.path.join(ROOT, page)).read().split()), page
+
+
+def _code_block(text: str, first_line: str) -> str:
+    """The fenced block whose first line is ``first_line``."""
+    match = re.search(r"^```\w*\n(" + re.escape(first_line) + r"\n.*?)^```", text, flags=re.S | re.M)
+    assert match, f"no code block starting with {first_line!r}"
+    return match.group(1)
+
+
+def test_the_plugin_example_greets_from_every_rank_as_shown(ranks, tmp_path):
+    """docs/plugins.md's ddpx_hello.py, run as its console block shows, prints what the block says."""
+    text = open(os.path.join(DOCS, "plugins.md")).read()
+    (tmp_path / "ddpx_hello.py").write_text(_code_block(text, "# ddpx_hello.py"))
+    console = _code_block(text, "$ ddpx train plugins.enable=[ddpx_hello] logging.all_ranks=true trainer.epochs=1")
+    command, *shown = console.splitlines()
+    expected = [line for line in shown if line.startswith("[rank")]
+    assert "[rank1] hi from rank 1 of 2" in expected
+    rc, out, err = ranks.cli([*command.split()[2:], "logging.progress=false", "checkpoint.enabled=false"],
+                             timeout=120, cwd=tmp_path)
+    assert rc == 0, out + err
+    printed = (out + err).splitlines()
+    # each rank's lines in the block's order; the ranks' lines interleave as they come
+    for rank in ("[rank0]", "[rank1]"):
+        mine = [line for line in expected if line.startswith(rank)]
+        assert [line for line in printed if line in mine] == mine, out + err
+
+
+@pytest.mark.slow  # a pytest --collect-only of the suite, about 20 s
+def test_the_readme_test_counts_match_the_suite():
+    """The README's fast-lane and whole-suite counts (passed + skipped) are within 5% of what
+    pytest collects, so they cannot go stale by a release's worth of tests unnoticed."""
+    import subprocess
+    import sys
+
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    fast = re.search(r'`python -m pytest -q -m "not slow" tests` \((\d+) passed and (\d+) CUDA tests skipped', readme)
+    whole = re.search(r"The whole suite takes about \d+ minutes here \((\d+) passed, (\d+) CUDA tests skipped", readme)
+    assert fast and whole, "README.md's Development section no longer states the counts this test reads"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "-m",
+                        "not slow", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    selected, total = map(int, re.search(r"(\d+)/(\d+) tests collected", r.stdout).groups())
+    for said, collected in ((fast, selected), (whole, total)):
+        stated = int(said.group(1)) + int(said.group(2))
+        assert abs(stated - collected) <= 0.05 * collected, f"README.md says {stated} tests, pytest collects {collected}"
