@@ -14,11 +14,22 @@ Layout of ``csrc/`` (one small file per concern):
 """
 
 import glob
+import importlib.util
 import os
+import shutil
+import time
 
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _extension_build():
+    """scripts/extension_build.py: the record of what ddpx._C was built from."""
+    spec = importlib.util.spec_from_file_location("extension_build", os.path.join(ROOT, "scripts", "extension_build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _version():
@@ -85,9 +96,43 @@ def _extensions():
 
 
 def _cmdclass():
+    import torch
     from torch.utils.cpp_extension import BuildExtension
 
-    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    stamps = _extension_build()
+
+    class BuildOnce(BuildExtension.with_options(use_ninja=True)):
+        """torch's BuildExtension, but an in-place ddpx/_C*.so built from the same sources,
+        torch and settings is reused, not compiled again (scripts/extension_build.py)."""
+
+        def run(self):
+            # recorded before compiling: a source edited meanwhile makes the next build compile
+            cuda = any(isinstance(ext.sources, list) and any(s.endswith(".cu") for s in ext.sources)
+                       for ext in self.extensions)
+            self._record = stamps.build_record(ROOT, torch.__version__, cuda)
+            super().run()
+            if self.inplace:  # editable installs and build_ext --inplace: the file next to the sources
+                for ext in self.extensions:
+                    stamps.write_stamp(os.path.join(ROOT, self.get_ext_filename(ext.name)), self._record)
+
+        def build_extension(self, ext):
+            inplace = os.path.join(ROOT, self.get_ext_filename(ext.name))
+            stale = stamps.stale_because(inplace, self._record)
+            if stale is None:
+                print(f"{stamps.MESSAGE_PREFIX}{os.path.relpath(inplace, ROOT)} is up to date (these sources, "
+                      f"torch {torch.__version__}): not compiling again", flush=True)
+                target = self.get_ext_fullpath(ext.name)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                if os.path.abspath(target) != os.path.abspath(inplace):
+                    shutil.copy2(inplace, target)
+                return
+            print(f"{stamps.MESSAGE_PREFIX}compiling {len(ext.sources)} files ({stale}; "
+                  f"MAX_JOBS={os.environ.get('MAX_JOBS', 'all cores')})", flush=True)
+            start = time.monotonic()
+            super().build_extension(ext)
+            print(f"{stamps.MESSAGE_PREFIX}built in {time.monotonic() - start:.0f} s", flush=True)
+
+    return {"build_ext": BuildOnce}
 
 
 setup(

@@ -177,19 +177,23 @@ def test_the_plugin_example_greets_from_every_rank_as_shown(ranks, tmp_path):
 
 
 @pytest.mark.slow  # a pytest --collect-only of the suite, about 20 s
-def test_the_readme_test_counts_match_the_suite():
+def test_the_readme_test_counts_match_the_suite(tmp_path):
     """The README's fast-lane and whole-suite counts (passed + skipped) are within 5% of what
     pytest collects, so they cannot go stale by a release's worth of tests unnoticed."""
-    import subprocess
     import sys
+
+    import harness
 
     readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     fast = re.search(r'`python -m pytest -q -m "not slow" tests` \((\d+) passed and (\d+) CUDA tests skipped', readme)
     whole = re.search(r"The whole suite takes about \d+ minutes here \((\d+) passed, (\d+) CUDA tests skipped", readme)
     assert fast and whole, "README.md's Development section no longer states the counts this test reads"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "-m",
-                        "not slow", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    selected, total = map(int, re.search(r"(\d+)/(\d+) tests collected", r.stdout).groups())
-    for said, collected in ((fast, selected), (whole, total)):
+    (collected,) = harness.run_commands([[sys.executable, "-m", "pytest", "-q", "--collect-only", "-p",
+                                          "no:cacheprovider", "-m", "not slow", "tests"]], tmp_path, timeout=300,
+                                        cwd=ROOT, names=["collect"])
+    counts = re.search(r"(\d+)/(\d+) tests collected", collected.output)
+    assert counts, collected.output[-2000:]
+    selected, total = map(int, counts.groups())
+    for said, count in ((fast, selected), (whole, total)):
         stated = int(said.group(1)) + int(said.group(2))
-        assert abs(stated - collected) <= 0.05 * collected, f"README.md says {stated} tests, pytest collects {collected}"
+        assert abs(stated - count) <= 0.05 * count, f"README.md says {stated} tests, pytest collects {count}"

@@ -147,7 +147,7 @@ esac
     assert result.returncode == 0, result.stderr
     calls = log.read_text()
     assert "pip on the system python" not in calls and "system -m venv" in calls
-    assert "venv -m pip install --no-build-isolation -e .[test]" in calls
+    assert "venv -m pip install -v --no-build-isolation -e .[test]" in calls
     assert f". {venv}/bin/activate" in result.stdout
 
 

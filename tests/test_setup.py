@@ -1,0 +1,190 @@
+"""Set-up: scripts/setup.sh's arguments and the environment it runs `ddpx train` in, and the
+extension compiled once (scripts/extension_build.py's record of what ddpx/_C*.so was built
+from, setup.py's reuse of it, the progress lines setup.sh shows)."""
+
+import importlib.util
+import os
+import shutil
+import sys
+
+import pytest
+
+import harness
+
+ROOT = harness.ROOT
+
+
+def _extension_build():
+    spec = importlib.util.spec_from_file_location("extension_build", ROOT / "scripts" / "extension_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+eb = _extension_build()
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    """A checkout's build inputs: setup.py, csrc/, and a built extension."""
+    (tmp_path / "setup.py").write_text("setup()\n")
+    (tmp_path / "scripts").mkdir()
+    shutil.copy2(ROOT / "scripts" / "extension_build.py", tmp_path / "scripts")
+    (tmp_path / "csrc" / "ops").mkdir(parents=True)
+    (tmp_path / "csrc" / "module.cpp").write_text("int x;\n")
+    (tmp_path / "csrc" / "ops" / "int8.h").write_text("#pragma once\n")
+    (tmp_path / "ddpx").mkdir()
+    so = tmp_path / "ddpx" / "_C.cpython-311-x86_64-linux-gnu.so"
+    so.write_bytes(b"\x7fELF built")
+    return tmp_path, str(so)
+
+
+def test_a_recorded_build_is_current_until_an_input_changes(checkout, monkeypatch):
+    root, so = checkout
+    record = eb.build_record(str(root), "2.13.0+cpu", cuda=False, environ={})
+    assert eb.stale_because(so, record) == "no record of what it was built from"
+    eb.write_stamp(so, record)
+    assert eb.stale_because(so, record) is None
+    # each input, changed alone
+    (root / "csrc" / "ops" / "int8.h").write_text("#pragma once\n// edited\n")
+    assert eb.stale_because(so, eb.build_record(str(root), "2.13.0+cpu", False, {})) == \
+        "csrc/ or setup.py changed since the build"
+    (root / "csrc" / "ops" / "int8.h").write_text("#pragma once\n")
+    assert eb.stale_because(so, eb.build_record(str(root), "2.13.0+cpu", False, {})) is None
+    (root / "csrc" / "ops" / "new_kernel.cpp").write_text("")
+    assert "csrc/ or setup.py changed" in eb.stale_because(so, eb.build_record(str(root), "2.13.0+cpu", False, {}))
+    os.remove(root / "csrc" / "ops" / "new_kernel.cpp")
+    (root / "setup.py").write_text("setup(ext_modules=[])\n")
+    assert "csrc/ or setup.py changed" in eb.stale_because(so, eb.build_record(str(root), "2.13.0+cpu", False, {}))
+    (root / "setup.py").write_text("setup()\n")
+    assert eb.stale_because(so, eb.build_record(str(root), "2.4.1+cpu", False, {})) == \
+        "built against torch 2.13.0+cpu, torch 2.4.1+cpu is installed"
+    assert eb.stale_because(so, eb.build_record(str(root), "2.13.0+cpu", True, {})) == \
+        "built without CUDA kernels, now with"
+    assert eb.stale_because(so, eb.build_record(str(root), "2.13.0+cpu", False, {"CXX": "clang++"})) == \
+        "CXX changed since the build"
+    # the file itself replaced (another build, a copy from elsewhere) or gone
+    with open(so, "ab") as f:
+        f.write(b"more")
+    assert eb.stale_because(so, record) == "_C.cpython-311-x86_64-linux-gnu.so changed since it was recorded"
+    os.remove(so)
+    assert eb.stale_because(so, record) == "not built yet"
+
+
+def test_progress_shows_pip_its_build_lines_and_one_line_per_compiled_file():
+    root = "/src/ddpx"
+    pip_verbose = [
+        "Using pip 24.0 from /v/lib/python3.11/site-packages/pip (python 3.11)",
+        "Collecting pytest (from ddpx==0.1.0)",
+        "  Found link https://files/pytest-8.tar.gz, version: 8",
+        "  running build_ext",
+        "  ddpx._C: compiling 14 files (not built yet; MAX_JOBS=2)",
+        "  Emitting ninja build file /tmp/b/build.ninja...",
+        "  [1/14] c++ -MMD -MF /tmp/b/module.o.d -pthread -I/src/ddpx/csrc -c /src/ddpx/csrc/module.cpp -o /tmp/b/module.o",
+        "  In file included from /src/ddpx/csrc/module.cpp:1:",
+        "  [14/14] /usr/local/cuda/bin/nvcc -I/src/ddpx/csrc -c /src/ddpx/csrc/ops/cuda/int8_kernel.cu -o /tmp/b/k.o",
+        "  ddpx._C: built in 301 s",
+        "Installing collected packages: pytest, ddpx",
+        "Successfully installed ddpx-0.1.0 pytest-8.0",
+    ]
+    shown = [line for line in (eb.progress_line(line, root) for line in pip_verbose) if line]
+    assert shown == [
+        "Collecting pytest (from ddpx==0.1.0)",
+        "ddpx._C: compiling 14 files (not built yet; MAX_JOBS=2)",
+        "ddpx._C: [1/14] compiling csrc/module.cpp",
+        "ddpx._C: [14/14] compiling csrc/ops/cuda/int8_kernel.cu",
+        "ddpx._C: built in 301 s",
+        "Installing collected packages: pytest, ddpx",
+        "Successfully installed ddpx-0.1.0 pytest-8.0",
+    ]
+
+
+def _copy_checkout(dest):
+    for name in ("setup.py", "README.md", "pyproject.toml"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dest / name)
+    for folder in ("csrc", "scripts"):
+        shutil.copytree(ROOT / folder, dest / folder)
+    (dest / "ddpx").mkdir()
+    shutil.copy2(ROOT / "ddpx" / "version.py", dest / "ddpx" / "version.py")
+    (dest / "ddpx" / "__init__.py").write_text("")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_setup_py_reuses_a_current_extension_and_compiles_a_stale_one(tmp_path):
+    """`python setup.py build_ext --inplace` (what pip's editable install runs): with the
+    record matching, it copies nothing new and compiles nothing; after a source edit it
+    starts compiling (stopped at its first line)."""
+    import glob
+
+    import torch
+
+    built = glob.glob(str(ROOT / "ddpx" / "_C.*.so"))
+    if not built:
+        pytest.skip("the extension is not built in this checkout")
+    _copy_checkout(tmp_path)
+    so = tmp_path / "ddpx" / os.path.basename(built[0])
+    shutil.copy2(built[0], so)
+    record = eb.build_record(str(tmp_path), torch.__version__, cuda=False)
+    if torch.version.cuda and os.environ.get("DDPX_CUDA", "auto") not in ("0", "false", "no", "off"):
+        pytest.skip("a CUDA torch: the CPU-only record here would not match setup.py's")
+    eb.write_stamp(str(so), record)
+    cmd = [sys.executable, "setup.py", "build_ext", "--inplace"]
+    (reused,) = harness.run_commands([cmd], tmp_path, timeout=120, cwd=tmp_path, names=["reuse"])
+    assert reused.returncode == 0, reused.output[-3000:]
+    assert f"ddpx._C: ddpx/{so.name} is up to date (these sources, torch {torch.__version__}): not compiling again" \
+        in reused.output
+    assert "ninja" not in reused.output.lower()
+    assert eb.stale_because(str(so), record) is None  # still recorded, after setuptools' copy back
+
+    with open(tmp_path / "csrc" / "module.cpp", "a") as f:
+        f.write("\n// edited\n")
+    # 40 s: enough for setup.py to decide and print, far too little to compile 14 files
+    (edited,) = harness.run_commands([cmd], tmp_path, timeout=40, cwd=tmp_path, names=["stale"])
+    assert "ddpx._C: compiling" in edited.output and "(csrc/ or setup.py changed since the build;" in edited.output, \
+        edited.output[-3000:]
+
+
+@pytest.mark.slow
+def test_setup_sh_refuses_an_unknown_argument(tmp_path):
+    (ended,) = harness.run_commands([["bash", str(ROOT / "scripts" / "setup.sh"), "tests"]], tmp_path, timeout=30)
+    assert ended.returncode == 2
+    assert ended.output.strip() == ("setup.sh: unknown argument 'tests': use no argument, 'test', or "
+                                    "'train [ddpx train arguments]'")
+
+
+def _stand_in_pythons(tmp_path):
+    """An externally managed "system" python3 and the venv python it creates, stand-ins that
+    log what they are asked (and succeed)."""
+    log = tmp_path / "log"
+    inner = f"#!/bin/bash\necho \"venv $*\" >> {log}\nexit 0\n"
+    system = tmp_path / "python3"
+    system.write_text(f"""#!/bin/bash
+echo "system $*" >> {log}
+case "$1" in
+  -c) exit 0 ;;
+  -m) if [ "$2" = venv ]; then mkdir -p "$3/bin"; printf '%s' '{inner}' > "$3/bin/python"
+        chmod +x "$3/bin/python"; exit 0; fi
+      echo "pip on the system python" >> {log}; exit 1 ;;
+esac
+""")
+    system.chmod(0o755)
+    return system, log
+
+
+@pytest.mark.slow
+def test_setup_sh_train_runs_ddpx_train_in_the_venv_it_made(tmp_path):
+    """The README's first command, `bash scripts/setup.sh train`, on an externally managed
+    python: set-up goes into the venv, and so does `ddpx train` (not the system's PATH)."""
+    system, log = _stand_in_pythons(tmp_path)
+    venv = tmp_path / "venv"
+    (ended,) = harness.run_commands([["bash", str(ROOT / "scripts" / "setup.sh"), "train", "trainer.epochs=1"]],
+                                    tmp_path, timeout=60, env={"PYTHON": str(system), "DDPX_VENV": str(venv)},
+                                    cwd=tmp_path)
+    assert ended.returncode == 0, ended.output
+    calls = log.read_text().splitlines()
+    assert "pip on the system python" not in calls
+    assert "venv -m pip install -v --no-build-isolation -e ." in calls  # runtime only: no [test]
+    assert calls[-1] == "venv -m ddpx train trainer.epochs=1"
+    assert f"setup.sh: ddpx train trainer.epochs=1 (with {venv}/bin/python)" in ended.output
