@@ -84,7 +84,7 @@ def stale_because(extension_path: str, record: dict):
 # --- progress: pip -v's output, one line per compiled file --------------------------------
 
 _NINJA_STEP = re.compile(r"^\s*\[(\d+)/(\d+)\]\s+(.*)$")
-_SOURCE = re.compile(r"\s-c\s+(\S+)")
+_SOURCE = re.compile(r"\s-c\s+([^\s-]\S*)")  # torch's ninja lines say "-c -c /path/file.cpp"
 
 
 _PIP_SAYS = ("Collecting ", "Installing collected packages", "Successfully installed", "ERROR")

@@ -80,7 +80,9 @@ def test_progress_shows_pip_its_build_lines_and_one_line_per_compiled_file():
         "  running build_ext",
         "  ddpx._C: compiling 14 files (not built yet; MAX_JOBS=2)",
         "  Emitting ninja build file /tmp/b/build.ninja...",
-        "  [1/14] c++ -MMD -MF /tmp/b/module.o.d -pthread -I/src/ddpx/csrc -c /src/ddpx/csrc/module.cpp -o /tmp/b/module.o",
+        # as torch's BuildExtension writes them (ninja -v), "-c -c" included
+        "  [1/14] c++ -MMD -MF /tmp/b/module.o.d -fPIC -I/src/ddpx/csrc -I/v/include/python3.11 -c -c "
+        "/src/ddpx/csrc/module.cpp -o /tmp/b/module.o -O3 -std=c++17 -DTORCH_EXTENSION_NAME=_C",
         "  In file included from /src/ddpx/csrc/module.cpp:1:",
         "  [14/14] /usr/local/cuda/bin/nvcc -I/src/ddpx/csrc -c /src/ddpx/csrc/ops/cuda/int8_kernel.cu -o /tmp/b/k.o",
         "  ddpx._C: built in 301 s",
