@@ -69,6 +69,6 @@ if [ -n "$VENV" ]; then
     echo "setup.sh: done; activate the environment with:  . $VENV/bin/activate"
 fi
 if [ "$MODE" = "train" ]; then
-    echo "setup.sh: ddpx train $* (with $PY)"
+    echo "setup.sh: ddpx train${*:+ $*} (with $PY)"
     exec "$PY" -m ddpx train "$@"
 fi
