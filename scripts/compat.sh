@@ -8,7 +8,7 @@
 #
 # Per version: a venv and a copy of this checkout (tracked and untracked, not ignored,
 # files) under $COMPAT_DIR (default .compat/, git-ignored; kept, so a second run reuses
-# the install and, with ccache, the build), `scripts/setup.sh test` there with
+# the install and the built extension: scripts/extension_build.py), `scripts/setup.sh test` there with
 # DDPX_TORCH=torch==VERSION, then `pytest -m "not slow" tests`. On Linux, PyPI's torch
 # wheels before 2.13's CPU pin bring the CUDA libraries along (about 3 GB for 2.4.1);
 # the tests run on the CPU all the same. Logs: $COMPAT_DIR/torch-VERSION.log; the last
