@@ -51,7 +51,7 @@ fi
 EXTRA=""
 [ "$MODE" = "test" ] && EXTRA="[test]"
 # pip -v into a log; on the terminal what pip says without -v, plus one line per compiled file
-LOG=$(mktemp "${TMPDIR:-/tmp}/ddpx-install.XXXXXX.log")
+LOG=$(mktemp "${TMPDIR:-/tmp}/ddpx-install-log.XXXXXX")
 echo "setup.sh: installing ddpx$EXTRA from this checkout; the first build of its C++ extension takes" \
      "about 5 minutes on 2 cores (pip's whole output: $LOG)"
 set +e
