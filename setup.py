@@ -152,7 +152,7 @@ setup(
     cmdclass=_cmdclass(),
     # numpy: torch's object collectives (all_gather_object, broadcast_object_list), which
     # every run uses at start-up, need it, and the torch wheel does not require it
-    install_requires=["torch>=2.4", "pybind11", "ninja", "pluggy>=1.2", "pyyaml", "tqdm", "numpy"],
+    install_requires=["torch>=2.7", "pybind11", "ninja", "pluggy>=1.2", "pyyaml", "tqdm", "numpy"],
     extras_require={
         "tensorboard": ["tensorboard"],  # logging.tensorboard: true
         "wandb": ["wandb"],  # logging.wandb.project

@@ -3,20 +3,20 @@
 # of its own with the extension built against it (the README's "torch >= ..." rests
 # on this script; it is too long for .ci/run: two torch installs and two builds).
 #
-#   bash scripts/compat.sh                          # torch 2.4.1 and 2.13.0 (the project's pin)
-#   TORCH_VERSIONS="2.4.1" bash scripts/compat.sh   # just one
+#   bash scripts/compat.sh                          # torch 2.7.1 and 2.13.0 (the project's pin)
+#   TORCH_VERSIONS="2.7.1" bash scripts/compat.sh   # just one
 #
 # Per version: a venv and a copy of this checkout (tracked and untracked, not ignored,
 # files) under $COMPAT_DIR (default .compat/, git-ignored; kept, so a second run reuses
 # the install and the built extension: scripts/extension_build.py), `scripts/setup.sh test` there with
 # DDPX_TORCH=torch==VERSION, then `pytest -m "not slow" tests`. On Linux, PyPI's torch
-# wheels before 2.13's CPU pin bring the CUDA libraries along (about 3 GB for 2.4.1);
+# wheels bring the CUDA libraries along (about 3 GB for 2.4.1);
 # the tests run on the CPU all the same. Logs: $COMPAT_DIR/torch-VERSION.log; the last
 # lines printed are one summary line per version. Exit status: the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VERSIONS=${TORCH_VERSIONS:-"2.4.1 2.13.0"}
+VERSIONS=${TORCH_VERSIONS:-"2.7.1 2.13.0"}
 DIR=${COMPAT_DIR:-$ROOT/.compat}
 PY=${PYTHON:-python3}
 mkdir -p "$DIR"
