@@ -190,3 +190,20 @@ def test_setup_sh_train_runs_ddpx_train_in_the_venv_it_made(tmp_path):
     assert "venv -m pip install -v --no-build-isolation -e ." in calls  # runtime only: no [test]
     assert calls[-1] == "venv -m ddpx train trainer.epochs=1"
     assert f"setup.sh: ddpx train trainer.epochs=1 (with {venv}/bin/python)" in ended.output
+
+
+@pytest.mark.slow
+def test_setup_sh_makes_a_venv_on_an_externally_managed_python(tmp_path):
+    """scripts/setup.sh with a stand-in interpreter that is externally managed: it must create
+    the venv and install there (the stand-ins log what they are asked)."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    system, log = _stand_in_pythons(tmp_path)
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "test"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": str(system), "DDPX_VENV": str(venv)}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text()
+    assert "pip on the system python" not in calls and "system -m venv" in calls
+    assert "venv -m pip install -v --no-build-isolation -e .[test]" in calls
+    assert f". {venv}/bin/activate" in result.stdout

@@ -1,10 +1,7 @@
 """What a new user met on a first tour (issue 28, finding 6 and the first README command)."""
 
 import errno
-import os
 import runpy
-import shutil
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -122,33 +119,6 @@ def test_scheduler_sized_in_steps_is_warned_about_after_a_world_size_change(capl
         _warn_scheduler_horizon(trainer)
     assert "T_max=100 counts optimizer steps, but at 2 ranks this run takes 150" in caplog.text
     assert "scheduler.args.T_max=150" in caplog.text
-
-
-@pytest.mark.slow
-def test_setup_sh_makes_a_venv_on_an_externally_managed_python(tmp_path):
-    """scripts/setup.sh with a stand-in interpreter that is externally managed: it must create
-    the venv and install there (the stand-ins log what they are asked)."""
-    log = tmp_path / "log"
-    venv = tmp_path / "venv"
-    inner = f"#!/bin/bash\necho \"venv $*\" >> {log}\nexit 0\n"
-    system = tmp_path / "python3"
-    system.write_text(f"""#!/bin/bash
-echo "system $*" >> {log}
-case "$1" in
-  -c) exit 0 ;;
-  -m) if [ "$2" = venv ]; then mkdir -p "$3/bin"; printf '%s' '{inner}' > "$3/bin/python"
-        chmod +x "$3/bin/python"; exit 0; fi
-      echo "pip on the system python" >> {log}; exit 1 ;;
-esac
-""")
-    system.chmod(0o755)
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "test"], capture_output=True, text=True,
-                            env={**os.environ, "PYTHON": str(system), "DDPX_VENV": str(venv)}, timeout=60)
-    assert result.returncode == 0, result.stderr
-    calls = log.read_text()
-    assert "pip on the system python" not in calls and "system -m venv" in calls
-    assert "venv -m pip install -v --no-build-isolation -e .[test]" in calls
-    assert f". {venv}/bin/activate" in result.stdout
 
 
 def test_the_epoch_end_checkpoint_names_the_epoch_that_ended(make_config, capfd):
