@@ -426,3 +426,38 @@ def test_a_worker_prints_its_failure_once_per_node_and_the_traceback_on_request(
     report_failure(exc, trainer, "0")  # the traceback on request, from every rank
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):") and "ddpx: error:" not in err, err
+
+
+def test_a_dataloader_worker_forked_with_the_stop_handler_leaves_ctrl_c_to_its_rank():
+    """Ctrl-C reaches the terminal's whole process group: every DataLoader worker, forked with the
+    rank's SIGINT handler, said 'received SIGINT' too (10 lines for 2 ranks x 4 workers), and its
+    exit left an atexit traceback per rank. A forked worker must ignore it; the rank still acts."""
+    import signal
+
+    from ddpx.train.stopping import StopSignals
+
+    class Agreement:
+        taking_signals = True
+        signals = []
+
+        def on_signal(self, signum):
+            self.signals.append(signum)
+
+    trainer = type("T", (), {"stop_agreement": Agreement()})()
+    handler = StopSignals(trainer)
+    pid = os.fork()
+    if pid == 0:  # the "DataLoader worker": nothing reaches the agreement, no exception
+        try:
+            handler.on_signal(signal.SIGINT, None)
+            os._exit(0 if not trainer.stop_agreement.signals else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        handler.on_signal(signal.SIGINT, None)  # the rank itself
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    assert trainer.stop_agreement.signals == [signal.SIGINT]

@@ -63,14 +63,23 @@ class StopSignals:
     def __init__(self, trainer):
         self.trainer = trainer
         self.previous: dict = {}
+        self.pid = os.getpid()
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only
+        self.pid = os.getpid()
         for sig in STOP_SIGNALS:
             self.previous[sig] = signal.signal(sig, self.on_signal)
 
     def on_signal(self, signum, frame) -> None:
+        if os.getpid() != self.pid:
+            # A DataLoader worker forked with this handler (Ctrl-C reaches the terminal's whole process
+            # group): the rank decides and shuts its workers down; SIGTERM ends a worker as it would anyway.
+            if signum != signal.SIGINT:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
         # A second signal acts immediately (KeyboardInterrupt / termination).
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
