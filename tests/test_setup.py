@@ -207,3 +207,27 @@ def test_setup_sh_makes_a_venv_on_an_externally_managed_python(tmp_path):
     assert "pip on the system python" not in calls and "system -m venv" in calls
     assert "venv -m pip install -v --no-build-isolation -e .[test]" in calls
     assert f". {venv}/bin/activate" in result.stdout
+
+
+@pytest.mark.slow
+def test_setup_sh_says_which_torch_wheel_it_installs(tmp_path):
+    """The README said set-up installs "the CPU wheel this project's CI uses"; from PyPI alone
+    `pip install torch==2.13.0` is the multi-GB CUDA build. setup.sh must say so when it installs torch."""
+    import subprocess
+
+    log = tmp_path / "log"
+    python = tmp_path / "python3"  # not externally managed, no torch; logs what pip is asked
+    python.write_text(f"""#!/bin/bash
+case "$1" in
+  -c) exit 1 ;;
+  -m) echo "$*" >> {log}; exit 0 ;;
+  *) cat > /dev/null; exit 0 ;;
+esac
+""")
+    python.chmod(0o755)
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": str(python)}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "-m pip install torch==2.13.0" in log.read_text()
+    assert ("setup.sh: installing torch==2.13.0 (a CPU wheel where pip sees one; from PyPI alone, on Linux, "
+            "the CUDA build: several GB)") in result.stdout
