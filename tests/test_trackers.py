@@ -114,6 +114,15 @@ def test_a_tracking_uri_the_installed_mlflow_refuses_stops_the_launch_in_one_lin
     assert (code, err, started) == (0, [], True)  # an accepted URI: the run starts (no request is made)
     code, err, started = launch_refused(tmp_path, monkeypatch, capsys, "logging.mlflow.experiment=digits")
     assert (code, started, asked[-1]) == (0, True, "http://mlflow.example:5000")  # the default store: not asked
+    import ddpx_plugins.logging as logging_plugin
+
+    monkeypatch.setattr(logging_plugin, "_importable", lambda module: module != "alembic")  # mlflow-skinny
+    code, err, started = launch_refused(tmp_path / "skinny", monkeypatch, capsys, "logging.mlflow.experiment=digits")
+    assert (code, started) == (2, False)
+    assert err == ["ddpx: error: logging.mlflow.tracking_uri=null keeps MLflow's runs in a SQLite store in the run "
+                   "directory, which needs alembic (not installed: mlflow-skinny lacks them); pip install "
+                   "'ddpx[mlflow]' (the full mlflow), or set logging.mlflow.tracking_uri to an http(s) server"]
+    monkeypatch.setattr(logging_plugin, "_importable", lambda module: True)
     monkeypatch.setenv("RANK", "1")  # a worker: the launcher checked; a check on some ranks only would hang the rest
     load_config(None, ["logging.mlflow.experiment=digits", "logging.mlflow.tracking_uri=./mlruns"])
     assert asked == ["./mlruns", "http://mlflow.example:5000"]

@@ -96,8 +96,15 @@ def check_mlflow_uri(uri):
     """Ask the installed MLflow for the store of ``logging.mlflow.tracking_uri`` (no network:
     an http(s) store connects at its first request), so a URI it refuses (an unknown scheme;
     the file store, in maintenance mode since MLflow 3.13) is one line before any worker starts.
-    The default (null: SQLite in the run directory) is left to the run."""
+    The default (null: SQLite in the run directory) is not asked (it would make a database), but
+    it needs SQLAlchemy and Alembic, which ``mlflow-skinny`` lacks: that is one line too."""
     if uri is None:
+        missing = [m for m in ("sqlalchemy", "alembic") if not _importable(m)]
+        if missing:
+            raise DdpxError(f"logging.mlflow.tracking_uri=null keeps MLflow's runs in a SQLite store in the run "
+                            f"directory, which needs {' and '.join(missing)} (not installed: mlflow-skinny lacks "
+                            "them); pip install 'ddpx[mlflow]' (the full mlflow), or set "
+                            "logging.mlflow.tracking_uri to an http(s) server")
         return
     import mlflow
     from mlflow.tracking import MlflowClient
