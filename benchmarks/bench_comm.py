@@ -53,6 +53,8 @@ import sys
 import tempfile
 import time
 
+from benchjson import hook_spec
+
 _NETNS = os.environ.get("DDPX_TEST_NETNS", "ddpxbench,vt,10.213").split(",")
 SUBNET = f"{_NETNS[2]}.0"
 SETTINGS = ("defaults", "tuned")
@@ -83,12 +85,7 @@ def _configs(names, settings=SETTINGS, paths=("native", "python"), scopes=("glob
 
 def _parse_spec(spec):
     """'int8' or 'int8:block_size=128,compress_vectors=true' -> (name, options)."""
-    name, _, opts = spec.partition(":")
-    options = {}
-    for item in filter(None, opts.split(",")):
-        key, _, value = item.partition("=")
-        options[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
-    return name, options
+    return hook_spec(spec, ",")
 
 
 def _model():

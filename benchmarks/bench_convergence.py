@@ -50,6 +50,8 @@ import time
 
 import torch
 
+from benchjson import hook_spec
+
 MODELS = ("mlp", "cnn")
 OPTIMIZERS = ("sgd", "adam")
 BATCHES = (16, 128)
@@ -84,16 +86,7 @@ def make_optimizer(kind: str, params):
 
 def parse_hook(spec: str):
     """'onebit' or 'onebit:warmup_steps=50:chunk_size=64' -> (name, options)."""
-    name, _, opts = spec.partition(":")
-    options = {}
-    for item in filter(None, opts.split(":")):
-        key, _, value = item.partition("=")
-        try:
-            options[key] = int(value)
-        except ValueError:
-            options[key] = float(value) if value.replace(".", "", 1).isdigit() else \
-                {"true": True, "false": False}.get(value.lower(), value)
-    return name, options
+    return hook_spec(spec, ":")
 
 
 def train_cell(model: str, optimizer: str, batch: int, epochs: int, hook: str | None, seed: int = 0) -> dict:

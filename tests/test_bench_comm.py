@@ -308,3 +308,12 @@ def test_training_warns_once_with_the_options(ranks, tmp_path):
     assert len(warnings) == 1, err
     for option in ("accumulation.steps=", "trainer.batch_size", "comm_hook.name=", "ddpx bench comm"):
         assert option in warnings[0]
+
+
+def test_hook_specs_read_numbers_as_numbers():
+    """bench_comm read ``piece_mb=2.0`` as the string '2.0' (the hook then refused it); both benchmark
+    scripts read a spec's values the one way ``ddpx train`` reads overrides."""
+    comm = harness.benchmark("bench_comm")
+    assert comm._parse_spec("int8:block_size=64,piece_mb=2.0,compress_vectors=true") == \
+        ("int8", {"block_size": 64, "piece_mb": 2.0, "compress_vectors": True})
+    assert comm._parse_spec("powersgd") == ("powersgd", {})
