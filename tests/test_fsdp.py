@@ -56,6 +56,16 @@ def test_what_fsdp_refuses_is_one_config_error(overrides, message):
         load_config(None, overrides)
 
 
+def test_fsdp_on_a_torch_whose_fsdp2_sums_the_gradients_is_refused(monkeypatch):
+    """compat.sh with torch 2.7.1: fsdp's gradients were 2x ddp's on 2 gloo ranks (the sum, not the mean)."""
+    monkeypatch.setattr(torch, "__version__", "2.7.1+cpu")
+    with pytest.raises(DdpxError, match=r"^trainer.strategy=fsdp needs torch >= 2.8 \(torch 2.7.1\+cpu's FSDP2 sums "
+                                        r"the gradients over the ranks instead of averaging them\); upgrade torch, "
+                                        r"or set trainer.strategy=ddp$"):
+        load_config(None, ["trainer.strategy=fsdp"])
+    load_config(None, ["trainer.strategy=ddp"])
+
+
 def test_the_default_comm_hook_and_no_ema_pass_under_fsdp():
     config = load_config(None, ["trainer.strategy=fsdp", "fsdp.units=[Linear]", "fsdp.reduce_dtype=bf16"])
     assert config.trainer.strategy == "fsdp" and config.fsdp.units == ["Linear"]

@@ -220,8 +220,11 @@ def _reader_classes():
         with ``weights_only=True`` by DCP itself)."""
 
         def read_metadata(self, *args, **kwargs):
-            rank = kwargs.get("rank")
-            with self.fs.create_stream(self._get_metadata_path(rank), "rb") as stream:
+            if hasattr(self, "_get_metadata_path"):  # newer torch (it may name a per-rank file); 2.7 has none
+                path = self._get_metadata_path(kwargs.get("rank"))
+            else:
+                path = self.fs.concat_path(self.path, ".metadata")
+            with self.fs.create_stream(path, "rb") as stream:
                 try:
                     metadata = _MetadataUnpickler(stream).load()
                 except pickle.UnpicklingError as exc:
