@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ddpx import ops
@@ -132,6 +132,7 @@ def test_int8_quantize_matches_reference(x, block, with_error):
 
 @fast
 @given(x=values, block=blocks)
+@example(x=make(256, seed=150, magnitude=1e-3), block=63)  # a value on a rounding boundary (found by hypothesis)
 def test_int8_roundtrip_within_half_a_step_and_error_is_the_residual(x, block):
     error = torch.zeros_like(x)
     q, scales = ops.int8_quantize(x, block, error)
@@ -139,7 +140,10 @@ def test_int8_roundtrip_within_half_a_step_and_error_is_the_residual(x, block):
     step = ref._expand(scales, block, x.numel())
     finite = torch.isfinite(step)
     assert torch.all(out[~finite].isnan()), "a non-finite block must decode to NaN, never finite garbage"
-    assert torch.all((out - x).abs()[finite] <= step[finite] / 2 * (1 + 1e-6) + 1e-45)
+    # Half a step, plus fp32 rounding: v / scale (up to 127) is off by up to 127 ulps of 1.0, so a value
+    # on a rounding boundary may land 127 * 2**-24 steps past it (seed 150, n 256, magnitude 1e-3: 4.7e-6).
+    slack = 128 * 2.0**-24
+    assert torch.all((out - x).abs()[finite] <= step[finite] * (0.5 + slack) + 1e-45)
     # error feedback stores exactly what was not transmitted
     same(error[finite], (x - q.float() * step)[finite])
     same(error[~finite], torch.zeros_like(x)[~finite])

@@ -116,7 +116,7 @@ class _JobQueue:
             return False
         try:
             dist.get_backend(self.group)  # raises once the group is destroyed
-        except (ValueError, RuntimeError):
+        except (ValueError, RuntimeError, TypeError):  # torch 2.7: TypeError ("value was None")
             return False
         return True
 
