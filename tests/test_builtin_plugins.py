@@ -483,4 +483,12 @@ def test_the_bar_over_a_stream_counts_to_max_steps():
     stream = iter(())  # no __len__
     assert batches_left(trainer(stream, max_steps=None), epoch=0) is None
     assert batches_left(trainer(stream, max_steps=10, step=4), epoch=1) == 12  # 6 steps of 2 micro-batches
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Endless(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    loader = DataLoader(Endless())  # has __len__, which raises: a plugin's own loader over a stream
+    assert batches_left(trainer(loader, max_steps=10, step=4), epoch=1) == 12
     assert batches_left(trainer(range(5), max_steps=10, step=4), epoch=1) == 10  # 2 epochs of 5 come first

@@ -9,7 +9,6 @@ from DDP:
 * :func:`wrap`: which modules become FSDP units (``fsdp.units``, :func:`unit_modules`),
   ``fsdp.reshard_after_forward`` and the mixed-precision policy (:func:`mixed_precision`);
 * :func:`unsynced`: accumulation without communication (``set_requires_gradient_sync``);
-* :func:`replicated_parameters`: what ranks can compare at an epoch's end;
 * :func:`padded_forwards`, :func:`reshard`: evaluation, where every forward is collective;
 * the state: :func:`sharded_state` / :func:`load_sharded_state` (model and optimizer
   keyed by parameter name, so any world size can read them), :func:`save_shards` /
@@ -29,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data.stream import has_length
 from ..errors import DdpxError
 
-STRATEGIES = ("ddp", "fsdp")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # fsdp.units: auto looks one level into these containers (a transformer's list of blocks)
 UNIT_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -130,12 +129,6 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_shard(tensor) else tensor
 
 
-def replicated_parameters(module: nn.Module) -> list:
-    """The parameters every rank holds whole (all of them under DDP; under fsdp only those no
-    unit shards): the ones whose sums ranks can compare. Shards differ per rank by design."""
-    return [p for p in module.parameters() if not is_shard(p)]
-
-
 def reshard(module: nn.Module) -> None:
     """Free the gathered parameters of every unit (the root keeps its own after a forward
     without backward, e.g. in evaluation), so the module holds its shards again."""
@@ -148,12 +141,10 @@ def padded_forwards(trainer, loader) -> int:
     """How many forwards this rank runs beyond its evaluation batches so that every rank runs
     as many (each forward all-gathers: a rank with fewer would hang the others); the extra
     ones repeat its last batch. One all_reduce."""
-    try:
-        batches = len(loader)
-    except TypeError:
+    if not has_length(loader):
         raise DdpxError("under trainer.strategy=fsdp the evaluation set needs a length (every rank must run the "
-                        "model as often as the others); give the eval set __len__, or use trainer.strategy=ddp"
-                        ) from None
+                        "model as often as the others); give the eval set __len__, or use trainer.strategy=ddp")
+    batches = len(loader)
     counts = torch.tensor([batches, -batches], dtype=torch.int64, device=trainer.device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # the most batches, minus the fewest
     most, fewest = int(counts[0]), -int(counts[1])

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .fsdp import is_shard
+from .fsdp import is_shard, local
 
 
 class GradientNorms:
@@ -39,7 +39,7 @@ class GradientNorms:
         groups: dict = {}
         for index, (_, p) in enumerate(self.named):
             if p.grad is not None:
-                grad = p.grad.to_local() if is_shard(p.grad) else p.grad
+                grad = local(p.grad)
                 groups.setdefault((grad.device, grad.dtype), []).append((index, grad))
         if not groups and not self.sharded:
             return torch.zeros(())

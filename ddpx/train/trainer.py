@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ..config import Config, default_run_dir
+from ..data.stream import has_length
 from ..errors import DdpxError
 from ..imports import instantiate
 from ..plugin import hookspecs
@@ -670,10 +671,7 @@ class Trainer:
 
 def _batches_in(loader) -> int:
     """``len(loader)``, or :data:`UNCOUNTED` for a loader without one (a stream)."""
-    try:
-        return len(loader)
-    except TypeError:
-        return UNCOUNTED
+    return len(loader) if has_length(loader) else UNCOUNTED
 
 
 if Trainer.__doc__ is not None:  # None under python -OO

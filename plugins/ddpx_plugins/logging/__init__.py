@@ -58,6 +58,7 @@ import os
 import time
 
 from ddpx import hookimpl
+from ddpx.data.stream import has_length
 from ddpx.errors import DdpxError
 from ddpx.plugin.shared import ACCUMULATION_STEPS
 
@@ -144,7 +145,7 @@ def batches_left(trainer, epoch):
     the accumulation's micro-batches per step); for a loader without a length (a stream),
     ``trainer.max_steps``'s batches left, or None without it."""
     left = None
-    if hasattr(trainer.train_loader, "__len__"):
+    if has_length(trainer.train_loader):  # a DataLoader over a stream has __len__, which raises
         left = len(trainer.train_loader) * (trainer.config.trainer.epochs - epoch)
     max_steps = trainer.config.trainer.max_steps
     if max_steps is not None:
