@@ -9,14 +9,16 @@ import pytest
 import torch
 import yaml
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from ddpx.config import load_config
+from ddpx.config.schema import FSDP_MIN_TORCH
 from ddpx.errors import DdpxError
 from ddpx.train import fsdp
 
 # trainer.strategy=fsdp is refused on torch < 2.8 (its FSDP2 summed the gradients over gloo ranks);
 # test_fsdp_on_a_torch_whose_fsdp2_sums_the_gradients_is_refused holds that line on a newer torch.
-pytestmark = pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8),
+pytestmark = pytest.mark.skipif(TorchVersion(torch.__version__) < FSDP_MIN_TORCH,
                                 reason="trainer.strategy=fsdp needs torch >= 2.8")
 
 

@@ -136,17 +136,21 @@ def check_fsdp(values: Mapping) -> None:
         raise DdpxError(f"config key 'fsdp.units' must be auto or a non-empty list of module class names, got {units!r}")
     if values.get("trainer", {}).get("strategy") == "fsdp":
         check_fsdp_torch()
-    if values.get("trainer", {}).get("strategy") == "fsdp" and values["trainer"].get("compile"):
-        raise DdpxError("trainer.compile is not built for trainer.strategy=fsdp yet; set trainer.compile=false "
-                        "(or trainer.strategy=ddp)")
+        if values["trainer"].get("compile"):
+            raise DdpxError("trainer.compile is not built for trainer.strategy=fsdp yet; set trainer.compile=false "
+                            "(or trainer.strategy=ddp)")
+
+
+# ``scripts/compat.sh`` with torch 2.7.1: FSDP2 over gloo summed the gradients over the ranks
+# instead of averaging them (2x the ddp gradient on 2 ranks). Tested: torch 2.13.
+FSDP_MIN_TORCH = (2, 8)
 
 
 def check_fsdp_torch() -> None:
-    """``scripts/compat.sh`` with torch 2.7.1: FSDP2 over gloo summed the gradients over the ranks
-    instead of averaging them (2x the ddp gradient on 2 ranks). Tested: torch 2.13."""
     import torch
+    from torch.torch_version import TorchVersion
 
-    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8):
+    if TorchVersion(torch.__version__) < FSDP_MIN_TORCH:
         raise DdpxError(f"trainer.strategy=fsdp needs torch >= 2.8 (torch {torch.__version__}'s FSDP2 sums the "
                         "gradients over the ranks instead of averaging them); upgrade torch, or set "
                         "trainer.strategy=ddp")
