@@ -52,9 +52,17 @@ def batch(step, rank, micro=0):
     return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
+def layouts(state) -> list:
+    """The state's bucket layouts (scope=inter_node: its plan's)."""
+    if state is None:
+        return []
+    plan = getattr(state, "_plan", None)
+    return list(state.layouts.values()) + list(getattr(plan, "layouts", {}).values())
+
+
 def train(hook, native=False, steps=3, rank=0, mode=None, model=None, state_sd=None, first_step=0,
-          inject=None, opt_sd=None, bucket_cap_mb=0.05, **options):
-    """Train `steps` SGD steps; returns grads per step, final params, stats, states.
+          inject=None, opt_sd=None, bucket_cap_mb=0.05, adamw=False, **options):
+    """Train `steps` SGD (or AdamW) steps; returns grads per step, final params, stats, states.
 
     mode: None | "no_sync" | "static_graph" | "find_unused" | "bucket_view".
     inject: (step, rank, value) puts `value` into one element of fc2.weight's gradient.
@@ -71,7 +79,10 @@ def train(hook, native=False, steps=3, rank=0, mode=None, model=None, state_sd=N
     state = ddpx.comm_hooks.register(ddp, hook, native=native, **options) if hook else None
     if state is not None and state_sd is not None:
         state.load_state_dict(state_sd)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if adamw:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     if opt_sd is not None:
         opt.load_state_dict(opt_sd)
     cur = {"step": -1}
@@ -106,6 +117,8 @@ def train(hook, native=False, steps=3, rank=0, mode=None, model=None, state_sd=N
         "memory": {k: {kk: t.clone() for kk, t in d.items()} for k, d in state.memory.items()} if state else {},
         "saved": saved,
         "pieces": [len(lay.pieces) for lay in state.layouts.values() if hasattr(lay, "pieces")] if state else [],
+        "blocks": sorted({pc.block for lay in layouts(state) for pc in getattr(lay, "pieces", ())
+                          if hasattr(pc, "block")}),
     }
 
 

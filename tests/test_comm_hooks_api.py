@@ -48,7 +48,7 @@ def test_ddp_options_per_hook():
     [
         ("int9", {}, "unknown comm hook 'int9'; available: "),
         ("int8", {"blocksize": 64}, "unknown option(s) blocksize; known options: block_size"),
-        ("int8", {"block_size": 30}, "block_size must be a positive multiple of 4, got 30"),
+        ("int8", {"block_size": 30}, "block_size must be 'auto' or a positive multiple of 4, got 30"),
         ("fp16", {"warmup_steps": -1}, "warmup_steps must be >= 0"),
         ("fp16", {"compress_vectors": 1}, "compress_vectors must be bool, got 1"),
         ("allreduce", {"min_numel": 5}, "unknown option(s) min_numel; known options: none"),

@@ -63,6 +63,8 @@ def four_ranks(rank, world):
     for name in HOOKS:
         for native in (False, True):
             out[(name, native)] = train(name, native, rank=rank, steps=4, scope="inter_node", **NO_WARMUP.get(name, {}))
+    for native in (False, True):  # int8's block_size auto: 64 once AdamW steps, the plan's layouts rebuilt
+        out[("int8-adamw", native)] = train("int8", native, rank=rank, steps=3, scope="inter_node", adamw=True)
     # every parameter exempt: every stage is exact fp32
     out["all_exempt"] = train("int8", True, rank=rank, steps=3, scope="inter_node", min_numel=10**9)
     # error feedback across steps and through a checkpoint: resume at step 3 of 6. One bucket
@@ -129,6 +131,19 @@ def test_inter_node_replicas_identical_native_equals_python(runs, name):
     for step, (a, b) in enumerate(zip(py["grads"], native["grads"])):
         assert equal_lists(a, b), (name, step)
     assert py["stats"]["wire_bytes"] == native["stats"]["wire_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_inter_node_int8_block_size_auto_follows_adamw(runs):
+    """The stage-2 state codes with the outer state's block size: 256 at step 0, 64 after
+    AdamW's first step, native equal to Python (the native hook re-reads the rebuilt layouts)."""
+    _replicas_agree(runs, ("int8-adamw", False))
+    py, native = runs[0][("int8-adamw", False)], runs[0][("int8-adamw", True)]
+    for a, b in zip(py["grads"], native["grads"]):
+        assert equal_lists(a, b)
+    assert py["blocks"] == native["blocks"] == [64]
+    assert runs[0][("int8", True)]["blocks"] == [256]  # SGD
+    assert py["stats"]["wire_bytes"] == native["stats"]["wire_bytes"]
 
 
 @pytest.mark.slow

@@ -21,14 +21,19 @@ void bind(pybind11::module_& m) {
         c10::intrusive_ptr<c10d::ProcessGroup> executor_pg;
         if (executor_group) executor_pg = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(executor_group);
         auto runner = std::make_shared<HookRunner>(std::move(pg), std::move(executor_pg), std::move(state), kind);
-        std::weak_ptr<HookRunner> weak = runner;  // the reducer owns the hook; close() must not keep it
+        std::weak_ptr<HookRunner> weak = runner;  // the reducer owns the hook; these must not keep it
         reducer.register_comm_hook(std::make_unique<NativeHook>(std::move(runner)));
-        return py::cpp_function([weak] {
+        auto close = py::cpp_function([weak] {
           if (auto runner = weak.lock()) runner->close();
         });
+        auto drop_layouts = py::cpp_function([weak] {
+          if (auto runner = weak.lock()) runner->drop_layouts();
+        });
+        return py::make_tuple(close, drop_layouts);
       },
       py::arg("reducer"), py::arg("process_group"), py::arg("executor_group"), py::arg("state"), py::arg("kind"),
       "Register the native ddpx comm hook `kind` on a DDP reducer; `state` is the Python ddpx.comm_hooks state that "
-      "owns options, counters and buffers. Returns a function that ends the hook's executor thread (HookState.close).");
+      "owns options, counters and buffers. Returns two functions: one ends the hook's executor thread "
+      "(HookState.close), one makes it forget its cached layouts (HookState.drop_layouts).");
 }
 }  // namespace ddpx::comm_hooks

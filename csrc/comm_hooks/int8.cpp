@@ -9,13 +9,14 @@ namespace {
 
 class Int8 final : public TwoPhaseAlgorithm {
  public:
-  explicit Int8(HookRunner& runner) : block_(runner.int_option("block_size")) {}
+  explicit Int8(HookRunner&) {}
 
  private:
   // The piece's sizes (ddpx/comm_hooks/int8.py, Int8State.build_layout): its per-rank chunk
-  // [base, base + c) of the bucket's per-rank chunks of `stride` elements.
+  // [base, base + c) of the bucket's per-rank chunks of `stride` elements, in blocks of
+  // `block` (a layout's own: block_size auto changes once, with new layouts).
   struct Sizes {
-    int64_t c, base, stride, piece, plain_chunk, blocks;
+    int64_t c, base, stride, piece, plain_chunk, blocks, block;
     bool first, last;
     explicit Sizes(const Layout& pc)
         : c(pc.integer("chunk")),
@@ -24,6 +25,7 @@ class Int8 final : public TwoPhaseAlgorithm {
           piece(pc.integer("piece")),
           plain_chunk(pc.integer("plain_chunk")),
           blocks(pc.integer("blocks")),
+          block(pc.integer("block")),
           first(pc.integer("first") != 0),
           last(pc.integer("last") != 0) {}
   };
@@ -48,14 +50,14 @@ class Int8 final : public TwoPhaseAlgorithm {
     }
     if (has_spans(lay)) {  // straight from the bucket, as Int8State.start_phase1
       for_each_span(pc, [&](int64_t r, int64_t boff, int64_t n, int64_t soff) {
-        at::Tensor qr = q[r].narrow(0, soff, n), sr = scales[r].narrow(0, soff / block_, n / block_);
-        ddpx::ops::int8_quantize_out(buf.narrow(0, boff, n), block_,
+        at::Tensor qr = q[r].narrow(0, soff, n), sr = scales[r].narrow(0, soff / z.block, n / z.block);
+        ddpx::ops::int8_quantize_out(buf.narrow(0, boff, n), z.block,
                                      worker_error.narrow(0, r * z.stride + z.base + soff, n), qr, sr);
       });
     } else {
       for (int64_t r = 0; r < world; ++r) {
         at::Tensor qr = q[r], sr = scales[r];
-        ddpx::ops::int8_quantize_out(comp.narrow(0, r * z.stride + z.base, z.c), block_,
+        ddpx::ops::int8_quantize_out(comp.narrow(0, r * z.stride + z.base, z.c), z.block,
                                      worker_error.narrow(0, r * z.stride + z.base, z.c), qr, sr);
       }
     }
@@ -77,8 +79,8 @@ class Int8 final : public TwoPhaseAlgorithm {
     auto [plain2, scales2, q2] = views(send2, z);
     at::Tensor p2 = plain2[0], s2 = scales2[0], qq2 = q2[0];
     at::sum_out(p2, plain, {0}).mul_(inv);
-    ddpx::ops::int8_dequant_accumulate_(reduced, q, scales, block_, inv, false);
-    ddpx::ops::int8_quantize_out(reduced, block_, server_error.narrow(0, rank * z.stride + z.base, z.c), qq2, s2);
+    ddpx::ops::int8_dequant_accumulate_(reduced, q, scales, z.block, inv, false);
+    ddpx::ops::int8_quantize_out(reduced, z.block, server_error.narrow(0, rank * z.stride + z.base, z.c), qq2, s2);
     return runner.executor_group()._allgather_base(recv2, send2);
   }
 
@@ -93,13 +95,13 @@ class Int8 final : public TwoPhaseAlgorithm {
     if (has_spans(lay)) {
       for_each_span(pc, [&](int64_t r, int64_t boff, int64_t n, int64_t soff) {
         at::Tensor out = buf.narrow(0, boff, n);
-        ddpx::ops::int8_dequant_accumulate_(out, q[r].narrow(0, soff, n), scales[r].narrow(0, soff / block_, n / block_),
-                                            block_, 1.0, false);
+        ddpx::ops::int8_dequant_accumulate_(out, q[r].narrow(0, soff, n), scales[r].narrow(0, soff / z.block, n / z.block),
+                                            z.block, 1.0, false);
       });
     } else {
       for (int64_t r = 0; r < world; ++r) {
         at::Tensor out = comp.narrow(0, r * z.stride + z.base, z.c);
-        ddpx::ops::int8_dequant_accumulate_(out, q[r], scales[r], block_, 1.0, false);
+        ddpx::ops::int8_dequant_accumulate_(out, q[r], scales[r], z.block, 1.0, false);
       }
       if (z.last) ddpx::ops::unflatten_(comp, run_views(buf, lay.comp));
     }
@@ -108,8 +110,6 @@ class Int8 final : public TwoPhaseAlgorithm {
       ddpx::ops::unflatten_(plain_buf, run_views(buf, lay.plain));
     }
   }
-
-  int64_t block_;
 };
 
 }  // namespace

@@ -238,6 +238,11 @@ HookRunner::~HookRunner() {
 
 void HookRunner::close() { executor_.stop(); }
 
+void HookRunner::drop_layouts() {
+  std::lock_guard<std::mutex> lock(layouts_mu_);
+  layouts_.clear();
+}
+
 c10d::ProcessGroup& HookRunner::executor_group() {
   TORCH_CHECK(executor_pg_, "ddpx native comm hook: this hook was registered without an executor group");
   return *executor_pg_;

@@ -182,6 +182,9 @@ class HookRunner {
   ~HookRunner();
   // Ends the executor thread (ddpx.comm_hooks.state.HookState.close()); the hook must not run again.
   void close();
+  // Forgets every cached layout: the next bucket asks the Python state again
+  // (HookState.drop_layouts, between steps).
+  void drop_layouts();
 
   FuturePtr run(c10d::GradBucket& bucket);
 

@@ -205,8 +205,8 @@ def register(ddp_model, name: str, native: bool = True, **options) -> HookState:
         try:
             kind = _native_kind(state)
             executor_group = state.executor_group if state.multi_phase and kind == state.native_kind else None
-            state._native_close = _C.register_native_comm_hook(ddp_model.reducer, state.process_group,
-                                                               executor_group, state, kind)
+            state._native_close, state._native_drop_layouts = _C.register_native_comm_hook(
+                ddp_model.reducer, state.process_group, executor_group, state, kind)
         except (TypeError, RuntimeError) as exc:
             reason = f"the reducer did not accept the native hook ({exc})"
         else:

@@ -25,13 +25,17 @@ gradient stays non-finite. Wire per rank (ring model): about
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from .. import ops
-from .state import LossyState, Option, non_negative, positive_multiple_of
+from .state import LossyState, Option, adam_family, non_negative, on_first_optimizer_step, positive_multiple_of
 from .twophase import (Piece, TwoPhaseState, all_gather_single, piece_elements, piece_ranges, piece_spans,
                        segment_spans)
+
+AUTO_BLOCKS = {False: 256, True: 64}  # block_size auto: without / with an Adam-family optimizer
 
 
 class Int8State(TwoPhaseState):
@@ -49,16 +53,24 @@ class Int8State(TwoPhaseState):
     4 MB buckets; int8 is near its link bound there (12.8 MB a step on the
     wire at the block size of then, 256: 102 ms at 1 Gbit/s).
 
-    ``block_size`` (default 64): 256 missed the 0.01-nat target of the GPT table
-    with AdamW (+0.016), 64 meets it for 4.7 % more wire and slower quantizing
-    (docs/comm_hooks.md: the GPT table, and the 2-host benchmark's cost).
+    ``block_size`` (default ``auto``): elements per fp32 scale. ``auto`` is 256 until
+    the first optimizer step shows an Adam-family optimizer (``betas``), then 64,
+    with the layouts rebuilt once (memory carries over per parameter). With AdamW,
+    256 missed the 0.01-nat target of the GPT table (+0.016) and 64 meets it; Adam
+    divides by the root of its second moment, so the small elements that share a
+    block with an outlier, rounded to zero or one step, move the update most. 64
+    costs 4.7 % more wire and slower quantizing, which SGD does not need
+    (docs/comm_hooks.md: the GPT table, and the 2-host benchmark's cost). A plan
+    of ``scope=inter_node`` codes with its outer state's block size.
     """
 
     name = "int8"
     native_kind = "int8"
     options = {
         **LossyState.options,
-        "block_size": Option(int, 64, positive_multiple_of(4), "elements per fp32 scale"),
+        "block_size": Option(object, "auto", lambda v: None if v == "auto" or (
+            type(v) is int and positive_multiple_of(4)(v) is None) else "must be 'auto' or a positive multiple of 4",
+            "elements per fp32 scale; auto: 64 with an Adam-family optimizer, else 256"),
         "piece_mb": Option(float, 2.0, non_negative,
                            "MB of fp32 gradient per pipelined piece of a bucket (0: one piece per bucket)"),
     }
@@ -68,6 +80,44 @@ class Int8State(TwoPhaseState):
     # buckets start the wire a layer after backward does (benchmarks/bench_comm.py,
     # 1 Gbit/s, before pieces: 166 -> 119 ms/step); with pieces the gap is small.
     bucket_cap_mb = 4.0
+
+    def __init__(self, process_group=None, **opts):
+        super().__init__(process_group, **opts)
+        self._auto_block = None  # block_size auto, once the first optimizer step (or a loaded state) fixed it
+        self.outer = None  # scope=inter_node: the state whose block size this stage-2 state codes with
+        if self.opts["block_size"] == "auto":
+            this = weakref.ref(self)
+            on_first_optimizer_step(lambda opt: this() is not None and this()._fix_block(AUTO_BLOCKS[adam_family(opt)]))
+
+    @property
+    def block_size(self) -> int:
+        """Elements per scale now: the option, or for ``auto`` 256 until an Adam-family
+        optimizer has been seen, then 64."""
+        if self.outer is not None:
+            return self.outer.block_size
+        if self.opts["block_size"] != "auto":
+            return self.opts["block_size"]
+        return self._auto_block or AUTO_BLOCKS[False]
+
+    @block_size.setter
+    def block_size(self, value) -> None:
+        pass  # the option stays in self.opts
+
+    def _fix_block(self, block: int) -> None:
+        """Fix ``auto`` (once); layouts built with another block size are rebuilt at the next bucket."""
+        if self._auto_block is not None:
+            return
+        before, self._auto_block = self.block_size, block
+        if block != before:
+            self.drop_layouts()
+
+    def state_dict(self) -> dict:
+        return dict(super().state_dict(), block_size=self.block_size)
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        if self.opts["block_size"] == "auto" and sd.get("block_size") in AUTO_BLOCKS.values():
+            self._fix_block(sd["block_size"])  # a resumed run codes as the saved one did
 
     def build_layout(self, lay):
         world, rank, block = self.world_size, self.rank, self.block_size
@@ -101,7 +151,7 @@ class Int8State(TwoPhaseState):
         for j, (base, n) in enumerate(ranges):
             plain_chunk = lay.plain_chunk if j == 0 else 0
             piece = 4 * plain_chunk + 4 * (n // block) + n  # bytes per rank message
-            pc = Piece(j, len(ranges), base=base, chunk=n, blocks=n // block, plain_chunk=plain_chunk,
+            pc = Piece(j, len(ranges), base=base, chunk=n, blocks=n // block, block=block, plain_chunk=plain_chunk,
                        piece=piece, stride=lay.chunk,
                        spans=torch.tensor(piece_spans(spans, base, n), dtype=torch.int64).reshape(-1, 4),
                        reduced=lay.reduced.narrow(0, base, n),
@@ -123,7 +173,7 @@ class Int8State(TwoPhaseState):
 
     def start_phase1(self, buf, lay, pc):
         """Phase 1: quantize each destination's chunk of the piece; start the exchange."""
-        world, block = self.world_size, self.block_size
+        world, block = self.world_size, pc.block
         s, c = pc.stride, pc.chunk
         plain, scales, q = self._views(pc, pc.send)
         if pc.first:
@@ -143,7 +193,7 @@ class Int8State(TwoPhaseState):
 
     def start_phase2(self, buf, lay, pc, exchange):
         """Average this rank's chunk of the piece in fp32, server error feedback, requantize, start the all-gather."""
-        world, rank, block = self.world_size, self.rank, self.block_size
+        world, rank, block = self.world_size, self.rank, pc.block
         exchange.wait()
         plain, scales, q = self._views(pc, pc.recv)
         plain2, scales2, q2 = self._views(pc, pc.send2)
@@ -155,7 +205,7 @@ class Int8State(TwoPhaseState):
 
     def finish(self, buf, lay, pc, gather):
         """Dequantize every averaged chunk of the piece into the bucket."""
-        world, block = self.world_size, self.block_size
+        world, block = self.world_size, pc.block
         s, c = pc.stride, pc.chunk
         gather.wait()
         plain, scales, q = self._views(pc, pc.recv2)

@@ -222,8 +222,15 @@ class InterNode(Pipelined):
         if self.keep_whole:  # the same parameter keys: memory is the global hook's, per parameter
             self.inner.key_of = state.key_of
         self.inner_kind = getattr(state, "phase_kind", state.native_kind)
+        if "block_size" in cls.options:  # int8's block_size auto is the outer state's
+            self.inner.outer = state
         self.layouts: dict[int, BucketLayout] = {}
-        self.unit = getattr(state, "block_size", None) or getattr(state, "chunk_size", None) or 1
+
+    @property
+    def unit(self) -> int:
+        """Shards are whole blocks (chunks) of stage 2's coding, read at each layout: int8's
+        ``block_size: auto`` may change it once."""
+        return getattr(self.state, "block_size", None) or getattr(self.state, "chunk_size", None) or 1
 
     # ------------------------------------------------------------------ layouts
     def layout(self, index: int, params: list[torch.Tensor]) -> BucketLayout:

@@ -212,6 +212,7 @@ class HookState:
         self._executor_group = None
         self.native = False  # set by ddpx.comm_hooks.register when the C++ hook runs it
         self._native_close: Callable[[], None] | None = None  # ends the native hook's executor (register sets it)
+        self._native_drop_layouts: Callable[[], None] | None = None  # empties the native hook's layout cache
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------- options
@@ -288,6 +289,13 @@ class HookState:
 
     def build_layout(self, lay: BucketLayout) -> None:
         """Allocate the layout's buffers (subclasses); call ``adopt`` for memory views."""
+
+    def drop_layouts(self) -> None:
+        """Forget every bucket layout (and the native hook's copies), between steps: the next
+        buckets build new ones, and ``adopt`` carries each parameter's memory over."""
+        self.layouts.clear()
+        if self._native_drop_layouts is not None:
+            self._native_drop_layouts()
 
     def adopt(self, name: str, key: int, view: torch.Tensor) -> None:
         """Make `view` the home of parameter `key`'s memory `name`, carrying over

@@ -133,6 +133,12 @@ class Scoped:
         plan = self.inter_node()
         return plan.layout(index, params) if plan is not None else super().layout(index, params)
 
+    def drop_layouts(self):
+        if isinstance(self._plan, Pipelined):  # scope=inter_node: its layouts hold the stage-2 state's
+            self._plan.layouts.clear()
+            self._plan.inner.layouts.clear()
+        super().drop_layouts()
+
     def run_bucket(self, bucket):
         """Warm-up, and inter_node on one node: the exact average; inter_node: its plan;
         else the hook's own ``run_global`` on the bucket's buffer and layout, counted."""
