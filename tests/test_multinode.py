@@ -38,7 +38,7 @@ def _epochs(run_dir):
 def one_host_reference(ranks, tmp_path_factory):
     """Epoch records of the same run on one host with the same world size (2) and seed."""
     tmp = tmp_path_factory.mktemp("one-host")
-    code, out, err = ranks.cli(["train", "--nproc-per-node", "2", "trainer.epochs=2", f"run_dir={tmp / 'run'}",
+    code, out, err = ranks.cli(["train", "--nproc-per-node", "2", "trainer.epochs=3", f"run_dir={tmp / 'run'}",
                               "logging.progress=false"], timeout=150, cwd=tmp)
     assert code == 0, err[-3000:]
     return _epochs(tmp / "run")
@@ -60,7 +60,7 @@ def test_readme_command_on_two_hosts_through_c10d(ranks, tmp_path, two_hosts, on
         if ifname == "set":
             env["GLOO_SOCKET_IFNAME"] = iface
         cmds.append(["ip", "netns", "exec", ns, sys.executable, "-m", "ddpx", "train", "--nnodes", "2",
-                     "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "trainer.epochs=2",
+                     "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "trainer.epochs=3",
                      f"run_dir={tmp_path / 'run'}", "logging.progress=false"])
         envs.append(env)
     nodes = ranks.commands(cmds, tmp_path, timeout=150, env=envs, cwd=tmp_path, names=[a for _, _, a in two_hosts])
