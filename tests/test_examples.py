@@ -78,8 +78,8 @@ def test_resnet_images_smoke(ranks, tmp_path):
     assert epochs[-1]["loss"] < epochs[0]["loss"] / 3
     assert epochs[-1]["accuracy"] > 0.8  # 4 classes: chance is 0.25
 
-    # Without data.args.root: the error a worker's DdpxError becomes on the command line (the path
-    # test_user_errors.py runs end to end), here from the example's own function.
+    # Without data.args.root the example's own function refuses in one line (how a worker's
+    # DdpxError reaches the command line, test_user_errors.py checks end to end).
     spec = importlib.util.spec_from_file_location("example_images", example / "images.py")
     images = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(images)
