@@ -143,7 +143,7 @@ def test_loopback_recommends_no_compression(ranks):
     # micro-batch the allreduce was 15-16% of a step on this 2-core box (CPU contention, not the
     # link), where the advice's threshold lies, and int8 came out 10% faster now and then.
     rc, out, err = ranks.cli(["bench", "comm", *MODEL, "trainer.batch_size=512", "accumulation.steps=4",
-                            "--hooks", "fp16,int8",
+                            "--hooks", "fp16,int8", "--rounds", "2",
                             "--steps", "3", "--json"], timeout=180)
     assert rc == 0, out + err
     report = json.loads(out)

@@ -16,6 +16,8 @@ from comm_hook_checks import DIGITS_BATCH, PART2, DigitsRun
 import ddpx.comm_hooks
 from ddpx.data import digits_split
 
+# the digits scenarios share one launch, set up by whichever test comes first
+pytestmark = pytest.mark.timeout(660)
 
 EPOCHS = 8
 HOOKS = [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"min_numel": 0, "compress_vectors": True})]
@@ -54,9 +56,19 @@ def convergence_worker(rank, world):
     return out
 
 
-def test_lossy_hooks_match_uncompressed_accuracy_on_digits(ranks):
-    results = ranks.call(convergence_worker, 2, timeout=200)
-    r0, r1 = results
+def digits_worker(rank, world):
+    """The three digits scenarios of this module, one after the other in one launch."""
+    return {"lossy": convergence_worker(rank, world), "matrix": matrix_slice_worker(rank, world),
+            "part2": part2_training_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def digits_runs(ranks):
+    return ranks.call(digits_worker, 2, timeout=600)
+
+
+def test_lossy_hooks_match_uncompressed_accuracy_on_digits(digits_runs):
+    r0, r1 = [rank_out["lossy"] for rank_out in digits_runs]
     base = r0["none"][0]
     assert base > 90, f"the uncompressed run itself did not learn: {base:.1f}%"
     report = {k: round(v[0], 2) for k, v in r0.items()}
@@ -76,10 +88,10 @@ def matrix_slice_worker(rank, world):
                                         hooks=("onebit", "powersgd"))
 
 
-def test_default_options_hold_on_a_slice_of_the_convergence_matrix(ranks):
+def test_default_options_hold_on_a_slice_of_the_convergence_matrix(digits_runs):
     """DDP(model) + ddpx.comm_hooks.register(ddp, name), no options: the digits MLP, Adam, batch 16 per
     rank, 12 epochs (540 steps: most of them compressed after the default warm-up)."""
-    rows = ranks.call(matrix_slice_worker, 2, timeout=300)[0]
+    rows = digits_runs[0]["matrix"]
     (row,) = rows
     assert row["allreduce"] > 90, row
     for hook, r in row["hooks"].items():
@@ -123,7 +135,7 @@ def test_matrix_cells_average_their_seeds(monkeypatch):
 
 
 # ---- onebit and powersgd at their defaults, Python path, several buckets in flight
-PART2_EPOCHS = 30
+PART2_EPOCHS = 15  # 330 steps, 230 of them compressed (their warm-up: 100)
 
 
 def part2_training_worker(rank, world):
@@ -140,8 +152,8 @@ def part2_training_worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def part2_training(ranks):
-    return ranks.call(part2_training_worker, world_size=2, timeout=240)
+def part2_training(digits_runs):
+    return [rank_out["part2"] for rank_out in digits_runs]
 
 
 @pytest.mark.slow

@@ -92,15 +92,25 @@ def part2_round_trip_worker(rank, world):
     return res
 
 
+def two_ranks_worker(rank, world):
+    """Both scenarios, one after the other in one launch."""
+    return {"checkpoint": checkpoint_worker(rank, world), "part2": part2_round_trip_worker(rank, world)}
+
+
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def checkpoint(ranks):
-    return ranks.call(checkpoint_worker, 2, timeout=120)
+def two_ranks(ranks):
+    return ranks.call(two_ranks_worker, 2, timeout=280)
 
 
 @pytest.fixture(scope="module")
-def part2_round_trips(ranks):
-    return ranks.call(part2_round_trip_worker, world_size=2, timeout=240)
+def checkpoint(two_ranks):
+    return [rank_out["checkpoint"] for rank_out in two_ranks]
+
+
+@pytest.fixture(scope="module")
+def part2_round_trips(two_ranks):
+    return [rank_out["part2"] for rank_out in two_ranks]
 
 
 # ------------------------------------------------------------------- tests

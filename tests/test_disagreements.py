@@ -418,10 +418,11 @@ def train(ranks, tmp_path, *overrides, timeout=90):
 
 @pytest.mark.slow
 def test_a_collective_on_rank_0_only_ends_the_job_naming_both_plugins(ranks, tmp_path):
-    code, out, _ = train(ranks, tmp_path, "plugins.enable=[myplug]")
+    # trainer.stall_s=3 (10 by default): rank 0 asks after 3 s in the collective that differs
+    code, out, _ = train(ranks, tmp_path, "plugins.enable=[myplug]", "trainer.stall_s=3")
     assert code == 2, out
     elapsed = time.time() - float((tmp_path / "disagreed_at").read_text())
-    assert elapsed < 30, f"the job ended {elapsed:.0f} s after the ranks disagreed"
+    assert elapsed < 20, f"the job ended {elapsed:.0f} s after the ranks disagreed"
     assert len(out.splitlines()) <= 15, out
     assert re.search(r"collective \d+ differs\n  rank 0: all_reduce\(float32\[1\], SUM\) from plugin 'myplug' "
                      r"in ddpx_epoch_end \(myplug.py:12\)\n  rank 1: all_reduce\(int32\[1\], MIN\) from plugin "
@@ -478,11 +479,12 @@ def test_a_rank_that_fails_is_blamed_and_the_plugin_whose_collective_broke_is_no
 
 @pytest.mark.slow
 def test_a_hang_shows_where_every_rank_is_and_writes_their_stacks(ranks, tmp_path):
-    # At the default trainer.stall_s (10 s): the report comes 20 s into the hang, timeout_s ends the job.
-    code, out, elapsed = train(ranks, tmp_path, "data.target=slowdata.splits", "data.args={}",
-                               "trainer.timeout_s=30", "checkpoint.stop_timeout_s=3", timeout=120)
+    # trainer.stall_s=3: the report comes 6 s into the hang (twice stall_s without progress),
+    # timeout_s ends the job 6 s later.
+    code, out, elapsed = train(ranks, tmp_path, "data.target=slowdata.splits", "data.args={}", "trainer.stall_s=3",
+                               "trainer.timeout_s=12", "checkpoint.stop_timeout_s=3", timeout=120)
     assert code != 0, out
-    assert "a rank made no progress for 10 s or more" in out, out
+    assert "a rank made no progress for 3 s or more" in out, out
     assert re.search(r"  rank 0: in Trainer\.backward \(trainer\.py:\d+\), at step \d+", out), out
     assert re.search(r"  rank 1: in Digits\.__getitem__ \(slowdata\.py:19\), at step \d+", out), out
     stacks = (tmp_path / "run" / "stalls" / "rank1.txt").read_text()

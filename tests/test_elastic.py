@@ -181,14 +181,20 @@ def test_workers_stop_with_a_final_checkpoint_when_the_launcher_is_killed(ranks,
     assert_each_sample_once(seen)
 
 
-def test_a_job_still_running_at_the_test_deadline_prints_its_stacks_and_leaves_no_process(ranks, tmp_path):
+def test_a_job_still_running_at_the_test_deadline_prints_its_stacks_and_leaves_no_process(tmp_path):
     """The harness's promise on the shape that once hung CI without a word: a job running at
     the deadline is ended with every process torchrun started (each in a session of its own),
     after each one printed its threads' stacks into the log."""
     cmd = [sys.executable, "-m", "ddpx", *train_args(tmp_path, "hang", "probe.action=hang", "probe.at_step=3",
                                                      "probe.rank=1", "trainer.timeout_s=600")]
-    (launcher,) = ranks.commands([cmd], tmp_path, timeout=40, env=probe_env(), cwd=tmp_path, names=["launcher"])
-    assert launcher.hung, launcher.output[-3000:]
+    # the deadline comes 2 s after rank 1 hangs (its marker), rank 0 waiting in a collective
+    log = tmp_path / "launcher.log"
+    proc = harness.start(cmd, log, harness.base_env(probe_env()), cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and not (tmp_path / "marker").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (launcher,) = harness.finish([proc], [log], timeout=2)
+    assert (tmp_path / "marker").exists() and launcher.hung, launcher.output[-3000:]
     workers = worker_pids(tmp_path, "hang")
     assert len(workers) == 2 and not any(map(alive, workers)), workers
     assert re.search(r'elastic_probe.py", line \d+ in ddpx_batch_end', launcher.output), launcher.output[-3000:]

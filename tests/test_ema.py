@@ -82,11 +82,11 @@ def test_the_digits_default_reports_ema_accuracy(ranks, tmp_path):
 
     run_dir = tmp_path / "run"
     rc, out, err = ranks.cli(["train", "--nproc-per-node=2", f"run_dir={run_dir}", "ema.decay=0.999",
-                              "logging.progress=false"], cwd=tmp_path, timeout=240)
+                              "trainer.epochs=3", "logging.progress=false"], cwd=tmp_path, timeout=240)
     assert rc == 0, err[-3000:]
     epochs = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
-    assert len(epochs) == 10 and all("ema_accuracy" in r and "ema_eval_loss" in r for r in epochs)
-    assert epochs[-1]["accuracy"] > 0.9  # the raw weights learned the digits
+    assert len(epochs) == 3 and all("ema_accuracy" in r and "ema_eval_loss" in r for r in epochs)
+    assert epochs[-1]["accuracy"] > 0.9  # the raw weights learned the digits (0.947 after 3 epochs)
     assert "ema_accuracy" in err  # in the epoch lines on the console
 
     # The last epoch's ema_accuracy is the accuracy of the exported EMA weights, evaluated by hand.

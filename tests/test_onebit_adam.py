@@ -211,15 +211,26 @@ def scaler_worker(rank, world):
     return {"params": run.params(), "scales": scales}
 
 
+def two_ranks_worker(rank, world):
+    """The three scenarios, one after the other in one launch (resume's groups last)."""
+    return {"steps": steps_worker(rank, world), "scaler": scaler_worker(rank, world),
+            "resume": resume_worker(rank, world)}
+
+
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def stepped(ranks):
-    return ranks.call(steps_worker, 2, timeout=120)
+def two_ranks(ranks):
+    return ranks.call(two_ranks_worker, 2, timeout=240)
 
 
 @pytest.fixture(scope="module")
-def resumed(ranks):
-    return ranks.call(resume_worker, 2, timeout=120)
+def stepped(two_ranks):
+    return [rank_out["steps"] for rank_out in two_ranks]
+
+
+@pytest.fixture(scope="module")
+def resumed(two_ranks):
+    return [rank_out["resume"] for rank_out in two_ranks]
 
 
 # ------------------------------------------------------------------- tests
@@ -255,8 +266,8 @@ def test_another_world_size_resets_the_error_memory_and_keeps_the_counters(resum
     assert info["memory"] == 0 and info["steps"] == 5
 
 
-def test_a_rank_that_overflows_alone_makes_every_rank_skip(ranks):
-    out = ranks.call(scaler_worker, 2, timeout=120)
+def test_a_rank_that_overflows_alone_makes_every_rank_skip(two_ranks):
+    out = [rank_out["scaler"] for rank_out in two_ranks]
     assert out[0]["scales"] == out[1]["scales"]
     assert out[0]["scales"][5] < out[0]["scales"][4]  # the overflow was seen by both
     assert all(torch.equal(a, b) for a, b in zip(out[0]["params"], out[1]["params"]))

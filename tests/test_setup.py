@@ -6,6 +6,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import time
 
 import pytest
 
@@ -142,8 +143,13 @@ def test_setup_py_reuses_a_current_extension_and_compiles_a_stale_one(tmp_path):
 
     with open(tmp_path / "csrc" / "module.cpp", "a") as f:
         f.write("\n// edited\n")
-    # 40 s: enough for setup.py to decide and print, far too little to compile 14 files
-    (edited,) = harness.run_commands([cmd], tmp_path, timeout=40, cwd=tmp_path, names=["stale"])
+    # stopped once it says it compiles (or after 40 s: far too little to compile 14 files)
+    log = tmp_path / "stale.log"
+    proc = harness.start(cmd, log, harness.base_env(), cwd=tmp_path)
+    deadline = time.monotonic() + 40
+    while proc.poll() is None and "ddpx._C: compiling" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (edited,) = harness.finish([proc], [log], timeout=0)
     assert "ddpx._C: compiling" in edited.output and "(csrc/ or setup.py changed since the build;" in edited.output, \
         edited.output[-3000:]
 

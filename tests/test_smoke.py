@@ -19,9 +19,8 @@ def _table(out):
     return rows
 
 
-@pytest.mark.parametrize("run_dir", [None, "mine"])
-def test_smoke_passes_on_the_default_example(ranks, tmp_path, run_dir):
-    rc, out, err = ranks.cli(["train", "--smoke", *([f"run_dir={run_dir}"] if run_dir else [])], timeout=120, cwd=tmp_path)
+def test_smoke_passes_on_the_default_example(ranks, tmp_path):
+    rc, out, err = ranks.cli(["train", "--smoke"], timeout=120, cwd=tmp_path)
     assert rc == 0, out + err
     rows = _table(out)
     assert set(rows) == set(smoke_rank.STAGES), out
@@ -31,7 +30,16 @@ def test_smoke_passes_on_the_default_example(ranks, tmp_path, run_dir):
     assert "weights identical" in rows["resume"][1]
     assert "3 optimizer steps" in rows["train"][1] and "2 optimizer steps" in rows["train after resume"][1]
     # it ran on the slice, in a run dir of its own
-    assert list(tmp_path.glob(f"{run_dir or 'runs'}/smoke-*/checkpoints/*.pt"))
+    assert list(tmp_path.glob("runs/smoke-*/checkpoints/*.pt"))
+
+
+def test_the_smoke_run_dir_is_under_the_run_dir_or_runs(tmp_path, monkeypatch):
+    from ddpx.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    mine = smoke_report.smoke_run_dir(load_config(None, ["run_dir=mine"]), env={})
+    assert os.path.dirname(mine) == str(tmp_path / "mine") and os.path.basename(mine).startswith("smoke-20")
+    assert smoke_report.smoke_run_dir(load_config(None, []), env={"SLURM_JOB_ID": "42"}) == str(tmp_path / "runs" / "smoke-42")
 
 
 BROKEN_PLUGIN = textwrap.dedent(
