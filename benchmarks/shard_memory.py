@@ -22,10 +22,10 @@ from ddpx.train.fsdp import local_bytes
 record: dict = {}
 
 
-def sent_bytes():
+def sent_bytes(table: str = "/proc/net/dev"):
     """Bytes sent so far by this network namespace's interfaces other than loopback (None off Linux)."""
     try:
-        with open("/proc/net/dev") as f:
+        with open(table) as f:
             lines = f.readlines()[2:]  # two header lines, then "iface: rx_bytes ... tx_bytes ..."
     except OSError:
         return None
