@@ -28,7 +28,10 @@ ratio to ddp's in the same round (the median over rounds). Measured per cell by 
 * ``reduce_bytes_per_step``: what the gradients' reduction sends per step: the
   compressed comm's own counter where there is one, else the ring formula
   (ddp: 2 (w-1)/w of the fp32 gradients; fsdp: (w-1)/w of them in ``fsdp.reduce_dtype``),
-  and ``reduce_vs_fp32``: that over the fp32 reduce-scatter's bytes;
+  and ``reduce_vs_fp32``: that over the fp32 reduce-scatter's bytes (the counter's own
+  fp32 figure where it keeps one). Over gloo, FSDP's own reduce-scatter is an all-reduce
+  of the whole gradient on the wire (``sent_bytes_per_step`` shows it), twice the formula;
+* ``link_ms``: ``sent_bytes_per_step`` at the link's rate, the least a step can take;
 * ``peak_rss_bytes``: the rank's peak resident memory (whole process: torch, the data,
   activations and, under fsdp, the gathered units included).
 
@@ -49,6 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_comm import parse_rate
 from benchjson import emit
 
 HERE = Path(__file__).resolve().parent
@@ -141,7 +145,10 @@ def measure(record: dict, warmup: int) -> dict:
     out["sent_bytes_per_step"] = (sent[-1] - sent[0]) / steps if sent[0] is not None else None
     first, last = record.get("hook_first"), record.get("hook_last")
     if first and last and last["steps"] > first["steps"]:  # the comm's own counter (all but the first step)
-        out["hook_wire_bytes_per_step"] = (last["wire_bytes"] - first["wire_bytes"]) / (last["steps"] - first["steps"])
+        steps = last["steps"] - first["steps"]
+        out["hook_wire_bytes_per_step"] = (last["wire_bytes"] - first["wire_bytes"]) / steps
+        if "fp32_wire_bytes" in last:  # the compressed reduce-scatter's fp32 counterpart, padding included
+            out["hook_fp32_wire_bytes_per_step"] = (last["fp32_wire_bytes"] - first["fp32_wire_bytes"]) / steps
     return out
 
 
@@ -155,7 +162,7 @@ def reduce_bytes(cell: str, result: dict, grad_bytes_fp32: float, world: int) ->
     return (world - 1) / world * grad_bytes_fp32 * BYTES[dtype] / 4
 
 
-def summarize(rounds: list[dict], cells: list[str]) -> dict:
+def summarize(rounds: list[dict], cells: list[str], rate_bps: float) -> dict:
     summary = {}
     for cell in cells:
         runs = [r[cell] for r in rounds if cell in r and "error" not in r[cell] and "skipped" not in r[cell]]
@@ -172,11 +179,13 @@ def summarize(rounds: list[dict], cells: list[str]) -> dict:
         s["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in runs)
         sent = [r["sent_bytes_per_step"] for r in runs if r["sent_bytes_per_step"] is not None]
         s["sent_bytes_per_step"] = statistics.median(sent) if sent else None
+        s["link_ms"] = s["sent_bytes_per_step"] * 8 / rate_bps * 1e3 if sent else None  # what the link alone needs
         if grad_fp32:
             s["memory_vs_ddp"] = s["total"] / rounds[0]["ddp"]["total"]
             s["reduce_bytes_per_step"] = reduce_bytes(cell, last, grad_fp32, world)
             s["reduce_source"] = "counter" if "hook_wire_bytes_per_step" in last else "ring formula"
-            s["reduce_vs_fp32"] = s["reduce_bytes_per_step"] / ((world - 1) / world * grad_fp32)
+            fp32 = last.get("hook_fp32_wire_bytes_per_step", (world - 1) / world * grad_fp32)
+            s["reduce_vs_fp32"] = s["reduce_bytes_per_step"] / fp32
         summary[cell] = s
     return summary
 
@@ -184,13 +193,14 @@ def summarize(rounds: list[dict], cells: list[str]) -> dict:
 def table(report: dict) -> str:
     head = (f"{report['world_size']} hosts x 1 rank, {report['rate']} links, GPT {report['parameters'] / 1e6:.1f} M "
             f"parameters, batch {report['batch']} x 64, median of {report['steps']} steps x {report['rounds']} rounds")
-    rows = [("cell", "params MB", "grads MB", "optim MB", "total MB", "/ddp", "ms/step", "x ddp", "sent MB/step",
+    rows = [("cell", "params MB", "grads MB", "optim MB", "total MB", "/ddp", "ms/step", "x ddp", "sent MB/step", "link ms",
              "reduce MB/step", "/fp32 RS", "peak RSS MB")]
     for cell, s in report["summary"].items():
         mb = lambda v: f"{v / 1e6:.1f}" if v is not None else ""  # noqa: E731
         rows.append((cell, mb(s["parameters"]), mb(s["gradients"]), mb(s["optimizer"]), mb(s["total"]),
                      f"{s.get('memory_vs_ddp', 0):.3f}", f"{s['ms_per_step']:.0f}",
                      f"{s['vs_ddp']:.2f}" if s["vs_ddp"] else "", mb(s["sent_bytes_per_step"]),
+                     f"{s['link_ms']:.0f}" if s["link_ms"] is not None else "",
                      mb(s.get("reduce_bytes_per_step")) + (" (c)" if s.get("reduce_source") == "counter" else ""),
                      f"{s['reduce_vs_fp32']:.2f}" if "reduce_vs_fp32" in s else "", mb(s["peak_rss_bytes"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -199,7 +209,8 @@ def table(report: dict) -> str:
     notes += [f"{cell}: FAILED in round {i}: {e}" for i, r in enumerate(report["rounds_raw"])
               for cell, e in r.items() if isinstance(e, dict) and "error" in e]
     notes.append("reduce MB: the ring formula, (c): the compressed comm's own counter; /fp32 RS: over an fp32 "
-                 "reduce-scatter's bytes; sent MB: all the host sent on its link per step")
+                 "reduce-scatter's bytes; sent MB: all the host sent on its link per step; link ms: that at the link's rate "
+                 "(a step far above it is bound by the CPU, not the link)")
     return "\n".join([head, lines[0], "-" * len(lines[0]), *lines[1:], *notes])
 
 
@@ -248,7 +259,7 @@ def main(argv=None) -> int:
     report = {"rate": args.rate, "world_size": 2, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
               "rounds": args.rounds, "width": args.width, "layers": args.layers, "torch": torch.__version__,
               "parameters": ddp["parameters"] / 4 if ddp else 0, "load_average": os.getloadavg()[0],
-              "skipped": skipped, "summary": summarize(rounds, cells), "rounds_raw": rounds}
+              "skipped": skipped, "summary": summarize(rounds, cells, parse_rate(args.rate)), "rounds_raw": rounds}
     if not emit(report, args.out, args.json):
         print(table(report))
     return 0 if all("error" not in r[c] for r in rounds for c in r) else 1

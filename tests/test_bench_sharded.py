@@ -19,11 +19,13 @@ def test_per_step_figures_are_taken_after_the_warmup_steps():
               "peak_rss_bytes": 7,
               # 5 steps: the first two are warm-up; the timed ones take 1.0, 3.0 and 2.0 s
               "step_end_s": [0.0, 10.0, 11.0, 14.0, 16.0], "sent_bytes": [0, 500, 800, 1100, 1400],
-              "hook_first": {"wire_bytes": 100, "steps": 1}, "hook_last": {"wire_bytes": 500, "steps": 5}}
+              "hook_first": {"wire_bytes": 100, "fp32_wire_bytes": 400, "steps": 1},
+              "hook_last": {"wire_bytes": 500, "fp32_wire_bytes": 2000, "steps": 5}}
     out = bench.measure(record, warmup=2)
     assert out["ms_per_step"] == 2000.0
     assert out["sent_bytes_per_step"] == 300.0  # (1400 - 500) / 3: from the end of the last warm-up step
     assert out["hook_wire_bytes_per_step"] == 100.0  # the counter over its last 4 steps
+    assert out["hook_fp32_wire_bytes_per_step"] == 400.0
     assert out["total"] == 160 and out["peak_rss_bytes"] == 7
 
 
@@ -51,3 +53,20 @@ def test_sent_bytes_leaves_loopback_out(tmp_path):
 def test_the_cells_configs_load(cell):
     """Every override is a key of the char GPT example's config (load_config checks them)."""
     assert bench.refusal(cell, ARGS) is None
+
+
+def test_summary_ratios_to_ddp_within_each_round_and_the_counters_fraction():
+    def cell(ms, total, **extra):
+        return {"parameters": total / 4, "gradients": total / 4, "optimizer": total / 2, "total": total,
+                "world_size": 2, "peak_rss_bytes": 10, "ms_per_step": ms, "sent_bytes_per_step": 1e6, **extra}
+
+    rounds = [{"ddp": cell(100.0, 800), "fsdp_int8": cell(150.0, 400, hook_wire_bytes_per_step=26.0,
+                                                           hook_fp32_wire_bytes_per_step=100.0)},
+              {"ddp": cell(200.0, 800), "fsdp_int8": cell(260.0, 400, hook_wire_bytes_per_step=26.0,
+                                                           hook_fp32_wire_bytes_per_step=100.0)}]
+    s = bench.summarize(rounds, ["ddp", "fsdp_int8"], rate_bps=1e9)
+    assert s["fsdp_int8"]["vs_ddp"] == pytest.approx((1.5 + 1.3) / 2)  # each round's own ddp
+    assert s["fsdp_int8"]["memory_vs_ddp"] == 0.5
+    assert s["fsdp_int8"]["reduce_vs_fp32"] == 0.26 and s["fsdp_int8"]["reduce_source"] == "counter"
+    assert s["ddp"]["reduce_vs_fp32"] == 2.0  # an all-reduce sends twice a reduce-scatter
+    assert s["ddp"]["link_ms"] == 8.0  # 1 MB at 1 Gbit/s
