@@ -12,7 +12,8 @@ checkpoint. Cells (``--cells``), each one ``ddpx train`` per host:
 * ``fsdp``: ``trainer.strategy=fsdp``, fp32 reduce-scatter;
 * ``fsdp_reduce_bf16``: ``fsdp.reduce_dtype=bf16``;
 * ``fsdp_int8``, ``fsdp_bf16``: the compressed reduce-scatter (``comm_hook.name=int8`` /
-  ``bf16`` under fsdp, compressing from the first step); a cell that ddpx refuses to
+  ``bf16`` under fsdp: ddpx/comm_hooks/reduce_scatter.py, compressing from the first
+  step, fp32 gradients); a cell that ddpx refuses to
   configure is reported as skipped with ddpx's own line.
 
 The cells run in rounds (``--rounds``), every cell once per round, so that load from
@@ -73,19 +74,13 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 def cell_overrides(cell: str, args) -> list[str]:
     """The cell's ``ddpx train`` overrides: the example widened, short, nothing but training steps."""
-    import ddpx.comm_hooks
-
     overrides = [f"model.args.n_embd={args.width}", f"model.args.n_layer={args.layers}",
                  f"model.args.n_head={args.width // 64}", f"trainer.batch_size={args.batch}",
                  f"trainer.max_steps={args.warmup + args.steps}", f"scheduler.args.total_steps={args.warmup + args.steps}",
                  "scheduler.args.warmup_steps=1", "accumulation.steps=1", "trainer.eval_every_epochs=0",
                  "checkpoint.enabled=false", "comm_monitor.enabled=false", "logging.progress=false",
                  "comm_hook.name=allreduce", "comm_hook.options={}", "plugins.enable=[shard_memory]"]
-    overrides += CELLS[cell]
-    hook = next((o.split("=", 1)[1] for o in CELLS[cell] if o.startswith("comm_hook.name=")), None)
-    if hook:  # every timed step compresses
-        overrides.append(f"comm_hook.options={json.dumps(ddpx.comm_hooks.without_warmup(hook))}")
-    return overrides
+    return overrides + CELLS[cell]  # the sharded reduce-scatter compresses from the first step (no warm-up)
 
 
 def refusal(cell: str, args):

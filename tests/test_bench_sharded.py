@@ -49,7 +49,7 @@ def test_sent_bytes_leaves_loopback_out(tmp_path):
     assert shard_memory.sent_bytes(str(tmp_path / "missing")) is None
 
 
-@pytest.mark.parametrize("cell", ["ddp", "fsdp", "fsdp_reduce_bf16"])
+@pytest.mark.parametrize("cell", ["ddp", "fsdp", "fsdp_reduce_bf16", "fsdp_int8", "fsdp_bf16"])
 def test_the_cells_configs_load(cell):
     """Every override is a key of the char GPT example's config (load_config checks them)."""
     assert bench.refusal(cell, ARGS) is None
