@@ -9,7 +9,8 @@
 # Steps, most wanted first (a step that would not fit in what is left of the budget
 # is skipped, and says so): build the CUDA extension in place against the machine's
 # torch; the CUDA tests (kernels, every hook over NCCL, compile); trainer.strategy=fsdp
-# through `ddpx train` (world 1 over NCCL, 2 ranks over gloo on the one GPU); the char GPT's
+# through `ddpx train` (world 1 over NCCL, 2 ranks over gloo on the one GPU, with and without
+# the int8 reduce-scatter); the char GPT's
 # steps/s and peak memory for no hook, int8, powersgd and compile, each against a
 # hand-written DDP loop (benchmarks/bench_char_gpt.py, TORCH_LOGS=recompiles for the
 # compile runs); every hook across 2 ranks over gloo with CUDA tensors
@@ -77,7 +78,8 @@ step tests_cuda gpu 60 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda te
 # (gathered and computed in bf16), a checkpoint of shards at each epoch end, the padded
 # evaluation, the exported model_weights.pt. World 1 over NCCL; 2 ranks on the one GPU over
 # gloo (NCCL refuses two ranks on one device), which then resume from their shards for a
-# third epoch (3 x 23 steps). Without a GPU the same runs on the CPU over gloo.
+# third epoch (3 x 23 steps), and 2 ranks with the int8 reduce-scatter. Without a GPU the
+# same runs on the CPU over gloo.
 RUNS=$(mktemp -d)
 DEV=$([ "$GPU" = 1 ] && echo cuda || echo cpu)
 FSDP="$PY -m ddpx train trainer.strategy=fsdp fsdp.min_unit_params=1000 amp.enabled=true amp.dtype=bf16 \
@@ -87,6 +89,9 @@ step fsdp_world1 25 90 bash -c "$FSDP --nproc-per-node 1 trainer.backend=$([ "$G
 step fsdp_gloo_2ranks 45 150 bash -c "$FSDP --nproc-per-node 2 trainer.backend=gloo trainer.epochs=2 run_dir=$RUNS/gloo2 \
     && $FSDP --nproc-per-node 2 trainer.backend=gloo trainer.epochs=3 --resume $RUNS/gloo2 \
     && test -d $RUNS/gloo2/checkpoints/step-000000069.shards && tail -n 1 $RUNS/gloo2/metrics.jsonl"
+# the int8 reduce-scatter (comm_hook.name=int8 under fsdp: ddpx's CUDA kernels, one all_to_all)
+step fsdp_int8_2ranks 25 90 bash -c "$FSDP --nproc-per-node 2 trainer.backend=gloo comm_hook.name=int8 trainer.epochs=2 \
+    run_dir=$RUNS/int8 && tail -n 1 $RUNS/int8/metrics.jsonl"
 if [ "$GPU" = 1 ]; then
     step char_gpt 200 260 "$PY" benchmarks/bench_char_gpt.py --device cuda --warmup 100 --steps 400 --timeout 120 \
         --variants none,int8,powersgd,compile,compile_int8 --logdir "$OUT" --out "$OUT/bench_char_gpt.json"
@@ -130,7 +135,7 @@ for log in sorted(glob.glob(os.path.join(out, "char_gpt_compile*.log"))):
     lines = [l.rstrip() for l in open(log, errors="replace") if "Recompiling" in l or "triggered by" in l]
     recompiles[os.path.basename(log)] = lines[:20]
 fsdp_runs = {}  # each fsdp run's last epoch line (loss, eval_loss, accuracy)
-for name in ("world1", "gloo2"):
+for name in ("world1", "gloo2", "int8"):
     try:
         fsdp_runs[name] = [json.loads(l) for l in open(os.path.join(runs, name, "metrics.jsonl"))][-1]
     except (OSError, ValueError, IndexError):
