@@ -33,8 +33,9 @@ ratio to ddp's in the same round (the median over rounds). Measured per cell by 
   fp32 figure where it keeps one). Over gloo, FSDP's own reduce-scatter is an all-reduce
   of the whole gradient on the wire (``sent_bytes_per_step`` shows it), twice the formula;
 * ``link_ms``: ``sent_bytes_per_step`` at the link's rate, the least a step can take;
-* ``peak_rss_bytes``: the rank's peak resident memory (whole process: torch, the data,
-  activations and, under fsdp, the gathered units included).
+* ``rss_bytes``, ``peak_rss_bytes``: the rank's resident memory at the end of training
+  and at its peak (the whole process: torch, the data, activations and, under fsdp, the
+  gathered units; the peak also counts the whole model as built, before fsdp shards it).
 
 Usage: sudo python benchmarks/bench_sharded.py [--rounds 2] [--steps 6] [--cells ddp,fsdp,...]
        [--rate 1gbit] [--json] [--out FILE]
@@ -135,7 +136,8 @@ def measure(record: dict, warmup: int) -> dict:
     """Per-step figures from one rank's record, over the steps after `warmup`."""
     ends, sent = record["step_end_s"][warmup - 1:], record["sent_bytes"][warmup - 1:]
     steps = len(ends) - 1
-    out = {k: record[k] for k in ("parameters", "gradients", "optimizer", "total", "world_size", "peak_rss_bytes")}
+    out = {k: record.get(k) for k in ("parameters", "gradients", "optimizer", "total", "world_size", "peak_rss_bytes",
+                                      "rss_bytes")}
     out["ms_per_step"] = 1e3 * statistics.median(b - a for a, b in zip(ends, ends[1:]))
     out["sent_bytes_per_step"] = (sent[-1] - sent[0]) / steps if sent[0] is not None else None
     first, last = record.get("hook_first"), record.get("hook_last")
@@ -172,6 +174,7 @@ def summarize(rounds: list[dict], cells: list[str], rate_bps: float) -> dict:
         s["ms_per_step"] = statistics.median(r["ms_per_step"] for r in runs)
         s["vs_ddp"] = statistics.median(ratios) if ratios else None
         s["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in runs)
+        s["rss_bytes"] = max((r["rss_bytes"] for r in runs if r.get("rss_bytes") is not None), default=None)
         sent = [r["sent_bytes_per_step"] for r in runs if r["sent_bytes_per_step"] is not None]
         s["sent_bytes_per_step"] = statistics.median(sent) if sent else None
         s["link_ms"] = s["sent_bytes_per_step"] * 8 / rate_bps * 1e3 if sent else None  # what the link alone needs
@@ -189,7 +192,7 @@ def table(report: dict) -> str:
     head = (f"{report['world_size']} hosts x 1 rank, {report['rate']} links, GPT {report['parameters'] / 1e6:.1f} M "
             f"parameters, batch {report['batch']} x 64, median of {report['steps']} steps x {report['rounds']} rounds")
     rows = [("cell", "params MB", "grads MB", "optim MB", "total MB", "/ddp", "ms/step", "x ddp", "sent MB/step", "link ms",
-             "reduce MB/step", "/fp32 RS", "peak RSS MB")]
+             "reduce MB/step", "/fp32 RS", "RSS MB", "peak RSS MB")]
     for cell, s in report["summary"].items():
         mb = lambda v: f"{v / 1e6:.1f}" if v is not None else ""  # noqa: E731
         rows.append((cell, mb(s["parameters"]), mb(s["gradients"]), mb(s["optimizer"]), mb(s["total"]),
@@ -197,7 +200,8 @@ def table(report: dict) -> str:
                      f"{s['vs_ddp']:.2f}" if s["vs_ddp"] else "", mb(s["sent_bytes_per_step"]),
                      f"{s['link_ms']:.0f}" if s["link_ms"] is not None else "",
                      mb(s.get("reduce_bytes_per_step")) + (" (c)" if s.get("reduce_source") == "counter" else ""),
-                     f"{s['reduce_vs_fp32']:.2f}" if "reduce_vs_fp32" in s else "", mb(s["peak_rss_bytes"])))
+                     f"{s['reduce_vs_fp32']:.2f}" if "reduce_vs_fp32" in s else "", mb(s["rss_bytes"]),
+                     mb(s["peak_rss_bytes"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     notes = [f"{cell}: skipped: {why}" for cell, why in report["skipped"].items()]

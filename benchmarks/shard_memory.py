@@ -3,7 +3,8 @@
 first optimizer step, and, for benchmarks/bench_sharded.py, when each optimizer step ended,
 the bytes its network interfaces had sent by then (``/proc/net/dev``, loopback left out:
 what the host sent, in a network namespace per rank what the rank sent), the comm hook's
-own counters at the first and the last step, and the process's peak RSS. Written at the
+own counters at the first and the last step, and the process's resident memory at the end
+and at its peak. Written at the
 end of training into ``run_dir/shard_memory_rank<r>.json``.
 
 Usage (the numbers in docs/sharded.md):
@@ -32,6 +33,16 @@ def sent_bytes(table: str = "/proc/net/dev"):
     return sum(int(fields.split()[8]) for name, fields in (line.split(":", 1) for line in lines) if name.strip() != "lo")
 
 
+def resident_bytes():
+    """The process's resident memory now (None off Linux): the peak also counts the whole
+    model as built, before fsdp shards it."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return None
+
+
 def hook_stats(trainer):
     hook = trainer.shared.get(COMM_HOOK)
     return hook.stats() if hook is not None else None
@@ -56,4 +67,5 @@ def ddpx_train_end(trainer):
         return
     record["hook_last"] = hook_stats(trainer)
     record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    record["rss_bytes"] = resident_bytes()
     (trainer.run_dir / f"shard_memory_rank{trainer.rank}.json").write_text(json.dumps(record))

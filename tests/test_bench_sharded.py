@@ -16,7 +16,7 @@ ARGS = argparse.Namespace(width=128, layers=2, batch=4, warmup=2, steps=3)
 
 def test_per_step_figures_are_taken_after_the_warmup_steps():
     record = {"parameters": 40, "gradients": 40, "optimizer": 80, "total": 160, "world_size": 2,
-              "peak_rss_bytes": 7,
+              "peak_rss_bytes": 7, "rss_bytes": 5,
               # 5 steps: the first two are warm-up; the timed ones take 1.0, 3.0 and 2.0 s
               "step_end_s": [0.0, 10.0, 11.0, 14.0, 16.0], "sent_bytes": [0, 500, 800, 1100, 1400],
               "hook_first": {"wire_bytes": 100, "fp32_wire_bytes": 400, "steps": 1},
@@ -26,7 +26,7 @@ def test_per_step_figures_are_taken_after_the_warmup_steps():
     assert out["sent_bytes_per_step"] == 300.0  # (1400 - 500) / 3: from the end of the last warm-up step
     assert out["hook_wire_bytes_per_step"] == 100.0  # the counter over its last 4 steps
     assert out["hook_fp32_wire_bytes_per_step"] == 400.0
-    assert out["total"] == 160 and out["peak_rss_bytes"] == 7
+    assert out["total"] == 160 and out["peak_rss_bytes"] == 7 and out["rss_bytes"] == 5
 
 
 def test_gradient_bytes_ring_formulas_and_the_counter_first():
