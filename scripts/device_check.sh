@@ -8,7 +8,9 @@
 #
 # Steps, most wanted first (a step that would not fit in what is left of the budget
 # is skipped, and says so): build the CUDA extension in place against the machine's
-# torch; the CUDA tests (kernels, every hook over NCCL, compile); the char GPT's
+# torch; the CUDA tests (kernels, every hook over NCCL, compile); trainer.strategy=fsdp
+# through `ddpx train` (world 1 over NCCL, 2 ranks over gloo on the one GPU, with and without
+# the int8 reduce-scatter); the char GPT's
 # steps/s and peak memory for no hook, int8, powersgd and compile, each against a
 # hand-written DDP loop (benchmarks/bench_char_gpt.py, TORCH_LOGS=recompiles for the
 # compile runs); every hook across 2 ranks over gloo with CUDA tensors
@@ -72,6 +74,24 @@ step build gpu 90 150 env DDPX_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="$(nproc
     --no-build-isolation --no-index -e .
 step tests_cuda gpu 60 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_kernels.py tests/test_comm_hooks_cuda.py \
     tests/test_compile.py tests/test_comm_hook_threads.py
+# trainer.strategy=fsdp on the device: the digits default sharded (3 units + the root), bf16 AMP
+# (gathered and computed in bf16), a checkpoint of shards at each epoch end, the padded
+# evaluation, the exported model_weights.pt. World 1 over NCCL; 2 ranks on the one GPU over
+# gloo (NCCL refuses two ranks on one device), which then resume from their shards for a
+# third epoch (3 x 23 steps), and 2 ranks with the int8 reduce-scatter. Without a GPU the
+# same runs on the CPU over gloo.
+RUNS=$(mktemp -d)
+DEV=$([ "$GPU" = 1 ] && echo cuda || echo cpu)
+FSDP="$PY -m ddpx train trainer.strategy=fsdp fsdp.min_unit_params=1000 amp.enabled=true amp.dtype=bf16 \
+logging.progress=false trainer.device=$DEV"
+step fsdp_world1 25 90 bash -c "$FSDP --nproc-per-node 1 trainer.backend=$([ "$GPU" = 1 ] && echo nccl || echo gloo) \
+    trainer.epochs=2 run_dir=$RUNS/world1 && test -s $RUNS/world1/model_weights.pt && tail -n 1 $RUNS/world1/metrics.jsonl"
+step fsdp_gloo_2ranks 45 150 bash -c "$FSDP --nproc-per-node 2 trainer.backend=gloo trainer.epochs=2 run_dir=$RUNS/gloo2 \
+    && $FSDP --nproc-per-node 2 trainer.backend=gloo trainer.epochs=3 --resume $RUNS/gloo2 \
+    && test -d $RUNS/gloo2/checkpoints/step-000000069.shards && tail -n 1 $RUNS/gloo2/metrics.jsonl"
+# the int8 reduce-scatter (comm_hook.name=int8 under fsdp: ddpx's CUDA kernels, one all_to_all)
+step fsdp_int8_2ranks 25 90 bash -c "$FSDP --nproc-per-node 2 trainer.backend=gloo comm_hook.name=int8 trainer.epochs=2 \
+    run_dir=$RUNS/int8 && tail -n 1 $RUNS/int8/metrics.jsonl"
 if [ "$GPU" = 1 ]; then
     step char_gpt 200 260 "$PY" benchmarks/bench_char_gpt.py --device cuda --warmup 100 --steps 400 --timeout 120 \
         --variants none,int8,powersgd,compile,compile_int8 --logdir "$OUT" --out "$OUT/bench_char_gpt.json"
@@ -92,9 +112,9 @@ step bench_kernels_cuda gpu 30 90 "$PY" benchmarks/bench_kernels.py --device cud
 step bench_kernels_cpu 30 60 "$PY" benchmarks/bench_kernels.py --device cpu --json --out "$OUT/bench_kernels_cpu.json"
 
 # The one JSON: steps, the test counts, the benchmarks' figures, the recompiles of the compile runs.
-"$PY" - "$OUT" "$STEPS" "$GPU" "$(( $(date +%s) - START ))" "$status" <<'EOF' | tee "$OUT/device_check.json"
+"$PY" - "$OUT" "$STEPS" "$GPU" "$(( $(date +%s) - START ))" "$status" "$RUNS" <<'EOF' | tee "$OUT/device_check.json"
 import glob, json, os, re, sys
-out, steps_file, gpu, seconds, status = sys.argv[1:]
+out, steps_file, gpu, seconds, status, runs = sys.argv[1:]
 steps = [json.loads(line) for line in open(steps_file)]
 for s in steps:  # pytest's summary line: "3 failed, 40 passed, 2 skipped in 12.3s"
     log = os.path.join(out, s["step"] + ".log")
@@ -114,12 +134,19 @@ recompiles = {}
 for log in sorted(glob.glob(os.path.join(out, "char_gpt_compile*.log"))):
     lines = [l.rstrip() for l in open(log, errors="replace") if "Recompiling" in l or "triggered by" in l]
     recompiles[os.path.basename(log)] = lines[:20]
+fsdp_runs = {}  # each fsdp run's last epoch line (loss, eval_loss, accuracy)
+for name in ("world1", "gloo2", "int8"):
+    try:
+        fsdp_runs[name] = [json.loads(l) for l in open(os.path.join(runs, name, "metrics.jsonl"))][-1]
+    except (OSError, ValueError, IndexError):
+        fsdp_runs[name] = None
 report = {
     "device_check": "gpu" if gpu == "1" else "dry-run (no GPU: GPU steps skipped, benchmark scripts run short on the CPU)",
     "seconds": int(seconds), "exit": int(status), "steps": steps,
     "char_gpt": char_gpt and {"summary": char_gpt.get("summary"), "runs": char_gpt.get("runs")},
     "hooks_2ranks": hooks and {"ok": hooks.get("ok"), "verdicts": hooks.get("verdicts"), "results": hooks.get("results")},
     "recompiles": recompiles,
+    "fsdp": fsdp_runs,
     "orthogonalize": load("bench_orthogonalize.json"),
     "bench_kernels_cuda": "written" if load("bench_kernels_cuda.json") is not None else None,
 }
