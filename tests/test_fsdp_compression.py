@@ -222,3 +222,14 @@ def test_what_does_not_apply_under_fsdp_is_one_config_error(overrides, message):
     escaped = "".join("\\" + c if c in "().[]{}" else c for c in message)
     with pytest.raises(DdpxError, match="^" + escaped):
         load_config(None, ["trainer.strategy=fsdp", *overrides])
+
+
+def test_a_torch_without_custom_reduce_scatters_is_refused_in_one_line(monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    with pytest.raises(DdpxError, match=r"^comm hook 'int8' under trainer.strategy=fsdp needs "
+                                        r"FSDPModule.set_custom_reduce_scatter, which torch 2.8.0 lacks \(2.13 has "
+                                        r"it\); upgrade torch, or set comm_hook.name=allreduce$"):
+        load_config(None, ["trainer.strategy=fsdp", "comm_hook.name=int8"])

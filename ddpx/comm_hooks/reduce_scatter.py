@@ -41,7 +41,7 @@ from ..errors import DdpxError
 from .int8 import Int8State
 from .state import LossyState, Option, validate_options
 
-try:  # torch >= 2.9 (FSDPModule.set_custom_reduce_scatter)
+try:  # FSDPModule.set_custom_reduce_scatter's interface (torch 2.13 has it; make() checks)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
 except ImportError:  # pragma: no cover - make() refuses on such a torch
     _ReduceScatterBase = object
@@ -208,9 +208,9 @@ def make(name: str, **options) -> CompressedReduceScatter:
     from torch.distributed.fsdp import FSDPModule
 
     if _ReduceScatterBase is object or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
-        raise DdpxError(f"comm hook {name!r} under trainer.strategy=fsdp needs torch >= 2.9 "
-                        f"(FSDPModule.set_custom_reduce_scatter; this is torch {torch.__version__}); upgrade torch, "
-                        "or set comm_hook.name=allreduce")
+        raise DdpxError(f"comm hook {name!r} under trainer.strategy=fsdp needs FSDPModule.set_custom_reduce_scatter, "
+                        f"which torch {torch.__version__} lacks (2.13 has it); upgrade torch, or set "
+                        "comm_hook.name=allreduce")
     cls = METHODS.get(name)
     if cls is None:
         raise DdpxError(f"comm hook {name!r} has no reduce-scatter for trainer.strategy=fsdp; "
