@@ -141,7 +141,7 @@ def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, opti
     """fp32: the same losses, evaluation and gradient norms as ddp, with 2 micro-batches per step
     and a clip that acts on every step; the norm is the global one (a rank's own shards would
     give about 1/sqrt(2) of it). SGD's run also has a synchronized BatchNorm. AdamW's also runs
-    fsdp with int8's reduce-scatter: it trains as fsdp's fp32 one, within 2 % of its eval loss."""
+    fsdp with int8's reduce-scatter: it trains as fsdp's fp32 one, within 0.1 % of its eval loss."""
     runs = {}
     for strategy, hook in (("ddp", "allreduce"), ("fsdp", "allreduce"), *extra.get("compressed", ())):
         runs[strategy if hook == "allreduce" else hook] = train(
@@ -159,8 +159,10 @@ def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, opti
     if "int8" in runs:  # int8's reduce-scatter (ddpx/comm_hooks/reduce_scatter.py): trains as fp32's, not bit for bit
         compressed = epochs(runs["int8"])
         assert compressed[-1]["eval_loss"] < compressed[0]["eval_loss"]
-        assert close([e["eval_loss"] for e in compressed], [e["eval_loss"] for e in epochs(sharded)], 0.02)
+        assert close([e["eval_loss"] for e in compressed], [e["eval_loss"] for e in epochs(sharded)], 1e-3)
         assert not close([e["loss"] for e in compressed], [e["loss"] for e in epochs(sharded)], 1e-7)
+        # bytes per step against fp32's reduce-scatter, from the comm's stats() (int8: 1 + 4/64 of 4 bytes, padded)
+        assert all(3.5 < line["comm_compression"] < 3.8 for line in runs["int8"] if line["kind"] == "step")
 
 
 @pytest.mark.slow

@@ -75,6 +75,15 @@ def _comm_worker(rank, world):
         except DdpxError as exc:
             out[name, "max"] = str(exc)
     out["fsdp"] = _fsdp_gradients(rank, world)
+    # scope=inter_node with both ranks on one node: an exact fp32 reduce-scatter
+    import os
+
+    os.environ.update(GROUP_RANK="0", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    comm = reduce_scatter.make("int8", scope="inter_node")
+    got = torch.empty(N)
+    comm(got, _rank_input(rank, world), dist.group.WORLD, ReduceOp.AVG)
+    chunks = [_rank_input(r, world)[rank * N:(rank + 1) * N] for r in range(world)]
+    out["one node"] = (torch.equal(got, (chunks[0] + chunks[1]) * (1 / world)), comm.stats()["wire_bytes"])
     return out
 
 
@@ -130,6 +139,43 @@ def test_the_compressed_reduce_scatter_equals_the_reference_on_2_ranks(ranks):
         # Linear 0 and the root: one reduce-scatter each per step, 2 steps
         assert (fsdp["units"], fsdp["calls"], fsdp["steps"]) == (2, 4, 2)
         assert 1e-4 < fsdp["relative_error"] < 0.01, fsdp
+        assert out["one node"] == (True, 0)  # nothing crossed a node
+
+
+def _two_nodes_worker(rank, world):
+    """4 ranks as 2 nodes x 2 (torchrun's variables): scope=inter_node sums in fp32 inside the
+    node, then codes the node sums across nodes; global codes every rank's chunk."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+
+    os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
+    out = {}
+    for name in ("int8", "bf16"):
+        comm = reduce_scatter.make(name, scope="inter_node")
+        got = torch.empty(N)
+        comm(got, _rank_input(rank, world), dist.group.WORLD, ReduceOp.AVG)
+        chunks = [_rank_input(r, world)[rank * N:(rank + 1) * N] for r in range(world)]
+        node_sums = [chunks[0] + chunks[1], chunks[2] + chunks[3]]
+        if name == "int8":
+            decoded = []
+            for s in node_sums:
+                q, scales = reference.int8_quantize(s, 64)
+                decoded.append(reference.int8_dequant_accumulate_(torch.empty(N), q, scales, 64))
+        else:
+            decoded = [reference.scale_cast(s, 1 / world, torch.bfloat16).float() for s in node_sums]
+        want = (decoded[0] + decoded[1]) * (1 / world if name == "int8" else 1.0)
+        out[name] = (torch.equal(got, want), (got - want).abs().max().item(), comm.stats()["wire_bytes"])
+    return out
+
+
+@pytest.mark.slow
+def test_inter_node_reduces_inside_the_node_in_fp32_and_codes_across_nodes(ranks):
+    for rank, out in enumerate(ranks.call(_two_nodes_worker, 4, timeout=120)):
+        # across nodes: one row to the other node only (int8: 220 bytes, bf16: 2 N)
+        assert out["int8"] == (True, 0.0, 220), rank
+        assert out["bf16"] == (True, 0.0, 2 * N), rank
 
 
 def test_options_are_the_ddp_hooks_and_bad_ones_are_one_line():
@@ -139,11 +185,11 @@ def test_options_are_the_ddp_hooks_and_bad_ones_are_one_line():
                                         r"be a positive multiple of 4, got 6$"):
         reduce_scatter.make("int8", block_size=6)
     with pytest.raises(DdpxError, match=r"^comm hook 'int8' under trainer.strategy=fsdp: unknown option\(s\) "
-                                        r"min_numel; known options: block_size$"):
+                                        r"min_numel; known options: block_size, scope$"):
         reduce_scatter.make("int8", min_numel=0)
     with pytest.raises(DdpxError, match=r"^comm hook 'bf16' under trainer.strategy=fsdp: unknown option\(s\) "
-                                        r"scope; known options: none$"):
-        reduce_scatter.make("bf16", scope="inter_node")
+                                        r"warmup_steps; known options: scope$"):
+        reduce_scatter.make("bf16", warmup_steps=10)
 
 
 def test_a_non_fp32_reduce_dtype_is_refused_by_the_comm():
@@ -170,9 +216,20 @@ def test_compressing_hooks_are_accepted_under_fsdp(name):
      "plugin 'comm_hook': comm_hook.name=int8 under trainer.strategy=fsdp codes and sums fp32 gradients itself; "
      "set fsdp.reduce_dtype=fp32 (now bf16), or comm_hook.name=allreduce to reduce-scatter in bf16"),
     (["comm_hook.name=int8", "comm_hook.options={min_numel: 0}"],
-     "comm hook 'int8' under trainer.strategy=fsdp: unknown option(s) min_numel; known options: block_size"),
+     "comm hook 'int8' under trainer.strategy=fsdp: unknown option(s) min_numel; known options: block_size, scope"),
 ])
 def test_what_does_not_apply_under_fsdp_is_one_config_error(overrides, message):
     escaped = "".join("\\" + c if c in "().[]{}" else c for c in message)
     with pytest.raises(DdpxError, match="^" + escaped):
         load_config(None, ["trainer.strategy=fsdp", *overrides])
+
+
+def test_a_torch_without_custom_reduce_scatters_is_refused_in_one_line(monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    with pytest.raises(DdpxError, match=r"^comm hook 'int8' under trainer.strategy=fsdp needs "
+                                        r"FSDPModule.set_custom_reduce_scatter, which torch 2.8.0 lacks \(2.13 has "
+                                        r"it\); upgrade torch, or set comm_hook.name=allreduce$"):
+        load_config(None, ["trainer.strategy=fsdp", "comm_hook.name=int8"])

@@ -22,6 +22,9 @@ Wire per rank and call: (R-1) rows of ``n * 4`` bytes for fp32's reduce-scatter,
 non-finite: an int8 block holding NaN/Inf gets a NaN scale, a 16-bit cast keeps
 Inf and NaN, so GradScaler and the non-finite guard see it.
 
+``scope: inter_node`` (``auto``; ddpx/comm_hooks/scope.py finds the nodes): an exact fp32
+reduce-scatter inside each node, then the coded one across nodes (:class:`_NodePlan`).
+
 No error feedback: a worker's residual would be a full unsharded fp32 gradient of
 every unit kept per rank, the memory fsdp shards away (docs/sharded.md#compression).
 The whole flat gradient is coded (no exempt parameters: the layout of the flat
@@ -36,14 +39,15 @@ import torch.distributed as dist
 from .. import ops
 from ..errors import DdpxError
 from .int8 import Int8State
-from .state import Option, validate_options
+from .state import LossyState, Option, validate_options
 
-try:  # torch >= 2.9 (FSDPModule.set_custom_reduce_scatter)
+try:  # FSDPModule.set_custom_reduce_scatter's interface (torch 2.13 has it; make() checks)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
 except ImportError:  # pragma: no cover - make() refuses on such a torch
     _ReduceScatterBase = object
 
 _ReduceOp = dist.ReduceOp
+_UNRESOLVED = object()
 
 
 def _factor(op, world: int):
@@ -70,7 +74,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
     what this rank sends: :meth:`stats`."""
 
     name = ""
-    options: dict[str, Option] = {}
+    options: dict[str, Option] = {"scope": LossyState.options["scope"]}
 
     def __init__(self, **opts):
         self.opts = validate_options(f"comm hook {self.name!r} under trainer.strategy=fsdp", self.options, opts)
@@ -81,6 +85,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
         self.fp32_wire_bytes = 0  # what fp32's reduce-scatter would have sent
         self.calls = 0
         self.unit_calls: list[int] = []  # per unit installed (install): one call per step each
+        self._plan = _UNRESOLVED  # the scope's plan: None (global) or a _NodePlan
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -98,14 +103,26 @@ class CompressedReduceScatter(_ReduceScatterBase):
         if input_tensor.numel() != world * n:
             raise ValueError(f"reduce-scatter input has {input_tensor.numel()} elements, not {world} x {n}")
         alpha, post = _split(_factor(op, world))
-        self.reduce_scatter(output_tensor, input_tensor.view(-1), group, world, n, alpha)
+        plan = self.plan(group)
+        if plan is None:
+            self.reduce_scatter(output_tensor, input_tensor.view(-1), group, world, n, alpha)
+            self.wire_bytes += self.call_bytes(n, world)
+        else:
+            self.wire_bytes += plan.run(self, output_tensor, input_tensor.view(-1), n, alpha)
         if post is not None:
             output_tensor.mul_(post.to(output_tensor.device, output_tensor.dtype))
         self.raw_bytes += 4 * input_tensor.numel()
-        self.wire_bytes += self.call_bytes(n, world)
         self.fp32_wire_bytes += (world - 1) * 4 * n
         self.calls += 1
         return None
+
+    def plan(self, group):
+        """The ``scope`` option on FSDP's ``group`` (ddpx's 1-D mesh: every rank): None (global)
+        or a :class:`_NodePlan`. A collective the first time (ddpx/comm_hooks/scope.py finds
+        the nodes), which :func:`install` runs, on every rank alike."""
+        if self._plan is _UNRESOLVED:
+            self._plan = _NodePlan.resolve(self, group)
+        return self._plan
 
     def call_bytes(self, n: int, world: int) -> int:
         """Bytes this rank sends in one reduce-scatter with chunks of ``n`` elements over
@@ -137,7 +154,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
 
 class Int8ReduceScatter(CompressedReduceScatter):
     name = "int8"
-    options = {"block_size": Int8State.options["block_size"]}
+    options = {**CompressedReduceScatter.options, "block_size": Int8State.options["block_size"]}
 
     def row_bytes(self, n):
         return 4 * ops.ceil_div(n, self.block_size) + 4 * ops.ceil_div(n, 4)
@@ -191,14 +208,75 @@ def make(name: str, **options) -> CompressedReduceScatter:
     from torch.distributed.fsdp import FSDPModule
 
     if _ReduceScatterBase is object or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
-        raise DdpxError(f"comm hook {name!r} under trainer.strategy=fsdp needs torch >= 2.9 "
-                        f"(FSDPModule.set_custom_reduce_scatter; this is torch {torch.__version__}); upgrade torch, "
-                        "or set comm_hook.name=allreduce")
+        raise DdpxError(f"comm hook {name!r} under trainer.strategy=fsdp needs FSDPModule.set_custom_reduce_scatter, "
+                        f"which torch {torch.__version__} lacks (2.13 has it); upgrade torch, or set "
+                        "comm_hook.name=allreduce")
     cls = METHODS.get(name)
     if cls is None:
         raise DdpxError(f"comm hook {name!r} has no reduce-scatter for trainer.strategy=fsdp; "
                         f"choose one of: {', '.join(METHODS)}")
     return cls(**options)
+
+
+class _NodePlan:
+    """``scope: inter_node`` on a job of N nodes x L ranks: stage 1 reduce-scatters in fp32
+    inside the node (rank (i, j) gets the node's sum of the chunks of local rank j on every
+    node), stage 2 is the method's reduce-scatter of those N chunks among the ranks of local
+    rank j on every node (``cross_group``). On one node stage 1 is all of it (exact fp32),
+    as ``inter_node`` is for the DDP hooks."""
+
+    def __init__(self, topo, group):
+        self.topo = topo
+        me = dist.get_rank()
+        self.local_group = topo.local_group or group  # one node: FSDP's group is the node
+        self.cross_group = topo.cross_group
+        where = {r: j for members in topo.nodes_members for j, r in enumerate(members)}
+        node = next(m for m in topo.nodes_members if me in m)
+        # group ranks follow global ranks: the destinations inside the node, and the chunks
+        # each one reduces across nodes (the order of its cross group)
+        dests = sorted(node)
+        self.me = dests.index(me)
+        self.order = [c for d in dests for c in sorted(m[where[d]] for m in topo.nodes_members)]
+
+    @classmethod
+    def resolve(cls, comm, group):
+        scope = comm.opts.get("scope", "global")
+        if scope == "global":
+            return None
+        from .scope import _say_once, topology
+
+        name = f"comm hook {comm.name!r} under fsdp, scope={scope}"
+        if dist.get_world_size(group) != dist.get_world_size():
+            _say_once("%s: runs global: FSDP's process group is not the world group", name)
+            return None
+        topo = topology(group)
+        if topo.reason is not None:
+            if scope == "inter_node":
+                _say_once("%s: runs global: %s", name, topo.reason)
+            return None
+        if topo.local_world == 1 or (scope == "auto" and topo.nodes == 1):
+            if scope == "inter_node":
+                _say_once("%s: one rank per node: the same as scope=global", name)
+            return None
+        if topo.nodes == 1:
+            _say_once("%s: one node (%d ranks): an exact fp32 reduce-scatter, nothing crosses a slow link", name,
+                      topo.local_world)
+        return cls(topo, group)
+
+    def run(self, comm, output, flat, n: int, alpha: float) -> int:
+        """The two stages; returns the bytes this rank sent across nodes (the node-local
+        stage is on the fast link and not counted, as for the DDP hooks)."""
+        from .scope import reduce_scatter_in_node
+
+        nodes = self.topo.nodes
+        rows = torch.cat([flat.narrow(0, c * n, n) for c in self.order])
+        reduce_scatter_in_node(rows, torch.empty_like(rows), self.me, self.local_group)
+        mine = rows.narrow(0, self.me * nodes * n, nodes * n)
+        if nodes == 1:
+            torch.mul(mine, alpha, out=output)
+            return 0
+        comm.reduce_scatter(output, mine, self.cross_group, nodes, n, alpha)
+        return comm.call_bytes(n, nodes)
 
 
 class _UnitReduceScatter(_ReduceScatterBase):
@@ -223,4 +301,6 @@ def install(model: torch.nn.Module, comm: CompressedReduceScatter) -> int:
         if isinstance(module, FSDPModule):
             comm.unit_calls.append(0)
             module.set_custom_reduce_scatter(_UnitReduceScatter(comm, len(comm.unit_calls) - 1))
+    if comm.unit_calls:
+        comm.plan(dist.group.WORLD)  # the scope's collective now, not in the first backward
     return len(comm.unit_calls)

@@ -177,6 +177,22 @@ def resolve(state):
     return InterNode(state, topo)
 
 
+# gloo has no real reduce-scatter (torch's reduce_scatter_tensor clones the input and
+# allreduces all of it): for 24 MB per rank on 2 ranks it costs 24-27 ms of CPU where this
+# costs 7-9 (docs/comm_hooks.md, the step-time measurements of inter_node).
+def reduce_scatter_in_node(rows, recv, me: int, local_group) -> None:
+    """Row ``me`` of ``rows`` ([L, n] flat, L the ranks of ``local_group``; ``recv`` as large)
+    becomes the sum of every local rank's row ``me``: one all-to-all, then the other ranks'
+    copies added in local-rank order (on 2 ranks the a + b of an allreduce, bit for bit)."""
+    L = dist.get_world_size(local_group)
+    n = rows.numel() // L
+    dist.all_to_all_single(recv, rows, group=local_group)
+    mine = rows.narrow(0, me * n, n)
+    for j in range(L):
+        if j != me:
+            mine.add_(recv.narrow(0, j * n, n))
+
+
 def shard_key(param_keys, topo) -> int:
     """The stage-2 memory key of a bucket: its parameter set and the node layout (above
     the parameter ordinals, which ``global`` uses)."""
@@ -319,21 +335,8 @@ class InterNode(Pipelined):
             self._all_gather(lay.plain)
             ops.unflatten_(lay.plain.narrow(0, 0, lay.n_plain), lay.runs(buf, False))
 
-    # gloo has no real reduce-scatter (torch's reduce_scatter_tensor clones the input and
-    # allreduces all of it) and its all-gather gathers into a new tensor and copies out:
-    # for 24 MB per rank on 2 ranks they cost 24-27 and 9-10 ms of CPU where these two
-    # cost 7-9 and 4-6 (docs/comm_hooks.md, the step-time measurements of inter_node).
     def _reduce_scatter(self, rows, recv) -> None:
-        """Row l of ``rows`` ([L, n] flat) becomes the sum of every local rank's row l:
-        one all-to-all, then the other ranks' copies added in local-rank order (on 2
-        ranks the a + b of an allreduce, bit for bit)."""
-        me, L = self.topo.local_rank, self.topo.local_world
-        n = rows.numel() // L
-        dist.all_to_all_single(recv, rows, group=self.local_group)
-        mine = rows.narrow(0, me * n, n)
-        for j in range(L):
-            if j != me:
-                mine.add_(recv.narrow(0, j * n, n))
+        reduce_scatter_in_node(rows, recv, self.topo.local_rank, self.local_group)
 
     def _share(self, lay, pc) -> None:
         """Stage 3 of the piece's compressed values: each local rank's stage-2 result
@@ -352,6 +355,8 @@ class InterNode(Pipelined):
             if j != me:
                 self.inner.finish(lay.comp.narrow(0, j * n, n), lay.inner, pc, work)
 
+    # gloo's all-gather gathers into a new tensor and copies out: for 24 MB per rank on 2
+    # ranks 9-10 ms of CPU where this costs 4-6.
     def _all_gather(self, rows) -> None:
         """Every local rank's row l of ``rows`` to every rank, in place: one broadcast per row."""
         L = self.topo.local_world

@@ -120,7 +120,8 @@ def warning_text(trainer, share, comm_s, step_s, grad_bytes):
     compute_s = max(step_s - comm_s, 1e-9)
     k = max(2, math.ceil(accumulation * comm_s / compute_s))
     hook = trainer.shared[COMM_HOOK].name if COMM_HOOK in trainer.shared else "allreduce"
-    compress = ("reduce the gradients in bf16 with fsdp.reduce_dtype=bf16" if cfg.trainer.strategy == "fsdp" else
+    compress = ("compress the gradients' reduce-scatter with comm_hook.name=int8 (or bf16, fp16)"
+                if cfg.trainer.strategy == "fsdp" else
                 "compress the gradients with comm_hook.name=fp16, bf16, int8 or onebit")
     return (
         f"communication takes about {100 * share:.0f}% of each optimizer step (gradient allreduce of "
