@@ -36,9 +36,47 @@ from .twophase import (Piece, TwoPhaseState, all_gather_single, piece_elements, 
                        segment_spans)
 
 AUTO_BLOCKS = {False: 256, True: 64}  # block_size auto: without / with an Adam-family optimizer
+BLOCK_SIZE = Option(object, "auto", lambda v: None if v == "auto" or (
+    type(v) is int and positive_multiple_of(4)(v) is None) else "must be 'auto' or a positive multiple of 4",
+    "elements per fp32 scale; auto: 64 with an Adam-family optimizer, else 256")
 
 
-class Int8State(TwoPhaseState):
+class AutoBlockSize:
+    """``block_size: auto`` of int8 (the DDP hook and fsdp's reduce-scatter): 256 until the
+    first optimizer step shows an Adam-family optimizer, then 64. Call ``watch_optimizer``
+    once the options are set; ``_fix_block`` may be extended (the DDP hook rebuilds its layouts)."""
+
+    _auto_block = None  # fixed by the first optimizer step (or a loaded state)
+    outer = None  # scope=inter_node: the state whose block size this stage-2 state codes with
+
+    def watch_optimizer(self) -> None:
+        if self.opts["block_size"] == "auto":
+            this = weakref.ref(self)
+            on_first_optimizer_step(lambda opt: this() is not None and this()._fix_block(AUTO_BLOCKS[adam_family(opt)]))
+
+    @property
+    def block_size(self) -> int:
+        """Elements per scale now: the option, or for ``auto`` 256 until an Adam-family
+        optimizer has been seen, then 64."""
+        if self.outer is not None:
+            return self.outer.block_size
+        if self.opts["block_size"] != "auto":
+            return self.opts["block_size"]
+        return self._auto_block or AUTO_BLOCKS[False]
+
+    @block_size.setter
+    def block_size(self, value) -> None:
+        pass  # the option stays in self.opts
+
+    def _fix_block(self, block: int) -> bool:
+        """Fix ``auto`` (once); whether the block size changed."""
+        if self._auto_block is not None:
+            return False
+        before, self._auto_block = self.block_size, block
+        return block != before
+
+
+class Int8State(AutoBlockSize, TwoPhaseState):
     """Blockwise int8 with worker and server error feedback.
 
     ``piece_mb`` (default 2): a bucket is coded, sent and decoded in pieces of
@@ -68,9 +106,7 @@ class Int8State(TwoPhaseState):
     native_kind = "int8"
     options = {
         **LossyState.options,
-        "block_size": Option(object, "auto", lambda v: None if v == "auto" or (
-            type(v) is int and positive_multiple_of(4)(v) is None) else "must be 'auto' or a positive multiple of 4",
-            "elements per fp32 scale; auto: 64 with an Adam-family optimizer, else 256"),
+        "block_size": BLOCK_SIZE,
         "piece_mb": Option(float, 2.0, non_negative,
                            "MB of fp32 gradient per pipelined piece of a bucket (0: one piece per bucket)"),
     }
@@ -83,33 +119,13 @@ class Int8State(TwoPhaseState):
 
     def __init__(self, process_group=None, **opts):
         super().__init__(process_group, **opts)
-        self._auto_block = None  # block_size auto, once the first optimizer step (or a loaded state) fixed it
-        self.outer = None  # scope=inter_node: the state whose block size this stage-2 state codes with
-        if self.opts["block_size"] == "auto":
-            this = weakref.ref(self)
-            on_first_optimizer_step(lambda opt: this() is not None and this()._fix_block(AUTO_BLOCKS[adam_family(opt)]))
+        self.watch_optimizer()
 
-    @property
-    def block_size(self) -> int:
-        """Elements per scale now: the option, or for ``auto`` 256 until an Adam-family
-        optimizer has been seen, then 64."""
-        if self.outer is not None:
-            return self.outer.block_size
-        if self.opts["block_size"] != "auto":
-            return self.opts["block_size"]
-        return self._auto_block or AUTO_BLOCKS[False]
-
-    @block_size.setter
-    def block_size(self, value) -> None:
-        pass  # the option stays in self.opts
-
-    def _fix_block(self, block: int) -> None:
-        """Fix ``auto`` (once); layouts built with another block size are rebuilt at the next bucket."""
-        if self._auto_block is not None:
-            return
-        before, self._auto_block = self.block_size, block
-        if block != before:
+    def _fix_block(self, block: int) -> bool:
+        changed = super()._fix_block(block)
+        if changed:  # layouts built with the other block size are rebuilt at the next bucket
             self.drop_layouts()
+        return changed
 
     def state_dict(self) -> dict:
         return dict(super().state_dict(), block_size=self.block_size)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .. import ops
 from ..errors import DdpxError
-from .int8 import Int8State
+from .int8 import BLOCK_SIZE, AutoBlockSize
 from .state import LossyState, Option, validate_options
 
 try:  # FSDPModule.set_custom_reduce_scatter's interface (torch 2.13 has it; make() checks)
@@ -152,9 +152,13 @@ class CompressedReduceScatter(_ReduceScatterBase):
         return f"ddpx.comm_hooks.reduce_scatter.make({self.name!r}{', ' if opts else ''}{opts})"
 
 
-class Int8ReduceScatter(CompressedReduceScatter):
+class Int8ReduceScatter(AutoBlockSize, CompressedReduceScatter):
     name = "int8"
-    options = {**CompressedReduceScatter.options, "block_size": Int8State.options["block_size"]}
+    options = {**CompressedReduceScatter.options, "block_size": BLOCK_SIZE}
+
+    def __init__(self, **opts):
+        super().__init__(**opts)
+        self.watch_optimizer()  # block_size auto: 64 once an Adam-family optimizer steps
 
     def row_bytes(self, n):
         return 4 * ops.ceil_div(n, self.block_size) + 4 * ops.ceil_div(n, 4)
