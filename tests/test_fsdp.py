@@ -55,7 +55,6 @@ def test_units_by_class_name_and_a_name_the_model_lacks():
     (["trainer.strategy=fsdp", "trainer.compile=true"], "trainer.compile is not built for trainer.strategy=fsdp"),
     (["trainer.strategy=fsdp", "comm_hook.name=int8"], "plugin 'comm_hook': comm_hook.name=int8 is not built for "
                                                        "trainer.strategy=fsdp yet"),
-    (["trainer.strategy=fsdp", "ema.decay=0.9"], "plugin 'ema': ema.decay is not built for trainer.strategy=fsdp"),
     (["trainer.strategy=zero"], "config key 'trainer.strategy' must be one of ddp, fsdp"),
 ])
 def test_what_fsdp_refuses_is_one_config_error(overrides, message):
@@ -140,20 +139,29 @@ def digits_bn(hidden: int = 16) -> nn.Module:
 def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, optimizer, extra):
     """fp32: the same losses, evaluation and gradient norms as ddp, with 2 micro-batches per step
     and a clip that acts on every step; the norm is the global one (a rank's own shards would
-    give about 1/sqrt(2) of it). SGD's run also has a synchronized BatchNorm."""
+    give about 1/sqrt(2) of it). SGD's run also has a synchronized BatchNorm. The EMA (of each
+    rank's shards under fsdp; with the BatchNorm's buffers in SGD's run) evaluates and exports
+    as ddp's."""
     runs = {}
     for strategy in ("ddp", "fsdp"):
         runs[strategy] = train(ranks, tmp_path / strategy,
                                trainer={"strategy": strategy, "epochs": 2, "grad_clip": 0.05, **extra.get("trainer", {})},
                                model=extra.get("model", COMMON["model"]), optimizer=optimizer,
-                               accumulation={"steps": 2}, checkpoint={"enabled": False}, fsdp={"units": ["Linear"]})
+                               accumulation={"steps": 2}, checkpoint={"enabled": False}, fsdp={"units": ["Linear"]},
+                               ema={"decay": 0.8, "buffers": "model" in extra})
     ddp, sharded = runs["ddp"], runs["fsdp"]
     assert len(epochs(ddp)) == 2
-    for key in ("loss", "eval_loss", "accuracy"):
+    for key in ("loss", "eval_loss", "accuracy", "ema_eval_loss", "ema_accuracy"):
         assert close([e[key] for e in epochs(sharded)], [e[key] for e in epochs(ddp)], 1e-5), key
+    assert abs(epochs(ddp)[-1]["ema_eval_loss"] - epochs(ddp)[-1]["eval_loss"]) > 1e-3  # the EMA is not the raw model
     norms = {name: [line["grad_norm"] for line in run if "grad_norm" in line] for name, run in runs.items()}
     assert len(norms["ddp"]) >= 2 and min(norms["ddp"]) > 0.05  # clipping acted
     assert close(norms["fsdp"], norms["ddp"], 1e-4)
+    exported = {name: torch.load(tmp_path / name / "ema_weights.pt", weights_only=True) for name in runs}
+    assert exported["fsdp"]["step"] == exported["ddp"]["step"] > 0
+    assert exported["fsdp"]["state_dict"].keys() == exported["ddp"]["state_dict"].keys()
+    for key, want in exported["ddp"]["state_dict"].items():
+        torch.testing.assert_close(exported["fsdp"]["state_dict"][key], want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -161,7 +169,7 @@ def test_fsdp_checkpoints_resume_exactly_at_2_ranks_and_train_on_at_1(ranks, tmp
     """Each rank writes its shards; a resume at 2 ranks equals the run that was not interrupted,
     one at 1 rank reads the 2 ranks' shards and trains on; the gathered weights load into the model."""
     common = dict(optimizer={"target": "torch.optim.AdamW", "args": {"lr": 0.003}},
-                  checkpoint={"async_write": True, "keep": 2}, fsdp={"units": ["Linear"]})
+                  checkpoint={"async_write": True, "keep": 2}, fsdp={"units": ["Linear"]}, ema={"decay": 0.8})
     whole = train(ranks, tmp_path / "whole", trainer={"strategy": "fsdp", "epochs": 3}, **common)
     first = train(ranks, tmp_path / "resumed", trainer={"strategy": "fsdp", "epochs": 2}, **common)
     assert epochs(first) == epochs(whole)[:2]
@@ -174,8 +182,8 @@ def test_fsdp_checkpoints_resume_exactly_at_2_ranks_and_train_on_at_1(ranks, tmp
 
     shutil.copytree(tmp_path / "resumed", tmp_path / "one_rank")
     resumed = train(ranks, tmp_path / "resumed", trainer={"strategy": "fsdp", "epochs": 3}, **common)
-    assert close([resumed[-1][k] for k in ("loss", "eval_loss", "accuracy")],
-                 [epochs(whole)[-1][k] for k in ("loss", "eval_loss", "accuracy")], 1e-6)
+    metrics = ("loss", "eval_loss", "accuracy", "ema_eval_loss", "ema_accuracy")  # the EMA's shards resume too
+    assert close([resumed[-1][k] for k in metrics], [epochs(whole)[-1][k] for k in metrics], 1e-6)
     one = train(ranks, tmp_path / "one_rank", world=1, trainer={"strategy": "fsdp", "epochs": 3}, **common)
     last = epochs(one)[-1]
     assert last["epoch"] == 2 and last["step"] == 24 + 23 and last["eval_loss"] < epochs(first)[-1]["eval_loss"]
@@ -183,6 +191,10 @@ def test_fsdp_checkpoints_resume_exactly_at_2_ranks_and_train_on_at_1(ranks, tmp
 
     weights = torch.load(tmp_path / "one_rank" / "model_weights.pt", weights_only=True)
     DigitsMLP(hidden=16).load_state_dict(weights)  # strict: every key, every shape
+    ema = torch.load(tmp_path / "one_rank" / "ema_weights.pt", weights_only=True)
+    assert ema["step"] == 47 and ema["updates"] == 47  # 24 updates read from 2 ranks' shards, 23 at 1 rank
+    DigitsMLP(hidden=16).load_state_dict(ema["state_dict"])
+    assert last["ema_eval_loss"] < epochs(first)[-1]["ema_eval_loss"]
 
 
 @pytest.mark.slow

@@ -124,6 +124,15 @@ def is_shard(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def holds_shards(value) -> bool:
+    """Whether ``value`` (a state entry: nested dicts and lists) holds a DTensor."""
+    if isinstance(value, dict):
+        return any(holds_shards(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_shards(v) for v in value)
+    return is_shard(value)
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (the tensor itself when it is not a DTensor)."""
     return tensor.to_local() if is_shard(tensor) else tensor
@@ -252,12 +261,16 @@ def save_shards(state: dict, directory: Path) -> None:
 
 
 def read_shards(template: dict, directory: Path) -> dict:
-    """Fill ``template`` (this rank's :func:`sharded_state`, any world size) from ``directory``
-    in place and return it (collective)."""
+    """Fill ``template`` (this rank's sharded entries, e.g. :func:`sharded_state`, at any world size)
+    from ``directory`` in place and return it, less the entries the directory does not hold (a
+    checkpoint written without EMA). Collective."""
     import torch.distributed.checkpoint as dcp
 
-    reader, planner = _reader_classes()
-    dcp.load(template, storage_reader=reader(str(directory)), planner=planner())
+    reader_class, planner = _reader_classes()
+    reader = reader_class(str(directory))
+    stored = {key.split(".", 1)[0] for key in reader.read_metadata().state_dict_metadata}
+    template = {k: v for k, v in template.items() if k in stored}
+    dcp.load(template, storage_reader=reader, planner=planner())
     return template
 
 
