@@ -56,6 +56,8 @@ def test_units_by_class_name_and_a_name_the_model_lacks():
     (["trainer.strategy=fsdp", "comm_hook.name=int8"], "plugin 'comm_hook': comm_hook.name=int8 is not built for "
                                                        "trainer.strategy=fsdp yet"),
     (["trainer.strategy=zero"], "config key 'trainer.strategy' must be one of ddp, fsdp"),
+    (["fsdp.shard_size=nodes"], "config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1"),
+    (["fsdp.shard_size=0"], "config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1"),
 ])
 def test_what_fsdp_refuses_is_one_config_error(overrides, message):
     with pytest.raises(DdpxError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
@@ -229,3 +231,39 @@ def test_a_refused_plugin_is_one_line_and_exit_2(ranks, tmp_path):
 def test_amp_sets_the_compute_dtype_and_fsdp_the_reduce_dtype(overrides, param_dtype, reduce_dtype):
     policy = fsdp.mixed_precision(load_config(None, ["trainer.strategy=fsdp", *overrides]))
     assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
+
+
+@pytest.mark.slow
+def test_hsdp_trains_as_ddp_holds_half_and_resumes_exactly(ranks, tmp_path):
+    """HSDP on 4 ranks (fsdp.shard_size=2: sharded over 2 ranks, replicated twice): the same losses,
+    evaluation and clipped gradient norms as ddp at 4 ranks (the norm sums each shard once, not once
+    per replica: that would be sqrt(2) times ddp's); each rank holds half of ddp's parameters and
+    gradients; the checkpoint resumes to the numbers of ddp's uninterrupted run."""
+    common = dict(world=4, optimizer={"target": "torch.optim.AdamW", "args": {"lr": 0.003}},
+                  plugins={"enable": ["benchmarks.shard_memory"]}, ema={"decay": 0.8})
+    ddp = train(ranks, tmp_path / "ddp", trainer={"strategy": "ddp", "epochs": 2, "grad_clip": 0.05},
+                checkpoint={"enabled": False}, **common)
+    hsdp = {"strategy": "fsdp", "grad_clip": 0.05}
+    first = train(ranks, tmp_path / "hsdp", trainer={**hsdp, "epochs": 1}, fsdp={"units": ["Linear"], "shard_size": 2},
+                  **common)
+    resumed = train(ranks, tmp_path / "hsdp", trainer={**hsdp, "epochs": 2}, fsdp={"units": ["Linear"], "shard_size": 2},
+                    **common)
+    metrics = ("loss", "eval_loss", "accuracy", "ema_eval_loss")
+    assert close([epochs(first)[0][k] for k in metrics], [epochs(ddp)[0][k] for k in metrics], 1e-5)
+    assert close([epochs(resumed)[-1][k] for k in metrics], [epochs(ddp)[1][k] for k in metrics], 1e-5)
+    norms = [[line["grad_norm"] for line in run if "grad_norm" in line] for run in (ddp, resumed)]  # resumed: appended
+    assert len(norms[0]) >= 2 and min(norms[0]) > 0.05  # clipping acted
+    assert close(norms[1], norms[0], 1e-4)
+    held = {name: [json.loads((tmp_path / name / f"shard_memory_rank{r}.json").read_text()) for r in range(4)]
+            for name in ("ddp", "hsdp")}
+    for rank in range(4):
+        for part in ("parameters", "gradients"):
+            assert held["hsdp"][rank][part] * 2 == held["ddp"][rank][part], (rank, part)
+
+
+@pytest.mark.parametrize("setting, world, expected", [("all", 4, 4), (2, 4, 2), (1, 3, 1)])
+def test_the_shard_size_is_the_world_or_a_divisor_of_it(setting, world, expected):
+    assert fsdp.shard_size(setting, world) == expected
+    with pytest.raises(DdpxError, match=r"^fsdp.shard_size=3 does not divide the 4 ranks into shard groups; use a "
+                                        r"divisor of 4 \(the ranks of one node, fsdp.shard_size=node\), or all$"):
+        fsdp.shard_size(3, 4)

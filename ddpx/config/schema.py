@@ -48,7 +48,8 @@ DEFAULTS: dict = {
         "compile_dynamic": "batch",
         "strategy": "ddp",
     },
-    "fsdp": {"units": "auto", "min_unit_params": 100_000, "reshard_after_forward": True, "reduce_dtype": "fp32"},
+    "fsdp": {"units": "auto", "min_unit_params": 100_000, "reshard_after_forward": True, "reduce_dtype": "fp32",
+             "shard_size": "all"},
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
 }
@@ -72,6 +73,7 @@ TYPES: dict = {
     "launch.nproc_per_node": (int, str),
     "launch.nnodes": (int, str),
     "fsdp.units": (str, list),
+    "fsdp.shard_size": (str, int),
 }
 CHOICES: dict = {
     "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
@@ -134,6 +136,11 @@ def check_fsdp(values: Mapping) -> None:
                         f"got {units!r}")
     if isinstance(units, list) and (not units or not all(isinstance(u, str) and u for u in units)):
         raise DdpxError(f"config key 'fsdp.units' must be auto or a non-empty list of module class names, got {units!r}")
+    shard = values.get("fsdp", {}).get("shard_size", "all")
+    if isinstance(shard, bool) or (isinstance(shard, str) and shard not in ("all", "node")) or \
+            (isinstance(shard, int) and not isinstance(shard, bool) and shard < 1):
+        raise DdpxError(f"config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1 (the ranks each "
+                        f"parameter is sharded over; HSDP below the world size), got {shard!r}")
     if values.get("trainer", {}).get("strategy") == "fsdp":
         check_fsdp_torch()
         if values["trainer"].get("compile"):

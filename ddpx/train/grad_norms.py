@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .fsdp import is_shard, local
+from .fsdp import is_shard, local, shard_group
 
 
 class GradientNorms:
@@ -22,14 +22,16 @@ class GradientNorms:
 
     Sharded gradients (``trainer.strategy: fsdp``, DTensors): each rank holds a part of
     each gradient, so the norms are taken over the local parts and their squares summed
-    across ranks (one all_reduce per computed norm, on every rank): the total is the
-    global norm, the same on every rank."""
+    across the ranks they are sharded over (one all_reduce per computed norm, on every
+    rank; under HSDP over the shard group only, whose replicas hold the same shards):
+    the total is the global norm, each gradient counted once, the same on every rank."""
 
     NONE = torch.iinfo(torch.int64).max
 
     def __init__(self, module: torch.nn.Module):
         self.named = list(module.named_parameters())  # after the wrap: FSDP replaces the parameters
         self.sharded = any(is_shard(p) for _, p in self.named)
+        self.group = next((shard_group(p) for _, p in self.named if is_shard(p)), None)
         self.first = None  # device int64: step * len(named) + index, or NONE
         self.positions: dict = {}  # tuple of parameter indices -> their device tensors (cached)
 
@@ -51,7 +53,7 @@ class GradientNorms:
         if self.sharded:  # the local parts' squares, summed over the ranks; whole gradients counted once
             squares = norms.square()
             total_sq = squares[shard_mask].sum()
-            dist.all_reduce(total_sq)
+            dist.all_reduce(total_sq, group=self.group)
             total = (total_sq + squares[~shard_mask].sum()).sqrt()
         else:
             total = torch.linalg.vector_norm(norms)
