@@ -52,7 +52,6 @@ def test_units_by_class_name_and_a_name_the_model_lacks():
 
 @pytest.mark.parametrize("overrides, message", [
     (["fsdp.units=blocks"], "config key 'fsdp.units' must be auto or a list of module class names"),
-    (["trainer.strategy=fsdp", "trainer.compile=true"], "trainer.compile is not built for trainer.strategy=fsdp"),
     (["trainer.strategy=fsdp", "comm_hook.name=int8"], "plugin 'comm_hook': comm_hook.name=int8 is not built for "
                                                        "trainer.strategy=fsdp yet"),
     (["trainer.strategy=zero"], "config key 'trainer.strategy' must be one of ddp, fsdp"),
@@ -134,20 +133,22 @@ def digits_bn(hidden: int = 16) -> nn.Module:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer, extra", [
-    ({"target": "torch.optim.AdamW", "args": {"lr": 0.003}}, {}),
+    ({"target": "torch.optim.AdamW", "args": {"lr": 0.003}}, {"fsdp_trainer": {"compile": True}}),
     ({"target": "torch.optim.SGD", "args": {"lr": 0.05, "momentum": 0.9}},
      {"model": {"target": "tests.test_fsdp.digits_bn", "args": {}}, "trainer": {"sync_batchnorm": True}}),
 ])
 def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, optimizer, extra):
     """fp32: the same losses, evaluation and gradient norms as ddp, with 2 micro-batches per step
     and a clip that acts on every step; the norm is the global one (a rank's own shards would
-    give about 1/sqrt(2) of it). SGD's run also has a synchronized BatchNorm. The EMA (of each
+    give about 1/sqrt(2) of it). AdamW's fsdp run is compiled (trainer.compile), SGD's runs have
+    a synchronized BatchNorm. The EMA (of each
     rank's shards under fsdp; with the BatchNorm's buffers in SGD's run) evaluates and exports
     as ddp's."""
     runs = {}
     for strategy in ("ddp", "fsdp"):
         runs[strategy] = train(ranks, tmp_path / strategy,
-                               trainer={"strategy": strategy, "epochs": 2, "grad_clip": 0.05, **extra.get("trainer", {})},
+                               trainer={"strategy": strategy, "epochs": 2, "grad_clip": 0.05, **extra.get("trainer", {}),
+                                        **(extra.get("fsdp_trainer", {}) if strategy == "fsdp" else {})},
                                model=extra.get("model", COMMON["model"]), optimizer=optimizer,
                                accumulation={"steps": 2}, checkpoint={"enabled": False}, fsdp={"units": ["Linear"]},
                                ema={"decay": 0.8, "buffers": "model" in extra})
@@ -267,3 +268,22 @@ def test_the_shard_size_is_the_world_or_a_divisor_of_it(setting, world, expected
     with pytest.raises(DdpxError, match=r"^fsdp.shard_size=3 does not divide the 4 ranks into shard groups; use a "
                                         r"divisor of 4 \(the ranks of one node, fsdp.shard_size=node\), or all$"):
         fsdp.shard_size(3, 4)
+
+
+def test_cpu_offload_on_a_cpu_device_is_refused_in_one_line_before_any_collective(make_config):
+    """fsdp.offload=cpu is for CUDA: on the CPU the shards are in CPU memory already. wrap refuses
+    before it builds the mesh (no process group here: a collective would raise another error)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    config = make_config("trainer.strategy=fsdp", "fsdp.offload=cpu")
+    trainer = SimpleNamespace(config=config, device=torch.device("cpu"), world_size=1)
+    with pytest.raises(DdpxError, match=r"^fsdp.offload=cpu moves the shards from GPU memory to CPU memory, but this "
+                                        r"run computes on the cpu \(trainer.device\), where they already are; set "
+                                        r"fsdp.offload=none$"):
+        fsdp.wrap(trainer, Tiny())
+    assert type(fsdp.offload_policy("none", torch.device("cpu"))) is OffloadPolicy
+    assert isinstance(fsdp.offload_policy("cpu", torch.device("cuda")), CPUOffloadPolicy)
+    with pytest.raises(DdpxError, match=r"config key 'fsdp.offload' must be one of none, cpu"):
+        make_config("fsdp.offload=gpu")

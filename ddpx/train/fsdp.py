@@ -136,6 +136,19 @@ def shard_group(tensor: torch.Tensor):
     return mesh.get_group(dims[0]) if mesh.ndim > 1 else mesh.get_group()
 
 
+def offload_policy(setting: str, device: torch.device):
+    """FSDP2's offload policy for ``fsdp.offload``: ``cpu`` keeps the shards, their gradients and
+    the optimizer state in pinned CPU memory (the optimizer steps there); CUDA only."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if setting == "none":
+        return OffloadPolicy()
+    if device.type != "cuda":
+        raise DdpxError(f"fsdp.offload=cpu moves the shards from GPU memory to CPU memory, but this run computes on "
+                        f"the {device.type} (trainer.device), where they already are; set fsdp.offload=none")
+    return CPUOffloadPolicy(pin_memory=True)
+
+
 def wrap(trainer, model: nn.Module) -> nn.Module:
     """``fully_shard`` each unit (bottom-up), then the model as the root unit, over
     :func:`device_mesh`; returns the model (FSDP2 wraps in place). The root keeps its
@@ -144,12 +157,14 @@ def wrap(trainer, model: nn.Module) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     cfg = trainer.config.fsdp
+    offload = offload_policy(cfg.offload, trainer.device)
     mesh = device_mesh(trainer)
     policy = mixed_precision(trainer.config)
     units = unit_modules(model, cfg.units if cfg.units == "auto" else list(cfg.units), cfg.min_unit_params)
     for _, unit in reversed(units):  # children before their parents
-        fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     layout = f"{trainer.world_size} ranks" if mesh.ndim == 1 else \
         f"{mesh.size(1)} ranks, replicated {mesh.size(0)} times (HSDP)"
     trainer.log.info(f"fsdp: {len(units)} units + the root sharded over {layout} "

@@ -32,6 +32,8 @@ class GradientNorms:
         self.named = list(module.named_parameters())  # after the wrap: FSDP replaces the parameters
         self.sharded = any(is_shard(p) for _, p in self.named)
         self.group = next((shard_group(p) for _, p in self.named if is_shard(p)), None)
+        # The device the collectives run on: the mesh's (fsdp.offload=cpu keeps the gradients on the CPU).
+        self.device = next((torch.device(p.device_mesh.device_type) for _, p in self.named if is_shard(p)), None)
         self.first = None  # device int64: step * len(named) + index, or NONE
         self.positions: dict = {}  # tuple of parameter indices -> their device tensors (cached)
 
@@ -45,7 +47,7 @@ class GradientNorms:
                 groups.setdefault((grad.device, grad.dtype), []).append((index, grad))
         if not groups and not self.sharded:
             return torch.zeros(())
-        device = next(iter(groups))[0] if groups else self.named[0][1].device
+        device = self.device or (next(iter(groups))[0] if groups else self.named[0][1].device)
         order = tuple(i for group in groups.values() for i, _ in group)
         norms = torch.cat([torch.stack(torch._foreach_norm([g for _, g in group])).to(device, torch.float32)
                            for group in groups.values()]) if groups else torch.zeros(0, device=device)
@@ -75,7 +77,7 @@ class GradientNorms:
         Sharded: the earliest over all ranks (one all_reduce; every rank asks at the same boundary)."""
         first = self.first
         if self.sharded:
-            first = torch.tensor(self.NONE, device=self.named[0][1].device) if first is None else first.clone()
+            first = torch.tensor(self.NONE, device=self.device) if first is None else first.clone()
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if first is None:
             return None
