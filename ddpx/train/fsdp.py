@@ -7,7 +7,8 @@ backward, and its gradients reduce-scattered after its backward. The step stays
 from DDP:
 
 * :func:`wrap`: which modules become FSDP units (``fsdp.units``, :func:`unit_modules`),
-  ``fsdp.reshard_after_forward`` and the mixed-precision policy (:func:`mixed_precision`);
+  ``fsdp.reshard_after_forward``, the mixed-precision policy (:func:`mixed_precision`), the
+  mesh (:func:`device_mesh`: HSDP with ``fsdp.shard_size``) and ``fsdp.offload`` (:func:`offload_policy`);
 * :func:`unsynced`: accumulation without communication (``set_requires_gradient_sync``);
 * :func:`padded_forwards`, :func:`reshard`: evaluation, where every forward is collective;
 * the state: :func:`sharded_state` / :func:`load_sharded_state` (model and optimizer
