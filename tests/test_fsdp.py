@@ -52,11 +52,11 @@ def test_units_by_class_name_and_a_name_the_model_lacks():
 
 @pytest.mark.parametrize("overrides, message", [
     (["fsdp.units=blocks"], "config key 'fsdp.units' must be auto or a list of module class names"),
-    (["trainer.strategy=fsdp", "trainer.compile=true"], "trainer.compile is not built for trainer.strategy=fsdp"),
     (["trainer.strategy=fsdp", "comm_hook.name=powersgd"], "plugin 'comm_hook': comm_hook.name=powersgd does not "
                                                            "apply under trainer.strategy=fsdp"),
-    (["trainer.strategy=fsdp", "ema.decay=0.9"], "plugin 'ema': ema.decay is not built for trainer.strategy=fsdp"),
     (["trainer.strategy=zero"], "config key 'trainer.strategy' must be one of ddp, fsdp"),
+    (["fsdp.shard_size=nodes"], "config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1"),
+    (["fsdp.shard_size=0"], "config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1"),
 ])
 def test_what_fsdp_refuses_is_one_config_error(overrides, message):
     with pytest.raises(DdpxError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
@@ -133,26 +133,32 @@ def digits_bn(hidden: int = 16) -> nn.Module:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer, extra", [
-    ({"target": "torch.optim.AdamW", "args": {"lr": 0.003}}, {"compressed": [("fsdp", "int8")]}),
+    ({"target": "torch.optim.AdamW", "args": {"lr": 0.003}},
+     {"compressed": [("fsdp", "int8")], "fsdp_trainer": {"compile": True}}),
     ({"target": "torch.optim.SGD", "args": {"lr": 0.05, "momentum": 0.9}},
      {"model": {"target": "tests.test_fsdp.digits_bn", "args": {}}, "trainer": {"sync_batchnorm": True}}),
 ])
 def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, optimizer, extra):
     """fp32: the same losses, evaluation and gradient norms as ddp, with 2 micro-batches per step
     and a clip that acts on every step; the norm is the global one (a rank's own shards would
-    give about 1/sqrt(2) of it). SGD's run also has a synchronized BatchNorm. AdamW's also runs
-    fsdp with int8's reduce-scatter: it trains as fsdp's fp32 one, within 0.1 % of its eval loss."""
+    give about 1/sqrt(2) of it). AdamW's fsdp run is compiled (trainer.compile), SGD's runs have
+    a synchronized BatchNorm. The EMA (of each rank's shards under fsdp; with the BatchNorm's
+    buffers in SGD's run) evaluates and exports as ddp's. AdamW's also runs fsdp with int8's
+    reduce-scatter: it trains as fsdp's fp32 one, within 0.1 % of its eval loss."""
     runs = {}
     for strategy, hook in (("ddp", "allreduce"), ("fsdp", "allreduce"), *extra.get("compressed", ())):
+        fsdp_trainer = extra.get("fsdp_trainer", {}) if (strategy, hook) == ("fsdp", "allreduce") else {}
         runs[strategy if hook == "allreduce" else hook] = train(
             ranks, tmp_path / f"{strategy}-{hook}",
-            trainer={"strategy": strategy, "epochs": 2, "grad_clip": 0.05, **extra.get("trainer", {})},
+            trainer={"strategy": strategy, "epochs": 2, "grad_clip": 0.05, **extra.get("trainer", {}), **fsdp_trainer},
             model=extra.get("model", COMMON["model"]), optimizer=optimizer, comm_hook={"name": hook},
-            accumulation={"steps": 2}, checkpoint={"enabled": False}, fsdp={"units": ["Linear"]})
+            accumulation={"steps": 2}, checkpoint={"enabled": False}, fsdp={"units": ["Linear"]},
+            ema={"decay": 0.8, "buffers": "model" in extra})
     ddp, sharded = runs["ddp"], runs["fsdp"]
     assert len(epochs(ddp)) == 2
-    for key in ("loss", "eval_loss", "accuracy"):
+    for key in ("loss", "eval_loss", "accuracy", "ema_eval_loss", "ema_accuracy"):
         assert close([e[key] for e in epochs(sharded)], [e[key] for e in epochs(ddp)], 1e-5), key
+    assert abs(epochs(ddp)[-1]["ema_eval_loss"] - epochs(ddp)[-1]["eval_loss"]) > 1e-3  # the EMA is not the raw model
     norms = {name: [line["grad_norm"] for line in run if "grad_norm" in line] for name, run in runs.items()}
     assert len(norms["ddp"]) >= 2 and min(norms["ddp"]) > 0.05  # clipping acted
     assert close(norms["fsdp"], norms["ddp"], 1e-4)
@@ -161,8 +167,12 @@ def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, opti
         assert compressed[-1]["eval_loss"] < compressed[0]["eval_loss"]
         assert close([e["eval_loss"] for e in compressed], [e["eval_loss"] for e in epochs(sharded)], 1e-3)
         assert not close([e["loss"] for e in compressed], [e["loss"] for e in epochs(sharded)], 1e-7)
-        # bytes per step against fp32's reduce-scatter, from the comm's stats() (int8: 1 + 4/64 of 4 bytes, padded)
-        assert all(3.5 < line["comm_compression"] < 3.8 for line in runs["int8"] if line["kind"] == "step")
+        # bytes per step against fp32's reduce-scatter, from the comm's stats(): block_size auto is 256
+        # (1 + 4/256 of 4 bytes) until AdamW's first step, then 64 (1 + 4/64)
+        ratios = [line["comm_compression"] for line in runs["int8"] if line["kind"] == "step"]
+        assert all(3.5 < r < 4.0 for r in ratios) and ratios[-1] < 3.8, ratios
+    exported = {name: torch.load(tmp_path / f"{name}-allreduce" / "ema_weights.pt", weights_only=True)
+                for name in ("ddp", "fsdp")}
 
 
 @pytest.mark.slow
@@ -170,7 +180,7 @@ def test_fsdp_checkpoints_resume_exactly_at_2_ranks_and_train_on_at_1(ranks, tmp
     """Each rank writes its shards; a resume at 2 ranks equals the run that was not interrupted,
     one at 1 rank reads the 2 ranks' shards and trains on; the gathered weights load into the model."""
     common = dict(optimizer={"target": "torch.optim.AdamW", "args": {"lr": 0.003}},
-                  checkpoint={"async_write": True, "keep": 2}, fsdp={"units": ["Linear"]})
+                  checkpoint={"async_write": True, "keep": 2}, fsdp={"units": ["Linear"]}, ema={"decay": 0.8})
     whole = train(ranks, tmp_path / "whole", trainer={"strategy": "fsdp", "epochs": 3}, **common)
     first = train(ranks, tmp_path / "resumed", trainer={"strategy": "fsdp", "epochs": 2}, **common)
     assert epochs(first) == epochs(whole)[:2]
@@ -183,8 +193,8 @@ def test_fsdp_checkpoints_resume_exactly_at_2_ranks_and_train_on_at_1(ranks, tmp
 
     shutil.copytree(tmp_path / "resumed", tmp_path / "one_rank")
     resumed = train(ranks, tmp_path / "resumed", trainer={"strategy": "fsdp", "epochs": 3}, **common)
-    assert close([resumed[-1][k] for k in ("loss", "eval_loss", "accuracy")],
-                 [epochs(whole)[-1][k] for k in ("loss", "eval_loss", "accuracy")], 1e-6)
+    metrics = ("loss", "eval_loss", "accuracy", "ema_eval_loss", "ema_accuracy")  # the EMA's shards resume too
+    assert close([resumed[-1][k] for k in metrics], [epochs(whole)[-1][k] for k in metrics], 1e-6)
     one = train(ranks, tmp_path / "one_rank", world=1, trainer={"strategy": "fsdp", "epochs": 3}, **common)
     last = epochs(one)[-1]
     assert last["epoch"] == 2 and last["step"] == 24 + 23 and last["eval_loss"] < epochs(first)[-1]["eval_loss"]
@@ -192,6 +202,10 @@ def test_fsdp_checkpoints_resume_exactly_at_2_ranks_and_train_on_at_1(ranks, tmp
 
     weights = torch.load(tmp_path / "one_rank" / "model_weights.pt", weights_only=True)
     DigitsMLP(hidden=16).load_state_dict(weights)  # strict: every key, every shape
+    ema = torch.load(tmp_path / "one_rank" / "ema_weights.pt", weights_only=True)
+    assert ema["step"] == 47 and ema["updates"] == 47  # 24 updates read from 2 ranks' shards, 23 at 1 rank
+    DigitsMLP(hidden=16).load_state_dict(ema["state_dict"])
+    assert last["ema_eval_loss"] < epochs(first)[-1]["ema_eval_loss"]
 
 
 @pytest.mark.slow
@@ -225,3 +239,58 @@ def test_a_refused_plugin_is_one_line_and_exit_2(ranks, tmp_path):
 def test_amp_sets_the_compute_dtype_and_fsdp_the_reduce_dtype(overrides, param_dtype, reduce_dtype):
     policy = fsdp.mixed_precision(load_config(None, ["trainer.strategy=fsdp", *overrides]))
     assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
+
+
+@pytest.mark.slow
+def test_hsdp_trains_as_ddp_holds_half_and_resumes_exactly(ranks, tmp_path):
+    """HSDP on 4 ranks (fsdp.shard_size=2: sharded over 2 ranks, replicated twice): the same losses,
+    evaluation and clipped gradient norms as ddp at 4 ranks (the norm sums each shard once, not once
+    per replica: that would be sqrt(2) times ddp's); each rank holds half of ddp's parameters and
+    gradients; the checkpoint resumes to the numbers of ddp's uninterrupted run."""
+    common = dict(world=4, optimizer={"target": "torch.optim.AdamW", "args": {"lr": 0.003}},
+                  plugins={"enable": ["benchmarks.shard_memory"]}, ema={"decay": 0.8})
+    ddp = train(ranks, tmp_path / "ddp", trainer={"strategy": "ddp", "epochs": 2, "grad_clip": 0.05},
+                checkpoint={"enabled": False}, **common)
+    hsdp = {"strategy": "fsdp", "grad_clip": 0.05}
+    first = train(ranks, tmp_path / "hsdp", trainer={**hsdp, "epochs": 1}, fsdp={"units": ["Linear"], "shard_size": 2},
+                  **common)
+    resumed = train(ranks, tmp_path / "hsdp", trainer={**hsdp, "epochs": 2}, fsdp={"units": ["Linear"], "shard_size": 2},
+                    **common)
+    metrics = ("loss", "eval_loss", "accuracy", "ema_eval_loss")
+    assert close([epochs(first)[0][k] for k in metrics], [epochs(ddp)[0][k] for k in metrics], 1e-5)
+    assert close([epochs(resumed)[-1][k] for k in metrics], [epochs(ddp)[1][k] for k in metrics], 1e-5)
+    norms = [[line["grad_norm"] for line in run if "grad_norm" in line] for run in (ddp, resumed)]  # resumed: appended
+    assert len(norms[0]) >= 2 and min(norms[0]) > 0.05  # clipping acted
+    assert close(norms[1], norms[0], 1e-4)
+    held = {name: [json.loads((tmp_path / name / f"shard_memory_rank{r}.json").read_text()) for r in range(4)]
+            for name in ("ddp", "hsdp")}
+    for rank in range(4):
+        for part in ("parameters", "gradients"):
+            assert held["hsdp"][rank][part] * 2 == held["ddp"][rank][part], (rank, part)
+
+
+@pytest.mark.parametrize("setting, world, expected", [("all", 4, 4), (2, 4, 2), (1, 3, 1)])
+def test_the_shard_size_is_the_world_or_a_divisor_of_it(setting, world, expected):
+    assert fsdp.shard_size(setting, world) == expected
+    with pytest.raises(DdpxError, match=r"^fsdp.shard_size=3 does not divide the 4 ranks into shard groups; use a "
+                                        r"divisor of 4 \(the ranks of one node, fsdp.shard_size=node\), or all$"):
+        fsdp.shard_size(3, 4)
+
+
+def test_cpu_offload_on_a_cpu_device_is_refused_in_one_line_before_any_collective(make_config):
+    """fsdp.offload=cpu is for CUDA: on the CPU the shards are in CPU memory already. wrap refuses
+    before it builds the mesh (no process group here: a collective would raise another error)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    config = make_config("trainer.strategy=fsdp", "fsdp.offload=cpu")
+    trainer = SimpleNamespace(config=config, device=torch.device("cpu"), world_size=1)
+    with pytest.raises(DdpxError, match=r"^fsdp.offload=cpu moves the shards from GPU memory to CPU memory, but this "
+                                        r"run computes on the cpu \(trainer.device\), where they already are; set "
+                                        r"fsdp.offload=none$"):
+        fsdp.wrap(trainer, Tiny())
+    assert type(fsdp.offload_policy("none", torch.device("cpu"))) is OffloadPolicy
+    assert isinstance(fsdp.offload_policy("cpu", torch.device("cuda")), CPUOffloadPolicy)
+    with pytest.raises(DdpxError, match=r"config key 'fsdp.offload' must be one of none, cpu"):
+        make_config("fsdp.offload=gpu")

@@ -48,7 +48,8 @@ DEFAULTS: dict = {
         "compile_dynamic": "batch",
         "strategy": "ddp",
     },
-    "fsdp": {"units": "auto", "min_unit_params": 100_000, "reshard_after_forward": True, "reduce_dtype": "fp32"},
+    "fsdp": {"units": "auto", "min_unit_params": 100_000, "reshard_after_forward": True, "reduce_dtype": "fp32",
+             "shard_size": "all", "offload": "none"},
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
 }
@@ -72,6 +73,7 @@ TYPES: dict = {
     "launch.nproc_per_node": (int, str),
     "launch.nnodes": (int, str),
     "fsdp.units": (str, list),
+    "fsdp.shard_size": (str, int),
 }
 CHOICES: dict = {
     "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
@@ -79,6 +81,7 @@ CHOICES: dict = {
     "trainer.compile_dynamic": ("batch", "auto", "static", "all"),
     "trainer.strategy": ("ddp", "fsdp"),
     "fsdp.reduce_dtype": ("fp32", "bf16", "fp16"),
+    "fsdp.offload": ("none", "cpu"),
 }
 # Sections built from an import path; their ``args`` are free-form keyword
 # arguments: given with a target they replace the default's as a whole, and are
@@ -127,18 +130,20 @@ def check_ranges(values: Mapping) -> None:
 
 
 def check_fsdp(values: Mapping) -> None:
-    """``fsdp.units``, and what ``trainer.strategy: fsdp`` cannot be combined with yet (ddpx/train/fsdp.py)."""
+    """``fsdp.units``, ``fsdp.shard_size``, and the torch ``trainer.strategy: fsdp`` needs (ddpx/train/fsdp.py)."""
     units = values.get("fsdp", {}).get("units", "auto")
     if isinstance(units, str) and units != "auto":
         raise DdpxError(f"config key 'fsdp.units' must be auto or a list of module class names (e.g. [Block]), "
                         f"got {units!r}")
     if isinstance(units, list) and (not units or not all(isinstance(u, str) and u for u in units)):
         raise DdpxError(f"config key 'fsdp.units' must be auto or a non-empty list of module class names, got {units!r}")
+    shard = values.get("fsdp", {}).get("shard_size", "all")
+    if isinstance(shard, bool) or (isinstance(shard, str) and shard not in ("all", "node")) or \
+            (isinstance(shard, int) and not isinstance(shard, bool) and shard < 1):
+        raise DdpxError(f"config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1 (the ranks each "
+                        f"parameter is sharded over; HSDP below the world size), got {shard!r}")
     if values.get("trainer", {}).get("strategy") == "fsdp":
         check_fsdp_torch()
-        if values["trainer"].get("compile"):
-            raise DdpxError("trainer.compile is not built for trainer.strategy=fsdp yet; set trainer.compile=false "
-                            "(or trainer.strategy=ddp)")
 
 
 # ``scripts/compat.sh`` with torch 2.7.1: FSDP2 over gloo summed the gradients over the ranks

@@ -1,5 +1,5 @@
-"""``trainer.compile``: ``torch.compile`` of the DDP-wrapped model, with one-line errors
-where it cannot work."""
+"""``trainer.compile``: ``torch.compile`` of the DDP-wrapped model (or of the FSDP2-sharded one,
+whose hooks dynamo skips: graph breaks at each unit), with one-line errors where it cannot work."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ backward, and its gradients reduce-scattered after its backward. The step stays
 from DDP:
 
 * :func:`wrap`: which modules become FSDP units (``fsdp.units``, :func:`unit_modules`),
-  ``fsdp.reshard_after_forward`` and the mixed-precision policy (:func:`mixed_precision`);
+  ``fsdp.reshard_after_forward``, the mixed-precision policy (:func:`mixed_precision`), the
+  mesh (:func:`device_mesh`: HSDP with ``fsdp.shard_size``) and ``fsdp.offload`` (:func:`offload_policy`);
 * :func:`unsynced`: accumulation without communication (``set_requires_gradient_sync``);
 * :func:`padded_forwards`, :func:`reshard`: evaluation, where every forward is collective;
 * the state: :func:`sharded_state` / :func:`load_sharded_state` (model and optimizer
@@ -88,21 +89,86 @@ def mixed_precision(config):
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[config.fsdp.reduce_dtype])
 
 
-def wrap(trainer, model: nn.Module) -> nn.Module:
-    """``fully_shard`` each unit (bottom-up), then the model as the root unit; returns the
-    model (FSDP2 wraps in place). The root keeps its parameters gathered from forward to
-    backward (it is needed first in backward); the units follow ``fsdp.reshard_after_forward``."""
+def shard_size(setting, world_size: int) -> int:
+    """The ranks each parameter is sharded over (``fsdp.shard_size``): ``all`` the world, ``node``
+    the ranks of one node (torchrun's layout, agreed over the ranks: one all_gather_object), a
+    number that many consecutive ranks. The same answer, or the same error, on every rank."""
+    if setting == "all":
+        return world_size
+    if setting == "node":
+        from ..comm_hooks.scope import node_facts
+
+        facts = [None] * world_size
+        dist.all_gather_object(facts, node_facts())
+        sizes = {f[2] for f in facts if f is not None}
+        if None in facts or len(sizes) != 1 or None in sizes:
+            raise DdpxError("fsdp.shard_size=node needs the launcher's node layout (torchrun's GROUP_RANK, LOCAL_RANK "
+                            "and LOCAL_WORLD_SIZE) on every rank; give the ranks per node as a number, "
+                            "e.g. fsdp.shard_size=8")
+        per_node = sizes.pop()
+        if any(rank != node * per_node + local for rank, (node, local, _) in enumerate(facts)):
+            raise DdpxError("fsdp.shard_size=node needs each node's ranks to be consecutive (as torchrun numbers "
+                            "them); give the shard size as a number of consecutive ranks, e.g. fsdp.shard_size=8")
+        return per_node
+    if world_size % setting:
+        raise DdpxError(f"fsdp.shard_size={setting} does not divide the {world_size} ranks into shard groups; use a "
+                        f"divisor of {world_size} (the ranks of one node, fsdp.shard_size=node), or all")
+    return setting
+
+
+def device_mesh(trainer):
+    """A 1-D mesh over every rank (FSDP), or with ``fsdp.shard_size`` below the world size a 2-D
+    one, ``(replicate, shard)``: each parameter sharded over ``shard`` consecutive ranks (a node)
+    and replicated over the ``replicate`` groups (HSDP)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    world = trainer.world_size
+    shard = shard_size(trainer.config.fsdp.shard_size, world)
+    if shard == world:
+        return init_device_mesh(trainer.device.type, (world,))
+    return init_device_mesh(trainer.device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group(tensor: torch.Tensor):
+    """The process group ``tensor`` (a DTensor) is sharded over: the whole world under FSDP, one
+    shard group (a node) under HSDP, whose replicas hold the same shards."""
+    mesh = tensor.device_mesh
+    dims = [i for i, placement in enumerate(tensor.placements) if placement.is_shard()]
+    return mesh.get_group(dims[0]) if mesh.ndim > 1 else mesh.get_group()
+
+
+def offload_policy(setting: str, device: torch.device):
+    """FSDP2's offload policy for ``fsdp.offload``: ``cpu`` keeps the shards, their gradients and
+    the optimizer state in pinned CPU memory (the optimizer steps there); CUDA only."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if setting == "none":
+        return OffloadPolicy()
+    if device.type != "cuda":
+        raise DdpxError(f"fsdp.offload=cpu moves the shards from GPU memory to CPU memory, but this run computes on "
+                        f"the {device.type} (trainer.device), where they already are; set fsdp.offload=none")
+    return CPUOffloadPolicy(pin_memory=True)
+
+
+def wrap(trainer, model: nn.Module) -> nn.Module:
+    """``fully_shard`` each unit (bottom-up), then the model as the root unit, over
+    :func:`device_mesh`; returns the model (FSDP2 wraps in place). The root keeps its
+    parameters gathered from forward to backward (it is needed first in backward); the units
+    follow ``fsdp.reshard_after_forward``."""
     from torch.distributed.fsdp import fully_shard
 
     cfg = trainer.config.fsdp
-    mesh = init_device_mesh(trainer.device.type, (trainer.world_size,))
+    offload = offload_policy(cfg.offload, trainer.device)
+    mesh = device_mesh(trainer)
     policy = mixed_precision(trainer.config)
     units = unit_modules(model, cfg.units if cfg.units == "auto" else list(cfg.units), cfg.min_unit_params)
     for _, unit in reversed(units):  # children before their parents
-        fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    trainer.log.info(f"fsdp: {len(units)} units + the root over {trainer.world_size} ranks "
+        fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
+    layout = f"{trainer.world_size} ranks" if mesh.ndim == 1 else \
+        f"{mesh.size(1)} ranks, replicated {mesh.size(0)} times (HSDP)"
+    trainer.log.info(f"fsdp: {len(units)} units + the root sharded over {layout} "
                      f"({', '.join(name for name, _ in units[:4])}{', ...' if len(units) > 4 else ''})")
     return model
 
@@ -122,6 +188,15 @@ def is_shard(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def holds_shards(value) -> bool:
+    """Whether ``value`` (a state entry: nested dicts and lists) holds a DTensor."""
+    if isinstance(value, dict):
+        return any(holds_shards(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_shards(v) for v in value)
+    return is_shard(value)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -252,12 +327,16 @@ def save_shards(state: dict, directory: Path) -> None:
 
 
 def read_shards(template: dict, directory: Path) -> dict:
-    """Fill ``template`` (this rank's :func:`sharded_state`, any world size) from ``directory``
-    in place and return it (collective)."""
+    """Fill ``template`` (this rank's sharded entries, e.g. :func:`sharded_state`, at any world size)
+    from ``directory`` in place and return it, less the entries the directory does not hold (a
+    checkpoint written without EMA). Collective."""
     import torch.distributed.checkpoint as dcp
 
-    reader, planner = _reader_classes()
-    dcp.load(template, storage_reader=reader(str(directory)), planner=planner())
+    reader_class, planner = _reader_classes()
+    reader = reader_class(str(directory))
+    stored = {key.split(".", 1)[0] for key in reader.read_metadata().state_dict_metadata}
+    template = {k: v for k, v in template.items() if k in stored}
+    dcp.load(template, storage_reader=reader, planner=planner())
     return template
 
 

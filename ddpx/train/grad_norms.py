@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .fsdp import is_shard, local
+from .fsdp import is_shard, local, shard_group
 
 
 class GradientNorms:
@@ -22,14 +22,18 @@ class GradientNorms:
 
     Sharded gradients (``trainer.strategy: fsdp``, DTensors): each rank holds a part of
     each gradient, so the norms are taken over the local parts and their squares summed
-    across ranks (one all_reduce per computed norm, on every rank): the total is the
-    global norm, the same on every rank."""
+    across the ranks they are sharded over (one all_reduce per computed norm, on every
+    rank; under HSDP over the shard group only, whose replicas hold the same shards):
+    the total is the global norm, each gradient counted once, the same on every rank."""
 
     NONE = torch.iinfo(torch.int64).max
 
     def __init__(self, module: torch.nn.Module):
         self.named = list(module.named_parameters())  # after the wrap: FSDP replaces the parameters
         self.sharded = any(is_shard(p) for _, p in self.named)
+        self.group = next((shard_group(p) for _, p in self.named if is_shard(p)), None)
+        # The device the collectives run on: the mesh's (fsdp.offload=cpu keeps the gradients on the CPU).
+        self.device = next((torch.device(p.device_mesh.device_type) for _, p in self.named if is_shard(p)), None)
         self.first = None  # device int64: step * len(named) + index, or NONE
         self.positions: dict = {}  # tuple of parameter indices -> their device tensors (cached)
 
@@ -43,7 +47,7 @@ class GradientNorms:
                 groups.setdefault((grad.device, grad.dtype), []).append((index, grad))
         if not groups and not self.sharded:
             return torch.zeros(())
-        device = next(iter(groups))[0] if groups else self.named[0][1].device
+        device = self.device or (next(iter(groups))[0] if groups else self.named[0][1].device)
         order = tuple(i for group in groups.values() for i, _ in group)
         norms = torch.cat([torch.stack(torch._foreach_norm([g for _, g in group])).to(device, torch.float32)
                            for group in groups.values()]) if groups else torch.zeros(0, device=device)
@@ -51,7 +55,7 @@ class GradientNorms:
         if self.sharded:  # the local parts' squares, summed over the ranks; whole gradients counted once
             squares = norms.square()
             total_sq = squares[shard_mask].sum()
-            dist.all_reduce(total_sq)
+            dist.all_reduce(total_sq, group=self.group)
             total = (total_sq + squares[~shard_mask].sum()).sqrt()
         else:
             total = torch.linalg.vector_norm(norms)
@@ -73,7 +77,7 @@ class GradientNorms:
         Sharded: the earliest over all ranks (one all_reduce; every rank asks at the same boundary)."""
         first = self.first
         if self.sharded:
-            first = torch.tensor(self.NONE, device=self.named[0][1].device) if first is None else first.clone()
+            first = torch.tensor(self.NONE, device=self.device) if first is None else first.clone()
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if first is None:
             return None

@@ -17,7 +17,8 @@ memory; serialization and fsync run on a background thread, one write at a
 time, and the run waits for the last one before it exits.
 
 Sharded state (``trainer.strategy: fsdp``). The model and optimizer entries are
-each rank's shards, keyed by parameter name: every rank writes its part with
+each rank's shards, keyed by parameter name, and so is any plugin entry that holds
+DTensors (the ema plugin's average): every rank writes its part of these with
 ``torch.distributed.checkpoint`` into ``step-N.shards/`` (first into a hidden
 temporary directory, which rank 0 renames once every rank's files and the
 metadata are complete), then ``step-N.pt`` is written as above, with everything
@@ -370,10 +371,11 @@ def _save(trainer, session, at_epoch_end, metrics=None):
         trainer.nonfinite_weights(f"{since} (epoch {trainer.epoch})")  # raises under nonfinite=stop
         return
     session.finite_at = step
-    shards = _save_shards(trainer, session, step, state) if fsdp.is_sharded(trainer.module) else None
+    sharded = _sharded_entries(trainer, state)
+    shards = _save_shards(trainer, session, step, {k: state[k] for k in sharded}) if sharded else None
     mine = {
         "rng": rng_state(trainer.device),
-        "plugins": {k: v for k, v in state.items() if k not in TRAINER_STATE},
+        "plugins": {k: v for k, v in state.items() if k not in TRAINER_STATE and k not in sharded},
     }
     if across_ranks(trainer):
         import torch.distributed as dist
@@ -388,7 +390,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     checkpoint = {
         "step": step,
         "world_size": trainer.world_size,
-        "replicated": {k: v for k, v in state.items() if k in TRAINER_STATE and not (shards and k in SHARDED_STATE)},
+        "replicated": {k: v for k, v in state.items() if k in TRAINER_STATE and k not in sharded},
         "ranks": gathered,
     }
     if shards is not None:
@@ -406,8 +408,16 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     session.writer.save(checkpoint, step, on_done=done, score=score)
 
 
+def _sharded_entries(trainer, state) -> tuple:
+    """The entries of ``state`` each rank holds a part of (under fsdp): the model, the optimizer and
+    any plugin entry with DTensors in it (the ema plugin's average). () under ddp."""
+    if not fsdp.is_sharded(trainer.module):
+        return ()
+    return tuple(k for k, v in state.items() if k in SHARDED_STATE or fsdp.holds_shards(v))
+
+
 def _save_shards(trainer, session, step, state) -> str:
-    """Every rank writes its shards of the model and optimizer into the step's shard directory
+    """Every rank writes its part of ``state`` (the sharded entries) into the step's shard directory
     (a temporary one first, renamed by rank 0 once complete); returns the directory's name."""
     import shutil
 
@@ -423,7 +433,7 @@ def _save_shards(trainer, session, step, state) -> str:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
     if across_ranks(trainer):
         dist.barrier()  # no rank writes into it before rank 0 cleared it
-    fsdp.save_shards({k: state[k] for k in SHARDED_STATE}, partial)  # returns once the metadata is written
+    fsdp.save_shards(state, partial)  # returns once the metadata is written
     if trainer.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
@@ -560,8 +570,9 @@ def _resume(trainer, session):
 
 
 def _read_shards(trainer, path, shards) -> dict:
-    """The model and optimizer entries from the checkpoint's shard directory (every rank, any
-    world size); {} for a checkpoint without one. A checkpoint of the other strategy: one line."""
+    """The sharded entries (model, optimizer, a plugin's such as ema's) from the checkpoint's shard
+    directory (every rank, any world size), those this run has; {} for a checkpoint without one. A
+    checkpoint of the other strategy: one line."""
     sharded = fsdp.is_sharded(trainer.module)
     if sharded != (shards is not None):
         saved, now = ("fsdp", "ddp") if shards is not None else ("ddp", "fsdp")
@@ -570,7 +581,8 @@ def _read_shards(trainer, path, shards) -> dict:
                         "checkpoint.resume=false)")
     if shards is None:
         return {}
-    template = dict(zip(SHARDED_STATE, fsdp.sharded_state(trainer.module, trainer.optimizer)))
+    state = trainer.state_dict()  # this run's layout: the shards are read into it
+    template = {k: state[k] for k in _sharded_entries(trainer, state)}
     return fsdp.read_shards(template, path.parent / shards)
 
 

@@ -7,8 +7,10 @@ toward them: ``ema += (1 - decay) * (weights - ema)``, one fused
 ``torch._foreach_lerp_`` over all tensors. The update is a call scheduled with
 ``trainer.call_at_step``, so it runs after the optimizer step, and the steps
 between updates cost nothing. The weights are the same on every rank (DDP), so
-is the EMA: nothing is communicated. Under ``trainer.strategy: fsdp`` (sharded
-weights) the plugin refuses in one line: not built yet. ``buffers: true`` averages the floating
+is the EMA: nothing is communicated. Under ``trainer.strategy: fsdp`` each rank
+averages its own shards of the parameters (``DTensor.to_local()``: the EMA takes
+1/world of the model's memory, as the weights do), still without communication.
+``buffers: true`` averages the floating
 buffers too (BatchNorm's running statistics) and copies the others; otherwise
 the EMA is evaluated with the model's own buffers.
 
@@ -22,11 +24,16 @@ Checkpoints: the key ``ema`` holds the averaged tensors, the number of updates
 and the step of the last one. Rank 0's checkpoint entry alone carries them (the
 EMA is identical everywhere; a checkpoint does not hold one copy per rank) and
 a resume broadcasts it from rank 0, so a resume at the same or another world
-size continues the same average. At the end of training rank 0 writes
+size continues the same average. Under fsdp the entry holds each rank's shards as
+DTensors shaped like the parameters, so the checkpoint plugin writes it into the step's
+shard directory beside the model (``torch.distributed.checkpoint``, each rank its part)
+and a resume at any world size reads it back into that run's sharding; no rank ever
+holds the whole average. At the end of training rank 0 writes
 ``run_dir/<export>`` (``ema_weights.pt``): ``{"weights": "ema", "decay",
 "step", "updates", "state_dict"}``, the module's state dict with the EMA's
 parameters (and buffers with ``buffers: true``), loadable with
-``model.load_state_dict(torch.load(path)["state_dict"])``.
+``model.load_state_dict(torch.load(path)["state_dict"])``; under fsdp the EMA shards are
+swapped into the model and gathered like ``model_weights.pt`` (every rank takes part).
 
 Per-run state: ``trainer.plugin("ema").state`` (an :class:`EmaState`, None when off;
 docs/plugins.md, "Per-run state").
@@ -39,18 +46,24 @@ import os
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
 from ddpx.plugin.shared import EMA_WEIGHTS_FILE
+from ddpx.train import fsdp
 
 EXPORT = "ema_weights.pt"
 
 
 class EmaState:
-    """One run's average: ``params`` (and ``buffers``) as detached tensors beside the model's."""
+    """One run's average: ``params`` (and ``buffers``) as detached tensors beside the model's;
+    under fsdp ``params`` are this rank's shards (plain tensors) and ``sharded`` is True."""
 
     def __init__(self, module, decay, every_steps, start_step, with_buffers):
+        import torch
+
         self.decay, self.every_steps, self.start_step = decay, every_steps, start_step
         self.names = [name for name, _ in module.named_parameters()]
-        self.live = [p for _, p in module.named_parameters()]
-        self.params = [p.detach().clone() for p in self.live]
+        self.live_params = [p for _, p in module.named_parameters()]  # DTensors under fsdp
+        self.sharded = any(fsdp.is_shard(p) for p in self.live_params)
+        with torch.no_grad():
+            self.params = [t.detach().clone() for t in self.live()]
         buffers = list(module.named_buffers()) if with_buffers else []
         self.buffer_names = [name for name, _ in buffers]
         self.live_buffers = [b for _, b in buffers]
@@ -59,19 +72,25 @@ class EmaState:
         self.step = None  # the optimizer step of the last update (or of the copy); None: not started
         self.export_path = None  # where train_end wrote the EMA weights (rank 0)
 
+    def live(self):
+        """The model's parameters as plain tensors: this rank's shards under fsdp (looked up at each
+        use: FSDP may replace a shard's local tensor, e.g. when a state dict is loaded). Call under no_grad."""
+        return [fsdp.local(p) for p in self.live_params]
+
     def update(self, step):
         """Fold the weights after optimizer step ``step`` into the average (the first call copies)."""
         import torch
 
         with torch.no_grad():
+            live = self.live()
             floating = [(e, b) for e, b in zip(self.buffers, self.live_buffers) if e.is_floating_point()]
             if self.step is None:
-                torch._foreach_copy_(self.params, self.live)
+                torch._foreach_copy_(self.params, live)
                 if self.buffers:
                     torch._foreach_copy_(self.buffers, self.live_buffers)
             else:
                 weight = 1.0 - self.decay
-                torch._foreach_lerp_(self.params, self.live, weight)
+                torch._foreach_lerp_(self.params, live, weight)
                 if floating:
                     torch._foreach_lerp_([e for e, _ in floating], [b for _, b in floating], weight)
                 others = [(e, b) for e, b in zip(self.buffers, self.live_buffers) if not e.is_floating_point()]
@@ -87,44 +106,71 @@ class EmaState:
         return step + self.every_steps - (step - self.start_step) % self.every_steps
 
     def swapped_in(self):
-        """A context: the model holds the EMA weights (and buffers) inside, its own after."""
+        """A context: the model holds the EMA weights (and buffers) inside, its own after (under
+        fsdp each rank swaps its shards: the next forward gathers the EMA's)."""
         import contextlib
 
         import torch
 
         @contextlib.contextmanager
         def swap():
-            live = self.live + self.live_buffers
             with torch.no_grad():
+                live = self.live() + self.live_buffers
                 saved = [t.detach().clone() for t in live]
                 torch._foreach_copy_(live, self.params + self.buffers)
             try:
                 yield
             finally:
                 with torch.no_grad():
-                    torch._foreach_copy_(live, saved)
+                    torch._foreach_copy_(self.live() + self.live_buffers, saved)
 
         return swap()
 
     def state_dict(self):
+        if self.sharded:  # each rank's shards as DTensors: the checkpoint plugin writes them with the model's
+            return {"params": dict(zip(self.names, self.shards())), "buffers": dict(zip(self.buffer_names, self.buffers)),
+                    "decay": self.decay, "updates": self.updates, "step": self.step}
         return {"names": self.names, "params": [p.cpu() for p in self.params], "buffer_names": self.buffer_names,
                 "buffers": [b.cpu() for b in self.buffers], "decay": self.decay, "updates": self.updates,
                 "step": self.step}
 
+    def shards(self):
+        """The EMA's shards as DTensors laid out as the parameters (views: a load into them fills ``params``)."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            return [DTensor.from_local(e, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                    if fsdp.is_shard(p) else e for e, p in zip(self.params, self.live_params)]
+
     def load(self, saved):
         import torch
 
-        if saved["names"] != self.names or saved["buffer_names"] != self.buffer_names:
+        params, buffers = saved["params"], saved["buffers"]
+        if isinstance(params, dict):  # fsdp: read from the shard directory into this run's sharding
+            names, buffer_names = list(params), list(buffers)
+            params, buffers = [fsdp.local(params[n]) for n in self.names if n in params], list(buffers.values())
+        else:
+            names, buffer_names = saved["names"], saved["buffer_names"]
+        if names != self.names or buffer_names != self.buffer_names:
             raise DdpxError("the checkpoint's ema entry holds other tensors than this model has (changed model or "
                             "ema.buffers); set checkpoint.resume=false or use the config it was written with")
         with torch.no_grad():
-            torch._foreach_copy_(self.params, [p.to(self.params[0].device) for p in saved["params"]])
+            torch._foreach_copy_(self.params, [p.to(e.device) for p, e in zip(params, self.params)])
             if self.buffers:
-                torch._foreach_copy_(self.buffers, [b.to(self.buffers[0].device) for b in saved["buffers"]])
+                torch._foreach_copy_(self.buffers, [b.to(e.device) for b, e in zip(buffers, self.buffers)])
         self.updates, self.step = saved["updates"], saved["step"]
 
     def module_state_dict(self, module):
-        """``module.state_dict()`` with the EMA's tensors in place of the live ones."""
+        """``module.state_dict()`` with the EMA's tensors in place of the live ones: under fsdp the
+        whole model gathered on rank 0 (empty elsewhere; every rank calls it)."""
+        if self.sharded:
+            with self.swapped_in():
+                state = fsdp.full_model_state_dict(module)
+                # On the CPU the gather may hand back the live tensors themselves (the buffers; the
+                # parameters at 1 rank), which leaving the swap restores: copy those.
+                live = {t.untyped_storage().data_ptr() for t in self.live() + self.live_buffers}
+                return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in state.items()}
         state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
         for name, tensor in zip(self.names + self.buffer_names, self.params + self.buffers):
             state[name] = tensor.detach().cpu().clone()
@@ -159,10 +205,6 @@ class EmaPlugin:
             raise DdpxError(f"ema.every_steps must be >= 1 (got {cfg['every_steps']})")
         if cfg["start_step"] < 0:
             raise DdpxError(f"ema.start_step must be >= 0 (got {cfg['start_step']})")
-        if decay is not None and config.trainer.strategy == "fsdp":
-            raise DdpxError("plugin 'ema': ema.decay is not built for trainer.strategy=fsdp yet (each rank holds other "
-                            "shards of the weights, so the average, its checkpoint entry and ema_weights.pt would need "
-                            "them gathered); set ema.decay=null, or trainer.strategy=ddp")
 
     @hookimpl
     def ddpx_setup(self, trainer):
@@ -203,8 +245,9 @@ class EmaPlugin:
         ema = self.state
         if ema is None:
             return None
-        # Identical on every rank: rank 0's entry carries it (the others hold a marker).
-        return ema.state_dict() if trainer.rank == 0 else {"on_rank": 0}
+        # Identical on every rank: rank 0's entry carries it (the others hold a marker). Under fsdp
+        # every rank its shards.
+        return ema.state_dict() if trainer.rank == 0 or ema.sharded else {"on_rank": 0}
 
     def load_state_dict(self, trainer, saved):
         ema = self.state
@@ -215,7 +258,7 @@ class EmaPlugin:
 
         from ddpx.train.stopping import across_ranks
 
-        if across_ranks(trainer):
+        if across_ranks(trainer) and not ema.sharded:  # fsdp: every rank read its shards from the shard directory
             # rank 0 reads ranks[0] of the checkpoint at any world size: its copy is the one.
             present = torch.tensor([1 if saved is not None else 0], device=trainer.device)
             dist.broadcast(present, src=0)
@@ -234,15 +277,18 @@ class EmaPlugin:
     @hookimpl
     def ddpx_train_end(self, trainer):
         ema = self.state
-        if ema is None or trainer.rank != 0 or ema.step is None:
+        if ema is None or ema.step is None or (trainer.rank != 0 and not ema.sharded):
             return
         import torch
 
         from ddpx.rank.checkpoint_files import atomic_write
 
+        state_dict = ema.module_state_dict(trainer.module)  # under fsdp a gather: every rank
+        if trainer.rank != 0:
+            return
         path = os.path.join(str(trainer.run_dir), EXPORT)
         export = {"weights": "ema", "decay": ema.decay, "step": ema.step, "updates": ema.updates,
-                  "state_dict": ema.module_state_dict(trainer.module)}
+                  "state_dict": state_dict}
         atomic_write(path, lambda f: torch.save(export, f))
         ema.export_path = trainer.shared[EMA_WEIGHTS_FILE] = path
         trainer.log.info(f"wrote the EMA weights (decay {ema.decay}, {ema.updates} updates to step {ema.step}) to "
