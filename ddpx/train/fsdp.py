@@ -168,8 +168,13 @@ def wrap(trainer, model: nn.Module) -> nn.Module:
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     layout = f"{trainer.world_size} ranks" if mesh.ndim == 1 else \
         f"{mesh.size(1)} ranks, replicated {mesh.size(0)} times (HSDP)"
-    trainer.log.info(f"fsdp: {len(units)} units + the root sharded over {layout} "
-                     f"({', '.join(name for name, _ in units[:4])}{', ...' if len(units) > 4 else ''})")
+    if units:
+        names = f"{', '.join(name for name, _ in units[:4])}{', ...' if len(units) > 4 else ''}"
+        trainer.log.info(f"fsdp: {len(units)} units ({names}) + the root sharded over {layout}")
+    else:  # one unit: the whole model is gathered at once in forward and backward
+        trainer.log.info(f"fsdp: the whole model is one unit (the root), sharded over {layout}; no submodule was "
+                         f"made a unit (fsdp.units={cfg.units}, fsdp.min_unit_params={cfg.min_unit_params}), so "
+                         "every parameter is gathered at once")
     return model
 
 
