@@ -1,6 +1,6 @@
 """A plugin that records what one rank holds of parameters, gradients and optimizer state
 (bytes of its local tensors: its shards under ``trainer.strategy: fsdp``) right after the
-first optimizer step, and, for benchmarks/bench_sharded.py, when each optimizer step ended,
+process's first optimizer step, and, for benchmarks/bench_sharded.py, when each optimizer step ended,
 the bytes its network interfaces had sent by then (``/proc/net/dev``, loopback left out:
 what the host sent, in a network namespace per rank what the rank sent), the comm hook's
 own counters at the first and the last step, and the process's resident memory at the end
@@ -51,7 +51,7 @@ def hook_stats(trainer):
 @hookimpl(wrapper=True)
 def ddpx_optimizer_step(trainer):
     applied = yield  # the gradients are zeroed only after this hook
-    if trainer.global_step == 0:
+    if not record:  # this process's first optimizer step (a resumed run's too)
         held = local_bytes(trainer.module, trainer.optimizer)
         held["total"] = sum(held.values())
         record.update(held, strategy=trainer.config.trainer.strategy, world_size=trainer.world_size,
