@@ -46,6 +46,34 @@ class Option:
     doc: str = ""
 
 
+def validate_options(what: str, options: dict[str, Option], opts: dict) -> dict:
+    """``opts`` checked against ``options`` and completed with the defaults; a bad one is a
+    :class:`DdpxError` starting with ``what`` (e.g. ``comm hook 'int8'``)."""
+    unknown = sorted(set(opts) - set(options))
+    if unknown:
+        known = ", ".join(sorted(options)) or "none"
+        raise DdpxError(f"{what}: unknown option(s) {', '.join(unknown)}; known options: {known}")
+    out = {}
+    for key, spec in options.items():
+        v = opts.get(key, spec.default)
+        if spec.type is bool:
+            ok = isinstance(v, bool)
+        elif spec.type is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif spec.type is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            v = float(v) if ok else v
+        else:
+            ok = isinstance(v, spec.type)
+        if not ok:
+            raise DdpxError(f"{what}: option {key} must be {spec.type.__name__}, got {v!r} ({type(v).__name__})")
+        problem = spec.check(v) if spec.check else None
+        if problem:
+            raise DdpxError(f"{what}: option {key} {problem}, got {v!r}")
+        out[key] = v
+    return out
+
+
 def non_negative(v):
     return None if v >= 0 else "must be >= 0"
 
@@ -217,31 +245,7 @@ class HookState:
     # ----------------------------------------------------------------- options
     @classmethod
     def _validate(cls, opts):
-        unknown = sorted(set(opts) - set(cls.options))
-        if unknown:
-            known = ", ".join(sorted(cls.options)) or "none"
-            raise DdpxError(f"comm hook {cls.name!r}: unknown option(s) {', '.join(unknown)}; known options: {known}")
-        out = {}
-        for key, spec in cls.options.items():
-            v = opts.get(key, spec.default)
-            if spec.type is bool:
-                ok = isinstance(v, bool)
-            elif spec.type is int:
-                ok = isinstance(v, int) and not isinstance(v, bool)
-            elif spec.type is float:
-                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-                v = float(v) if ok else v
-            else:
-                ok = isinstance(v, spec.type)
-            if not ok:
-                raise DdpxError(
-                    f"comm hook {cls.name!r}: option {key} must be {spec.type.__name__}, got {v!r} ({type(v).__name__})"
-                )
-            problem = spec.check(v) if spec.check else None
-            if problem:
-                raise DdpxError(f"comm hook {cls.name!r}: option {key} {problem}, got {v!r}")
-            out[key] = v
-        return out
+        return validate_options(f"comm hook {cls.name!r}", cls.options, opts)
 
     # ------------------------------------------------------------------ group
     @property

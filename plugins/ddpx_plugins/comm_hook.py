@@ -17,9 +17,14 @@ An optimizer that averages the gradients itself names its hook (``comm_hook``
 class attribute): ``optimizer.target: ddpx.optim.OneBitAdam`` registers
 ``onebit_adam`` (with ``comm_hook.options``) and pairs the two at train start;
 any other ``comm_hook.name`` with it, or ``onebit_adam`` without it, is a one-line
-config error. Under ``trainer.strategy: fsdp`` only ``allreduce`` (no hook: FSDP
-reduce-scatters the gradients itself) is accepted; any other name is a one-line
-config error (compression on the sharded path is not built yet).
+config error.
+
+Under ``trainer.strategy: fsdp`` there is no DDP bucket: ``fp16``, ``bf16`` and
+``int8`` become FSDP2's gradient reduce-scatter on every FSDP unit
+(``ddpx.comm_hooks.reduce_scatter``, with ``comm_hook.options``: int8's ``block_size``),
+with ``fsdp.reduce_dtype: fp32``; ``allreduce`` keeps FSDP's own reduce-scatter; any
+other name is a one-line config error. ``comm_hook.native`` does not apply there (the
+reduce-scatter is Python around ddpx's native kernels).
 
 Config section ``comm_hook``: ``name`` (``allreduce``), ``native`` (true),
 ``options`` (``{}``: keyword arguments of the hook, e.g. ``{rank: 4}``).
@@ -68,13 +73,24 @@ def hook_name(config, hooks) -> str:
     return name
 
 
-def _refuse_under_fsdp(config, name) -> None:
-    """FSDP reduce-scatters the sharded gradients itself: no DDP hook applies (compression on
-    that path is not built yet)."""
-    if name != BUILTIN and config.trainer.strategy == "fsdp":
-        raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} is not built for trainer.strategy=fsdp yet (FSDP "
-                        "reduce-scatters the sharded gradients itself; compression on that path is not built); set "
-                        f"comm_hook.name={BUILTIN} (fsdp.reduce_dtype=bf16 halves the gradients' bytes)")
+def _check_under_fsdp(config, name) -> None:
+    """Under fsdp the hooks with a reduce-scatter (``ddpx.comm_hooks.reduce_scatter``) apply, on
+    fp32 gradients; any other is refused, as are options they do not take."""
+    if config.trainer.strategy != "fsdp" or name == BUILTIN:
+        return
+    from ddpx.comm_hooks import reduce_scatter
+
+    if name not in reduce_scatter.METHODS:
+        *first, last = sorted(reduce_scatter.METHODS)
+        raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} does not apply under trainer.strategy=fsdp (only "
+                        f"{', '.join(first)} and {last} have a sharded reduce-scatter); set comm_hook.name=int8 "
+                        f"(or {', '.join(first)}, {BUILTIN})")
+    reduce_dtype = config.fsdp.reduce_dtype
+    if reduce_dtype != "fp32":
+        raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} under trainer.strategy=fsdp codes and sums fp32 "
+                        f"gradients itself; set fsdp.reduce_dtype=fp32 (now {reduce_dtype}), or "
+                        f"comm_hook.name={BUILTIN} to reduce-scatter in {reduce_dtype}")
+    reduce_scatter.make(name, **config.section("comm_hook")["options"])  # bad options fail here
 
 
 class CommHookPlugin:
@@ -91,12 +107,13 @@ class CommHookPlugin:
     @hookimpl
     def ddpx_configure(self, config):
         cfg = config.section("comm_hook")
-        _refuse_under_fsdp(config, cfg["name"])
         hooks = _hooks_module()
         if hooks is None:
             return
         name = hook_name(config, hooks)
-        _refuse_under_fsdp(config, name)
+        if config.trainer.strategy == "fsdp":
+            _check_under_fsdp(config, name)
+            return
         if name == BUILTIN:
             return
         hooks.make_state(name, **cfg["options"])  # bad options fail here, before any worker starts
@@ -128,6 +145,9 @@ class CommHookPlugin:
         self.name = hook_name(trainer.config, hooks)
         if self.name == BUILTIN:
             return
+        if trainer.config.trainer.strategy == "fsdp":
+            self._install_reduce_scatter(trainer, model, cfg)
+            return
         if not isinstance(model, DistributedDataParallel):
             trainer.log.warning("comm_hook.name=%s ignored: the model is not wrapped in DDP", self.name)
             return
@@ -137,6 +157,16 @@ class CommHookPlugin:
         bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
         views = ", gradients as bucket views" if getattr(model, "gradient_as_bucket_view", False) else ""
         trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)", self.name, kind, bucket_mb, views)
+
+    def _install_reduce_scatter(self, trainer, model, cfg):
+        from ddpx.comm_hooks import reduce_scatter
+
+        comm = reduce_scatter.make(self.name, **cfg["options"])
+        units = reduce_scatter.install(model, comm)
+        self.state = trainer.shared[COMM_HOOK] = comm
+        opts = "".join(f", {k} {v}" for k, v in comm.opts.items())
+        trainer.log.info("comm hook %s installed on %d fsdp units (reduce-scatter: %s codes, one all_to_all, fp32 "
+                         "sum%s)", self.name, units, self.name, opts)
 
     def state_dict(self, trainer):
         if self.state is None or not hasattr(self.state, "state_dict"):

@@ -1,0 +1,226 @@
+"""ddpx's compression as FSDP2's gradient reduce-scatter (``trainer.strategy: fsdp``).
+
+FSDP2 reduce-scatters each unit's gradients once per step: the input is the unit's
+flat padded gradient, rank r's part of the result is ``input[r*n:(r+1)*n]`` summed
+over the ranks (``n = output.numel()``). ``FSDPModule.set_custom_reduce_scatter``
+lets ddpx do that step with its kernels instead, as phase 1 of the int8 DDP hook
+(ddpx/comm_hooks/int8.py):
+
+* each rank codes its input chunk by destination (``int8``: blockwise int8 with one
+  fp32 scale per ``block_size`` elements, ``ddpx.ops.int8_quantize``; ``fp16`` /
+  ``bf16``: the op's factor applied in the cast, ``ddpx.ops.scale_cast``, so an
+  average cannot overflow fp16 where the mean itself would not);
+* ONE ``all_to_all_single`` sends chunk r to rank r (int8: codes and scales in one
+  byte buffer per destination, ``[scales fp32 | q int8 | padding to 4 bytes]``);
+* rank r sums the R copies it received in fp32 into the output
+  (``ddpx.ops.int8_dequant_accumulate_``; the 16-bit ones with ``torch.sum`` in fp32),
+  so unlike ``fsdp.reduce_dtype=bf16`` nothing is summed in 16 bits.
+
+Wire per rank and call: (R-1) rows of ``n * 4`` bytes for fp32's reduce-scatter,
+``(R-1) * (n + 4 * ceil(n / block_size))`` (+ at most 3 bytes of padding) for int8,
+``(R-1) * 2n`` for fp16 / bf16 (``call_bytes``). A non-finite gradient stays
+non-finite: an int8 block holding NaN/Inf gets a NaN scale, a 16-bit cast keeps
+Inf and NaN, so GradScaler and the non-finite guard see it.
+
+No error feedback: a worker's residual would be a full unsharded fp32 gradient of
+every unit kept per rank, the memory fsdp shards away (docs/sharded.md#compression).
+The whole flat gradient is coded (no exempt parameters: the layout of the flat
+buffer is FSDP's); the per-block scale bounds each block's error by its own largest value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from ..errors import DdpxError
+from .int8 import Int8State
+from .state import Option, validate_options
+
+try:  # torch >= 2.9 (FSDPModule.set_custom_reduce_scatter)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover - make() refuses on such a torch
+    _ReduceScatterBase = object
+
+_ReduceOp = dist.ReduceOp
+
+
+def _factor(op, world: int):
+    """The factor the op multiplies the sum by: ``1/world`` for AVG, 1 for SUM, ``f`` for
+    ``PREMUL_SUM(f)`` (a float or a tensor); anything else FSDP never reduces with."""
+    kind = getattr(op, "op", op)  # PREMUL_SUM(f) is a ReduceOp object; AVG and SUM its RedOpType
+    if kind == _ReduceOp.AVG:
+        return 1.0 / world
+    if kind == _ReduceOp.SUM:
+        return 1.0
+    if kind == _ReduceOp.PREMUL_SUM:
+        return op.factor
+    raise DdpxError(f"ddpx's compressed reduce-scatter sums gradients (AVG, SUM, PREMUL_SUM), not {op}")
+
+
+def _split(factor):
+    """(alpha applied in the kernel as a float, tensor applied to the output after or None):
+    a tensor factor is never read back to the host."""
+    return (1.0, factor) if torch.is_tensor(factor) else (float(factor), None)
+
+
+class CompressedReduceScatter(_ReduceScatterBase):
+    """One object serves every FSDP unit of a model (it holds no per-unit state), and counts
+    what this rank sends: :meth:`stats`."""
+
+    name = ""
+    options: dict[str, Option] = {}
+
+    def __init__(self, **opts):
+        self.opts = validate_options(f"comm hook {self.name!r} under trainer.strategy=fsdp", self.options, opts)
+        for key, value in self.opts.items():
+            setattr(self, key, value)
+        self.raw_bytes = 0  # fp32 gradient bytes handed over (every rank's chunks)
+        self.wire_bytes = 0  # bytes this rank sent to the others
+        self.fp32_wire_bytes = 0  # what fp32's reduce-scatter would have sent
+        self.calls = 0
+        self.unit_calls: list[int] = []  # per unit installed (install): one call per step each
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if async_op:
+            raise ValueError(f"comm hook {self.name!r} under fsdp runs its reduce-scatter synchronously "
+                             "(async_op=False, as FSDP2 calls it)")
+        for what, t in (("input", input_tensor), ("output", output_tensor)):
+            if t.dtype != torch.float32:
+                raise DdpxError(f"comm hook {self.name!r} under trainer.strategy=fsdp codes fp32 gradients, its "
+                                f"{what} is {t.dtype}: set fsdp.reduce_dtype=fp32")
+        world = dist.get_world_size(group)
+        n = output_tensor.numel()
+        if input_tensor.numel() != world * n:
+            raise ValueError(f"reduce-scatter input has {input_tensor.numel()} elements, not {world} x {n}")
+        alpha, post = _split(_factor(op, world))
+        self.reduce_scatter(output_tensor, input_tensor.view(-1), group, world, n, alpha)
+        if post is not None:
+            output_tensor.mul_(post.to(output_tensor.device, output_tensor.dtype))
+        self.raw_bytes += 4 * input_tensor.numel()
+        self.wire_bytes += self.call_bytes(n, world)
+        self.fp32_wire_bytes += (world - 1) * 4 * n
+        self.calls += 1
+        return None
+
+    def call_bytes(self, n: int, world: int) -> int:
+        """Bytes this rank sends in one reduce-scatter with chunks of ``n`` elements over
+        ``world`` ranks: a coded chunk to each other rank (its own stays home)."""
+        return (world - 1) * self.row_bytes(n)
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of one destination's coded chunk of ``n`` elements."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, output, flat, group, world: int, n: int, alpha: float) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        """Totals since creation, as a DDP hook's ``stats()``: ``raw_bytes`` (fp32 gradient bytes
+        reduce-scattered), ``wire_bytes`` (bytes this rank sent), ``fp32_wire_bytes`` (what
+        fp32's reduce-scatter sends), ``calls`` (reduce-scatters), ``steps`` (backward passes
+        that reduce-scattered: the calls of the unit called most, each unit being called once a
+        step; the calls when not installed), ``compression`` (fp32 wire / wire)."""
+        return {"name": self.name, "raw_bytes": self.raw_bytes, "wire_bytes": self.wire_bytes,
+                "fp32_wire_bytes": self.fp32_wire_bytes, "calls": self.calls,
+                "steps": max(self.unit_calls) if self.unit_calls else self.calls,
+                "compression": (self.fp32_wire_bytes / self.wire_bytes) if self.wire_bytes else None}
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.opts.items())
+        return f"ddpx.comm_hooks.reduce_scatter.make({self.name!r}{', ' if opts else ''}{opts})"
+
+
+class Int8ReduceScatter(CompressedReduceScatter):
+    name = "int8"
+    options = {"block_size": Int8State.options["block_size"]}
+
+    def row_bytes(self, n):
+        return 4 * ops.ceil_div(n, self.block_size) + 4 * ops.ceil_div(n, 4)
+
+    def _views(self, buf, world, n):
+        """(scales fp32 [R, b], q int8 [R, n]) views of a [R * row] byte buffer."""
+        rows = buf.view(world, -1)
+        b4 = 4 * ops.ceil_div(n, self.block_size)
+        return rows[:, :b4].view(torch.float32), rows[:, b4:b4 + n].view(torch.int8)
+
+    def reduce_scatter(self, output, flat, group, world, n, alpha):
+        send = torch.empty(world * self.row_bytes(n), dtype=torch.uint8, device=flat.device)
+        recv = torch.empty_like(send)
+        scales, q = self._views(send, world, n)
+        for r in range(world):
+            ops.int8_quantize(flat.narrow(0, r * n, n), self.block_size, out_q=q[r], out_scales=scales[r])
+        dist.all_to_all_single(recv, send, group=group)
+        scales, q = self._views(recv, world, n)
+        ops.int8_dequant_accumulate_(output, q, scales, self.block_size, alpha)
+
+
+class HalfPrecisionReduceScatter(CompressedReduceScatter):
+    dtype = torch.float16
+
+    def row_bytes(self, n):
+        return 2 * n
+
+    def reduce_scatter(self, output, flat, group, world, n, alpha):
+        send = ops.scale_cast(flat, alpha, self.dtype)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        torch.sum(recv.view(world, n), dim=0, dtype=torch.float32, out=output.view(n))
+
+
+class Fp16ReduceScatter(HalfPrecisionReduceScatter):
+    name = "fp16"
+    dtype = torch.float16
+
+
+class Bf16ReduceScatter(HalfPrecisionReduceScatter):
+    name = "bf16"
+    dtype = torch.bfloat16
+
+
+METHODS = {cls.name: cls for cls in (Int8ReduceScatter, Fp16ReduceScatter, Bf16ReduceScatter)}
+
+
+def make(name: str, **options) -> CompressedReduceScatter:
+    """The reduce-scatter of hook ``name`` (``int8``, ``fp16``, ``bf16``) for
+    ``FSDPModule.set_custom_reduce_scatter``; unknown names and options raise :class:`DdpxError`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if _ReduceScatterBase is object or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        raise DdpxError(f"comm hook {name!r} under trainer.strategy=fsdp needs torch >= 2.9 "
+                        f"(FSDPModule.set_custom_reduce_scatter; this is torch {torch.__version__}); upgrade torch, "
+                        "or set comm_hook.name=allreduce")
+    cls = METHODS.get(name)
+    if cls is None:
+        raise DdpxError(f"comm hook {name!r} has no reduce-scatter for trainer.strategy=fsdp; "
+                        f"choose one of: {', '.join(METHODS)}")
+    return cls(**options)
+
+
+class _UnitReduceScatter(_ReduceScatterBase):
+    """``comm`` as one FSDP unit's reduce-scatter: counts that unit's calls (``stats()["steps"]``)."""
+
+    def __init__(self, comm: CompressedReduceScatter, index: int):
+        self.comm, self.index = comm, index
+
+    def allocate(self, size, *, dtype, device):
+        return self.comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.comm.unit_calls[self.index] += 1
+        return self.comm(output_tensor, input_tensor, group, op, async_op)
+
+
+def install(model: torch.nn.Module, comm: CompressedReduceScatter) -> int:
+    """``comm`` as the gradient reduce-scatter of every FSDP unit of ``model``; returns how many."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            comm.unit_calls.append(0)
+            module.set_custom_reduce_scatter(_UnitReduceScatter(comm, len(comm.unit_calls) - 1))
+    return len(comm.unit_calls)
