@@ -29,6 +29,12 @@ seeds without rerunning the rest).
 
 ``--steps PROJECT=N`` shortens a project's run (its schedule scaled to match); the
 table says the steps each row ran.
+
+``--gradient-precision`` (one process, seconds) shows where fsdp's bf16 AMP computes
+differently from ddp's: the example's gradients on one batch of 32 windows, each
+parameter group's error against fp32, with fp32 parameters under ``torch.autocast``
+(ddp's AMP) and with the parameters themselves in bf16 under autocast (fsdp's AMP,
+``MixedPrecisionPolicy(param_dtype=bf16)``).
 """
 
 from __future__ import annotations
@@ -264,6 +270,43 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def gradient_precision() -> dict:
+    """{parameter group: (autocast error, bf16-parameter error)}: the relative error of the
+    char GPT's gradient norm per group against fp32, one batch, dropout off."""
+    import copy
+
+    import torch
+
+    if CHAR_GPT not in sys.path:
+        sys.path.insert(0, CHAR_GPT)
+    import gpt
+    import text
+
+    torch.manual_seed(0)
+    train, _ = text.splits()
+    model = gpt.GPT(dropout=0.0)
+    rows = [train[i] for i in torch.randint(len(train), (32,), generator=torch.Generator().manual_seed(1)).tolist()]
+    idx, targets = (torch.stack([r[k] for r in rows]) for k in ("idx", "targets"))
+
+    def grads(m, autocast):
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            m(idx, targets).backward()
+        return {name: p.grad.float() for name, p in m.named_parameters()}
+
+    exact, autocast, bf16 = grads(model, False), grads(model, True), grads(copy.deepcopy(model).bfloat16(), True)
+    groups = {"LayerNorm weights and biases": lambda n: ".ln" in n or n.startswith("ln."),
+              "embeddings (token, tied head; position)": lambda n: n.startswith(("tok.", "pos.")),
+              "Linear weights and biases": lambda n: not (".ln" in n or n.startswith(("ln.", "tok.", "pos.")))}
+
+    def error(got, names):
+        diff = sum(float((got[n] - exact[n]).pow(2).sum()) for n in names)
+        return (diff / sum(float(exact[n].pow(2).sum()) for n in names)) ** 0.5
+
+    return {group: (error(autocast, [n for n in exact if test(n)]), error(bf16, [n for n in exact if test(n)]))
+            for group, test in groups.items()}
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--projects", default=",".join(PROJECTS))
@@ -274,6 +317,8 @@ def parse(argv):
     p.add_argument("--workdir", default=None, help="the run directories (default: a new temporary folder); "
                    "cells already run there with the same command are read back")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    p.add_argument("--gradient-precision", action="store_true",
+                   help="only compare the example's gradients under ddp's and fsdp's bf16 AMP (one process)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line (no table)")
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
     args = p.parse_args(argv)
@@ -295,6 +340,14 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    if args.gradient_precision:
+        errors = gradient_precision()
+        report = {"gradient_relative_error": {g: {"autocast": a, "bf16_params": b} for g, (a, b) in errors.items()}}
+        if not emit(report, args.out, args.json):
+            print("| parameters | ddp: fp32 parameters, autocast | fsdp: bf16 parameters, autocast |\n|---|---|---|")
+            for group, (a, b) in errors.items():
+                print(f"| {group} | {a:.4f} | {b:.4f} |")
+        return 0
     workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="bench_convergence_sharded-"))
     os.makedirs(workdir, exist_ok=True)
     log = (lambda line: print(line, file=sys.stderr, flush=True))
