@@ -235,6 +235,7 @@ def test_a_refused_plugin_is_one_line_and_exit_2(ranks, tmp_path):
     (["amp.enabled=true", "amp.dtype=bf16"], torch.bfloat16, torch.float32),
     (["amp.enabled=true", "amp.dtype=fp16", "fsdp.reduce_dtype=bf16"], torch.float16, torch.bfloat16),
     (["fsdp.reduce_dtype=bf16"], None, torch.bfloat16),
+    (["amp.enabled=true", "amp.dtype=bf16", "fsdp.param_dtype=fp32"], None, torch.float32),  # autocast alone
 ])
 def test_amp_sets_the_compute_dtype_and_fsdp_the_reduce_dtype(overrides, param_dtype, reduce_dtype):
     policy = fsdp.mixed_precision(load_config(None, ["trainer.strategy=fsdp", *overrides]))

@@ -49,7 +49,7 @@ DEFAULTS: dict = {
         "strategy": "ddp",
     },
     "fsdp": {"units": "auto", "min_unit_params": 100_000, "reshard_after_forward": True, "reduce_dtype": "fp32",
-             "shard_size": "all", "offload": "none"},
+             "param_dtype": "amp", "shard_size": "all", "offload": "none"},
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
 }
@@ -81,6 +81,7 @@ CHOICES: dict = {
     "trainer.compile_dynamic": ("batch", "auto", "static", "all"),
     "trainer.strategy": ("ddp", "fsdp"),
     "fsdp.reduce_dtype": ("fp32", "bf16", "fp16"),
+    "fsdp.param_dtype": ("amp", "fp32"),
     "fsdp.offload": ("none", "cpu"),
 }
 # Sections built from an import path; their ``args`` are free-form keyword

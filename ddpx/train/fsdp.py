@@ -80,12 +80,15 @@ def unit_modules(model: nn.Module, units, min_params: int) -> list[tuple[str, nn
 
 
 def mixed_precision(config):
-    """FSDP2's ``MixedPrecisionPolicy``: with ``amp.enabled`` the parameters are gathered
-    and computed in ``amp.dtype``; gradients are reduced in ``fsdp.reduce_dtype``."""
+    """FSDP2's ``MixedPrecisionPolicy``: with ``amp.enabled`` and ``fsdp.param_dtype: amp`` the
+    parameters are gathered and computed in ``amp.dtype`` (half the all-gather bytes); with
+    ``fsdp.param_dtype: fp32`` they stay fp32 and autocast casts per op, ddp's numerics
+    (norm layers in fp32). Gradients are reduced in ``fsdp.reduce_dtype``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     amp = config.get("amp") or {}
-    param_dtype = DTYPES[amp["dtype"]] if amp.get("enabled") else None
+    in_amp = amp.get("enabled") and config.fsdp.get("param_dtype", "amp") == "amp"
+    param_dtype = DTYPES[amp["dtype"]] if in_amp else None
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[config.fsdp.reduce_dtype])
 
 
