@@ -247,16 +247,11 @@ class _NodePlan:
         scope = comm.opts.get("scope", "global")
         if scope == "global":
             return None
-        from .scope import _say_once, topology
+        from .scope import _say_once, scoped_topology
 
         name = f"comm hook {comm.name!r} under fsdp, scope={scope}"
-        if dist.get_world_size(group) != dist.get_world_size():
-            _say_once("%s: runs global: FSDP's process group is not the world group", name)
-            return None
-        topo = topology(group)
-        if topo.reason is not None:
-            if scope == "inter_node":
-                _say_once("%s: runs global: %s", name, topo.reason)
+        topo = scoped_topology(scope, name, group, whose="FSDP's")
+        if topo is None:
             return None
         if topo.local_world == 1 or (scope == "auto" and topo.nodes == 1):
             if scope == "inter_node":

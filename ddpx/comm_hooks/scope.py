@@ -149,6 +149,21 @@ def topology(group) -> Topology:
     return topo
 
 
+def scoped_topology(scope: str, name: str, group, whose: str = "its"):
+    """The nodes of ``group`` for ``scope`` inter_node or auto, or None where the hook must run
+    global (said once under ``name``): the group is not the world's, or the nodes are not
+    uniform. A collective the first time (see ``topology``)."""
+    if dist.get_world_size(group) != dist.get_world_size():
+        _say_once("%s: runs global: %s process group is not the world group", name, whose)
+        return None
+    topo = topology(group)
+    if topo.reason is not None:
+        if scope == "inter_node":
+            _say_once("%s: runs global: %s", name, topo.reason)
+        return None
+    return topo
+
+
 def resolve(state):
     """The plan of `state`'s scope: None (global), EXACT or an :class:`InterNode`.
     A collective the first time (see ``topology``): call at the same point on every rank."""
@@ -156,14 +171,8 @@ def resolve(state):
     if scope == "global":
         return None
     name = f"comm hook {state.name!r} scope={scope}"
-    group = state.process_group
-    if dist.get_world_size(group) != dist.get_world_size():
-        _say_once("%s: runs global: its process group is not the world group", name)
-        return None
-    topo = topology(group)
-    if topo.reason is not None:
-        if scope == "inter_node":
-            _say_once("%s: runs global: %s", name, topo.reason)
+    topo = scoped_topology(scope, name, state.process_group)
+    if topo is None:
         return None
     if scope == "auto":
         return InterNode(state, topo) if topo.nodes > 1 and topo.local_world > 1 else None
