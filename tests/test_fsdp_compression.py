@@ -226,6 +226,10 @@ def test_compressing_hooks_are_accepted_under_fsdp(name):
      "set fsdp.reduce_dtype=fp32 (now bf16), or comm_hook.name=allreduce to reduce-scatter in bf16"),
     (["comm_hook.name=int8", "comm_hook.options={min_numel: 0}"],
      "comm hook 'int8' under trainer.strategy=fsdp: unknown option(s) min_numel; known options: block_size, scope"),
+    (["comm_hook.name=int8", "comm_hook.options={scope: inter_node}", "fsdp.shard_size=node"],
+     "plugin 'comm_hook': comm_hook.options.scope=inter_node does not apply under fsdp.shard_size=node (HSDP): the "
+     "reduce-scatter runs inside each shard group and the replicas' all-reduce is FSDP's own; remove the scope "
+     "option, or set fsdp.shard_size=all"),
 ])
 def test_what_does_not_apply_under_fsdp_is_one_config_error(overrides, message):
     escaped = "".join("\\" + c if c in "().[]{}" else c for c in message)

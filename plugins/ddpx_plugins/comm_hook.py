@@ -90,7 +90,13 @@ def _check_under_fsdp(config, name) -> None:
         raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} under trainer.strategy=fsdp codes and sums fp32 "
                         f"gradients itself; set fsdp.reduce_dtype=fp32 (now {reduce_dtype}), or "
                         f"comm_hook.name={BUILTIN} to reduce-scatter in {reduce_dtype}")
-    reduce_scatter.make(name, **config.section("comm_hook")["options"])  # bad options fail here
+    options = config.section("comm_hook")["options"]
+    reduce_scatter.make(name, **options)  # bad options fail here
+    shard_size = config.fsdp.get("shard_size", "all")
+    if shard_size != "all" and options.get("scope", "global") != "global":
+        raise DdpxError(f"plugin 'comm_hook': comm_hook.options.scope={options['scope']} does not apply under "
+                        f"fsdp.shard_size={shard_size} (HSDP): the reduce-scatter runs inside each shard group and "
+                        "the replicas' all-reduce is FSDP's own; remove the scope option, or set fsdp.shard_size=all")
 
 
 class CommHookPlugin:
@@ -165,8 +171,11 @@ class CommHookPlugin:
         units = reduce_scatter.install(model, comm)
         self.state = trainer.shared[COMM_HOOK] = comm
         opts = "".join(f", {k} {v}" for k, v in comm.opts.items())
+        shard_size = trainer.config.fsdp.get("shard_size", "all")
+        hsdp = "" if shard_size == "all" else (f"; fsdp.shard_size={shard_size}: it runs inside each shard group, and "
+                                                "the replicas' all-reduce stays FSDP's own, in fsdp.reduce_dtype")
         trainer.log.info("comm hook %s installed on %d fsdp units (reduce-scatter: %s codes, one all_to_all, fp32 "
-                         "sum%s)", self.name, units, self.name, opts)
+                         "sum%s%s)", self.name, units, self.name, opts, hsdp)
 
     def state_dict(self, trainer):
         if self.state is None or not hasattr(self.state, "state_dict"):
