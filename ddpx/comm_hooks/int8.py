@@ -69,8 +69,9 @@ class AutoBlockSize:
         pass  # the option stays in self.opts
 
     def _fix_block(self, block: int) -> bool:
-        """Fix ``auto`` (once); whether the block size changed."""
-        if self._auto_block is not None:
+        """Fix ``auto`` (once); whether the block size changed. A stage-2 state follows its outer
+        state, which drops the plan's layouts (its own included) when it changes."""
+        if self._auto_block is not None or self.outer is not None:
             return False
         before, self._auto_block = self.block_size, block
         return block != before

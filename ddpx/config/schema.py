@@ -140,7 +140,7 @@ def check_fsdp(values: Mapping) -> None:
         raise DdpxError(f"config key 'fsdp.units' must be auto or a non-empty list of module class names, got {units!r}")
     shard = values.get("fsdp", {}).get("shard_size", "all")
     if isinstance(shard, bool) or (isinstance(shard, str) and shard not in ("all", "node")) or \
-            (isinstance(shard, int) and not isinstance(shard, bool) and shard < 1):
+            (isinstance(shard, int) and shard < 1):
         raise DdpxError(f"config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1 (the ranks each "
                         f"parameter is sharded over; HSDP below the world size), got {shard!r}")
     if values.get("trainer", {}).get("strategy") == "fsdp":
