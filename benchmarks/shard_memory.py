@@ -1,5 +1,5 @@
 """A plugin that records what one rank holds of parameters, gradients and optimizer state
-(bytes of its local tensors: its shards under ``trainer.strategy: fsdp``) right after the
+(bytes of its local tensors, the strategy's memory report: its shards under ``trainer.strategy: fsdp``) right after the
 process's first optimizer step, and, for benchmarks/bench_sharded.py, when each optimizer step ended,
 the bytes its network interfaces had sent by then (``/proc/net/dev``, loopback left out:
 what the host sent, in a network namespace per rank what the rank sent), the comm hook's
@@ -18,7 +18,6 @@ import time
 
 from ddpx import hookimpl
 from ddpx.plugin.shared import COMM_HOOK
-from ddpx.train.fsdp import local_bytes
 
 record: dict = {}
 
@@ -52,7 +51,7 @@ def hook_stats(trainer):
 def ddpx_optimizer_step(trainer):
     applied = yield  # the gradients are zeroed only after this hook
     if not record:  # this process's first optimizer step (a resumed run's too)
-        held = local_bytes(trainer.module, trainer.optimizer)
+        held = trainer.strategy.memory(trainer.module, trainer.optimizer)
         held["total"] = sum(held.values())
         record.update(held, strategy=trainer.config.trainer.strategy, world_size=trainer.world_size,
                       step_end_s=[], sent_bytes=[], hook_first=hook_stats(trainer))

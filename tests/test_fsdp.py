@@ -12,9 +12,9 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 from ddpx.config import load_config
-from ddpx.config.schema import FSDP_MIN_TORCH
+from ddpx.strategies.fsdp import MIN_TORCH as FSDP_MIN_TORCH
 from ddpx.errors import DdpxError
-from ddpx.train import fsdp
+from ddpx.strategies import fsdp, shards
 
 # trainer.strategy=fsdp is refused on torch < 2.8 (its FSDP2 summed the gradients over gloo ranks);
 # test_fsdp_on_a_torch_whose_fsdp2_sums_the_gradients_is_refused holds that line on a newer torch.
@@ -54,7 +54,7 @@ def test_units_by_class_name_and_a_name_the_model_lacks():
     (["fsdp.units=blocks"], "config key 'fsdp.units' must be auto or a list of module class names"),
     (["trainer.strategy=fsdp", "comm_hook.name=powersgd"], "plugin 'comm_hook': comm_hook.name=powersgd does not "
                                                            "apply under trainer.strategy=fsdp"),
-    (["trainer.strategy=zero"], "config key 'trainer.strategy' must be one of ddp, fsdp"),
+    (["trainer.strategy=zero"], "unknown trainer.strategy 'zero'; choose one of ddp, fsdp, or give an import path"),
     (["fsdp.shard_size=nodes"], "config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1"),
     (["fsdp.shard_size=0"], "config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1"),
 ])
@@ -87,7 +87,7 @@ class Boom:
 
 def test_shard_metadata_that_names_other_globals_is_refused_unrun(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Boom()))
-    reader, _ = fsdp._reader_classes()
+    reader, _ = shards._reader_classes()
     with pytest.raises(DdpxError, match=r"refusing shard directory .*: its metadata needs posix.system, which a "
                                         r"ddpx shard directory never holds \(loading it could run code\)"):
         reader(str(tmp_path)).read_metadata()
@@ -290,7 +290,7 @@ def test_cpu_offload_on_a_cpu_device_is_refused_in_one_line_before_any_collectiv
     with pytest.raises(DdpxError, match=r"^fsdp.offload=cpu moves the shards from GPU memory to CPU memory, but this "
                                         r"run computes on the cpu \(trainer.device\), where they already are; set "
                                         r"fsdp.offload=none$"):
-        fsdp.wrap(trainer, Tiny())
+        fsdp.shard_model(trainer, Tiny())
     assert type(fsdp.offload_policy("none", torch.device("cpu"))) is OffloadPolicy
     assert isinstance(fsdp.offload_policy("cpu", torch.device("cuda")), CPUOffloadPolicy)
     with pytest.raises(DdpxError, match=r"config key 'fsdp.offload' must be one of none, cpu"):

@@ -9,7 +9,7 @@ from torch.torch_version import TorchVersion
 from ddpx.bench import reference
 from ddpx.comm_hooks import reduce_scatter
 from ddpx.config import load_config
-from ddpx.config.schema import FSDP_MIN_TORCH
+from ddpx.strategies.fsdp import MIN_TORCH as FSDP_MIN_TORCH
 from ddpx.errors import DdpxError
 
 pytestmark = pytest.mark.skipif(TorchVersion(torch.__version__) < FSDP_MIN_TORCH,

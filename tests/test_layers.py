@@ -2,7 +2,9 @@
 
 Bottom to top: the leaves (errors, import paths, sockets, kernels, models); the plugin
 machinery; the config; the per-rank plumbing that does not know the trainer (``rank/``);
-the public comm hooks and data; fused_allreduce and the optimizers built on the hooks; the trainer (``train/``); the launcher (``launch/``,
+the public comm hooks and data; fused_allreduce and the optimizers built on the hooks; the
+strategies (``strategies/``: what each parallelism means for the run, asked by the trainer);
+the trainer (``train/``); the launcher (``launch/``,
 what runs before and around torchrun); and the programs built from them (the worker, the
 doctor, the smoke run, the benchmarks, the CLI). The README's layout section lists them.
 
@@ -27,6 +29,7 @@ LAYERS = [
     ["rank"],
     ["comm_hooks", "data"],
     ["comm", "optim"],
+    ["strategies"],
     ["train"],
     ["launch"],
     ["worker", "doctor"],
@@ -43,6 +46,8 @@ ANNOTATION_ONLY = {
         "the hook signatures name the Config every hook receives; annotations only, nothing is imported at run time",
     ("ddpx.plugin.hookspecs", "ddpx.train.trainer"):
         "the hook signatures name the Trainer every hook receives; annotations only, nothing is imported at run time",
+    ("ddpx.strategies.base", "ddpx.train.trainer"):
+        "the strategy's methods name the Trainer that asks them; annotations only, nothing is imported at run time",
 }
 
 
@@ -124,7 +129,7 @@ def test_no_module_imports_upward():
 
 
 def test_the_trainer_sits_on_the_plugin_machinery_the_config_and_the_rank_plumbing():
-    chain = ["errors", "imports", "plugin", "config", "rank", "train", "launch", "worker", "cli"]
+    chain = ["errors", "imports", "plugin", "config", "rank", "strategies", "train", "launch", "worker", "cli"]
     assert [LAYER[m] for m in chain] == sorted(LAYER[m] for m in chain)
     assert len({LAYER[m] for m in chain}) == len(chain)
 
@@ -147,6 +152,6 @@ def test_an_upward_import_is_caught_also_under_type_checking(tmp_path, monkeypat
     (fake / "rank.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .train.trainer import Trainer\n")
     monkeypatch.setitem(globals(), "ROOT", fake)
     assert upward_imports() == [
-        "ddpx/config/loader.py:2: ddpx.config.loader (layer 3) imports ddpx.train.trainer (layer 7): an upward import",
-        "ddpx/rank.py:3: ddpx.rank (layer 4) imports ddpx.train.trainer (layer 7): an upward import",
+        "ddpx/config/loader.py:2: ddpx.config.loader (layer 3) imports ddpx.train.trainer (layer 8): an upward import",
+        "ddpx/rank.py:3: ddpx.rank (layer 4) imports ddpx.train.trainer (layer 8): an upward import",
     ]

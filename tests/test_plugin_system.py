@@ -32,11 +32,9 @@ def ddpx_setup(trainer): calls.append("ddpx_setup")
 def ddpx_build_model(trainer):
     calls.append("ddpx_build_model")
     return torch.nn.Sequential(torch.nn.Linear(64, 10))  # overrides the trainer's default model
-@hookimpl
-def ddpx_ddp_options(trainer): calls.append("ddpx_ddp_options")
 @hookimpl(wrapper=True)
 def ddpx_wrap_model(trainer, model):
-    wrapped = yield  # the trainer asks ddpx_ddp_options inside
+    wrapped = yield  # the strategy's wrap inside
     calls.append("ddpx_wrap_model")
     return wrapped
 @hookimpl

@@ -123,40 +123,6 @@ def test_ddp_options_from_the_comm_hook_unless_the_config_sets_them(tmp_path, ov
     assert seen["hook"] == ("NoneType" if not overrides else "Fp16State" if "fp16" in overrides[0] else "Int8State")
 
 
-def test_two_plugins_asking_for_different_ddp_options_is_an_error(tmp_path):
-    from ddpx import hookimpl
-    from ddpx.errors import DdpxError
-
-    class Asks:
-        def __init__(self, mb):
-            self.mb = mb
-
-        @hookimpl
-        def ddpx_ddp_options(self, trainer):
-            return {"bucket_cap_mb": self.mb}
-
-    pm = make_plugin_manager(None, builtins=False, entry_points=False)
-    pm.register(Asks(4.0), name="a")
-    pm.register(Asks(8.0), name="b")
-    config = load_config(None, [f"run_dir={tmp_path}/run", "trainer.max_steps=1"], plugin_manager=pm)
-    with pytest.raises(DdpxError, match="plugins ask for different DistributedDataParallel bucket_cap_mb: "):
-        Trainer(config).run()
-    assert not dist.is_initialized()
-    # the config settles it
-    seen = {}
-
-    class Recorder:
-        @hookimpl
-        def ddpx_model_wrapped(self, trainer, model):
-            seen["bytes"] = model.bucket_bytes_cap
-
-    pm.register(Recorder(), name="recorder")
-    config = load_config(None, [f"run_dir={tmp_path}/run2", "trainer.max_steps=1", "trainer.bucket_cap_mb=2.0"],
-                         plugin_manager=pm)
-    Trainer(config).run()
-    assert seen["bytes"] == 2 * 2**20
-
-
 def test_numpy_is_a_runtime_requirement():
     """Every run starts with all_gather_object, which torch 2.13 runs through numpy; the
     test extras bring numpy too, so only the declaration shows that a bare install works."""

@@ -312,7 +312,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 3,
 
     from ..net import measure_allreduce_seconds
     from ..train.batches import to_device
-    from ..train.default_hooks import ddp_kwargs
+    from ..strategies.ddp import ddp_kwargs
 
     device, world = trainer.device, trainer.world_size
     if world < 2:
@@ -326,8 +326,8 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 3,
     allreduce_s = measure_allreduce_seconds(grad_bytes, device=device)
     link = ring_bytes(grad_bytes, world) / allreduce_s if allreduce_s > 0 else 0.0
 
-    def fresh_ddp(requests=()):  # wrapped as the trainer would with that hook
-        options = ddp_kwargs(trainer.config, requests)
+    def fresh_ddp(preferred=None):  # wrapped as the trainer's ddp strategy would with that hook
+        options = ddp_kwargs(trainer.config, preferred or {})
         return DDP(copy.deepcopy(trainer.module), device_ids=device_ids, **options)
 
     baseline = fresh_ddp()  # kept: every hook's rounds alternate with its steps
@@ -360,7 +360,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 3,
         if name == BASELINE:
             continue
         options = dict(hooks.without_warmup(name), **({} if scope == "global" else {"scope": scope}))
-        ddp = fresh_ddp([hooks.ddp_options(name)] if name in hooks.available() else [])  # else: fails below
+        ddp = fresh_ddp(hooks.ddp_options(name) if name in hooks.available() else None)  # else: fails below
         step = _step_fn(ddp, trainer.loss_fn, batch, accumulation, True)
         try:  # a hook that fails here fails the same way on every rank
             state = hooks.register(ddp, name, native=native, **options)

@@ -20,6 +20,7 @@ from ..imports import resolve
 from ..plugin.manager import blocked_sections, make_plugin_manager
 from .paths import add_user_module_dirs
 from .schema import CHOICES, DEFAULTS, FREE_FORM, TARGET_SECTIONS, TYPES, check_ranges
+from .strategies import strategy_class
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "default.yaml")
 
@@ -215,18 +216,20 @@ def _coerce_floats(values: dict, defaults: Mapping, types: Mapping, prefix: str 
 # --- the entry point -------------------------------------------------------------------
 
 
-def plugin_defaults(pm) -> dict:
-    """Sections declared by the registered plugins (``ddpx_config_defaults``)."""
+def plugin_defaults(pm, strategy=None) -> dict:
+    """Sections declared by the registered plugins (``ddpx_config_defaults``) and by the run's
+    ``strategy`` class (its ``config_defaults``)."""
+    declared = [(f"plugin '{impl.plugin_name}'", impl.function())
+                for impl in reversed(pm.hook.ddpx_config_defaults.get_hookimpls())]  # registration order
+    if strategy is not None:
+        declared.append((f"strategy {strategy.__qualname__}", strategy.config_defaults))
     out: dict = {}
-    for impl in reversed(pm.hook.ddpx_config_defaults.get_hookimpls()):  # registration order
-        declared = impl.function()
-        if not declared:
-            continue
-        for section, values in declared.items():
+    for who, sections in declared:
+        for section, values in (sections or {}).items():
             if section in DEFAULTS:
-                raise DdpxError(f"plugin '{impl.plugin_name}' declares config section '{section}', one of ddpx's own sections")
+                raise DdpxError(f"{who} declares config section '{section}', one of ddpx's own sections")
             if section in out:
-                raise DdpxError(f"plugin '{impl.plugin_name}' declares config section '{section}', already declared by another plugin")
+                raise DdpxError(f"{who} declares config section '{section}', already declared by another plugin")
             out[section] = copy.deepcopy(dict(values))
     return out
 
@@ -250,7 +253,11 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
     plugins_section = merge(DEFAULTS["plugins"], plugins_raw)
     pm = plugin_manager if plugin_manager is not None else make_plugin_manager(plugins_section)
 
-    defaults = merge(DEFAULTS, plugin_defaults(pm))
+    # The strategy may declare sections of its own: resolved before the rest is validated.
+    named = (raw.get("trainer") or {}).get("strategy", DEFAULTS["trainer"]["strategy"]) \
+        if isinstance(raw.get("trainer"), dict) else DEFAULTS["trainer"]["strategy"]
+    strategy = strategy_class(named)
+    defaults = merge(DEFAULTS, plugin_defaults(pm, strategy))
     check_blocked_sections(raw, defaults, plugins_section["block"])
     _validate(raw, defaults, TYPES)
     values = merge(defaults, raw, FREE_FORM)
@@ -269,6 +276,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
         resolve(values["trainer"]["eval_metric"], "trainer.eval_metric")
     _coerce_floats(values, defaults, TYPES)
     check_ranges(values)
+    strategy.check_config(values)
 
     config = Config(_sections(values))
     config.source = path

@@ -72,6 +72,7 @@ TYPES: dict = {
     "trainer.stall_s": (float,),
     "launch.nproc_per_node": (int, str),
     "launch.nnodes": (int, str),
+    "trainer.strategy": (str,),
     "fsdp.units": (str, list),
     "fsdp.shard_size": (str, int),
 }
@@ -79,7 +80,6 @@ CHOICES: dict = {
     "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
     "trainer.nonfinite": ("stop", "warn"),
     "trainer.compile_dynamic": ("batch", "auto", "static", "all"),
-    "trainer.strategy": ("ddp", "fsdp"),
     "fsdp.reduce_dtype": ("fp32", "bf16", "fp16"),
     "fsdp.param_dtype": ("amp", "fp32"),
     "fsdp.offload": ("none", "cpu"),
@@ -131,7 +131,7 @@ def check_ranges(values: Mapping) -> None:
 
 
 def check_fsdp(values: Mapping) -> None:
-    """``fsdp.units``, ``fsdp.shard_size``, and the torch ``trainer.strategy: fsdp`` needs (ddpx/train/fsdp.py)."""
+    """``fsdp.units`` and ``fsdp.shard_size`` (the built-in fsdp strategy's section, ddpx/strategies/fsdp.py)."""
     units = values.get("fsdp", {}).get("units", "auto")
     if isinstance(units, str) and units != "auto":
         raise DdpxError(f"config key 'fsdp.units' must be auto or a list of module class names (e.g. [Block]), "
@@ -143,23 +143,6 @@ def check_fsdp(values: Mapping) -> None:
             (isinstance(shard, int) and shard < 1):
         raise DdpxError(f"config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1 (the ranks each "
                         f"parameter is sharded over; HSDP below the world size), got {shard!r}")
-    if values.get("trainer", {}).get("strategy") == "fsdp":
-        check_fsdp_torch()
-
-
-# ``scripts/compat.sh`` with torch 2.7.1: FSDP2 over gloo summed the gradients over the ranks
-# instead of averaging them (2x the ddp gradient on 2 ranks). Tested: torch 2.13.
-FSDP_MIN_TORCH = (2, 8)
-
-
-def check_fsdp_torch() -> None:
-    import torch
-    from torch.torch_version import TorchVersion
-
-    if TorchVersion(torch.__version__) < FSDP_MIN_TORCH:
-        raise DdpxError(f"trainer.strategy=fsdp needs torch >= 2.8 (torch {torch.__version__}'s FSDP2 sums the "
-                        "gradients over the ranks instead of averaging them); upgrade torch, or set "
-                        "trainer.strategy=ddp")
 
 
 def check_nproc(value, where: str) -> None:

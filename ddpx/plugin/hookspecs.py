@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # imported only for the annotations
 
 
 # The hooks of a run in the order the trainer calls them (tests/test_plugin_system.py reads these).
-START_HOOKS = ("ddpx_setup", "ddpx_build_model", "ddpx_ddp_options", "ddpx_wrap_model", "ddpx_model_wrapped",
+START_HOOKS = ("ddpx_setup", "ddpx_build_model", "ddpx_wrap_model", "ddpx_model_wrapped",
                "ddpx_build_dataloaders", "ddpx_autocast", "ddpx_grad_scaler", "ddpx_train_start")
 # One optimizer step; the MICRO_BATCH_HOOKS among them run once per micro-batch of the window.
 STEP_HOOKS = ("ddpx_step_window", "ddpx_forward", "ddpx_optimizer_step", "ddpx_batch_end")
@@ -48,14 +48,14 @@ END_HOOKS = ("ddpx_train_end",)
 HOOK_ORDER = f"""\
 At start-up (every rank): ddpx_configure (also in the launcher), then
 {" -> ".join(START_HOOKS)}
-(ddpx_ddp_options is asked by the trainer's ddpx_wrap_model; a checkpoint is restored in ddpx_train_start).
+(ddpx_wrap_model's default is the strategy's wrap; a checkpoint is restored in ddpx_train_start).
 
 Every epoch: ddpx_epoch_start, then for every optimizer step (Trainer.train_step):
 
     ddpx_step_window (how many micro-batches)
     -> for each micro-batch: ddpx_forward under the autocast context, backward
-       (all but the last micro-batch under no_sync, or FSDP's set_requires_gradient_sync(False):
-       gradients are reduced once per step)
+       (all but the last micro-batch in the strategy's no_sync context, e.g. DDP's no_sync or
+       FSDP's set_requires_gradient_sync(False): gradients are reduced once per step)
     -> ddpx_optimizer_step (clip, step) -> zero grads, scheduler step, global_step += 1
     -> ddpx_batch_end for each micro-batch (`stepped` is true for the last one when the step was applied)
     -> the calls scheduled with trainer.call_at_step
@@ -76,9 +76,11 @@ TRAINER_ATTRIBUTES = {
     "local_rank": "the rank on this node",
     "device": "the ``torch.device`` this rank trains on",
     "backend": "the process group backend (``gloo``, ``nccl``, ...)",
-    "model": "the wrapped model (DistributedDataParallel, or the FSDP2 module under ``trainer.strategy: fsdp``; "
-             "compiled with ``trainer.compile``)",
+    "model": "the model as the strategy wraps it (DistributedDataParallel under ``ddp``, the FSDP2 module under "
+             "``fsdp``; compiled with ``trainer.compile``)",
     "module": "the unwrapped model",
+    "strategy": "the run's :class:`~ddpx.strategies.Strategy` (``trainer.strategy``): what the parallelism means "
+                "for wrapping, accumulation, state, gradient norms and evaluation; ask it instead of its name",
     "optimizer": "the optimizer",
     "scheduler": "the LR scheduler, or None",
     "loss_fn": "the loss function (``loss.target``), or None when the model computes its loss",
@@ -191,23 +193,14 @@ def ddpx_build_model(trainer: "Trainer") -> Optional["torch.nn.Module"]:
 
 @hookspec(firstresult=True)
 def ddpx_wrap_model(trainer: "Trainer", model: "torch.nn.Module") -> Optional["torch.nn.Module"]:
-    """Wrap the model for data parallelism. Default: ``DistributedDataParallel``
-    with the ``trainer.find_unused_parameters`` / ``static_graph`` options, or
-    under ``trainer.strategy: fsdp`` FSDP2's ``fully_shard`` (:mod:`ddpx.train.fsdp`)."""
-
-
-@hookspec
-def ddpx_ddp_options(trainer: "Trainer") -> Optional[Mapping[str, Any]]:
-    """Keyword arguments this plugin wants passed to ``DistributedDataParallel``
-    by the trainer's ``ddpx_wrap_model`` (the comm hook plugin: its hook's
-    ``bucket_cap_mb``). The config's ``trainer.find_unused_parameters``,
-    ``static_graph`` and a non-null ``bucket_cap_mb`` win; two plugins asking
-    for different values of a key the config leaves open is an error."""
+    """Wrap the model for the run's parallelism. Default: ``trainer.strategy.wrap`` (under ``ddp``
+    ``DistributedDataParallel`` with the ``trainer.find_unused_parameters`` / ``static_graph``
+    options, under ``fsdp`` FSDP2's ``fully_shard``: :mod:`ddpx.strategies`)."""
 
 
 @hookspec
 def ddpx_model_wrapped(trainer: "Trainer", model: "torch.nn.Module") -> None:
-    """The wrapped model exists (``trainer.model``): register comm hooks here."""
+    """The wrapped model exists (``trainer.model``); the comm_hook plugin installs its compression here."""
 
 
 @hookspec(firstresult=True)

@@ -5,7 +5,7 @@
   directory: a reader sees either the old file or the complete new one.
 * :class:`CheckpointDirectory` keeps ``step-NNNNNNNNN.pt`` files (with, for sharded
   state, a ``step-NNNNNNNNN.shards`` directory each rank wrote its part of: see
-  :mod:`ddpx.train.fsdp`; it goes and is checked with its file) plus a
+  :mod:`ddpx.strategies.shards`; it goes and is checked with its file) plus a
   ``latest`` pointer (written last, also atomically), prunes to the newest K
   (and, with a monitored metric, the best ``keep_best`` by it, listed in
   ``best.json`` and linked as ``best.pt``), and finds the newest checkpoint

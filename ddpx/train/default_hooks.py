@@ -2,8 +2,8 @@
 
 :class:`DefaultHooks` is registered ``trylast`` under the name "trainer" by the plugin
 manager (which loads it by its import path), so any plugin can take over a hook. Its
-``ddpx_wrap_model`` builds ``DistributedDataParallel`` with :func:`ddp_kwargs`, or
-under ``trainer.strategy: fsdp`` shards the model (:func:`ddpx.train.fsdp.wrap`).
+``ddpx_wrap_model`` is the run's strategy's wrap (``DistributedDataParallel`` under ``ddp``,
+FSDP2's shards under ``fsdp``: ddpx/strategies/).
 """
 
 from __future__ import annotations
@@ -14,11 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ..config import Config
-from ..errors import DdpxError
 from ..imports import instantiate, resolve
 from ..plugin.markers import hookimpl
-from . import fsdp
 from .batches import batch_size, model_loss, to_device
 
 if TYPE_CHECKING:  # imported only for the annotations
@@ -27,28 +24,6 @@ if TYPE_CHECKING:  # imported only for the annotations
 
 # A GradScaler's scale this low means every step overflows: divergence, not an overflow now and then.
 MIN_LOSS_SCALE = 2.0 ** -16
-
-
-def ddp_kwargs(config: Config, requests) -> dict:
-    """``DistributedDataParallel`` keyword arguments: what plugins ask for
-    (``ddpx_ddp_options`` results) where the config leaves it open, then the
-    config's ``trainer.find_unused_parameters``, ``static_graph`` and a
-    non-null ``bucket_cap_mb`` and ``gradient_as_bucket_view``."""
-    cfg = config.trainer
-    configured = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
-    for key in ("bucket_cap_mb", "gradient_as_bucket_view"):
-        if cfg[key] is not None:
-            configured[key] = cfg[key]
-    asked: dict = {}
-    for options in requests:
-        for key, value in (options or {}).items():
-            if key in configured:
-                continue
-            if asked.get(key, value) != value:
-                raise DdpxError(f"plugins ask for different DistributedDataParallel {key}: {asked[key]!r} and "
-                                f"{value!r}; set trainer.{key} in the config")
-            asked[key] = value
-    return {**asked, **configured}
 
 
 class DefaultHooks:
@@ -60,11 +35,7 @@ class DefaultHooks:
 
     @hookimpl(trylast=True)
     def ddpx_wrap_model(self, trainer: "Trainer", model: torch.nn.Module):
-        if fsdp.enabled(trainer.config):
-            return fsdp.wrap(trainer, model)
-        device_ids = [trainer.device] if trainer.device.type == "cuda" else None
-        options = ddp_kwargs(trainer.config, trainer.hook.ddpx_ddp_options(trainer=trainer))
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
+        return trainer.strategy.wrap(trainer, model)
 
     @hookimpl(trylast=True)
     def ddpx_build_dataloaders(self, trainer: "Trainer", train_set, eval_set):
@@ -116,9 +87,7 @@ class DefaultHooks:
         # (loss * n, correct, n, batches with class labels)
         sums = torch.zeros(4, dtype=torch.float64, device=trainer.device)
         metric_sums: dict = {}
-        sharded = fsdp.is_sharded(model)
-        padding = fsdp.padded_forwards(trainer, loader) if sharded else 0
-        with torch.no_grad():
+        with trainer.strategy.evaluating(trainer, loader) as padding, torch.no_grad():
             for batch in loader:
                 batch = to_device(batch, trainer.device)
                 loss, outputs, targets = model_loss(model, trainer.loss_fn, batch)
@@ -133,10 +102,8 @@ class DefaultHooks:
                       and targets.dim() == 1 and not targets.is_floating_point()):
                     sums[3] += 1
                     sums[1] += (outputs.argmax(dim=1) == targets).sum()
-            for _ in range(padding):  # forwards whose results are not counted: see fsdp.padded_forwards
+            for _ in range(padding):  # forwards whose results are not counted: see Strategy.evaluating
                 model_loss(model, trainer.loss_fn, batch)
-        if sharded:
-            fsdp.reshard(model)
         model.train(was_training)
         if metric is not None:
             # A rank may have had no batch to learn the names from: agree on them first.

@@ -7,7 +7,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .fsdp import is_shard, local, shard_group
 
 
 class GradientNorms:
@@ -20,20 +19,22 @@ class GradientNorms:
     ``step * P + index``, so tracking it costs a few tiny kernels and no host
     sync; :meth:`first_nonfinite` reads it once, when the guard fires.
 
-    Sharded gradients (``trainer.strategy: fsdp``, DTensors): each rank holds a part of
-    each gradient, so the norms are taken over the local parts and their squares summed
-    across the ranks they are sharded over (one all_reduce per computed norm, on every
-    rank; under HSDP over the shard group only, whose replicas hold the same shards):
-    the total is the global norm, each gradient counted once, the same on every rank."""
+    Gradients split over ranks (the strategy's :meth:`~ddpx.strategies.Strategy.part_reduction`:
+    fsdp's shards): each rank holds a part of such a gradient, so the norms are taken over
+    the local parts and their squares summed across the ranks holding the parts (one
+    all_reduce per computed norm, on every rank): the total is the global norm, each
+    gradient counted once, the same on every rank; ``collective`` is then True."""
 
     NONE = torch.iinfo(torch.int64).max
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, strategy):
         self.named = list(module.named_parameters())  # after the wrap: FSDP replaces the parameters
-        self.sharded = any(is_shard(p) for _, p in self.named)
-        self.group = next((shard_group(p) for _, p in self.named if is_shard(p)), None)
-        # The device the collectives run on: the mesh's (fsdp.offload=cpu keeps the gradients on the CPU).
-        self.device = next((torch.device(p.device_mesh.device_type) for _, p in self.named if is_shard(p)), None)
+        self.strategy = strategy
+        self.parts = strategy.part_reduction(module)  # None: whole gradients on every rank
+        self.collective = self.parts is not None
+        # Where the norms are summed: the strategy's collectives' device (fsdp.offload=cpu keeps the
+        # gradients on the CPU).
+        self.device = self.parts.device if self.parts is not None else None
         self.first = None  # device int64: step * len(named) + index, or NONE
         self.positions: dict = {}  # tuple of parameter indices -> their device tensors (cached)
 
@@ -43,20 +44,20 @@ class GradientNorms:
         groups: dict = {}
         for index, (_, p) in enumerate(self.named):
             if p.grad is not None:
-                grad = local(p.grad)
+                grad = self.strategy.local(p.grad)
                 groups.setdefault((grad.device, grad.dtype), []).append((index, grad))
-        if not groups and not self.sharded:
+        if not groups and not self.collective:
             return torch.zeros(())
         device = self.device or (next(iter(groups))[0] if groups else self.named[0][1].device)
         order = tuple(i for group in groups.values() for i, _ in group)
         norms = torch.cat([torch.stack(torch._foreach_norm([g for _, g in group])).to(device, torch.float32)
                            for group in groups.values()]) if groups else torch.zeros(0, device=device)
-        positions, shard_mask = self._positions(order, device)
-        if self.sharded:  # the local parts' squares, summed over the ranks; whole gradients counted once
+        positions, part_mask = self._positions(order, device)
+        if self.collective:  # the local parts' squares, summed over the ranks; whole gradients counted once
             squares = norms.square()
-            total_sq = squares[shard_mask].sum()
-            dist.all_reduce(total_sq, group=self.group)
-            total = (total_sq + squares[~shard_mask].sum()).sqrt()
+            total_sq = squares[part_mask].sum()
+            self.parts.reduce(total_sq, dist.ReduceOp.SUM)
+            total = (total_sq + squares[~part_mask].sum()).sqrt()
         else:
             total = torch.linalg.vector_norm(norms)
         if track and len(order):
@@ -68,17 +69,18 @@ class GradientNorms:
         cached = self.positions.get(order)
         if cached is None:
             positions = torch.tensor(order, dtype=torch.int64, device=device)
-            mask = torch.tensor([is_shard(self.named[i][1]) for i in order], dtype=torch.bool, device=device)
+            mask = torch.tensor([self.collective and self.parts.holds_part(self.named[i][1]) for i in order],
+                                dtype=torch.bool, device=device)
             cached = self.positions[order] = (positions, mask)
         return cached
 
     def first_nonfinite(self) -> Optional[tuple]:
         """``(parameter name, optimizer step)`` of the first non-finite gradient seen, or None.
-        Sharded: the earliest over all ranks (one all_reduce; every rank asks at the same boundary)."""
+        Split gradients: the earliest over the ranks (one all_reduce; every rank asks at the same boundary)."""
         first = self.first
-        if self.sharded:
+        if self.collective:
             first = torch.tensor(self.NONE, device=self.device) if first is None else first.clone()
-            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+            self.parts.reduce(first, dist.ReduceOp.MIN)
         if first is None:
             return None
         key = int(first.item())

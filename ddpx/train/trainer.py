@@ -43,8 +43,8 @@ from ..rank.collectives import CollectiveLog
 from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
+from .. import strategies
 from .batches import to_device
-from . import fsdp
 from .compile import compile_model
 from .grad_norms import GradientNorms
 from .losses import EpochLosses, LossWindow
@@ -81,6 +81,7 @@ class Trainer:
     def __init__(self, config: Config, plugin_manager=None):
         self.config = config
         self.plugin_manager = plugin_manager if plugin_manager is not None else config.plugin_manager
+        self.strategy = strategies.make(config)  # what the parallelism means for each part of the run
         self.hook = self.plugin_manager.calls  # pm.hook, minus pluggy's dispatch where that changes nothing
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = torch.device("cpu")
@@ -114,7 +115,6 @@ class Trainer:
         self._grad_clip = config.trainer.grad_clip  # read every step
         self._batch_device = None  # where batches are moved (None: they stay on the CPU)
         self._grad_norms: Optional[GradientNorms] = None  # made with the model
-        self._sharded = False  # trainer.strategy: fsdp (ddpx/train/fsdp.py)
         self._unsynced = None  # the context for an accumulation window's backward passes but the last
         self._grad_norm_due = NEVER  # the next step whose gradient norm a logger asked for (watch_grad_norm)
         self.grad_norm: Optional[torch.Tensor] = None  # see clip_gradients
@@ -176,6 +176,7 @@ class Trainer:
         self._build()
         seed_rank(self.config.seed, self.rank)  # built alike everywhere; from here one stream per rank
         self.hook.ddpx_train_start(trainer=self)  # checkpoint restore may move epoch/global_step
+        self.strategy.start(self)
 
     def train(self, until_step: Optional[int] = None) -> list[dict]:
         """Train until ``trainer.epochs`` or ``trainer.max_steps``, or until a plugin
@@ -296,9 +297,8 @@ class Trainer:
         if self._collectives is not None:
             model_checks.check_same_model(self.module)
         self.model = self.hook.ddpx_wrap_model(trainer=self, model=self.module)
-        self._sharded = fsdp.is_sharded(self.module)
-        self._unsynced = (lambda: fsdp.unsynced(self.module)) if self._sharded else getattr(self.model, "no_sync", None)
-        self._grad_norms = GradientNorms(self.module)  # after the wrap: FSDP replaces the parameters
+        self._unsynced = self.strategy.no_sync(self.model)
+        self._grad_norms = GradientNorms(self.module, self.strategy)  # after the wrap: FSDP replaces the parameters
         self.hook.ddpx_model_wrapped(trainer=self, model=self.model)  # comm hooks go on the DDP model
         if cfg.compile:
             self.model = compile_model(self.model, cfg.compile, self.device, cfg.compile_dynamic)
@@ -457,27 +457,24 @@ class Trainer:
         collective, crashes gloo or is saved. One small all_reduce."""
         if self._collectives is None:
             return
-        counters, sums = {"skipped optimizer steps": self.skipped_steps}, {}
+        counters = {"skipped optimizer steps": self.skipped_steps}
         if at_start:
             if self.num_batches != UNCOUNTED:  # a stream without __len__: its end is agreed, checked at the end
                 counters["batches in this epoch"] = self.num_batches
         else:
             counters["optimizer steps"] = self.global_step
-        if not at_start and not self._sharded:  # under fsdp each rank holds other shards by design
-            sums["sum of the weights"] = torch.stack([p.detach().sum(dtype=torch.float64)
-                                                      for p in self.module.parameters()]).sum()
-        self._collectives.agree(counters, sums=sums, hints=self._disagreement_hints)
+        checks = {} if at_start else self.strategy.replica_checks(self.module)  # what the replicas share
+        sums = {what: value for what, (value, _) in checks.items()}
+        self._collectives.agree(counters, sums=sums,
+                                hints=lambda: {**self._disagreement_hints(), **{w: h for w, (_, h) in checks.items()}})
 
     def _disagreement_hints(self) -> dict:
-        """What to do about each value :meth:`_check_ranks_agree` compares (made only when ranks differ)."""
+        """What to do about each count :meth:`_check_ranks_agree` compares (made only when ranks differ)."""
         stepping = ", ".join(i.plugin_name for i in reversed(self.plugin_manager.hook.ddpx_optimizer_step.get_hookimpls()))
         return {
             "skipped optimizer steps": f": a ddpx_optimizer_step hook (plugins: {stepping}) returned False on some "
                                        "ranks only, so their weights differ now; decide from values every rank "
                                        "shares (all-reduced ones)",
-            "sum of the weights": ": the replicas drifted apart, so some rank applied another update (with "
-                                  "trainer.static_graph: true the set of parameters a step uses must not change "
-                                  "between steps; a plugin may change weights on some ranks only)",
             "optimizer steps": ": every rank must end the epoch after the same step (a loader that ran out early "
                                "on some ranks; a stream without __len__ ends where the ranks agree)",
             "batches in this epoch": ": DDP needs the same number of steps on every rank; give every rank the "
@@ -532,8 +529,8 @@ class Trainer:
         (``grad_norm_step``: the optimizer step it belongs to)."""
         max_norm = self._grad_clip
         step = self.global_step + 1  # this optimizer step's number
-        if not max_norm and step < self._grad_norm_due and not self._sharded:
-            return None  # under fsdp every step: the norm is collective, and a logger asks on rank 0 only
+        if not max_norm and step < self._grad_norm_due and not self._grad_norms.collective:
+            return None  # a collective norm (sharded gradients) every step: a logger asks on rank 0 only
         norm = self._grad_norms.compute(step, track=not self.scaler.is_enabled())
         self.grad_norm, self.grad_norm_step = norm, step
         if step >= self._grad_norm_due:
@@ -561,10 +558,7 @@ class Trainer:
             "epoch": self.epoch + (1 if self.epoch_finished else 0),
             "global_step": self.global_step,
         }
-        if self._sharded:  # each rank's shards, keyed by parameter name
-            model, optimizer = fsdp.sharded_state(self.module, self.optimizer)
-        else:
-            model, optimizer = self.module.state_dict(), self.optimizer.state_dict()
+        model, optimizer = self.strategy.model_state(self.module, self.optimizer)
         state = {"model": model, "optimizer": optimizer, "progress": progress}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
@@ -584,13 +578,7 @@ class Trainer:
         under its name (or, for a checkpoint written before it was filed there, the
         entries under its ``legacy_state_keys``, as ``{key: entry}``); module plugins get
         the whole ``state`` through ``ddpx_load_state_dict``."""
-        if self._sharded:
-            fsdp.load_sharded_state(self.module, self.optimizer, state.get("model"), state.get("optimizer"))
-        else:
-            if "model" in state:
-                self.module.load_state_dict(state["model"])
-            if "optimizer" in state:
-                self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load_model_state(self.module, self.optimizer, state.get("model"), state.get("optimizer"))
         if "scheduler" in state and self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if "progress" in state:

@@ -106,13 +106,12 @@ from ddpx.plugin.shared import ACCUMULATION_STEPS, LAST_FINITE_CHECKPOINT
 from ddpx.rank.checkpoint_files import SHARDS_KEY
 from ddpx.train.monitor import Monitor
 from ddpx.train.stopping import across_ranks
-from ddpx.train import fsdp
+from ddpx.strategies.shards import local
 from ddpx.train.trainer import TRAINER_STATE  # the trainer's own entries: one copy for all ranks
 
 LR_SCALING = ("none", "linear")
 DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
-SHARDED_STATE = ("model", "optimizer")  # under fsdp: in the step's shard directory, each rank its part
-FULL_WEIGHTS = "model_weights.pt"  # under fsdp: the gathered model, written at the end (rank 0)
+FULL_WEIGHTS = "model_weights.pt"  # a strategy that is not replicated: the gathered model, written at the end
 
 
 class CheckpointSession:
@@ -233,7 +232,7 @@ class CheckpointPlugin:
     @hookimpl(trylast=True)
     def ddpx_train_end(self, trainer):
         session = self.session
-        if fsdp.is_sharded(trainer.module):
+        if not trainer.strategy.replicated:
             _export_full_weights(trainer)
         if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
             _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
@@ -332,7 +331,7 @@ def _floating(named: dict) -> list:
     """The floating tensors of ``named`` (this rank's part of a sharded one)."""
     import torch
 
-    return [fsdp.local(t) for t in named.values() if torch.is_tensor(t) and t.is_floating_point()]
+    return [local(t) for t in named.values() if torch.is_tensor(t) and t.is_floating_point()]
 
 
 def _all_finite(tensors, device):
@@ -371,7 +370,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
         trainer.nonfinite_weights(f"{since} (epoch {trainer.epoch})")  # raises under nonfinite=stop
         return
     session.finite_at = step
-    sharded = _sharded_entries(trainer, state)
+    sharded = trainer.strategy.sharded_entries(state)
     shards = _save_shards(trainer, session, step, {k: state[k] for k in sharded}) if sharded else None
     mine = {
         "rng": rng_state(trainer.device),
@@ -390,6 +389,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     checkpoint = {
         "step": step,
         "world_size": trainer.world_size,
+        "strategy": trainer.strategy.name,
         "replicated": {k: v for k, v in state.items() if k in TRAINER_STATE and k not in sharded},
         "ranks": gathered,
     }
@@ -406,14 +406,6 @@ def _save(trainer, session, at_epoch_end, metrics=None):
         trainer.log.info(f"saved checkpoint {path} ({where}, step {step})")
 
     session.writer.save(checkpoint, step, on_done=done, score=score)
-
-
-def _sharded_entries(trainer, state) -> tuple:
-    """The entries of ``state`` each rank holds a part of (under fsdp): the model, the optimizer and
-    any plugin entry with DTensors in it (the ema plugin's average). () under ddp."""
-    if not fsdp.is_sharded(trainer.module):
-        return ()
-    return tuple(k for k, v in state.items() if k in SHARDED_STATE or fsdp.holds_shards(v))
 
 
 def _save_shards(trainer, session, step, state) -> str:
@@ -433,7 +425,7 @@ def _save_shards(trainer, session, step, state) -> str:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
     if across_ranks(trainer):
         dist.barrier()  # no rank writes into it before rank 0 cleared it
-    fsdp.save_shards(state, partial)  # returns once the metadata is written
+    trainer.strategy.save_shards(state, partial)  # returns once the metadata is written
     if trainer.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
@@ -447,7 +439,7 @@ def _export_full_weights(trainer) -> None:
 
     from ddpx.rank.checkpoint_files import atomic_write
 
-    weights = fsdp.full_model_state_dict(trainer.module)
+    weights = trainer.strategy.full_state_dict(trainer.module)
     if trainer.rank == 0:
         path = trainer.run_dir / FULL_WEIGHTS
         atomic_write(path, lambda f: torch.save(weights, f))
@@ -531,7 +523,7 @@ def _resume(trainer, session):
     old_world, ranks = checkpoint["world_size"], checkpoint["ranks"]
     same_world = old_world == trainer.world_size
     mine = ranks[trainer.rank] if same_world else ranks[0]
-    replicated = {**checkpoint["replicated"], **_read_shards(trainer, path, shards)}
+    replicated = {**checkpoint["replicated"], **_read_shards(trainer, path, shards, checkpoint.get("strategy"))}
     try:
         trainer.load_state_dict({**replicated, **mine["plugins"]})
     except RuntimeError as exc:
@@ -569,21 +561,20 @@ def _resume(trainer, session):
     trainer.log.info(f"resumed from {path} (epoch {trainer.epoch}, step {trainer.global_step})")
 
 
-def _read_shards(trainer, path, shards) -> dict:
+def _read_shards(trainer, path, shards, saved_strategy) -> dict:
     """The sharded entries (model, optimizer, a plugin's such as ema's) from the checkpoint's shard
     directory (every rank, any world size), those this run has; {} for a checkpoint without one. A
-    checkpoint of the other strategy: one line."""
-    sharded = fsdp.is_sharded(trainer.module)
-    if sharded != (shards is not None):
-        saved, now = ("fsdp", "ddp") if shards is not None else ("ddp", "fsdp")
-        raise DdpxError(f"checkpoint {path} was saved under trainer.strategy={saved}, this run uses {now}: resume it "
-                        f"with trainer.strategy={saved}, or start afresh in another run_dir (or set "
-                        "checkpoint.resume=false)")
+    checkpoint whose layout is not this strategy's (replicated, or each rank its part): one line."""
+    if trainer.strategy.replicated != (shards is None):
+        saved = saved_strategy or ("a sharded strategy" if shards is not None else "a replicated strategy")
+        raise DdpxError(f"checkpoint {path} was saved under trainer.strategy={saved}, this run uses "
+                        f"{trainer.strategy.name}: resume it with trainer.strategy={saved}, or start afresh in another "
+                        "run_dir (or set checkpoint.resume=false)")
     if shards is None:
         return {}
     state = trainer.state_dict()  # this run's layout: the shards are read into it
-    template = {k: state[k] for k in _sharded_entries(trainer, state)}
-    return fsdp.read_shards(template, path.parent / shards)
+    template = {k: state[k] for k in trainer.strategy.sharded_entries(state)}
+    return trainer.strategy.read_shards(template, path.parent / shards)
 
 
 def _accumulation_steps(trainer) -> int:

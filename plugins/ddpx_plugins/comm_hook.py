@@ -13,6 +13,9 @@ DDP wrap unless ``trainer.bucket_cap_mb`` sets one, and so is
 ``gradient_as_bucket_view=True`` (the hook writes into the bucket, so DDP's copy
 back into ``.grad`` is saved).
 
+The strategy installs it (``trainer.strategy``: ``use_compression`` before the wrap, so DDP
+sizes its buckets for the hook, ``install_compression`` after) and decides where it applies.
+
 An optimizer that averages the gradients itself names its hook (``comm_hook``
 class attribute): ``optimizer.target: ddpx.optim.OneBitAdam`` registers
 ``onebit_adam`` (with ``comm_hook.options``) and pairs the two at train start;
@@ -36,6 +39,7 @@ plugins as ``trainer.shared[COMM_HOOK]``.
 
 import importlib
 from ddpx import hookimpl
+from ddpx.config.strategies import strategy_class
 from ddpx.errors import DdpxError
 from ddpx.imports import resolve
 from ddpx.plugin.shared import COMM_HOOK
@@ -73,32 +77,6 @@ def hook_name(config, hooks) -> str:
     return name
 
 
-def _check_under_fsdp(config, name) -> None:
-    """Under fsdp the hooks with a reduce-scatter (``ddpx.comm_hooks.reduce_scatter``) apply, on
-    fp32 gradients; any other is refused, as are options they do not take."""
-    if config.trainer.strategy != "fsdp" or name == BUILTIN:
-        return
-    from ddpx.comm_hooks import reduce_scatter
-
-    if name not in reduce_scatter.METHODS:
-        *first, last = sorted(reduce_scatter.METHODS)
-        raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} does not apply under trainer.strategy=fsdp (only "
-                        f"{', '.join(first)} and {last} have a sharded reduce-scatter); set comm_hook.name=int8 "
-                        f"(or {', '.join(first)}, {BUILTIN})")
-    reduce_dtype = config.fsdp.reduce_dtype
-    if reduce_dtype != "fp32":
-        raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} under trainer.strategy=fsdp codes and sums fp32 "
-                        f"gradients itself; set fsdp.reduce_dtype=fp32 (now {reduce_dtype}), or "
-                        f"comm_hook.name={BUILTIN} to reduce-scatter in {reduce_dtype}")
-    options = config.section("comm_hook")["options"]
-    reduce_scatter.make(name, **options)  # bad options fail here
-    shard_size = config.fsdp.get("shard_size", "all")
-    if shard_size != "all" and options.get("scope", "global") != "global":
-        raise DdpxError(f"plugin 'comm_hook': comm_hook.options.scope={options['scope']} does not apply under "
-                        f"fsdp.shard_size={shard_size} (HSDP): the reduce-scatter runs inside each shard group and "
-                        "the replicas' all-reduce is FSDP's own; remove the scope option, or set fsdp.shard_size=all")
-
-
 class CommHookPlugin:
     """The comm hook of a run: ``state`` is the registered hook's state, or None."""
 
@@ -117,28 +95,11 @@ class CommHookPlugin:
         if hooks is None:
             return
         name = hook_name(config, hooks)
-        if config.trainer.strategy == "fsdp":
-            _check_under_fsdp(config, name)
-            return
-        if name == BUILTIN:
-            return
-        hooks.make_state(name, **cfg["options"])  # bad options fail here, before any worker starts
+        if name != BUILTIN:  # bad options, or a hook the strategy cannot use, fail here, before any worker starts
+            strategy_class(config.trainer.strategy).check_compression(config, name, cfg["options"])
 
     @hookimpl
-    def ddpx_ddp_options(self, trainer):
-        hooks = _hooks_module()
-        name = BUILTIN if hooks is None else hook_name(trainer.config, hooks)
-        return None if name == BUILTIN else hooks.ddp_options(name)
-
-    @hookimpl
-    def ddpx_train_start(self, trainer):
-        if self.state is not None and getattr(self.state, "needs_optimizer", None):
-            trainer.optimizer.pair(self.state)  # the optimizer averages the momentum through the hook
-
-    @hookimpl
-    def ddpx_model_wrapped(self, trainer, model):
-        from torch.nn.parallel import DistributedDataParallel
-
+    def ddpx_setup(self, trainer):
         cfg = trainer.config.section("comm_hook")
         hooks = _hooks_module()
         self.state, self.name = None, cfg["name"]
@@ -147,35 +108,23 @@ class CommHookPlugin:
                 trainer.log.warning(
                     "ddpx.comm_hooks is not available; comm_hook.name=%s falls back to DDP's all-reduce", self.name
                 )
+            self.name = BUILTIN
             return
         self.name = hook_name(trainer.config, hooks)
-        if self.name == BUILTIN:
-            return
-        if trainer.config.trainer.strategy == "fsdp":
-            self._install_reduce_scatter(trainer, model, cfg)
-            return
-        if not isinstance(model, DistributedDataParallel):
-            trainer.log.warning("comm_hook.name=%s ignored: the model is not wrapped in DDP", self.name)
-            return
-        self.state = trainer.shared[COMM_HOOK] = hooks.register(model, self.name, native=cfg["native"],
-                                                                **cfg["options"])
-        kind = "native C++" if getattr(self.state, "native", False) else "Python"
-        bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
-        views = ", gradients as bucket views" if getattr(model, "gradient_as_bucket_view", False) else ""
-        trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)", self.name, kind, bucket_mb, views)
+        if self.name != BUILTIN:  # before the wrap: DDP sizes its buckets for the hook
+            trainer.strategy.use_compression(self.name, cfg["options"], cfg["native"])
 
-    def _install_reduce_scatter(self, trainer, model, cfg):
-        from ddpx.comm_hooks import reduce_scatter
+    @hookimpl
+    def ddpx_train_start(self, trainer):
+        if self.state is not None and getattr(self.state, "needs_optimizer", None):
+            trainer.optimizer.pair(self.state)  # the optimizer averages the momentum through the hook
 
-        comm = reduce_scatter.make(self.name, **cfg["options"])
-        units = reduce_scatter.install(model, comm)
-        self.state = trainer.shared[COMM_HOOK] = comm
-        opts = "".join(f", {k} {v}" for k, v in comm.opts.items())
-        shard_size = trainer.config.fsdp.get("shard_size", "all")
-        hsdp = "" if shard_size == "all" else (f"; fsdp.shard_size={shard_size}: it runs inside each shard group, and "
-                                                "the replicas' all-reduce stays FSDP's own, in fsdp.reduce_dtype")
-        trainer.log.info("comm hook %s installed on %d fsdp units (reduce-scatter: %s codes, one all_to_all, fp32 "
-                         "sum%s%s)", self.name, units, self.name, opts, hsdp)
+    @hookimpl
+    def ddpx_model_wrapped(self, trainer, model):
+        if self.name != BUILTIN:
+            self.state = trainer.strategy.install_compression(trainer, model)
+            if self.state is not None:
+                trainer.shared[COMM_HOOK] = self.state
 
     def state_dict(self, trainer):
         if self.state is None or not hasattr(self.state, "state_dict"):

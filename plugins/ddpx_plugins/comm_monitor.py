@@ -120,9 +120,7 @@ def warning_text(trainer, share, comm_s, step_s, grad_bytes):
     compute_s = max(step_s - comm_s, 1e-9)
     k = max(2, math.ceil(accumulation * comm_s / compute_s))
     hook = trainer.shared[COMM_HOOK].name if COMM_HOOK in trainer.shared else "allreduce"
-    compress = ("compress the gradients' reduce-scatter with comm_hook.name=int8 (or bf16, fp16)"
-                if cfg.trainer.strategy == "fsdp" else
-                "compress the gradients with comm_hook.name=fp16, bf16, int8 or onebit")
+    compress = trainer.strategy.compression_advice
     return (
         f"communication takes about {100 * share:.0f}% of each optimizer step (gradient allreduce of "
         f"{grad_bytes / 1e6:.1f} MB: {1e3 * comm_s:.1f} ms of a {1e3 * step_s:.1f} ms step"

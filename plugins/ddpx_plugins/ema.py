@@ -46,22 +46,23 @@ import os
 from ddpx import hookimpl
 from ddpx.errors import DdpxError
 from ddpx.plugin.shared import EMA_WEIGHTS_FILE
-from ddpx.train import fsdp
 
 EXPORT = "ema_weights.pt"
 
 
 class EmaState:
-    """One run's average: ``params`` (and ``buffers``) as detached tensors beside the model's;
-    under fsdp ``params`` are this rank's shards (plain tensors) and ``sharded`` is True."""
+    """One run's average: ``params`` (and ``buffers``) as detached tensors beside the model's:
+    this rank's parts of them (plain tensors; the strategy's ``local``). ``replicated``: the
+    strategy's, every rank holds the same whole average (else each rank its part, fsdp's shards)."""
 
-    def __init__(self, module, decay, every_steps, start_step, with_buffers):
+    def __init__(self, module, strategy, decay, every_steps, start_step, with_buffers):
         import torch
 
         self.decay, self.every_steps, self.start_step = decay, every_steps, start_step
+        self.strategy = strategy
+        self.replicated = strategy.replicated
         self.names = [name for name, _ in module.named_parameters()]
         self.live_params = [p for _, p in module.named_parameters()]  # DTensors under fsdp
-        self.sharded = any(fsdp.is_shard(p) for p in self.live_params)
         with torch.no_grad():
             self.params = [t.detach().clone() for t in self.live()]
         buffers = list(module.named_buffers()) if with_buffers else []
@@ -73,9 +74,9 @@ class EmaState:
         self.export_path = None  # where train_end wrote the EMA weights (rank 0)
 
     def live(self):
-        """The model's parameters as plain tensors: this rank's shards under fsdp (looked up at each
-        use: FSDP may replace a shard's local tensor, e.g. when a state dict is loaded). Call under no_grad."""
-        return [fsdp.local(p) for p in self.live_params]
+        """The model's parameters as plain tensors: this rank's parts (looked up at each use: FSDP
+        may replace a shard's local tensor, e.g. when a state dict is loaded). Call under no_grad."""
+        return [self.strategy.local(p) for p in self.live_params]
 
     def update(self, step):
         """Fold the weights after optimizer step ``step`` into the average (the first call copies)."""
@@ -127,7 +128,7 @@ class EmaState:
         return swap()
 
     def state_dict(self):
-        if self.sharded:  # each rank's shards as DTensors: the checkpoint plugin writes them with the model's
+        if not self.replicated:  # each rank's parts as DTensors: the checkpoint plugin writes them with the model's
             return {"params": dict(zip(self.names, self.shards())), "buffers": dict(zip(self.buffer_names, self.buffers)),
                     "decay": self.decay, "updates": self.updates, "step": self.step}
         return {"names": self.names, "params": [p.cpu() for p in self.params], "buffer_names": self.buffer_names,
@@ -135,21 +136,19 @@ class EmaState:
                 "step": self.step}
 
     def shards(self):
-        """The EMA's shards as DTensors laid out as the parameters (views: a load into them fills ``params``)."""
+        """The EMA's parts laid out as the parameters (views: a load into them fills ``params``)."""
         import torch
-        from torch.distributed.tensor import DTensor
 
         with torch.no_grad():
-            return [DTensor.from_local(e, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-                    if fsdp.is_shard(p) else e for e, p in zip(self.params, self.live_params)]
+            return [self.strategy.shard_like(e, p) for e, p in zip(self.params, self.live_params)]
 
     def load(self, saved):
         import torch
 
         params, buffers = saved["params"], saved["buffers"]
-        if isinstance(params, dict):  # fsdp: read from the shard directory into this run's sharding
+        if isinstance(params, dict):  # each rank's part: read from the shard directory into this run's layout
             names, buffer_names = list(params), list(buffers)
-            params, buffers = [fsdp.local(params[n]) for n in self.names if n in params], list(buffers.values())
+            params, buffers = [self.strategy.local(params[n]) for n in self.names if n in params], list(buffers.values())
         else:
             names, buffer_names = saved["names"], saved["buffer_names"]
         if names != self.names or buffer_names != self.buffer_names:
@@ -162,19 +161,10 @@ class EmaState:
         self.updates, self.step = saved["updates"], saved["step"]
 
     def module_state_dict(self, module):
-        """``module.state_dict()`` with the EMA's tensors in place of the live ones: under fsdp the
-        whole model gathered on rank 0 (empty elsewhere; every rank calls it)."""
-        if self.sharded:
-            with self.swapped_in():
-                state = fsdp.full_model_state_dict(module)
-                # On the CPU the gather may hand back the live tensors themselves (the buffers; the
-                # parameters at 1 rank), which leaving the swap restores: copy those.
-                live = {t.untyped_storage().data_ptr() for t in self.live() + self.live_buffers}
-                return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in state.items()}
-        state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        for name, tensor in zip(self.names + self.buffer_names, self.params + self.buffers):
-            state[name] = tensor.detach().cpu().clone()
-        return state
+        """``module.state_dict()`` with the EMA's tensors in place of the live ones, as the strategy
+        gives the whole model (rank 0; gathered under fsdp, empty elsewhere): every rank calls it."""
+        with self.swapped_in():
+            return self.strategy.full_state_dict(module)
 
 
 def _schedule(trainer, ema):
@@ -214,8 +204,8 @@ class EmaPlugin:
     def ddpx_model_wrapped(self, trainer, model):
         cfg = trainer.config.section("ema")
         if cfg["decay"] is not None:
-            self.state = EmaState(trainer.module, float(cfg["decay"]), cfg["every_steps"], cfg["start_step"],
-                                  cfg["buffers"])
+            self.state = EmaState(trainer.module, trainer.strategy, float(cfg["decay"]), cfg["every_steps"],
+                                  cfg["start_step"], cfg["buffers"])
 
     @hookimpl(trylast=True)  # after the checkpoint plugin restored the average and global_step
     def ddpx_train_start(self, trainer):
@@ -245,9 +235,9 @@ class EmaPlugin:
         ema = self.state
         if ema is None:
             return None
-        # Identical on every rank: rank 0's entry carries it (the others hold a marker). Under fsdp
-        # every rank its shards.
-        return ema.state_dict() if trainer.rank == 0 or ema.sharded else {"on_rank": 0}
+        # Replicated, identical on every rank: rank 0's entry carries it (the others hold a marker).
+        # Otherwise every rank its part.
+        return ema.state_dict() if trainer.rank == 0 or not ema.replicated else {"on_rank": 0}
 
     def load_state_dict(self, trainer, saved):
         ema = self.state
@@ -258,7 +248,7 @@ class EmaPlugin:
 
         from ddpx.train.stopping import across_ranks
 
-        if across_ranks(trainer) and not ema.sharded:  # fsdp: every rank read its shards from the shard directory
+        if across_ranks(trainer) and ema.replicated:  # else every rank read its part from the shard directory
             # rank 0 reads ranks[0] of the checkpoint at any world size: its copy is the one.
             present = torch.tensor([1 if saved is not None else 0], device=trainer.device)
             dist.broadcast(present, src=0)
@@ -277,13 +267,13 @@ class EmaPlugin:
     @hookimpl
     def ddpx_train_end(self, trainer):
         ema = self.state
-        if ema is None or ema.step is None or (trainer.rank != 0 and not ema.sharded):
+        if ema is None or ema.step is None:
             return
         import torch
 
         from ddpx.rank.checkpoint_files import atomic_write
 
-        state_dict = ema.module_state_dict(trainer.module)  # under fsdp a gather: every rank
+        state_dict = ema.module_state_dict(trainer.module)  # every rank: fsdp gathers
         if trainer.rank != 0:
             return
         path = os.path.join(str(trainer.run_dir), EXPORT)

@@ -2,28 +2,26 @@
 
 Each rank holds 1/world of every parameter, gradient and optimizer state (DTensors
 sharded on dim 0); a unit's parameters are all-gathered before its forward and
-backward, and its gradients reduce-scattered after its backward. The step stays
-:meth:`ddpx.train.trainer.Trainer.train_step`; this module holds what differs
-from DDP:
+backward, and its gradients reduce-scattered after its backward. The step stays the
+trainer's; :class:`FSDPStrategy` answers what differs from ddp:
 
-* :func:`wrap`: which modules become FSDP units (``fsdp.units``, :func:`unit_modules`),
+* the wrap: which modules become FSDP units (``fsdp.units``, :func:`unit_modules`),
   ``fsdp.reshard_after_forward``, the mixed-precision policy (:func:`mixed_precision`), the
-  mesh (:func:`device_mesh`: HSDP with ``fsdp.shard_size``) and ``fsdp.offload`` (:func:`offload_policy`);
-* :func:`unsynced`: accumulation without communication (``set_requires_gradient_sync``);
-* :func:`padded_forwards`, :func:`reshard`: evaluation, where every forward is collective;
-* the state: :func:`sharded_state` / :func:`load_sharded_state` (model and optimizer
-  keyed by parameter name, so any world size can read them), :func:`save_shards` /
-  :func:`read_shards` (``torch.distributed.checkpoint``: each rank writes its own
-  shards; read back through :class:`SafeShardReader`, which runs nothing stored in
-  the files), :func:`full_model_state_dict` (one consolidated copy, for export).
+  mesh (:func:`device_mesh`: HSDP with ``fsdp.shard_size``) and ``fsdp.offload``
+  (:func:`offload_policy`); compression as FSDP2's gradient reduce-scatter
+  (ddpx/comm_hooks/reduce_scatter.py);
+* accumulation without communication (``set_requires_gradient_sync``);
+* evaluation, where every forward is collective (:func:`padded_forwards`, then reshard);
+* the state: the model and optimizer keyed by parameter name, each rank its shards (any
+  world size can read them), written by every rank (ddpx/strategies/shards.py); the
+  gradient norm summed over the ranks a gradient is sharded over.
+
+The config section ``fsdp`` is one of ddpx's own (ddpx/config/schema.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import pickle
-from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,22 +29,15 @@ from torch import nn
 
 from ..data.stream import has_length
 from ..errors import DdpxError
+from . import shards
+from .base import PartReduction, Strategy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # fsdp.units: auto looks one level into these containers (a transformer's list of blocks)
 UNIT_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def enabled(config) -> bool:
-    """Whether the run shards its model (``trainer.strategy: fsdp``)."""
-    return config.trainer.get("strategy", "ddp") == "fsdp"
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` was wrapped by :func:`wrap` (its parameters are DTensors)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
+# ``scripts/compat.sh`` with torch 2.7.1: FSDP2 over gloo summed the gradients over the ranks
+# instead of averaging them (2x the ddp gradient on 2 ranks). Tested: torch 2.13.
+MIN_TORCH = (2, 8)
 
 
 def param_count(module: nn.Module) -> int:
@@ -153,7 +144,7 @@ def offload_policy(setting: str, device: torch.device):
     return CPUOffloadPolicy(pin_memory=True)
 
 
-def wrap(trainer, model: nn.Module) -> nn.Module:
+def shard_model(trainer, model: nn.Module):
     """``fully_shard`` each unit (bottom-up), then the model as the root unit, over
     :func:`device_mesh`; returns the model (FSDP2 wraps in place). The root keeps its
     parameters gathered from forward to backward (it is needed first in backward); the units
@@ -181,45 +172,6 @@ def wrap(trainer, model: nn.Module) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def unsynced(module: nn.Module):
-    """Backward passes without the gradients' reduce-scatter (accumulation): the unsharded
-    gradients add up until a backward outside this context reduces them."""
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
-
-
-def is_shard(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def holds_shards(value) -> bool:
-    """Whether ``value`` (a state entry: nested dicts and lists) holds a DTensor."""
-    if isinstance(value, dict):
-        return any(holds_shards(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(holds_shards(v) for v in value)
-    return is_shard(value)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor`` (the tensor itself when it is not a DTensor)."""
-    return tensor.to_local() if is_shard(tensor) else tensor
-
-
-def reshard(module: nn.Module) -> None:
-    """Free the gathered parameters of every unit (the root keeps its own after a forward
-    without backward, e.g. in evaluation), so the module holds its shards again."""
-    for m in module.modules():
-        if is_sharded(m):
-            m.reshard()
-
-
 def padded_forwards(trainer, loader) -> int:
     """How many forwards this rank runs beyond its evaluation batches so that every rank runs
     as many (each forward all-gathers: a rank with fewer would hang the others); the extra
@@ -238,126 +190,138 @@ def padded_forwards(trainer, loader) -> int:
     return extra
 
 
-# --- state ----------------------------------------------------------------------------
+def reshard(module: nn.Module) -> None:
+    """Free the gathered parameters of every unit (the root keeps its own after a forward
+    without backward, e.g. in evaluation), so the module holds its shards again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
-def sharded_state(module: nn.Module, optimizer) -> tuple[dict, dict]:
-    """The model's and the optimizer's state, keyed by parameter name, each rank with its shards."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+class FSDPStrategy(Strategy):
+    """Each rank holds its shards of the model, its gradients and the optimizer state."""
 
-    return get_state_dict(module, optimizer)
+    replicated = False
+    compression_advice = "compress the gradients' reduce-scatter with comm_hook.name=int8 (or bf16, fp16)"
 
+    def __init__(self, config):
+        super().__init__(config)
+        self.compression = None  # (name, options) asked by use_compression
 
-def load_sharded_state(module: nn.Module, optimizer, model_state: Optional[dict], optimizer_state: Optional[dict]):
-    """Put back what :func:`sharded_state` returned (also as read at another world size); a part
-    that is None is left as it is."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    @classmethod
+    def check_config(cls, values):
+        from torch.torch_version import TorchVersion
 
-    if model_state is not None:
-        set_model_state_dict(module, model_state)
-    if optimizer_state is not None:
-        set_optimizer_state_dict(module, optimizer, optimizer_state)
+        if TorchVersion(torch.__version__) < MIN_TORCH:
+            raise DdpxError(f"trainer.strategy=fsdp needs torch >= 2.8 (torch {torch.__version__}'s FSDP2 sums the "
+                            "gradients over the ranks instead of averaging them); upgrade torch, or set "
+                            "trainer.strategy=ddp")
 
+    @classmethod
+    def check_compression(cls, config, name, options):
+        """The hooks with a reduce-scatter (ddpx/comm_hooks/reduce_scatter.py) apply, on fp32
+        gradients; any other is refused, as are options they do not take."""
+        from ..comm_hooks import reduce_scatter
 
-def full_model_state_dict(module: nn.Module) -> dict:
-    """The whole model's weights as plain CPU tensors on rank 0 (empty elsewhere): every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        if name not in reduce_scatter.METHODS:
+            *first, last = sorted(reduce_scatter.METHODS)
+            raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} does not apply under trainer.strategy=fsdp "
+                            f"(only {', '.join(first)} and {last} have a sharded reduce-scatter); set "
+                            f"comm_hook.name=int8 (or {', '.join(first)}, allreduce)")
+        reduce_dtype = config.fsdp.reduce_dtype
+        if reduce_dtype != "fp32":
+            raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} under trainer.strategy=fsdp codes and sums "
+                            f"fp32 gradients itself; set fsdp.reduce_dtype=fp32 (now {reduce_dtype}), or "
+                            f"comm_hook.name=allreduce to reduce-scatter in {reduce_dtype}")
+        reduce_scatter.make(name, **options)  # bad options fail here
+        shard_size = config.fsdp.get("shard_size", "all")
+        if shard_size != "all" and options.get("scope", "global") != "global":
+            raise DdpxError(f"plugin 'comm_hook': comm_hook.options.scope={options['scope']} does not apply under "
+                            f"fsdp.shard_size={shard_size} (HSDP): the reduce-scatter runs inside each shard group "
+                            "and the replicas' all-reduce is FSDP's own; remove the scope option, or set "
+                            "fsdp.shard_size=all")
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def wrap(self, trainer, module):
+        return shard_model(trainer, module)
 
+    def use_compression(self, name, options, native):
+        self.compression = (name, dict(options))  # native does not apply: Python around the native kernels
 
-# What a shard directory's ``.metadata`` (a pickle) may name: DCP's own plain records, torch's
-# sizes, dtypes and layouts, and the path it was written to. Nothing else is looked up, so
-# loading it cannot call anything else.
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout")} | {
-    (module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "WindowsPath")}
+    def install_compression(self, trainer, model):
+        from ..comm_hooks import reduce_scatter
 
+        if self.compression is None:
+            return None
+        name, options = self.compression
+        comm = reduce_scatter.make(name, **options)
+        units = reduce_scatter.install(model, comm)
+        opts = "".join(f", {k} {v}" for k, v in comm.opts.items())
+        shard_size = trainer.config.fsdp.get("shard_size", "all")
+        hsdp = "" if shard_size == "all" else (f"; fsdp.shard_size={shard_size}: it runs inside each shard group, and "
+                                                "the replicas' all-reduce stays FSDP's own, in fsdp.reduce_dtype")
+        trainer.log.info("comm hook %s installed on %d fsdp units (reduce-scatter: %s codes, one all_to_all, fp32 "
+                         "sum%s%s)", name, units, name, opts, hsdp)
+        return comm
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name}, which a ddpx shard directory never holds")
+    def no_sync(self, model):
+        """Backward passes without the gradients' reduce-scatter: the unsharded gradients add up
+        until a backward outside this context reduces them."""
+        @contextlib.contextmanager
+        def unsynced():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
 
+        return unsynced
 
-def _reader_classes():
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    def part_reduction(self, module):
+        """Each rank holds a part of every sharded gradient: the parts' squares are summed over
+        the ranks they are sharded over (under HSDP the shard group, whose replicas hold the
+        same shards), on the mesh's device (``fsdp.offload=cpu`` keeps the gradients on the CPU)."""
+        first = next((p for p in module.parameters() if shards.is_shard(p)), None)
+        if first is None:
+            return None
+        group = shard_group(first)
 
-    class SafeShardReader(FileSystemReader):
-        """DCP's reader, with the metadata unpickled through an allow-list (tensors are read
-        with ``weights_only=True`` by DCP itself)."""
+        def reduce(tensor, op):
+            dist.all_reduce(tensor, op=op, group=group)
 
-        def read_metadata(self, *args, **kwargs):
-            if hasattr(self, "_get_metadata_path"):  # newer torch (it may name a per-rank file); 2.7 has none
-                path = self._get_metadata_path(kwargs.get("rank"))
-            else:
-                path = self.fs.concat_path(self.path, ".metadata")
-            with self.fs.create_stream(path, "rb") as stream:
-                try:
-                    metadata = _MetadataUnpickler(stream).load()
-                except pickle.UnpicklingError as exc:
-                    raise DdpxError(f"refusing shard directory {self.path}: its metadata needs {exc} (loading it "
-                                    "could run code); nothing in it was run") from None
-            from torch.distributed.checkpoint.metadata import StorageMeta
+        return PartReduction(holds_part=shards.is_shard, reduce=reduce,
+                             device=torch.device(first.device_mesh.device_type))
 
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+    @contextlib.contextmanager
+    def evaluating(self, trainer, loader):
+        yield padded_forwards(trainer, loader)
+        reshard(trainer.module)
 
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        """Non-tensor entries (the optimizer's hyperparameters) read as plain data only."""
+    def model_state(self, module, optimizer):
+        """Each rank's shards, keyed by parameter name (any world size can read them back)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        def load_bytes(self, read_item, value):
-            from torch.distributed.checkpoint._traverse import set_element
+        return get_state_dict(module, optimizer)
 
-            plain = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], plain)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = plain
+    def load_model_state(self, module, optimizer, model_state, optimizer_state):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    return SafeShardReader, SafeLoadPlanner
+        if model_state is not None:
+            set_model_state_dict(module, model_state)
+        if optimizer_state is not None:
+            set_optimizer_state_dict(module, optimizer, optimizer_state)
 
+    def sharded_entries(self, state):
+        """The model, the optimizer and any plugin entry with DTensors in it (the ema plugin's average)."""
+        return tuple(k for k, v in state.items() if k in ("model", "optimizer") or shards.holds_shards(v))
 
-def save_shards(state: dict, directory: Path) -> None:
-    """Every rank writes its shards of ``state`` into ``directory`` (collective); rank 0 writes
-    the metadata last, after every rank's files are complete."""
-    import torch.distributed.checkpoint as dcp
+    def full_state_dict(self, module):
+        """The whole model gathered (every rank takes part), as plain CPU tensors on rank 0. On the
+        CPU the gather may hand back the module's own tensors (the buffers; the parameters at 1
+        rank): those are copied."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
-
-
-def read_shards(template: dict, directory: Path) -> dict:
-    """Fill ``template`` (this rank's sharded entries, e.g. :func:`sharded_state`, at any world size)
-    from ``directory`` in place and return it, less the entries the directory does not hold (a
-    checkpoint written without EMA). Collective."""
-    import torch.distributed.checkpoint as dcp
-
-    reader_class, planner = _reader_classes()
-    reader = reader_class(str(directory))
-    stored = {key.split(".", 1)[0] for key in reader.read_metadata().state_dict_metadata}
-    template = {k: v for k, v in template.items() if k in stored}
-    dcp.load(template, storage_reader=reader, planner=planner())
-    return template
-
-
-def local_bytes(module: nn.Module, optimizer=None) -> dict:
-    """Bytes this rank holds of parameters, gradients and optimizer state (its shards under fsdp)."""
-    def size(t):
-        t = local(t)
-        return t.numel() * t.element_size()
-
-    params = sum(size(p) for p in module.parameters())
-    grads = sum(size(p.grad) for p in module.parameters() if p.grad is not None)
-    state = 0
-    if optimizer is not None:
-        for per_param in optimizer.state.values():
-            state += sum(size(v) for v in per_param.values() if torch.is_tensor(v))
-    return {"parameters": params, "gradients": grads, "optimizer": state}
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        own = {shards.local(t).untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+        return {k: v.clone() if v.untyped_storage().data_ptr() in own else v for k, v in state.items()}

@@ -1,0 +1,53 @@
+"""What ``trainer.strategy`` names: a built-in strategy (``ddp``, ``fsdp``), one an installed
+package registers in the entry-point group ``ddpx.strategies``, or an import path
+``package.module:Class`` (a module beside the config file is found as the model's is).
+
+The config resolves it, as it resolves ``model.target``: a name that is none of these is one
+line in the launcher, and the strategy's own config sections (``config_defaults``) and checks
+(``check_config``) join the validation. The built-in ones are named by import path, like the
+trainer's default hooks: they sit above the config (ddpx/strategies/), so this module does
+not import them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from ..errors import DdpxError, did_you_mean
+from ..imports import resolve
+
+BUILTIN_STRATEGIES = {"ddp": "ddpx.strategies.ddp:DDPStrategy", "fsdp": "ddpx.strategies.fsdp:FSDPStrategy"}
+ENTRY_POINT_GROUP = "ddpx.strategies"
+BASE = ("ddpx.strategies.base", "Strategy")
+
+
+def installed_strategies() -> dict:
+    """``{name: entry point}`` of the strategies installed packages register."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def strategy_class(name: str) -> type:
+    """The strategy class ``trainer.strategy`` names (see the module docstring)."""
+    if not isinstance(name, str) or not name:
+        raise DdpxError(f"config key 'trainer.strategy' must name a strategy (ddp, fsdp, an installed one or an "
+                        f"import path package.module:Class), got {name!r}")
+    installed = installed_strategies()
+    if name in BUILTIN_STRATEGIES:
+        found = resolve(BUILTIN_STRATEGIES[name], f"built-in strategy '{name}'")
+    elif name in installed:
+        ep = installed[name]
+        try:
+            found = ep.load()
+        except Exception as exc:
+            raise DdpxError(f"trainer.strategy '{name}' (entry point {ep.value}) failed to import: "
+                            f"{type(exc).__name__}: {exc}") from None
+    elif "." in name or ":" in name:
+        found = resolve(name, "trainer.strategy")
+    else:
+        names = [*BUILTIN_STRATEGIES, *sorted(installed)]
+        raise DdpxError(f"unknown trainer.strategy '{name}'{did_you_mean(name, names)}; choose one of "
+                        f"{', '.join(names)}, or give an import path package.module:Class")
+    if not isinstance(found, type) or not any((c.__module__, c.__qualname__) == BASE for c in found.__mro__):
+        raise DdpxError(f"trainer.strategy '{name}' is {found!r}, not a strategy: subclass "
+                        "ddpx.strategies.Strategy (docs/strategies.md)")
+    return found

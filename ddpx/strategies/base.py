@@ -1,0 +1,202 @@
+"""The strategy contract: what one way of splitting the work means for every part of a run.
+
+The trainer and the built-in plugins never ask which strategy runs; they ask the run's
+strategy object (``trainer.strategy``) what they need:
+
+===========================  ===================================================================
+asked by                     the question (the method)
+===========================  ===================================================================
+the launcher, every rank     can this config work (:meth:`Strategy.check_config`), this
+                             compression (:meth:`Strategy.check_compression`)
+the trainer's default wrap   wrap the model (:meth:`Strategy.wrap`)
+the comm_hook plugin         use a compression method (:meth:`Strategy.use_compression`, before
+                             the wrap) and install it (:meth:`Strategy.install_compression`)
+the trainer                  training starts (:meth:`Strategy.start`); the context that skips
+                             synchronisation in an accumulation window (:meth:`Strategy.no_sync`);
+                             what must agree across ranks at an epoch's end
+                             (:meth:`Strategy.replica_checks`); the model's and optimizer's state
+                             (:meth:`Strategy.model_state`, :meth:`Strategy.load_model_state`)
+the gradient norm            which gradients each rank holds a part of, and how their squares are
+                             summed (:meth:`Strategy.part_reduction`)
+the default evaluation       forwards every rank must run, and the clean-up after
+                             (:meth:`Strategy.evaluating`)
+the checkpoint plugin        which state entries are each rank's own part, written by every rank
+                             (:meth:`Strategy.sharded_entries`, :meth:`Strategy.save_shards`,
+                             :meth:`Strategy.read_shards`); the whole model as one state dict
+                             (:meth:`Strategy.full_state_dict`)
+the ema plugin               whether every rank holds the same whole model
+                             (:attr:`Strategy.replicated`), this rank's part of a tensor
+                             (:meth:`Strategy.local`, :meth:`Strategy.shard_like`)
+the comm monitor             what compresses the gradients here (:attr:`Strategy.compression_advice`)
+memory reports               what this rank holds (:meth:`Strategy.memory`)
+===========================  ===================================================================
+
+The defaults below are those of a strategy whose every rank holds the whole model, the
+same on every rank between steps (``replicated``); a strategy subclasses this class and
+overrides what differs. docs/strategies.md shows a whole one (local SGD, about 60 lines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Mapping, Optional
+
+import torch
+from torch import nn
+
+from ..errors import DdpxError
+from . import shards
+
+if TYPE_CHECKING:  # imported only for the annotations
+    from ..train.trainer import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class PartReduction:
+    """How a strategy whose ranks hold parts of some gradients sums over them: ``holds_part(p)``
+    says whether parameter ``p``'s gradient is split over ranks, ``reduce(tensor, op)``
+    all-reduces ``tensor`` in place over the ranks holding the parts (every rank calls it), on
+    ``device`` (where the strategy's collectives run)."""
+
+    holds_part: Callable[[torch.Tensor], bool]
+    reduce: Callable[[torch.Tensor, object], None]
+    device: torch.device
+
+
+class Strategy:
+    """One run's strategy. Made from the config on every rank before the process group exists
+    (``ddpx.strategies.make``); ``name`` is what ``trainer.strategy`` named it by."""
+
+    #: Every rank holds the same whole model and optimizer state between steps: checkpoints
+    #: take them from rank 0, the ranks' weights are compared at an epoch's end, the EMA is one
+    #: copy. False: each rank holds its part, written into the checkpoint by every rank.
+    replicated = True
+    #: Config sections this strategy reads, with their defaults: ``{section: {key: default}}``
+    #: (a key's type is its default's, as for a plugin's ``ddpx_config_defaults``).
+    config_defaults: Mapping[str, Mapping] = {}
+    #: How to compress the gradients here, for the comm monitor's advice.
+    compression_advice = "compress the gradients with comm_hook.name=fp16, bf16, int8 or onebit"
+
+    def __init__(self, config):
+        self.config = config
+        self.name = config.trainer.strategy
+
+    # --- before anything distributed: one-line errors ---------------------------------------
+
+    @classmethod
+    def check_config(cls, values: Mapping) -> None:
+        """Refuse a config this strategy cannot run (``values``: the whole validated config as
+        plain dicts), with a :class:`~ddpx.errors.DdpxError`. In the launcher and on every rank."""
+
+    @classmethod
+    def check_compression(cls, config, name: str, options: Mapping) -> None:
+        """Refuse comm hook ``name`` with ``options`` where it cannot work under this strategy
+        (unknown options included). Default: the DDP hook's own checks."""
+        from ..comm_hooks import make_state
+
+        make_state(name, **options)
+
+    # --- building ------------------------------------------------------------------------
+
+    def wrap(self, trainer: "Trainer", module: nn.Module) -> nn.Module:
+        """The model as this strategy trains it (the default ``ddpx_wrap_model``)."""
+        raise NotImplementedError(f"strategy {type(self).__qualname__} must implement wrap(trainer, module)")
+
+    def use_compression(self, name: str, options: Mapping, native: bool) -> None:
+        """Compress the gradients with comm hook ``name`` (asked before :meth:`wrap`, which may
+        size its buckets for it). Default: this strategy has no gradient communication to compress."""
+        raise DdpxError(f"comm_hook.name={name} does not apply under trainer.strategy={self.name}: it exchanges no "
+                        "gradients to compress; remove comm_hook.name")
+
+    def install_compression(self, trainer: "Trainer", model: nn.Module):
+        """Install what :meth:`use_compression` asked for on the wrapped ``model``; returns its
+        state (``stats()``, ``state_dict()``, ``pair(optimizer)``), or None."""
+        return None
+
+    def start(self, trainer: "Trainer") -> None:
+        """Training starts (a checkpoint was restored): schedule periodic work here with
+        ``trainer.call_at_step``."""
+
+    # --- the step ------------------------------------------------------------------------
+
+    def no_sync(self, model: nn.Module) -> Optional[Callable[[], ContextManager]]:
+        """A factory of the context the backward passes of an accumulation window run in, all but
+        the last (their gradients are not communicated); None: nothing to skip."""
+        return None
+
+    def replica_checks(self, module: nn.Module) -> dict:
+        """``{what: (0-dim tensor, hint)}`` that must be equal on every rank at an epoch's end (one
+        all_reduce compares them; ``hint`` says what to do when they are not)."""
+        if not self.replicated:
+            return {}
+        weights = torch.stack([p.detach().sum(dtype=torch.float64) for p in module.parameters()]).sum()
+        return {"sum of the weights": (weights, ": the replicas drifted apart, so some rank applied another update "
+                                                "(with trainer.static_graph: true the set of parameters a step uses "
+                                                "must not change between steps; a plugin may change weights on some "
+                                                "ranks only)")}
+
+    def part_reduction(self, module: nn.Module) -> Optional[PartReduction]:
+        """How the squares of gradient parts are summed for the total gradient norm; None: every
+        rank holds whole gradients (the norm needs no collective)."""
+        return None
+
+    # --- evaluation ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def evaluating(self, trainer: "Trainer", loader) -> Iterator[int]:
+        """Around the default evaluation of ``loader``: yields how many forwards this rank runs
+        beyond its batches (repeating its last one, results not counted) so that the ranks
+        stay in step where every forward is collective."""
+        yield 0
+
+    # --- state -----------------------------------------------------------------------------
+
+    def model_state(self, module: nn.Module, optimizer) -> tuple[dict, dict]:
+        """The model's and the optimizer's state as a checkpoint holds them."""
+        return module.state_dict(), optimizer.state_dict()
+
+    def load_model_state(self, module: nn.Module, optimizer, model_state: Optional[dict],
+                         optimizer_state: Optional[dict]) -> None:
+        """Put back what :meth:`model_state` returned; a part that is None is left as it is."""
+        if model_state is not None:
+            module.load_state_dict(model_state)
+        if optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+
+    def sharded_entries(self, state: Mapping) -> tuple:
+        """The entries of a checkpoint's ``state`` that each rank holds its own part of (every rank
+        writes them, :meth:`save_shards`); the others are rank 0's (trainer entries) or per rank."""
+        return ()
+
+    def save_shards(self, state: dict, directory) -> None:
+        """Every rank writes its part of ``state`` into ``directory`` (collective)."""
+        shards.save_shards(state, directory)
+
+    def read_shards(self, template: dict, directory) -> dict:
+        """``template`` (this run's sharded entries) filled from ``directory``, at any world size."""
+        return shards.read_shards(template, directory)
+
+    def full_state_dict(self, module: nn.Module) -> dict:
+        """The whole model's state dict as plain CPU tensors (copies) on rank 0, empty elsewhere;
+        every rank calls it."""
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``tensor`` (a parameter, its gradient, an optimizer state)."""
+        return shards.local(tensor)
+
+    def shard_like(self, part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``part`` (shaped as this rank's part of ``like``) laid out as ``like`` for a checkpoint."""
+        return shards.shard_like(part, like)
+
+    def memory(self, module: nn.Module, optimizer=None) -> dict:
+        """Bytes this rank holds of parameters, gradients and optimizer state."""
+        return shards.local_bytes(module, optimizer)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}(trainer.strategy={self.name})"

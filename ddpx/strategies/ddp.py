@@ -1,0 +1,66 @@
+"""``trainer.strategy: ddp`` (the default): every rank holds the whole model; torch's
+``DistributedDataParallel`` averages the gradients in buckets during backward, through a
+ddpx comm hook when ``comm_hook.name`` compresses them."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from .base import Strategy
+
+
+def ddp_kwargs(config, preferred: Mapping) -> dict:
+    """``DistributedDataParallel`` keyword arguments: what the comm hook works best with
+    (``preferred``: its bucket size, gradients as bucket views) where the config leaves it open,
+    then the config's ``trainer.find_unused_parameters``, ``static_graph`` and a non-null
+    ``bucket_cap_mb`` and ``gradient_as_bucket_view``."""
+    cfg = config.trainer
+    configured = {"find_unused_parameters": cfg.find_unused_parameters, "static_graph": cfg.static_graph}
+    for key in ("bucket_cap_mb", "gradient_as_bucket_view"):
+        if cfg[key] is not None:
+            configured[key] = cfg[key]
+    return {**preferred, **configured}
+
+
+class DDPStrategy(Strategy):
+    """The model replicated on every rank, wrapped in ``DistributedDataParallel``."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.compression = None  # (name, options, native) asked by use_compression
+
+    def use_compression(self, name, options, native):
+        self.compression = (name, dict(options), native)
+
+    def wrap(self, trainer, module):
+        from ..comm_hooks import ddp_options
+
+        preferred = ddp_options(self.compression[0]) if self.compression else {}
+        device_ids = [trainer.device] if trainer.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids,
+                                                         **ddp_kwargs(trainer.config, preferred))
+
+    def install_compression(self, trainer, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        from ..comm_hooks import register
+
+        if self.compression is None:
+            return None
+        name, options, native = self.compression
+        if not isinstance(model, DistributedDataParallel):
+            trainer.log.warning("comm_hook.name=%s ignored: the model is not wrapped in DDP", name)
+            return None
+        state = register(model, name, native=native, **options)
+        kind = "native C++" if getattr(state, "native", False) else "Python"
+        bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
+        views = ", gradients as bucket views" if getattr(model, "gradient_as_bucket_view", False) else ""
+        trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)", name, kind, bucket_mb, views)
+        return state
+
+    def no_sync(self, model: nn.Module):
+        return getattr(model, "no_sync", None)
+
