@@ -581,9 +581,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` holds. A plugin object gets the entry filed
-        under its name (or, for a checkpoint written before it was filed there, the
-        entries under its ``legacy_state_keys``, as ``{key: entry}``); module plugins get
-        the whole ``state`` through ``ddpx_load_state_dict``."""
+        under its name; module plugins get the whole ``state`` through ``ddpx_load_state_dict``."""
         if self._sharded:
             fsdp.load_sharded_state(self.module, self.optimizer, state.get("model"), state.get("optimizer"))
         else:
@@ -598,8 +596,6 @@ class Trainer:
             self.global_step = int(state["progress"]["global_step"])
         for name, plugin in stateful_plugins(self.plugin_manager):
             part = state.get(name)
-            if part is None:
-                part = {key: state[key] for key in getattr(plugin, "legacy_state_keys", ()) if key in state} or None
             if part is not None:
                 plugin.load_state_dict(self, part)
         self.hook.ddpx_load_state_dict(trainer=self, state=state)
