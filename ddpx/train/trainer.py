@@ -39,7 +39,7 @@ from ..plugin import hookspecs
 from ..plugin.manager import plugin_signature, raised_by, rank_prefix, stateful_plugins
 from ..plugin.shared import Shared
 from ..rank import failures, process_group
-from ..rank.collectives import CollectiveLog
+from ..rank.watchdog import CollectiveWatchdog
 from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
@@ -127,7 +127,7 @@ class Trainer:
         self._plugins_before: Optional[set] = None
         self._closed = False
         self._run_lock = None  # rank 0's lock on run_dir (ddpx/rank/run_lock.py)
-        self._collectives: Optional[CollectiveLog] = None  # trainer.check_collectives
+        self._collectives: Optional[CollectiveWatchdog] = None  # trainer.check_collectives
         # Set by close() when the run failed because another rank did: the one line to print
         # instead of a traceback (ddpx/rank/failures.py).
         self.peer_failure: Optional[str] = None
@@ -279,9 +279,9 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world_size)  # one run per run_dir
         if cfg.check_collectives and self.world_size > 1:
-            self._collectives = CollectiveLog(self.rank, self.world_size, cfg.stall_s, self._progress,
-                                              self.plugin_manager, self.run_dir,
-                                              dist.distributed_c10d._get_default_store(), self.device)
+            self._collectives = CollectiveWatchdog(self.rank, self.world_size, cfg.stall_s, self._progress,
+                                                   self.plugin_manager, self.run_dir,
+                                                   dist.distributed_c10d._get_default_store(), self.device)
             self._collectives.install()
             self._collectives.start()
         torch.manual_seed(self.config.seed)  # identical initial weights and default shuffles on every rank
