@@ -26,7 +26,7 @@ LAYERS = [
     ["config"],
     ["rank"],
     ["comm_hooks", "data"],
-    ["comm", "optim"],
+    ["fused_allreduce", "optim"],
     ["train"],
     ["launch"],
     ["worker", "doctor"],
