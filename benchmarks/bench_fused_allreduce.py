@@ -5,7 +5,7 @@ Timed per repetition (median over --reps, after a warm-up):
 
 * ``separate``: 1,000 ``dist.all_reduce`` calls, each waited for (the usual loop);
 * ``separate_async``: 1,000 ``dist.all_reduce(async_op=True)`` then wait for all;
-* ``fused``: ``ddpx.comm.fused_allreduce(tensors, op="sum").wait()``;
+* ``fused``: ``ddpx.fused_allreduce.fused_allreduce(tensors, op="sum").wait()``;
 * ``fused_fp16``: the same with ``compression="fp16"``.
 
 Every rank checks that the fused result equals the per-tensor result.
@@ -44,7 +44,7 @@ def _timed(fn, reps):
 
 
 def measure(args):
-    from ddpx.comm import fused_allreduce
+    from ddpx.fused_allreduce import fused_allreduce
 
     rank = dist.get_rank()
     numel = args.bytes // 4

@@ -3,7 +3,7 @@
 Public entry points:
     ddpx.hookimpl        marker for plugin hook implementations
     ddpx.comm_hooks      DDP comm hooks: ``state, hook = ddpx.comm_hooks.make("int8")``
-    ddpx.comm            collectives outside DDP (``fused_allreduce``)
+    ddpx.fused_allreduce collectives outside DDP: ``ddpx.fused_allreduce.fused_allreduce``
     ddpx.ops             fused kernels (torch ops ``torch.ops.ddpx.*``)
     ddpx.data, ddpx.models   the built-in digits data and model
     ddpx.config          ``load_config``: the validated config a run uses
@@ -15,7 +15,7 @@ from .errors import DdpxError
 from .plugin.markers import hookimpl
 from .version import __version__
 
-_LAZY = {"comm_hooks", "comm", "ops", "data", "models", "config"}
+_LAZY = {"comm_hooks", "fused_allreduce", "ops", "data", "models", "config"}
 
 
 def __getattr__(name):
@@ -26,4 +26,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'ddpx' has no attribute {name!r}")
 
 
-__all__ = ["DdpxError", "__version__", "hookimpl", "comm_hooks", "comm", "ops", "data", "models", "config"]
+__all__ = ["DdpxError", "__version__", "hookimpl", "comm_hooks", "fused_allreduce", "ops", "data", "models", "config"]

@@ -27,7 +27,7 @@ def test_the_package_gives_comm_hooks_as_an_attribute():
     import importlib
 
     # the package's __getattr__ answers for a submodule not imported yet: `import ddpx; ddpx.comm_hooks`
-    for name in ("comm_hooks", "comm", "ops", "data", "models", "config"):
+    for name in ("comm_hooks", "fused_allreduce", "ops", "data", "models", "config"):
         assert ddpx.__getattr__(name) is importlib.import_module(f"ddpx.{name}")
     with pytest.raises(AttributeError):
         ddpx.__getattr__("hooks")  # "hooks" are the plugin hooks; the comm hooks are ddpx.comm_hooks

@@ -1,4 +1,4 @@
-"""Ranks that disagree, or hang, explained in seconds (ddpx/rank/collectives.py,
+"""Ranks that disagree, or hang, explained in seconds (ddpx/rank/watchdog.py,
 ddpx/rank/failures.py, ddpx/train/model_checks.py).
 
 The fast tests check the pieces against hand-made inputs (fingerprints, the verdict,
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from ddpx.errors import RanksDisagree
 from ddpx.plugin.manager import make_plugin_manager, plugin_code_map
 from ddpx.plugin.markers import hookimpl
-from ddpx.rank import collectives, failures
-from ddpx.rank.collectives import CollectiveLog, Watch, caller, describe, first_difference
+from ddpx.rank import failures, watchdog
+from ddpx.rank.watchdog import CollectiveWatchdog, Watch, caller, describe, first_difference
 from ddpx.train import model_checks
 
 
@@ -51,7 +51,7 @@ class Counting:
         return self.sync()
 
     def sync(self):
-        return collectives._stack(sys._getframe())
+        return watchdog._stack(sys._getframe())
 
 
 def test_the_caller_is_the_plugin_and_hook_on_the_stack_and_the_innermost_line_of_user_code():
@@ -63,14 +63,14 @@ def test_the_caller_is_the_plugin_and_hook_on_the_stack_and_the_innermost_line_o
     assert caller(stack, plugin_code_map(pm)) == f"from plugin 'myplug' in ddpx_epoch_end (test_disagreements.py:{line})"
     # Called outside a hook, a plugin's method still names the plugin; other code names its function.
     assert caller(plugin.sync(), plugin_code_map(pm)).startswith("from plugin 'myplug' in Counting.sync ")
-    assert caller(collectives._stack(sys._getframe()), plugin_code_map(pm)).startswith(
+    assert caller(watchdog._stack(sys._getframe()), plugin_code_map(pm)).startswith(
         "in test_the_caller_is_the_plugin_and_hook_on_the_stack")
 
 
 def test_recorded_collectives_are_the_blocking_ones_on_the_default_group(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    log = CollectiveLog(0, 1, 15.0, lambda: {"step": 0}, store=store)
+    log = CollectiveWatchdog(0, 1, 15.0, lambda: {"step": 0}, store=store)
     original = dist.all_reduce
     try:
         log.install()
@@ -120,7 +120,7 @@ def test_a_rank_that_is_only_behind_is_no_difference():
     behind = answer(1, [[4, "all_reduce(float32[2], SUM)", A]])
     ahead = answer(0, [[4, "all_reduce(float32[2], SUM)", A], [5, "barrier()", B]], in_flight=5)
     assert first_difference([ahead, behind]) == []
-    lines = collectives.where_ranks_are([ahead, behind], 2, 15.0)
+    lines = watchdog.where_ranks_are([ahead, behind], 2, 15.0)
     assert lines[1] == f"  rank 0: waits 16 s in collective 5, barrier() {B}"
     assert lines[2] == "  rank 1: in Trainer.backward (trainer.py:1), at step 5, after collective 4"
 
@@ -164,10 +164,10 @@ def two_ranks(tmp_path, rank0_history, rank1_history, main_thread, stall_s=15.0)
     store, exits, reports = DictStore(), [], []
     logs = []
     for rank, history in enumerate((rank0_history, rank1_history)):
-        log = CollectiveLog(rank, 2, stall_s, lambda: {"step": 7, "epoch": 0, "batch": 7, "batches": 23},
+        log = CollectiveWatchdog(rank, 2, stall_s, lambda: {"step": 7, "epoch": 0, "batch": 7, "batches": 23},
                             run_dir=tmp_path, store=store)
         for seq, signature in history:
-            log.history.append(collectives.Fingerprint(seq, signature, collectives._stack(sys._getframe())))
+            log.history.append(watchdog.Fingerprint(seq, signature, watchdog._stack(sys._getframe())))
             log.seq = seq
         log.exit = lambda code, rank=rank: exits.append((rank, code))
         log._main_thread = main_thread
@@ -201,7 +201,7 @@ def test_a_stall_without_a_difference_reports_where_each_rank_is_and_goes_on(tmp
     log0.look(watch0, 100.0)  # the last progress
     log1.look(watch1, 100.0)
     log1.look(watch1, 129.0)  # no progress for 2 x stall_s - 1: nothing yet
-    assert log1.store.add(f"{collectives.KEY}/asked", 0) == 0
+    assert log1.store.add(f"{watchdog.KEY}/asked", 0) == 0
     log1.look(watch1, 130.5)  # no step for 2 x stall_s: rank 1 asks
     log0.look(watch0, 131.0)
     log0.look(watch0, 131.5)
@@ -211,7 +211,7 @@ def test_a_stall_without_a_difference_reports_where_each_rank_is_and_goes_on(tmp
     log1.look(watch1, 132.0)
     assert exits == []  # the verdict was "stall": the job goes on
     log1.look(watch1, 133.0)
-    assert log1.store.add(f"{collectives.KEY}/asked", 0) == 1  # asked once per stall
+    assert log1.store.add(f"{watchdog.KEY}/asked", 0) == 1  # asked once per stall
 
 
 def test_a_busy_main_thread_is_progress_even_without_steps(tmp_path):
@@ -221,7 +221,7 @@ def test_a_busy_main_thread_is_progress_even_without_steps(tmp_path):
     for t in range(100, 160, 2):  # a minute of evaluation: this thread's stack differs at every look
         log0.look(watch, float(t))
         log0.look(watch, float(t + 1))
-    assert log0.store.add(f"{collectives.KEY}/asked", 0) == 0 and not reports
+    assert log0.store.add(f"{watchdog.KEY}/asked", 0) == 0 and not reports
 
 
 # --- the same checks every epoch -------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_a_busy_main_thread_is_progress_even_without_steps(tmp_path):
 def test_ranks_agree_at_epoch_boundaries_in_one_small_all_reduce(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    log = CollectiveLog(0, 1, 15.0, lambda: {"step": 0}, store=store)
+    log = CollectiveWatchdog(0, 1, 15.0, lambda: {"step": 0}, store=store)
     try:
         log.install()
         log.agree({"batches in this epoch": 23})  # one rank always agrees with itself

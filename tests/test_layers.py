@@ -28,7 +28,7 @@ LAYERS = [
     ["config"],
     ["rank"],
     ["comm_hooks", "data"],
-    ["comm", "optim"],
+    ["fused_allreduce", "optim"],
     ["strategies"],
     ["train"],
     ["launch"],

@@ -2,8 +2,6 @@
 
 import logging
 import os
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +9,6 @@ import torch
 from ddpx.rank.checkpoint_files import CheckpointDirectory, UnsafeCheckpoint, check_plain, load_file, rng_state
 from ddpx.errors import DdpxError
 from ddpx.train.trainer import Trainer
-
-FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint-v1"  # written by ddpx 87be7a2 (format 1)
 
 
 class Payload:
@@ -96,20 +92,15 @@ def test_numpy_rng_state_is_saved_as_plain_data_and_restores():
     assert (np.random.rand(3) == first).all()
 
 
-def test_the_old_format_fixture_still_resumes(make_config, tmp_path):
-    """A checkpoint written by ddpx before this change (format 1, committed in tests/fixtures)."""
-    files = sorted(FIXTURE.glob("step-*.pt"))
-    assert files, "fixture missing"
-    state = load_file(files[-1])  # weights_only: refused, if it were not plain data
-    assert state["ddpx_checkpoint_format"] == 1
-    directory = tmp_path / "run" / "checkpoints"
-    shutil.copytree(FIXTURE, directory)
-    trainer = Trainer(make_config("model.args.hidden=8", "trainer.epochs=1", "trainer.max_steps=5",
-                                  "trainer.eval_every_epochs=0"))
-    metrics = trainer.run()
-    assert trainer.global_step == 5 and metrics[-1]["step"] == 5  # resumed at 3, trained 2 more
-    resumed = torch.load(directory / "step-000000005.pt", weights_only=True)
-    assert resumed["ranks"][0]["plugins"]["sampler"]["consumed"] == 5 * 32
+def test_only_the_current_format_is_resumed(tmp_path, caplog):
+    ckpts = CheckpointDirectory(tmp_path, keep=3)
+    ckpts.save({"step": 1, "w": torch.ones(2)}, step=1)
+    torch.save({"ddpx_checkpoint_format": 1, "step": 2}, ckpts.path_for(2))  # a development version's format
+    (tmp_path / "latest").write_text(ckpts.path_for(2).name + "\n")
+    with caplog.at_level(logging.WARNING, logger="ddpx.rank.checkpoint_files"):
+        path, state = ckpts.load_latest()
+    assert path == ckpts.path_for(1) and state["step"] == 1
+    assert "not a ddpx checkpoint (format 1)" in caplog.text
 
 
 @pytest.mark.slow

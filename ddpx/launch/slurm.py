@@ -40,19 +40,6 @@ class SlurmLaunch:
     def rdzv_endpoint(self) -> str:
         return f"{self.master_addr}:{self.master_port}"
 
-    def torchrun_args(self) -> list[str]:
-        """torchrun options for this node (multi-node c10d rendezvous)."""
-        args = [
-            f"--nnodes={self.nnodes}",
-            f"--node-rank={self.node_rank}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={self.rdzv_endpoint}",
-            f"--rdzv-id={self.rdzv_id}",
-        ]
-        if self.nproc_per_node is not None:
-            args.append(f"--nproc-per-node={self.nproc_per_node}")
-        return args
-
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside brackets: ``a[1,2],b`` -> ``a[1,2]``, ``b``."""

@@ -255,17 +255,6 @@ def blocked_sections(blocked: Collection[str]) -> dict:
     return found
 
 
-# Hooks of ddpx's development versions, removed before 0.1.0 was released (docs/changelog.md).
-REMOVED_HOOKS = {
-    "ddpx_should_step": "implement ddpx_step_window(trainer, batch_index, num_batches), returning the number of "
-                        "micro-batches of the optimizer step",
-    "ddpx_micro_step": "wrap ddpx_forward instead (the trainer runs all but the last micro-batch of a window "
-                       "under no_sync itself)",
-    "ddpx_backward": "return a GradScaler from ddpx_grad_scaler instead (the trainer back-propagates "
-                     "scaler.scale(loss))",
-}
-
-
 def check_pending(pm: pluggy.PluginManager) -> None:
     """Fail on hook implementations that match no spec (typos such as ``ddpx_epoch_ends``)."""
     known = list(hookspecs.all_hook_names())
@@ -275,9 +264,6 @@ def check_pending(pm: pluggy.PluginManager) -> None:
         for impl in caller.get_hookimpls():
             if impl.optionalhook:
                 continue
-            if name in REMOVED_HOOKS:
-                raise DdpxError(f"plugin '{impl.plugin_name}' implements {name}, which ddpx no longer calls: "
-                                f"{REMOVED_HOOKS[name]}")
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else "; see ddpx/plugin/hookspecs.py for the hook names"
             raise DdpxError(f"plugin '{impl.plugin_name}' implements unknown hook '{name}'{hint}")

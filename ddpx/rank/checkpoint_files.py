@@ -22,7 +22,7 @@ save time, naming the key). Every load goes through :func:`load_file`, which
 uses ``torch.load(weights_only=True)``: a file that needs any other Python
 global (a pickled object whose ``__reduce__`` could run code) is refused with
 one line naming the file and that global, and nothing in it runs. What a load
-allows besides plain data is listed once, in :func:`allowed_globals`.
+allows besides plain data is listed once, in :data:`SAFE_GLOBALS`.
 """
 
 from __future__ import annotations
@@ -45,27 +45,10 @@ import torch
 log = logging.getLogger(__name__)
 
 FORMAT_KEY = "ddpx_checkpoint_format"
-FORMAT_VERSION = 2  # 2: plain data only, read with weights_only=True (1: pickles of ddpx <= 0.1)
-READABLE_VERSIONS = (1, 2)  # a version-1 file resumes when it loads safely (it holds plain data too)
+FORMAT_VERSION = 2  # plain data only, read with weights_only=True; the only format read
 # What a load allows besides tensors, numbers, strings, None, lists, tuples and dicts: the one
-# place. SAFE_GLOBALS: ddpx-owned types a checkpoint may hold (empty: ddpx writes plain data only).
-# legacy_globals(): NumPy's array rebuild, nothing else of NumPy, because format-1 checkpoints
-# pickled NumPy's RNG state as an array (its parts are rebuilt through the same restricted loader).
+# place. ddpx-owned types a checkpoint may hold (empty: ddpx writes plain data only).
 SAFE_GLOBALS: list = []
-
-
-def legacy_globals() -> list:
-    try:
-        import numpy
-    except ImportError:
-        return []
-    rebuild = numpy._core.multiarray._reconstruct if hasattr(numpy, "_core") else numpy.core.multiarray._reconstruct
-    return [(rebuild, "numpy._core.multiarray._reconstruct"), (rebuild, "numpy.core.multiarray._reconstruct"),
-            numpy.ndarray, numpy.dtype, type(numpy.dtype("uint32"))]
-
-
-def allowed_globals() -> list:
-    return [*SAFE_GLOBALS, *legacy_globals()]
 LATEST = "latest"
 BEST_INDEX = "best.json"  # the best checkpoints by the monitored metric, best first
 BEST_LINK = "best.pt"  # a symlink to the best one
@@ -170,10 +153,8 @@ def set_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
         import numpy
 
         saved = state["numpy"]
-        if isinstance(saved, dict):
-            saved = (saved["kind"], saved["keys"].numpy().astype(numpy.uint32), saved["pos"],
-                     saved["has_gauss"], saved["cached_gaussian"])
-        numpy.random.set_state(saved)
+        numpy.random.set_state((saved["kind"], saved["keys"].numpy().astype(numpy.uint32), saved["pos"],
+                                saved["has_gauss"], saved["cached_gaussian"]))
 
 
 # --- plain data only: what is written, and how it is read -----------------------------
@@ -249,19 +230,19 @@ def unsafe_globals(path: Path) -> list[str]:
     """The globals ``path`` needs that a weights-only load refuses (read from the
     pickle's opcodes, nothing runs); [] if none, or if the file cannot be scanned."""
     try:
-        with torch.serialization.safe_globals(allowed_globals()):
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
             return list(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
     except Exception:  # not a zip checkpoint, truncated, ...: the load says why
         return []
 
 
 def load_file(path: Path, map_location: Any = "cpu") -> Any:
-    """``torch.load(path, weights_only=True)``, with :func:`allowed_globals` allowed.
+    """``torch.load(path, weights_only=True)``, with :data:`SAFE_GLOBALS` allowed.
 
     Raises :class:`UnsafeCheckpoint` (one line naming the file and the global it
     needs) when the file holds anything else; nothing in it runs."""
     try:
-        with torch.serialization.safe_globals(allowed_globals()):
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
         needs = unsafe_globals(path)
@@ -413,7 +394,7 @@ class CheckpointDirectory:
                 log.warning("skipping unreadable checkpoint %s: %s", path, exc)
                 skipped.append(f"{path.name}: unreadable")
                 continue
-            if not isinstance(state, dict) or state.get(FORMAT_KEY) not in READABLE_VERSIONS:
+            if not isinstance(state, dict) or state.get(FORMAT_KEY) != FORMAT_VERSION:
                 log.warning("skipping %s: not a ddpx checkpoint (format %r)", path,
                             state.get(FORMAT_KEY) if isinstance(state, dict) else type(state))
                 skipped.append(f"{path.name}: not a ddpx checkpoint")

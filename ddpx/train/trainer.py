@@ -39,7 +39,7 @@ from ..plugin import hookspecs
 from ..plugin.manager import plugin_signature, raised_by, rank_prefix, stateful_plugins
 from ..plugin.shared import Shared
 from ..rank import failures, process_group
-from ..rank.collectives import CollectiveLog
+from ..rank.watchdog import CollectiveWatchdog
 from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
@@ -127,7 +127,7 @@ class Trainer:
         self._plugins_before: Optional[set] = None
         self._closed = False
         self._run_lock = None  # rank 0's lock on run_dir (ddpx/rank/run_lock.py)
-        self._collectives: Optional[CollectiveLog] = None  # trainer.check_collectives
+        self._collectives: Optional[CollectiveWatchdog] = None  # trainer.check_collectives
         # Set by close() when the run failed because another rank did: the one line to print
         # instead of a traceback (ddpx/rank/failures.py).
         self.peer_failure: Optional[str] = None
@@ -280,9 +280,9 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world_size)  # one run per run_dir
         if cfg.check_collectives and self.world_size > 1:
-            self._collectives = CollectiveLog(self.rank, self.world_size, cfg.stall_s, self._progress,
-                                              self.plugin_manager, self.run_dir,
-                                              dist.distributed_c10d._get_default_store(), self.device)
+            self._collectives = CollectiveWatchdog(self.rank, self.world_size, cfg.stall_s, self._progress,
+                                                   self.plugin_manager, self.run_dir,
+                                                   dist.distributed_c10d._get_default_store(), self.device)
             self._collectives.install()
             self._collectives.start()
         torch.manual_seed(self.config.seed)  # identical initial weights and default shuffles on every rank
@@ -575,9 +575,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` holds. A plugin object gets the entry filed
-        under its name (or, for a checkpoint written before it was filed there, the
-        entries under its ``legacy_state_keys``, as ``{key: entry}``); module plugins get
-        the whole ``state`` through ``ddpx_load_state_dict``."""
+        under its name; module plugins get the whole ``state`` through ``ddpx_load_state_dict``."""
         self.strategy.load_model_state(self.module, self.optimizer, state.get("model"), state.get("optimizer"))
         if "scheduler" in state and self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -586,8 +584,6 @@ class Trainer:
             self.global_step = int(state["progress"]["global_step"])
         for name, plugin in stateful_plugins(self.plugin_manager):
             part = state.get(name)
-            if part is None:
-                part = {key: state[key] for key in getattr(plugin, "legacy_state_keys", ()) if key in state} or None
             if part is not None:
                 plugin.load_state_dict(self, part)
         self.hook.ddpx_load_state_dict(trainer=self, state=state)

@@ -87,8 +87,6 @@ def _batch_sampler(trainer):
 class SamplerPlugin:
     """The run's training-loader generator and how much of the epoch its position holds."""
 
-    legacy_state_keys = ("stream",)  # a stream's position, before it was filed under "sampler"
-
     def __init__(self):
         self.synced = 0  # batches of trainer.epoch_batches already in the sampler's position
         self.generator = None  # the training loader's own generator

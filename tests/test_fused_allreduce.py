@@ -1,4 +1,4 @@
-"""ddpx.comm.fused_allreduce against one torch.distributed.all_reduce per tensor (gloo, 2 ranks)."""
+"""ddpx.fused_allreduce against one torch.distributed.all_reduce per tensor (gloo, 2 ranks)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 
 import ddpx
-from ddpx.comm import _group_and_bucket, fused_allreduce
+from ddpx.fused_allreduce import _group_and_bucket, fused_allreduce
 
 
 def _tensors(rank: int, spec):
@@ -209,4 +209,4 @@ def test_integer_tensors_rejected_for_avg_and_compression():
 
 
 def test_module_is_public():
-    assert ddpx.comm.fused_allreduce is fused_allreduce
+    assert ddpx.fused_allreduce.fused_allreduce is fused_allreduce

@@ -4,7 +4,7 @@ scopes (ddpx/comm_hooks/scope.py): with 4 or more processes (an even count) they
 are told, as torchrun would, that they are 2 nodes of half of them each, and every
 lossy hook is checked with ``scope: inter_node`` too.
 
-:func:`run_collectives` starts the ranks as ``python -m ddpx.doctor.collectives``.
+:func:`run_collectives` starts the ranks as ``python -m ddpx.doctor.probe``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..net import free_port, measure_allreduce_seconds, read_text
 from .checks import FAIL, OK, Check
 
 COLLECTIVE_BYTES = 32 << 20
-RANK_MODULE = "ddpx.doctor.collectives"  # what each of the local processes runs
+RANK_MODULE = "ddpx.doctor.probe"  # what each of the local processes runs
 
 
 def run_collectives(nproc: int, timeout_s: float = 120.0, nbytes: int = COLLECTIVE_BYTES,

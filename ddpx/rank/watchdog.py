@@ -25,7 +25,7 @@ fingerprints, where it is, and its threads' stacks
   collective one rank has not reached yet), prints where each rank is and lets
   the job run on: ``trainer.timeout_s`` still ends it if nothing moves.
 
-At every epoch's start and end the trainer calls :meth:`CollectiveLog.agree`: one
+At every epoch's start and end the trainer calls :meth:`CollectiveWatchdog.agree`: one
 small all_reduce that compares a digest of the fingerprints so far, and counts
 every rank must share (batches, skipped steps, the weights' sum), so a
 disagreement that would not hang (same shapes, paired silently) is found too.
@@ -66,7 +66,7 @@ GATHER_S = 5.0  # how long rank 0 waits for the other ranks' answers
 KEY = "ddpx/collectives"
 MISMATCH_EXIT = 2  # a bug in the code that issued the collective, like bad input
 SKIPPED_DIRS = tuple({os.path.dirname(torch.__file__) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep,
-                      os.path.dirname(__file__) + os.sep + "collectives.py"})
+                      os.path.dirname(__file__) + os.sep + "watchdog.py"})
 
 
 class Fingerprint:
@@ -115,8 +115,8 @@ def _is_async(args: tuple, kwargs: dict) -> bool:
     return kwargs.get("async_op") is True or any(a is True for a in args)
 
 
-class CollectiveLog:
-    """This rank's recorded collectives, and the watchdog that compares them with the other ranks'."""
+class CollectiveWatchdog:
+    """This rank's recorded collectives, and the watchdog thread that compares them with the other ranks'."""
 
     def __init__(self, rank: int, world_size: int, stall_s: float, progress: Callable[[], dict],
                  plugin_manager=None, run_dir: Optional[pathlib.Path] = None, store=None,

@@ -73,17 +73,17 @@ def _group_and_bucket(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> lis
 
 def _check_args(tensors, op, bucket_mb) -> None:
     if op not in _OPS:
-        raise ValueError(f"ddpx.comm.fused_allreduce: op must be one of {_OPS}, got {op!r}")
+        raise ValueError(f"fused_allreduce: op must be one of {_OPS}, got {op!r}")
     if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-        raise ValueError(f"ddpx.comm.fused_allreduce: bucket_mb must be a positive number, got {bucket_mb!r}")
+        raise ValueError(f"fused_allreduce: bucket_mb must be a positive number, got {bucket_mb!r}")
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"ddpx.comm.fused_allreduce: tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
+            raise TypeError(f"fused_allreduce: tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
         if t.is_sparse:
-            raise TypeError(f"ddpx.comm.fused_allreduce: tensors[{i}] is sparse; only dense tensors can be fused")
+            raise TypeError(f"fused_allreduce: tensors[{i}] is sparse; only dense tensors can be fused")
         if op == "avg" and not t.is_floating_point():
             raise TypeError(
-                f"ddpx.comm.fused_allreduce: op='avg' needs floating tensors, tensors[{i}] is {t.dtype}; "
+                f"fused_allreduce: op='avg' needs floating tensors, tensors[{i}] is {t.dtype}; "
                 "use op='sum' for integer tensors"
             )
 
@@ -217,16 +217,16 @@ def _codec(compression, tensors, op, process_group):
     if isinstance(compression, HookState):
         state = compression
         if process_group is not None and state.process_group is not process_group:
-            raise ValueError("ddpx.comm.fused_allreduce: the compression state has its own process group; "
+            raise ValueError("fused_allreduce: the compression state has its own process group; "
                              "create it with ddpx.comm_hooks.make(name, process_group=...) instead of passing both")
     elif isinstance(compression, str) and compression in comm_hooks.available():
         # a fused call is not a training step: no warm-up of plain allreduce
         state = comm_hooks.make_state(compression, process_group, **comm_hooks.without_warmup(compression))
     else:
-        raise ValueError(f"ddpx.comm.fused_allreduce: unknown compression {compression!r}; use None or one of "
+        raise ValueError(f"fused_allreduce: unknown compression {compression!r}; use None or one of "
                          f"{comm_hooks.available()} (or a state from ddpx.comm_hooks.make)")
     for i, t in enumerate(tensors):
         if t.dtype != torch.float32:
-            raise TypeError(f"ddpx.comm.fused_allreduce: compression={state.name!r} needs float32 tensors, "
+            raise TypeError(f"fused_allreduce: compression={state.name!r} needs float32 tensors, "
                             f"tensors[{i}] is {t.dtype}; reduce it in a separate call without compression")
     return _hook_codec(state, op)
