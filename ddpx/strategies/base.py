@@ -92,10 +92,10 @@ class Strategy:
     @classmethod
     def check_compression(cls, config, name: str, options: Mapping) -> None:
         """Refuse comm hook ``name`` with ``options`` where it cannot work under this strategy
-        (unknown options included). Default: the DDP hook's own checks."""
-        from ..comm_hooks import make_state
-
-        make_state(name, **options)
+        (unknown options included). Default: refused, there is no gradient exchange to compress."""
+        raise DdpxError(f"comm_hook.name={name} does not apply under trainer.strategy={config.trainer.strategy}: it "
+                        "has no gradient exchange a comm hook could compress; remove comm_hook.name (or set it to "
+                        "allreduce)")
 
     # --- building ------------------------------------------------------------------------
 
@@ -105,9 +105,8 @@ class Strategy:
 
     def use_compression(self, name: str, options: Mapping, native: bool) -> None:
         """Compress the gradients with comm hook ``name`` (asked before :meth:`wrap`, which may
-        size its buckets for it). Default: this strategy has no gradient communication to compress."""
-        raise DdpxError(f"comm_hook.name={name} does not apply under trainer.strategy={self.name}: it exchanges no "
-                        "gradients to compress; remove comm_hook.name")
+        size its buckets for it; :meth:`check_compression` accepted it). Default: refused."""
+        self.check_compression(self.config, name, options)
 
     def install_compression(self, trainer: "Trainer", model: nn.Module):
         """Install what :meth:`use_compression` asked for on the wrapped ``model``; returns its

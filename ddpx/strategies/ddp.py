@@ -32,6 +32,12 @@ class DDPStrategy(Strategy):
         super().__init__(config)
         self.compression = None  # (name, options, native) asked by use_compression
 
+    @classmethod
+    def check_compression(cls, config, name, options):
+        from ..comm_hooks import make_state
+
+        make_state(name, **options)  # unknown or bad options fail here
+
     def use_compression(self, name, options, native):
         self.compression = (name, dict(options), native)
 
