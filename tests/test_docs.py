@@ -1,5 +1,6 @@
 """Every config key (ddpx's own and every built-in plugin's section) and every hookspec
-is documented in docs/, and the README's links to docs/ pages resolve."""
+is documented in docs/, the README's links to docs/ pages resolve, and the suite's counts and
+times live in docs/testing.md."""
 
 import importlib.util
 import inspect
@@ -176,24 +177,57 @@ def test_the_plugin_example_greets_from_every_rank_as_shown(ranks, tmp_path):
         assert [line for line in printed if line in mine] == mine, out + err
 
 
+TESTING_MD = os.path.join(DOCS, "testing.md")
+LANES = ("fast lane", "whole suite", "fresh clone")
+
+
+def suite_counts() -> dict:
+    """docs/testing.md's counts table: lane -> (passed, skipped, seconds)."""
+    table = _section(open(TESTING_MD).read(), "## Counts and times")
+    row = r"^\| ([a-z ]+) \| (\d+) \| (\d+) \| (?:(\d+) min )?(\d+) s \| \d{4}-\d\d-\d\d, [0-9a-f]{7,40}, .+\|$"
+    rows = re.findall(row, table, flags=re.M)
+    return {lane: (int(passed), int(skipped), 60 * int(minutes or 0) + int(seconds))
+            for lane, passed, skipped, minutes, seconds in rows}
+
+
+def test_the_suites_counts_and_times_are_in_testing_md_not_in_the_readme():
+    """The figures that change with every session live in docs/testing.md, one parseable row
+    per lane (passed, skipped, time, date, commit); the README links the page and states none."""
+    counts = suite_counts()
+    assert sorted(counts) == sorted(LANES), f"docs/testing.md's counts table: a row per lane {LANES}, got {counts}"
+    lanes = re.findall(r"^\| ([a-z ]+) \| `", _section(open(TESTING_MD).read(), "## Lanes"), flags=re.M)
+    assert lanes == list(LANES), "the lanes table and the counts table name the same lanes"
+    fast, whole, fresh = (counts[lane] for lane in LANES)
+    assert whole[0] > fast[0] and whole[0] + whole[1] > fast[0] + fast[1]  # the fast lane is part of the suite
+    assert whole[2] > fast[2] and fresh[2] > fast[2]
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    development = _section(readme, "## Development")
+    assert "[docs/testing.md](docs/testing.md)" in development
+    assert "| [docs/testing.md](docs/testing.md) |" in _section(readme, "## Where to read on")
+    flat = " ".join(readme.split())
+    stale = [m.group(0) for pattern in (r"\b\d+ passed\b", r"\b\d+ (?:CUDA tests )?skipped\b", r"\b\d+ min \d+ s\b",
+                                         r"\b\d+(?:\.\d+)? ?s on \d+ (?:idle )?cores\b")
+             for m in re.finditer(pattern, flat)]
+    assert not stale, f"README.md states the suite's counts or times (they belong in docs/testing.md): {stale}"
+
+
 @pytest.mark.slow  # a pytest --collect-only of the suite, about 20 s
-def test_the_readme_test_counts_match_the_suite(tmp_path):
-    """The README's fast-lane and whole-suite counts (passed + skipped) are within 5% of what
-    pytest collects, so they cannot go stale by a release's worth of tests unnoticed."""
+def test_the_test_counts_in_testing_md_match_the_suite(tmp_path):
+    """docs/testing.md's counts (passed + skipped) of the fast lane and of the whole suite are
+    within 5% of what pytest collects, so they cannot go stale by a release's worth of tests
+    unnoticed."""
     import sys
 
     import harness
 
-    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
-    fast = re.search(r'`python -m pytest -q -m "not slow" tests` \((\d+) passed and (\d+) CUDA tests skipped', readme)
-    whole = re.search(r"The whole suite takes about \d+ minutes here \((\d+) passed, (\d+) CUDA tests skipped", readme)
-    assert fast and whole, "README.md's Development section no longer states the counts this test reads"
+    counts = suite_counts()
     (collected,) = harness.run_commands([[sys.executable, "-m", "pytest", "-q", "--collect-only", "-p",
                                           "no:cacheprovider", "-m", "not slow", "tests"]], tmp_path, timeout=300,
                                         cwd=ROOT, names=["collect"])
-    counts = re.search(r"(\d+)/(\d+) tests collected", collected.output)
-    assert counts, collected.output[-2000:]
-    selected, total = map(int, counts.groups())
-    for said, count in ((fast, selected), (whole, total)):
-        stated = int(said.group(1)) + int(said.group(2))
-        assert abs(stated - count) <= 0.05 * count, f"README.md says {stated} tests, pytest collects {count}"
+    found = re.search(r"(\d+)/(\d+) tests collected", collected.output)
+    assert found, collected.output[-2000:]
+    selected, total = map(int, found.groups())
+    for lane, count in (("fast lane", selected), ("whole suite", total), ("fresh clone", total)):
+        stated = counts[lane][0] + counts[lane][1]
+        assert abs(stated - count) <= 0.05 * count, f"docs/testing.md: {lane}: {stated} tests, pytest collects {count}"
