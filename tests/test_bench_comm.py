@@ -6,7 +6,6 @@ network namespaces joined by a 100 Mbit/s link (communication-bound: a
 compressing hook, and the small-batch trap). The benchmark script's table of
 hooks, as root, in its own namespaces, which it removes even when interrupted."""
 
-import itertools
 import json
 import os
 import sys
@@ -250,12 +249,13 @@ def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
 
 def _fake_trainer(cfg, world_size=2):
     """Enough of a trainer for the comm monitor, with the real trainer's scheduled calls."""
-    from ddpx.train.trainer import NEVER, Trainer
+    from ddpx.train.scheduled import ScheduledCalls
+    from ddpx.train.trainer import Trainer
 
     trainer = types.SimpleNamespace(world_size=world_size, global_step=0, is_main=True, warnings=[],
                                     device=types.SimpleNamespace(type="cpu"),
                                     plugin_manager=types.SimpleNamespace(tracing=False),
-                                    _due=[], _due_order=itertools.count(), _next_due=NEVER)
+                                    _scheduled=ScheduledCalls())
     trainer.config = types.SimpleNamespace(section=lambda name: dict(cfg))
     trainer.log = types.SimpleNamespace(warning=trainer.warnings.append)
     trainer.call_at_step = types.MethodType(Trainer.call_at_step, trainer)
@@ -281,7 +281,7 @@ def test_comm_monitor_measures_occasionally_and_warns_once(monkeypatch):
     plugin.ddpx_train_start(trainer)
     for step in range(1, 21):  # the trainer's loop at each optimizer-step boundary
         trainer.global_step = step
-        if step >= trainer._next_due:
+        if step >= trainer._scheduled.next_step:
             trainer.run_due()
     # window opens at step 3, closes at 5 (measure); next opens at 10, closes at 12; then 17 -> 19
     assert calls == [5, 12, 19]

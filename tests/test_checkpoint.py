@@ -177,12 +177,12 @@ def test_rng_state_round_trip():
 def test_linear_lr_scaling_scales_optimizer_and_scheduler_base():
     from types import SimpleNamespace
 
-    from ddpx_plugins.checkpoint import _scale_lr
+    from ddpx_plugins.checkpoint.resume import scale_lr
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    _scale_lr(SimpleNamespace(optimizer=optimizer, scheduler=scheduler), 3 / 2)  # 2 ranks -> 3
+    scale_lr(SimpleNamespace(optimizer=optimizer, scheduler=scheduler), 3 / 2)  # 2 ranks -> 3
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.15)
     assert scheduler.get_last_lr() == [pytest.approx(0.15)]
     optimizer.step()

@@ -183,14 +183,14 @@ def test_early_stopping_on_two_ranks_resumes_in_the_middle_of_its_patience(ranks
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_the_finiteness_scan_finds_one_bad_value_in_any_dtype_and_ignores_large_finite_ones(bad):
-    from ddpx_plugins.checkpoint import _all_finite, _nonfinite_weights
+    from ddpx_plugins.checkpoint.finite import all_finite, nonfinite_weights
 
     cpu = torch.device("cpu")
     model = {"w": torch.full((64, 3), 3e38), "h": torch.ones(5, dtype=torch.float16), "b": torch.zeros(7, dtype=torch.bfloat16),
              "empty": torch.empty(0), "count": torch.tensor(3), "name": "not a tensor"}
-    assert bool(_all_finite([model["w"], model["h"], model["b"], model["empty"]], cpu))  # 3e38: finite, no overflow
+    assert bool(all_finite([model["w"], model["h"], model["b"], model["empty"]], cpu))  # 3e38: finite, no overflow
     checkpoint = {"replicated": {"model": model}}
-    assert _nonfinite_weights(checkpoint) is None
+    assert nonfinite_weights(checkpoint) is None
     model["h"][3] = bad
-    assert not bool(_all_finite([model["w"], model["h"], model["b"]], cpu))
-    assert _nonfinite_weights(checkpoint) == "its weights are non-finite (h)"
+    assert not bool(all_finite([model["w"], model["h"], model["b"]], cpu))
+    assert nonfinite_weights(checkpoint) == "its weights are non-finite (h)"

@@ -106,7 +106,7 @@ def test_scheduler_sized_in_steps_is_warned_about_after_a_world_size_change(capl
     from ddpx.config import load_config
     from ddpx.data.sampler import ResumableDistributedBatchSampler
     from ddpx.plugin.shared import Shared
-    from ddpx_plugins.checkpoint import _warn_scheduler_horizon, run_steps
+    from ddpx_plugins.checkpoint.resume import run_steps, warn_scheduler_horizon
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     trainer = types.SimpleNamespace(
@@ -116,7 +116,7 @@ def test_scheduler_sized_in_steps_is_warned_about_after_a_world_size_change(capl
         log=logging.getLogger("ddpx.test"))
     assert run_steps(trainer) == 150  # 3 epochs x 1000 / (2 x 10)
     with caplog.at_level("WARNING", logger="ddpx.test"):
-        _warn_scheduler_horizon(trainer)
+        warn_scheduler_horizon(trainer)
     assert "T_max=100 counts optimizer steps, but at 2 ranks this run takes 150" in caplog.text
     assert "scheduler.args.T_max=150" in caplog.text
 

@@ -16,7 +16,6 @@ the plugin named "trainer", registered ``trylast`` so any plugin can take over.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import logging
 import math
@@ -36,7 +35,7 @@ from ..data.stream import has_length
 from ..errors import DdpxError
 from ..imports import instantiate
 from ..plugin import hookspecs
-from ..plugin.manager import plugin_signature, raised_by, rank_prefix, stateful_plugins
+from ..plugin.manager import plugin_signature, raised_by, rank_prefix
 from ..plugin.shared import Shared
 from ..rank import failures, process_group
 from ..rank.watchdog import CollectiveWatchdog
@@ -51,13 +50,13 @@ from .losses import EpochLosses, LossWindow
 from .nonfinite import NonfiniteGuard
 from .stopping import StopAgreement, StopSignals, TrainingStopped
 from .stream_end import StreamEnd
+from .agreement import UNCOUNTED, check_ranks_agree
+from .scheduled import NEVER, ScheduledCalls
+from .state import load_run_state, run_state
 from .sync_batchnorm import convert_sync_batchnorm
 from . import model_checks
 
 
-NEVER = sys.maxsize  # the next due step when nothing is scheduled
-UNCOUNTED = sys.maxsize  # num_batches of an epoch over a loader without __len__: it ends where its data does
-TRAINER_STATE = ("model", "optimizer", "scheduler", "progress")  # the trainer's own entries in a checkpoint
 
 
 class Trainer:
@@ -108,9 +107,7 @@ class Trainer:
         self.end_reason: Optional[str] = None  # set by end_training: the loop ends after this epoch
         self.shared = Shared()  # what the plugins of this run share (ddpx/plugin/shared.py)
         self._nonfinite = NonfiniteGuard(self)
-        self._due: list = []  # heap of (step, order, callback): see call_at_step
-        self._due_order = itertools.count()  # same-step calls run in the order they were scheduled
-        self._next_due = NEVER
+        self._scheduled = ScheduledCalls()  # see call_at_step
         self._losses = EpochLosses()  # this epoch's micro-batch losses, summed only when read
         self._grad_clip = config.trainer.grad_clip  # read every step
         self._batch_device = None  # where batches are moved (None: they stay on the CPU)
@@ -346,7 +343,8 @@ class Trainer:
             self.epoch_batches = 0
             self.hook.ddpx_epoch_start(trainer=self, epoch=epoch)
             self.num_batches = _batches_in(self.train_loader)
-            self._check_ranks_agree(at_start=True)
+            if self._collectives is not None:
+                check_ranks_agree(self, self._collectives, at_start=True)
             self._batches = iter(self.train_loader)
             self._stream_end = None
             if self.num_batches == UNCOUNTED:
@@ -374,7 +372,7 @@ class Trainer:
                 for i, loss in enumerate(losses):
                     stepped = applied and i == len(losses) - 1
                     self.hook.ddpx_batch_end(trainer=self, batch_index=first + i, loss=loss, stepped=stepped)
-            if self.global_step >= self._next_due:
+            if self.global_step >= self._scheduled.next_step:
                 self.run_due_calls()
             if self.stop_requested:
                 raise TrainingStopped(self._stop_signal)
@@ -387,7 +385,8 @@ class Trainer:
     def _end_epoch(self, epoch: int) -> dict:
         """The epoch's all-reduced loss, the evaluation when due, then ``ddpx_epoch_end``."""
         metrics: dict = {"epoch": epoch, "step": self.global_step, **self._epoch_train_loss()}
-        self._check_ranks_agree(at_start=False)
+        if self._collectives is not None:
+            check_ranks_agree(self, self._collectives, at_start=False)
         if not math.isfinite(metrics.get("loss", 0.0)) and not self.scaler.is_enabled():  # else fp16 overflows
             self.nonfinite_loss(f"in epoch {epoch} (its mean training loss is {metrics['loss']})")
         every = self.config.trainer.eval_every_epochs
@@ -448,39 +447,6 @@ class Trainer:
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, scaled by the GradScaler under fp16 AMP."""
         self.scaler.scale(loss).backward()
-
-    def _check_ranks_agree(self, at_start: bool) -> None:
-        """At an epoch's start and end (``trainer.check_collectives``): every rank issued the same
-        collectives and skipped the same optimizer steps; at the start, every rank has as many batches
-        (a loader without ``__len__`` has no count to compare); at the end, the step and the weights are
-        the same. Else :class:`~ddpx.errors.RanksDisagree` on every rank, before the disagreement hangs a
-        collective, crashes gloo or is saved. One small all_reduce."""
-        if self._collectives is None:
-            return
-        counters = {"skipped optimizer steps": self.skipped_steps}
-        if at_start:
-            if self.num_batches != UNCOUNTED:  # a stream without __len__: its end is agreed, checked at the end
-                counters["batches in this epoch"] = self.num_batches
-        else:
-            counters["optimizer steps"] = self.global_step
-        checks = {} if at_start else self.strategy.replica_checks(self.module)  # what the replicas share
-        sums = {what: value for what, (value, _) in checks.items()}
-        self._collectives.agree(counters, sums=sums,
-                                hints=lambda: {**self._disagreement_hints(), **{w: h for w, (_, h) in checks.items()}})
-
-    def _disagreement_hints(self) -> dict:
-        """What to do about each count :meth:`_check_ranks_agree` compares (made only when ranks differ)."""
-        stepping = ", ".join(i.plugin_name for i in reversed(self.plugin_manager.hook.ddpx_optimizer_step.get_hookimpls()))
-        return {
-            "skipped optimizer steps": f": a ddpx_optimizer_step hook (plugins: {stepping}) returned False on some "
-                                       "ranks only, so their weights differ now; decide from values every rank "
-                                       "shares (all-reduced ones)",
-            "optimizer steps": ": every rank must end the epoch after the same step (a loader that ran out early "
-                               "on some ranks; a stream without __len__ ends where the ranks agree)",
-            "batches in this epoch": ": DDP needs the same number of steps on every rank; give every rank the "
-                                     "same number of batches (a sampler that splits the data evenly, e.g. "
-                                     "DistributedSampler, which pads, or drop_last)",
-        }
 
     def _epoch_train_loss(self) -> dict:
         """``{"loss": mean micro-batch loss of the epoch over all ranks}`` (empty if
@@ -549,44 +515,14 @@ class Trainer:
     # --- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Everything a checkpoint holds: the trainer's ``model``, ``optimizer``, ``scheduler``
-        and ``progress``; each plugin object's ``state_dict()`` filed under the plugin's
-        name (:func:`ddpx.plugin.manager.stateful_plugins`; None files nothing); and the entries
-        of module plugins' ``ddpx_state_dict`` hooks."""
-        progress = {
-            # The epoch to resume in: the next one once this epoch's batches are done.
-            "epoch": self.epoch + (1 if self.epoch_finished else 0),
-            "global_step": self.global_step,
-        }
-        model, optimizer = self.strategy.model_state(self.module, self.optimizer)
-        state = {"model": model, "optimizer": optimizer, "progress": progress}
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        for name, plugin in stateful_plugins(self.plugin_manager):
-            if name in TRAINER_STATE:
-                raise DdpxError(f"plugin '{name}' cannot keep state under its name: {name!r} is the trainer's; rename the plugin")
-            part = plugin.state_dict(self)
-            if part is not None:
-                state[name] = part
-        for part in reversed(self.hook.ddpx_state_dict(trainer=self)):  # registration order
-            if part:
-                state.update(part)
-        return state
+        """Everything a checkpoint holds (:func:`ddpx.train.state.run_state`): the trainer's
+        ``model``, ``optimizer``, ``scheduler`` and ``progress``, each plugin object's
+        ``state_dict()`` under the plugin's name, and module plugins' ``ddpx_state_dict`` entries."""
+        return run_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` holds. A plugin object gets the entry filed
-        under its name; module plugins get the whole ``state`` through ``ddpx_load_state_dict``."""
-        self.strategy.load_model_state(self.module, self.optimizer, state.get("model"), state.get("optimizer"))
-        if "scheduler" in state and self.scheduler is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if "progress" in state:
-            self.epoch = int(state["progress"]["epoch"])
-            self.global_step = int(state["progress"]["global_step"])
-        for name, plugin in stateful_plugins(self.plugin_manager):
-            part = state.get(name)
-            if part is not None:
-                plugin.load_state_dict(self, part)
-        self.hook.ddpx_load_state_dict(trainer=self, state=state)
+        """Restore what :meth:`state_dict` holds (:func:`ddpx.train.state.load_run_state`)."""
+        load_run_state(self, state)
 
     # --- plugins -----------------------------------------------------------------------
 
@@ -624,22 +560,18 @@ class Trainer:
         the same order, on every rank (compute the steps from the config,
         ``global_step`` and all-reduced values only).
         """
-        heapq.heappush(self._due, (int(step), next(self._due_order), callback))
-        self._next_due = self._due[0][0]
+        self._scheduled.add(step, callback)
 
     @property
     def next_due_step(self) -> int:
         """The step of the next call scheduled with :meth:`call_at_step` (``sys.maxsize``: none)."""
-        return self._next_due
+        return self._scheduled.next_step
 
     def run_due_calls(self) -> None:
         """Run the scheduled calls due at ``global_step`` (the loop does, at each
         optimizer-step boundary with ``global_step >= next_due_step``)."""
-        step, due = self.global_step, []
-        while self._due and self._due[0][0] <= step:
-            due.append(heapq.heappop(self._due)[2])
-        self._next_due = self._due[0][0] if self._due else NEVER
-        for callback in due:
+        step = self.global_step
+        for callback in self._scheduled.take_due(step):
             if self.plugin_manager.tracing:
                 name = getattr(callback, "__qualname__", repr(callback))
                 print(f"{rank_prefix()}call at step {step}: {callback.__module__}.{name}", file=sys.stderr,

@@ -102,12 +102,14 @@ from pathlib import Path
 
 from ddpx import hookimpl
 from ddpx.errors import DdpxError, TrainingDiverged
-from ddpx.plugin.shared import ACCUMULATION_STEPS, LAST_FINITE_CHECKPOINT
+from ddpx.plugin.shared import LAST_FINITE_CHECKPOINT
 from ddpx.rank.checkpoint_files import SHARDS_KEY
 from ddpx.train.monitor import Monitor
+from ddpx.train.state import TRAINER_STATE  # the trainer's own entries: one copy for all ranks
 from ddpx.train.stopping import across_ranks
-from ddpx.strategies.shards import local
-from ddpx.train.trainer import TRAINER_STATE  # the trainer's own entries: one copy for all ranks
+
+from .finite import finite_state
+from .resume import resume
 
 LR_SCALING = ("none", "linear")
 DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
@@ -220,7 +222,7 @@ class CheckpointPlugin:
         if session.enabled:
             _refuse_restart_after_divergence(trainer, session)
             if session.cfg["resume"]:
-                _resume(trainer, session)
+                resume(trainer, session)
         session.stops.start(trainer)  # the checks count from the resumed step
         session.schedule(trainer)
 
@@ -308,47 +310,6 @@ def _refuse_restart_after_divergence(trainer, session) -> None:
 
 # --- collective parts (every rank, same order) -------------------------------------------
 
-# Entries of the trainer's own state: replicated by DDP, so taken from rank 0 only.
-
-
-def _finite_state(trainer, state) -> bool:
-    """Whether every floating tensor of the model (weights and buffers) and the
-    optimizer state is finite on every rank (one all_reduce)."""
-    import torch
-
-    tensors = _floating(state.get("model", {}))
-    for per_param in state.get("optimizer", {}).get("state", {}).values():
-        tensors += _floating(per_param)
-    flag = _all_finite(tensors, trainer.device).to(torch.int32).reshape(1)
-    if across_ranks(trainer):
-        import torch.distributed as dist
-
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _floating(named: dict) -> list:
-    """The floating tensors of ``named`` (this rank's part of a sharded one)."""
-    import torch
-
-    return [local(t) for t in named.values() if torch.is_tensor(t) and t.is_floating_point()]
-
-
-def _all_finite(tensors, device):
-    """A bool tensor on ``device``: no NaN or inf in ``tensors``. One max-abs pass
-    per tensor (``_foreach_norm`` with ord=inf propagates NaN and cannot
-    overflow), grouped by device and dtype: Adam keeps its step count on the
-    CPU beside CUDA weights."""
-    import torch
-
-    groups: dict = {}
-    for t in tensors:
-        if t.numel():  # the inf-norm of an empty tensor is undefined
-            groups.setdefault((t.device, t.dtype), []).append(t)
-    flags = [torch.stack(torch._foreach_norm(group, math.inf)).isfinite().all().to(device)
-             for group in groups.values()]
-    return torch.stack(flags).all() if flags else torch.tensor(True, device=device)
-
 
 def _epoch_exhausted(trainer) -> bool:
     """The step just taken was the epoch's last."""
@@ -364,7 +325,7 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     session.saved = (step, at_epoch_end)
     state = trainer.state_dict()
     check_plain(state, "checkpoint state")  # every rank, before any collective: all stop alike
-    if not _finite_state(trainer, state):  # the same answer on every rank
+    if not finite_state(trainer, state):  # the same answer on every rank
         since = f"between optimizer steps {session.finite_at + 1} and {step}" if session.finite_at < step else \
             f"at optimizer step {step}"
         trainer.nonfinite_weights(f"{since} (epoch {trainer.epoch})")  # raises under nonfinite=stop
@@ -477,165 +438,3 @@ def report_best(trainer, session) -> None:
                      f"({top['monitor']} {top['value']:.6g}, epoch {top['epoch']})")
 
 
-def _resume(trainer, session):
-    import torch
-    import torch.distributed as dist
-
-    from ddpx.rank.checkpoint_files import load_file, set_rng_state
-
-    name = found = refusal = None
-    if trainer.rank == 0:
-        try:
-            found = session.directory.load_latest(reject=_nonfinite_weights)
-        except DdpxError as exc:  # checkpoints exist, none can be resumed: every rank stops
-            refusal = str(exc)
-        name = found[0].name if found else None
-    if across_ranks(trainer):
-        box = [name, refusal]
-        dist.broadcast_object_list(box, src=0)
-        name, refusal = box
-    if refusal is not None:
-        raise DdpxError(refusal)
-    if name is None:
-        return
-    path = session.directory.directory / name
-    error = None
-    if found is not None:
-        checkpoint = found[1]
-    else:
-        try:
-            checkpoint = load_file(path)  # weights_only: nothing in the file runs
-        except Exception as exc:
-            checkpoint, error = None, exc
-    shards = checkpoint.get(SHARDS_KEY) if checkpoint is not None else None
-    if shards is not None and error is None and not (path.parent / shards / ".metadata").is_file():
-        checkpoint, error = None, f"its shard directory {shards} is missing"
-    if across_ranks(trainer):  # every rank must have the file before anyone changes course
-        ok = torch.tensor([0 if checkpoint is None else 1], dtype=torch.int32, device=trainer.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if not int(ok.item()):
-            who = f"rank {trainer.rank} cannot read ({error})" if error else "another rank cannot read"
-            raise DdpxError(
-                f"{who} checkpoint {path} chosen by rank 0; put run_dir on a file system "
-                "every node sees (or set checkpoint.resume=false)"
-            )
-
-    old_world, ranks = checkpoint["world_size"], checkpoint["ranks"]
-    same_world = old_world == trainer.world_size
-    mine = ranks[trainer.rank] if same_world else ranks[0]
-    replicated = {**checkpoint["replicated"], **_read_shards(trainer, path, shards, checkpoint.get("strategy"))}
-    try:
-        trainer.load_state_dict({**replicated, **mine["plugins"]})
-    except RuntimeError as exc:
-        if "Error(s) in loading state_dict" not in str(exc):
-            raise
-        detail = " ".join(str(exc).split())  # torch's lines: the model's class, missing and unexpected keys
-        detail = detail if len(detail) <= 200 else detail[:197] + "..."
-        raise DdpxError(f"checkpoint {path} holds another model's weights ({detail}); resume it with the model "
-                        "it was saved with, or start afresh in another run_dir (or set checkpoint.resume=false)"
-                        ) from None
-    session.saved = (trainer.global_step, None)
-    session.finite_at = trainer.global_step
-    trainer.shared[LAST_FINITE_CHECKPOINT] = str(path)
-    if same_world:
-        set_rng_state(mine["rng"], trainer.device)
-    else:
-        from ddpx.rank.seeding import seed_rank
-
-        seed_rank(trainer.config.seed, trainer.rank, trainer.global_step)  # not the fresh start's stream again
-        if trainer.rank == 0:
-            batch, accumulation = trainer.config.trainer.batch_size, _accumulation_steps(trainer)
-            sampler = getattr(trainer.train_loader, "batch_sampler", None)
-            redivided = f"the rest of epoch {trainer.epoch} is re-divided, " if hasattr(sampler, "epoch_batches") \
-                else ""  # a stream says itself what it does
-            trainer.log.warning(
-                f"resuming with {trainer.world_size} ranks from a checkpoint of {old_world}: {redivided}"
-                f"the global batch is now {trainer.world_size} ranks x "
-                f"{batch} x {accumulation} accumulation steps = {trainer.world_size * batch * accumulation} "
-                "samples, RNG states are seeded from (seed, rank, step), the learning rate is "
-                + ("scaled linearly" if session.cfg["lr_scaling"] == "linear" else "unchanged")
-            )
-            _warn_scheduler_horizon(trainer)
-        if session.cfg["lr_scaling"] == "linear":
-            _scale_lr(trainer, trainer.world_size / old_world)
-    trainer.log.info(f"resumed from {path} (epoch {trainer.epoch}, step {trainer.global_step})")
-
-
-def _read_shards(trainer, path, shards, saved_strategy) -> dict:
-    """The sharded entries (model, optimizer, a plugin's such as ema's) from the checkpoint's shard
-    directory (every rank, any world size), those this run has; {} for a checkpoint without one. A
-    checkpoint whose layout is not this strategy's (replicated, or each rank its part): one line."""
-    if trainer.strategy.replicated != (shards is None):
-        saved = saved_strategy or ("a sharded strategy" if shards is not None else "a replicated strategy")
-        raise DdpxError(f"checkpoint {path} was saved under trainer.strategy={saved}, this run uses "
-                        f"{trainer.strategy.name}: resume it with trainer.strategy={saved}, or start afresh in another "
-                        "run_dir (or set checkpoint.resume=false)")
-    if shards is None:
-        return {}
-    state = trainer.state_dict()  # this run's layout: the shards are read into it
-    template = {k: state[k] for k in trainer.strategy.sharded_entries(state)}
-    return trainer.strategy.read_shards(template, path.parent / shards)
-
-
-def _accumulation_steps(trainer) -> int:
-    return trainer.shared.get(ACCUMULATION_STEPS, 1)
-
-
-def run_steps(trainer):
-    """Optimizer steps the whole run takes at this world size (None: unknown), counted
-    from the resumed position: trainer.max_steps, else the rest of this epoch plus the
-    remaining epochs."""
-    max_steps = trainer.config.trainer.max_steps
-    if max_steps is not None:
-        return max_steps
-    loader = trainer.train_loader
-    sampler = getattr(loader, "batch_sampler", None)
-    if sampler is None or not hasattr(sampler, "epoch_batches"):
-        return None
-    accumulation = _accumulation_steps(trainer)
-    rest = -(-len(sampler) // accumulation)
-    full = -(-sampler.epoch_batches() // accumulation)
-    return trainer.global_step + rest + full * (trainer.config.trainer.epochs - trainer.epoch - 1)
-
-
-# Scheduler attributes that count optimizer steps to the end of the schedule.
-STEP_HORIZONS = ("total_steps", "T_max", "total_iters")
-
-
-def _warn_scheduler_horizon(trainer) -> None:
-    """After a world-size change the run takes another number of steps: a schedule
-    sized in steps would end early or be overshot."""
-    scheduler = trainer.scheduler
-    horizon = next(((name, getattr(scheduler, name)) for name in STEP_HORIZONS
-                    if isinstance(getattr(scheduler, name, None), int)), None)
-    steps = run_steps(trainer)
-    if horizon is None or steps is None or horizon[1] == steps:
-        return
-    name, value = horizon
-    trainer.log.warning(f"scheduler {type(scheduler).__name__}'s {name}={value} counts optimizer steps, but at "
-                        f"{trainer.world_size} ranks this run takes {steps}: the schedule "
-                        + ("ends early" if value < steps else "is cut short")
-                        + f"; set scheduler.args.{name}={steps} for a schedule that ends with the run")
-
-
-def _nonfinite_weights(checkpoint):
-    """Why a checkpoint must not be resumed (non-finite weights), or None."""
-    import torch
-
-    model = checkpoint.get("replicated", {}).get("model", {})
-    if bool(_all_finite(_floating(model), torch.device("cpu"))):
-        return None
-    name = next(k for k, t in model.items() if _floating({k: t}) and not bool(t.isfinite().all()))
-    return f"its weights are non-finite ({name})"
-
-
-def _scale_lr(trainer, factor):
-    for group in trainer.optimizer.param_groups:
-        group["lr"] *= factor
-        if "initial_lr" in group:
-            group["initial_lr"] *= factor
-    scheduler = trainer.scheduler
-    if scheduler is not None and hasattr(scheduler, "base_lrs"):
-        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-        if hasattr(scheduler, "_last_lr"):
-            scheduler._last_lr = [group["lr"] for group in trainer.optimizer.param_groups]
