@@ -155,3 +155,47 @@ def test_an_upward_import_is_caught_also_under_type_checking(tmp_path, monkeypat
         "ddpx/config/loader.py:2: ddpx.config.loader (layer 3) imports ddpx.train.trainer (layer 8): an upward import",
         "ddpx/rank.py:3: ddpx.rank (layer 4) imports ddpx.train.trainer (layer 8): an upward import",
     ]
+
+
+# --- sizes: a module a reader can hold, a step path of functions that fit a screen ------------
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 60
+# What runs in a training step or around it: the trainer, the strategies, the comm hooks and
+# kernels' wrappers, the data and the per-rank plumbing, the built-in plugins.
+TRAINING_PATH = ["ddpx/train", "ddpx/strategies", "ddpx/comm_hooks", "ddpx/data", "ddpx/rank", "ddpx/optim.py",
+                 "ddpx/ops.py", "ddpx/fused_allreduce.py", "plugins/ddpx_plugins"]
+
+
+def _python_files(*roots):
+    for root in roots:
+        path = ROOT.parent / root
+        yield from ([path] if path.suffix == ".py" else sorted(path.rglob("*.py")))
+
+
+def long_modules() -> list:
+    return [f"{p.relative_to(ROOT.parent)}: {n} lines" for p in _python_files("ddpx", "plugins")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+
+
+def long_functions() -> list:
+    found = []
+    for path in _python_files(*TRAINING_PATH):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
+def test_no_module_is_over_600_lines():
+    assert long_modules() == []
+
+
+def test_no_function_on_the_training_path_is_over_60_lines():
+    assert long_functions() == []
+
+
+def test_the_training_path_exists_as_listed():
+    assert all((ROOT.parent / root).exists() for root in TRAINING_PATH)

@@ -1,9 +1,11 @@
 """A plugin package installed into a fresh environment is discovered through its
-entry point, gets its config section, and its hooks run on every rank."""
+entry point, gets its config section, and its hooks run on every rank; a strategy it
+ships (the local SGD example, entry-point group ``ddpx.strategies``) is chosen by name."""
 
 import json
 import os
 import pathlib
+import shutil
 import site
 import subprocess
 import sys
@@ -59,8 +61,11 @@ dependencies = ["ddpx"]
 [project.entry-points.ddpx]
 hello = "ddpx_hello"
 
+[project.entry-points."ddpx.strategies"]
+hello_local_sgd = "ddpx_hello_sgd:LocalSGD"
+
 [tool.setuptools]
-py-modules = ["ddpx_hello"]
+py-modules = ["ddpx_hello", "ddpx_hello_sgd"]
 '''
 
 
@@ -70,6 +75,8 @@ def test_installed_plugin_is_discovered_and_called(ranks, tmp_path):
     package.mkdir()
     (package / "ddpx_hello.py").write_text(textwrap.dedent(PLUGIN))
     (package / "pyproject.toml").write_text(textwrap.dedent(PYPROJECT))
+    shutil.copy(pathlib.Path(__file__).parent.parent / "examples" / "local_sgd" / "local_sgd.py",
+                package / "ddpx_hello_sgd.py")
     venv = tmp_path / "venv"
     # --without-pip: this interpreter's pip (seen through its site-packages) installs into the venv.
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True, timeout=60)
@@ -93,6 +100,8 @@ def test_installed_plugin_is_discovered_and_called(ranks, tmp_path):
     assert rc == 0, err
     row = next(line for line in out.splitlines() if line.startswith("hello "))
     assert row.split() == ["hello", "ddpx-hello-plugin", "0.3.1", "ddpx_config_defaults,", "ddpx_epoch_end,", "ddpx_train_end,", "ddpx_train_start"]
+    assert out.splitlines()[-1] == ("strategy: ddp (ddpx.strategies.ddp.DDPStrategy); built in: ddp, fsdp; "
+                                    "installed: hello_local_sgd (ddpx-hello-plugin 0.3.1)")
 
     run_dir = tmp_path / "run"
     rc, out, err = ranks.cli(
@@ -108,6 +117,13 @@ def test_installed_plugin_is_discovered_and_called(ranks, tmp_path):
         assert [e.get("epoch") for e in events[1:3]] == [0, 1]
         assert events[2]["accuracy"] > 0.5
         assert events[3]["step"] == 46  # 2 epochs x 23 steps (2 ranks x 32 per batch)
+
+    # The package's strategy, by the name it registers, with its own config section.
+    run_dir = tmp_path / "run-sgd"
+    rc, out, err = ranks.cli(["train", "trainer.epochs=1", "trainer.strategy=hello_local_sgd", "local_sgd.every_steps=5",
+                              f"run_dir={run_dir}", "logging.progress=false"], python=python, timeout=120, cwd=tmp_path)
+    assert rc == 0, err[-3000:]
+    assert "local SGD: the weights are averaged every 5 optimizer steps" in err
 
     # Outside that environment the plugin does not exist.
     rc, out, err = ranks.cli(["train", "hello.greeting=hey"], timeout=60, cwd=tmp_path)

@@ -3,6 +3,7 @@
 import json
 
 from ..config import load_config, split_config_and_overrides
+from ..config.strategies import BUILTIN_STRATEGIES, installed_strategies, strategy_class
 from ..plugin.manager import plugin_table
 
 
@@ -10,7 +11,8 @@ def register(subparsers):
     p = subparsers.add_parser(
         "plugins",
         help="list loaded plugins (entry points of group 'ddpx' and plugins.enable) and their hooks",
-        description="Plugins in registration order; a later plugin's hooks run first, the trainer's last.",
+        description="Plugins in registration order; a later plugin's hooks run first, the trainer's last. "
+                    "Then the run's strategy (trainer.strategy) and the strategies there are to choose from.",
     )
     p.add_argument("config", nargs="?", default=None, help="YAML config whose plugins section to apply")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. plugins.block=[amp]")
@@ -30,4 +32,14 @@ def run(args):
     for r in rows:
         dist = f"{r['distribution']} {r['version']}"
         print(f"{r['name']:<{width}}  {dist:<{dist_width}}  {', '.join(h for h in r['hooks'])}")
+    print(strategy_line(config.trainer.strategy))
     return 0
+
+
+def strategy_line(name: str) -> str:
+    """``strategy: NAME (module.Class); built in: ddp, fsdp; installed: NAME (distribution version), ...``."""
+    cls = strategy_class(name)
+    installed = [f"{n} ({ep.dist.name} {ep.dist.version})" if ep.dist else n
+                 for n, ep in sorted(installed_strategies().items()) if n not in BUILTIN_STRATEGIES]
+    return (f"strategy: {name} ({cls.__module__}.{cls.__qualname__}); built in: {', '.join(BUILTIN_STRATEGIES)}; "
+            f"installed: {', '.join(installed) or 'none'}")
