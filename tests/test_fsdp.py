@@ -52,7 +52,7 @@ def test_units_by_class_name_and_a_name_the_model_lacks():
 
 @pytest.mark.parametrize("overrides, message", [
     (["fsdp.units=blocks"], "config key 'fsdp.units' must be auto or a list of module class names"),
-    (["trainer.strategy=fsdp", "comm_hook.name=powersgd"], "plugin 'comm_hook': comm_hook.name=powersgd does not "
+    (["trainer.strategy=fsdp", "comm_hook.name=powersgd"], "comm_hook.name=powersgd does not "
                                                            "apply under trainer.strategy=fsdp"),
     (["trainer.strategy=zero"], "unknown trainer.strategy 'zero'; choose one of ddp, fsdp, or give an import path"),
     (["fsdp.shard_size=nodes"], "config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1"),
@@ -226,7 +226,7 @@ def test_a_refused_plugin_is_one_line_and_exit_2(ranks, tmp_path):
                               "comm_hook.name=powersgd"], timeout=60)
     assert rc == 2
     assert err.strip().splitlines() == [
-        "ddpx: error: plugin 'comm_hook': comm_hook.name=powersgd does not apply under trainer.strategy=fsdp (only "
+        "ddpx: error: comm_hook.name=powersgd does not apply under trainer.strategy=fsdp (only "
         "bf16, fp16 and int8 have a sharded reduce-scatter); set comm_hook.name=int8 (or bf16, fp16, allreduce)"]
 
 

@@ -215,19 +215,19 @@ def test_compressing_hooks_are_accepted_under_fsdp(name):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["comm_hook.name=powersgd"], "plugin 'comm_hook': comm_hook.name=powersgd does not apply under "
+    (["comm_hook.name=powersgd"], "comm_hook.name=powersgd does not apply under "
                                   "trainer.strategy=fsdp (only bf16, fp16 and int8 have a sharded reduce-scatter); "
                                   "set comm_hook.name=int8 (or bf16, fp16, allreduce)"),
-    (["comm_hook.name=onebit"], "plugin 'comm_hook': comm_hook.name=onebit does not apply under"),
+    (["comm_hook.name=onebit"], "comm_hook.name=onebit does not apply under"),
     (["comm_hook.name=onebit_adam", "optimizer.target=ddpx.optim.OneBitAdam"],
-     "plugin 'comm_hook': comm_hook.name=onebit_adam does not apply under"),
+     "comm_hook.name=onebit_adam does not apply under"),
     (["comm_hook.name=int8", "fsdp.reduce_dtype=bf16"],
-     "plugin 'comm_hook': comm_hook.name=int8 under trainer.strategy=fsdp codes and sums fp32 gradients itself; "
+     "comm_hook.name=int8 under trainer.strategy=fsdp codes and sums fp32 gradients itself; "
      "set fsdp.reduce_dtype=fp32 (now bf16), or comm_hook.name=allreduce to reduce-scatter in bf16"),
     (["comm_hook.name=int8", "comm_hook.options={min_numel: 0}"],
      "comm hook 'int8' under trainer.strategy=fsdp: unknown option(s) min_numel; known options: block_size, scope"),
     (["comm_hook.name=int8", "comm_hook.options={scope: inter_node}", "fsdp.shard_size=node"],
-     "plugin 'comm_hook': comm_hook.options.scope=inter_node does not apply under fsdp.shard_size=node (HSDP): the "
+     "comm_hook.options.scope=inter_node does not apply under fsdp.shard_size=node (HSDP): the "
      "reduce-scatter runs inside each shard group and the replicas' all-reduce is FSDP's own; remove the scope "
      "option, or set fsdp.shard_size=all"),
 ])

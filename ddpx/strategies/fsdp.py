@@ -227,18 +227,18 @@ class FSDPStrategy(Strategy):
 
         if name not in reduce_scatter.METHODS:
             *first, last = sorted(reduce_scatter.METHODS)
-            raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} does not apply under trainer.strategy=fsdp "
+            raise DdpxError(f"comm_hook.name={name} does not apply under trainer.strategy=fsdp "
                             f"(only {', '.join(first)} and {last} have a sharded reduce-scatter); set "
                             f"comm_hook.name=int8 (or {', '.join(first)}, allreduce)")
         reduce_dtype = config.fsdp.reduce_dtype
         if reduce_dtype != "fp32":
-            raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} under trainer.strategy=fsdp codes and sums "
+            raise DdpxError(f"comm_hook.name={name} under trainer.strategy=fsdp codes and sums "
                             f"fp32 gradients itself; set fsdp.reduce_dtype=fp32 (now {reduce_dtype}), or "
                             f"comm_hook.name=allreduce to reduce-scatter in {reduce_dtype}")
         reduce_scatter.make(name, **options)  # bad options fail here
         shard_size = config.fsdp.get("shard_size", "all")
         if shard_size != "all" and options.get("scope", "global") != "global":
-            raise DdpxError(f"plugin 'comm_hook': comm_hook.options.scope={options['scope']} does not apply under "
+            raise DdpxError(f"comm_hook.options.scope={options['scope']} does not apply under "
                             f"fsdp.shard_size={shard_size} (HSDP): the reduce-scatter runs inside each shard group "
                             "and the replicas' all-reduce is FSDP's own; remove the scope option, or set "
                             "fsdp.shard_size=all")
