@@ -1,41 +1,44 @@
 """Install a ddpx gradient-communication hook on the DDP model, chosen by name.
 
 ``name: allreduce`` (the default) keeps DDP's own fp32 all-reduce and installs
-nothing. Any other name is looked up in ``ddpx.comm_hooks.available()`` (e.g.
-``fp16``, ``int8``, ``powersgd``) and registered with
-``ddpx.comm_hooks.register(model, name, native=..., **options)``; ``native: true``
-selects the C++ hook that runs without Python per bucket, where the algorithm
-has one. The hook's state (error feedback, warm starts) is saved in checkpoints
-(key ``"comm_hook"``). If ``ddpx.comm_hooks`` cannot be imported, training falls
-back to DDP's all-reduce and says so once. The DDP bucket size the hook works
-best with (``ddpx.comm_hooks.ddp_options``: 4 MB for ``int8``) is passed to the trainer's
-DDP wrap unless ``trainer.bucket_cap_mb`` sets one, and so is
-``gradient_as_bucket_view=True`` (the hook writes into the bucket, so DDP's copy
-back into ``.grad`` is saved).
+nothing. Any other name is a compression method of ``ddpx.comm_hooks``
+(``ddpx.comm_hooks.method(name)``, e.g. ``fp16``, ``int8``, ``powersgd``), registered
+with ``ddpx.comm_hooks.register(model, name, native=..., **options)``; ``native: true``
+selects the C++ hook that runs without Python per bucket, where the method has one.
+The hook's state (error feedback, warm starts) is saved in checkpoints (key
+``"comm_hook"``). The DDP bucket size the method works best with
+(``Method.ddp_options``: 4 MB for ``int8``) is passed to the trainer's DDP wrap unless
+``trainer.bucket_cap_mb`` sets one, and so is ``gradient_as_bucket_view=True`` (the hook
+writes into the bucket, so DDP's copy back into ``.grad`` is saved).
 
-An optimizer that averages the gradients itself names its hook (``comm_hook``
-class attribute): ``optimizer.target: ddpx.optim.OneBitAdam`` registers
+At ``ddpx_train_start`` (after the checkpoint plugin restored the state: a restored
+``auto`` value stays) the state is paired with the run's optimizer,
+``state.pair(trainer.optimizer)``, before any bucket is coded: int8's ``block_size: auto``
+and powersgd's ``rank: auto`` take their Adam-family values with Adam or AdamW.
+
+An optimizer that averages the gradients itself is named by its method's descriptor
+(``Method.optimizer``): ``optimizer.target: ddpx.optim.OneBitAdam`` registers
 ``onebit_adam`` (with ``comm_hook.options``) and pairs the two at train start;
 any other ``comm_hook.name`` with it, or ``onebit_adam`` without it, is a one-line
 config error.
 
-Under ``trainer.strategy: fsdp`` there is no DDP bucket: ``fp16``, ``bf16`` and
-``int8`` become FSDP2's gradient reduce-scatter on every FSDP unit
-(``ddpx.comm_hooks.reduce_scatter``, with ``comm_hook.options``: int8's ``block_size``),
-with ``fsdp.reduce_dtype: fp32``; ``allreduce`` keeps FSDP's own reduce-scatter; any
-other name is a one-line config error. ``comm_hook.native`` does not apply there (the
-reduce-scatter is Python around ddpx's native kernels).
+Under ``trainer.strategy: fsdp`` there is no DDP bucket: the methods with a sharded
+form (``Method.sharded``: ``fp16``, ``bf16``, ``int8``) become FSDP2's gradient
+reduce-scatter on every FSDP unit (``ddpx.comm_hooks.reduce_scatter``, with
+``comm_hook.options``: int8's ``block_size``), with ``fsdp.reduce_dtype: fp32``;
+``allreduce`` keeps FSDP's own reduce-scatter; any other name is a one-line config
+error. ``comm_hook.native`` does not apply there (the reduce-scatter is Python around
+ddpx's native kernels).
 
 Config section ``comm_hook``: ``name`` (``allreduce``), ``native`` (true),
 ``options`` (``{}``: keyword arguments of the hook, e.g. ``{rank: 4}``).
 
 The plugin is one :class:`CommHookPlugin` object; ``trainer.plugin("comm_hook").state``
-is the registered hook's state (None: DDP's own all-reduce), shared with the other
-plugins as ``trainer.shared[COMM_HOOK]``.
+is the run's comm state (``ddpx.comm_hooks.CommState``; None: DDP's own all-reduce),
+shared with the other plugins as ``trainer.shared[COMM_HOOK]``.
 """
 
-import importlib
-from ddpx import hookimpl
+from ddpx import comm_hooks, hookimpl
 from ddpx.errors import DdpxError
 from ddpx.imports import resolve
 from ddpx.plugin.shared import COMM_HOOK
@@ -43,30 +46,23 @@ from ddpx.plugin.shared import COMM_HOOK
 BUILTIN = "allreduce"  # DDP's own all-reduce: no hook
 
 
-def _hooks_module():
-    """``ddpx.comm_hooks``, or None where it (or the extension it needs) is missing."""
-    try:
-        hooks = importlib.import_module("ddpx.comm_hooks")
-    except ImportError:
-        return None
-    return hooks if hasattr(hooks, "register") and hasattr(hooks, "available") else None
-
-
-def hook_name(config, hooks) -> str:
-    """The hook a run uses: ``comm_hook.name``, or the one the optimizer needs (its class's
-    ``comm_hook``, e.g. ``ddpx.optim.OneBitAdam``: ``onebit_adam``); a mismatch is a DdpxError."""
+def hook_name(config) -> str:
+    """The hook a run uses: ``comm_hook.name``, or the method the optimizer needs (the one whose
+    ``Method.optimizer`` it is, e.g. ``ddpx.optim.OneBitAdam``: ``onebit_adam``); a mismatch is
+    a DdpxError."""
     name = config.section("comm_hook")["name"]
     target = config.optimizer.target
-    paired = getattr(resolve(target, "optimizer.target"), "comm_hook", None)
+    needed = comm_hooks.method_for_optimizer(resolve(target, "optimizer.target"))
+    paired = needed.name if needed is not None else None
     if paired is not None and name not in (BUILTIN, paired):
         raise DdpxError(f"optimizer.target {target} averages the gradients through comm hook {paired!r}: set "
                         f"comm_hook.name: {paired} (or leave it at {BUILTIN}), not {name!r}")
     name = paired or name
-    available = list(hooks.available(with_optimizer=True))
+    available = comm_hooks.available(with_optimizer=True)
     if name != BUILTIN and name not in available:
         choices = [BUILTIN, *(n for n in available if n != BUILTIN)]
         raise DdpxError(f"unknown comm_hook.name {name!r}; choose one of: {', '.join(choices)}")
-    needs = None if name == BUILTIN else hooks.needs_optimizer(name)
+    needs = None if name == BUILTIN else comm_hooks.method(name).optimizer
     if needs and paired is None:
         raise DdpxError(f"comm_hook.name {name} needs optimizer.target: {needs} (it takes torch.optim.AdamW's "
                         f"arguments), not {target}")
@@ -74,14 +70,13 @@ def hook_name(config, hooks) -> str:
 
 
 def _check_under_fsdp(config, name) -> None:
-    """Under fsdp the hooks with a reduce-scatter (``ddpx.comm_hooks.reduce_scatter``) apply, on
-    fp32 gradients; any other is refused, as are options they do not take."""
+    """Under fsdp the methods with a sharded form (``Method.sharded``) apply, on fp32
+    gradients; any other is refused, as are options they do not take."""
     if config.trainer.strategy != "fsdp" or name == BUILTIN:
         return
-    from ddpx.comm_hooks import reduce_scatter
-
-    if name not in reduce_scatter.METHODS:
-        *first, last = sorted(reduce_scatter.METHODS)
+    method = comm_hooks.method(name)
+    if method.sharded is None:
+        *first, last = sorted(m.name for m in comm_hooks.methods() if m.sharded is not None)
         raise DdpxError(f"plugin 'comm_hook': comm_hook.name={name} does not apply under trainer.strategy=fsdp (only "
                         f"{', '.join(first)} and {last} have a sharded reduce-scatter); set comm_hook.name=int8 "
                         f"(or {', '.join(first)}, {BUILTIN})")
@@ -91,7 +86,7 @@ def _check_under_fsdp(config, name) -> None:
                         f"gradients itself; set fsdp.reduce_dtype=fp32 (now {reduce_dtype}), or "
                         f"comm_hook.name={BUILTIN} to reduce-scatter in {reduce_dtype}")
     options = config.section("comm_hook")["options"]
-    reduce_scatter.make(name, **options)  # bad options fail here
+    method.make_sharded(**options)  # bad options fail here
     shard_size = config.fsdp.get("shard_size", "all")
     if shard_size != "all" and options.get("scope", "global") != "global":
         raise DdpxError(f"plugin 'comm_hook': comm_hook.options.scope={options['scope']} does not apply under "
@@ -113,42 +108,33 @@ class CommHookPlugin:
     @hookimpl
     def ddpx_configure(self, config):
         cfg = config.section("comm_hook")
-        hooks = _hooks_module()
-        if hooks is None:
-            return
-        name = hook_name(config, hooks)
+        name = hook_name(config)
         if config.trainer.strategy == "fsdp":
             _check_under_fsdp(config, name)
             return
         if name == BUILTIN:
             return
-        hooks.make_state(name, **cfg["options"])  # bad options fail here, before any worker starts
+        comm_hooks.method(name).check_options(cfg["options"])  # bad options fail here, before any worker starts
 
     @hookimpl
     def ddpx_ddp_options(self, trainer):
-        hooks = _hooks_module()
-        name = BUILTIN if hooks is None else hook_name(trainer.config, hooks)
-        return None if name == BUILTIN else hooks.ddp_options(name)
+        name = hook_name(trainer.config)
+        return None if name == BUILTIN else comm_hooks.method(name).ddp_options()
 
     @hookimpl
     def ddpx_train_start(self, trainer):
-        if self.state is not None and getattr(self.state, "needs_optimizer", None):
-            trainer.optimizer.pair(self.state)  # the optimizer averages the momentum through the hook
+        # after the checkpoint plugin's restore (tryfirst), before any bucket is coded: the auto
+        # options take the optimizer's values, and OneBitAdam gets the hook it averages through
+        if self.state is not None:
+            self.state.pair(trainer.optimizer)
 
     @hookimpl
     def ddpx_model_wrapped(self, trainer, model):
         from torch.nn.parallel import DistributedDataParallel
 
         cfg = trainer.config.section("comm_hook")
-        hooks = _hooks_module()
-        self.state, self.name = None, cfg["name"]
-        if hooks is None:
-            if self.name != BUILTIN:
-                trainer.log.warning(
-                    "ddpx.comm_hooks is not available; comm_hook.name=%s falls back to DDP's all-reduce", self.name
-                )
-            return
-        self.name = hook_name(trainer.config, hooks)
+        self.state = None
+        self.name = hook_name(trainer.config)
         if self.name == BUILTIN:
             return
         if trainer.config.trainer.strategy == "fsdp":
@@ -157,8 +143,8 @@ class CommHookPlugin:
         if not isinstance(model, DistributedDataParallel):
             trainer.log.warning("comm_hook.name=%s ignored: the model is not wrapped in DDP", self.name)
             return
-        self.state = trainer.shared[COMM_HOOK] = hooks.register(model, self.name, native=cfg["native"],
-                                                                **cfg["options"])
+        self.state = trainer.shared[COMM_HOOK] = comm_hooks.register(model, self.name, native=cfg["native"],
+                                                                     **cfg["options"])
         kind = "native C++" if getattr(self.state, "native", False) else "Python"
         bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
         views = ", gradients as bucket views" if getattr(model, "gradient_as_bucket_view", False) else ""
@@ -167,7 +153,7 @@ class CommHookPlugin:
     def _install_reduce_scatter(self, trainer, model, cfg):
         from ddpx.comm_hooks import reduce_scatter
 
-        comm = reduce_scatter.make(self.name, **cfg["options"])
+        comm = comm_hooks.method(self.name).make_sharded(**cfg["options"])
         units = reduce_scatter.install(model, comm)
         self.state = trainer.shared[COMM_HOOK] = comm
         opts = "".join(f", {k} {v}" for k, v in comm.opts.items())
@@ -178,12 +164,11 @@ class CommHookPlugin:
                          "sum%s%s)", self.name, units, self.name, opts, hsdp)
 
     def state_dict(self, trainer):
-        if self.state is None or not hasattr(self.state, "state_dict"):
-            return None
-        return {"name": self.name, "state": self.state.state_dict()}
+        state = self.state.state_dict() if self.state is not None else None
+        return None if state is None else {"name": self.name, "state": state}
 
     def load_state_dict(self, trainer, saved):
-        if self.state is None or not hasattr(self.state, "load_state_dict"):
+        if self.state is None:
             return
         if saved["name"] != self.name:
             trainer.log.warning(
