@@ -143,13 +143,14 @@ def run_hand(variant: str, device: str, warmup: int, steps: int) -> dict:
     torch.manual_seed(cfg["seed"])
     model = gpt.GPT(**cfg["model"]["args"]).to(device)
     ddp = DDP(model, device_ids=[0] if device == "cuda" else None, **(ddpx.comm_hooks.ddp_options(hook) if hook else {}))
-    if hook:
-        ddpx.comm_hooks.register(ddp, hook, **hook_options(hook))
+    state = ddpx.comm_hooks.register(ddp, hook, **hook_options(hook)) if hook else None
     run = torch.compile(ddp) if compiled else ddp
     train_set, _ = text.splits(**cfg["data"]["args"])
     sampler = DistributedSampler(train_set, seed=cfg["seed"])
     loader = DataLoader(train_set, batch_size=cfg["trainer"]["batch_size"], sampler=sampler)
     opt = torch.optim.AdamW(model.parameters(), **cfg["optimizer"]["args"])
+    if state is not None:
+        state.pair(opt)  # as ddpx train pairs it: int8's block_size and powersgd's rank auto take AdamW's values
     schedule = gpt.warmup_cosine(opt, **cfg["scheduler"]["args"])
     step, epoch = 0, 0
     while step < warmup + steps:

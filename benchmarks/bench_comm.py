@@ -210,6 +210,7 @@ def worker(args):
                 if scope != "global":
                     hook_options["scope"] = scope
                 state = ddpx.comm_hooks.register(ddp, hook_name, native=native, **hook_options)
+                state.pair(None)  # no optimizer steps here: int8's block_size auto is 256, powersgd's rank 4
                 entry["native"] = state.native
             elif kind == "noop":
                 ddp.register_comm_hook(None, _noop_hook)

@@ -70,6 +70,8 @@ class Loop:
             if bool(getattr(self.state, "native", False)) != native:
                 raise SystemExit(f"bench_comm_hook_steps: {hook} did not register on the {'native' if native else 'Python'} path")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        if self.state is not None:
+            self.state.pair(self.opt)  # int8's block_size and powersgd's rank auto: AdamW's values
         self.i = 0
 
     def step(self, batches):

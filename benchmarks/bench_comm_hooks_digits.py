@@ -48,6 +48,8 @@ def train(hook: str | None, device: str, epochs: int, rank: int, world: int) -> 
     sampler = ResumableDistributedBatchSampler(len(train_set), 32, rank, world, shuffle=True, seed=0)
     loader = DataLoader(train_set, batch_sampler=sampler)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if state is not None:
+        state.pair(opt)
     start = time.perf_counter()
     for epoch in range(epochs):
         sampler.set_epoch(epoch)

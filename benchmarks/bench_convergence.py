@@ -2,7 +2,7 @@
 
 What a user of an imported hook writes: a plain torchrun DDP script
 (``DistributedSampler`` + ``set_epoch``, ``DDP(model)`` with DDP's defaults)
-plus one line, ``ddpx.comm_hooks.register(ddp, name)``, no options. For every cell
+plus one line, ``ddpx.comm_hooks.register(ddp, name)``, no options (and ``state.pair(opt)``). For every cell
 of
 
     model (an MLP, a small CNN with BatchNorm on the 8x8 images)
@@ -110,6 +110,8 @@ def train_cell(model: str, optimizer: str, batch: int, epochs: int, hook: str | 
     else:
         state = None
     opt = make_optimizer(optimizer, ddp.parameters())
+    if state is not None:
+        state.pair(opt)  # before the first step: powersgd's rank auto is 16 with Adam
     sampler = DistributedSampler(train, seed=seed)
     loader = DataLoader(train, batch_size=batch, sampler=sampler)
     steps, curve = 0, []

@@ -6,7 +6,7 @@ division by the root of its second moment turns error-compensated gradient
 compression into a different update. This benchmark is what such a user writes: a
 plain torchrun DDP script (``DistributedSampler`` + ``set_epoch``, ``DDP(model)``,
 ``torch.optim.AdamW``, a warm-up + cosine schedule, ``clip_grad_norm_``) plus one
-line, ``ddpx.comm_hooks.register(ddp, name)``, no options; for ``onebit_adam`` the
+line, ``ddpx.comm_hooks.register(ddp, name)``, no options (and ``state.pair(opt)``); for ``onebit_adam`` the
 optimizer is ``ddpx.optim.OneBitAdam`` with AdamW's arguments instead.
 
 Configs (the char GPT of examples/char_gpt on Shakespeare's sonnets; AdamW lr 3e-3,
@@ -97,6 +97,8 @@ def train_run(config: str, hook: str | None, seed: int, steps: int = STEPS) -> d
         opt = ddpx.optim.OneBitAdam(ddp.parameters(), comm=state, **ADAMW)
     else:
         opt = torch.optim.AdamW(ddp.parameters(), **ADAMW)
+        if state is not None:
+            state.pair(opt)  # before the first step: int8's block_size and powersgd's rank auto take AdamW's values
     sched = gpt.warmup_cosine(opt, WARMUP_LR, steps)
     sampler = DistributedSampler(train, seed=seed)
     loader = DataLoader(train, batch_size=cfg["batch"], sampler=sampler, drop_last=True)

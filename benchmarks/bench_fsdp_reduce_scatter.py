@@ -60,6 +60,7 @@ def measure(args) -> dict:
         if method != "fp32":
             name, options = hook_spec(method, ",")
             comm = reduce_scatter.make(name, **options)
+            comm.pair(None)  # no optimizer steps here: block_size auto is 256
             reduce_scatter.install(model, comm)
         times = []
         for i, batch in enumerate(batches):

@@ -60,6 +60,7 @@ def _run(rank, world, port, args, out_file):
         for native in (True, False):
             ddp = DDP(model(), bucket_cap_mb=args.bucket_cap_mb)
             state = ddpx.comm_hooks.register(ddp, name, native=native)
+            state.pair(None)  # no optimizer steps here
             ms = timed(ddp, state)
             s = state.stats()
             row["buckets"] = s["buckets"] // s["steps"]

@@ -116,6 +116,7 @@ def fused_allreduce(
             every call. For memory across calls (e.g. periodic model averaging
             of the same parameters) pass a state instead:
             ``state, _ = ddpx.comm_hooks.make("int8", min_numel=0)``;
+            ``state.pair(None)`` (no optimizer steps with these tensors);
             ``fused_allreduce(params, compression=state)``; memory is keyed by
             tensor identity, so pass the same tensor objects every call (the
             state holds a reference to each tensor it has seen). The hooks average:
@@ -222,6 +223,7 @@ def _codec(compression, tensors, op, process_group):
     elif isinstance(compression, str) and compression in comm_hooks.available():
         # a fused call is not a training step: no warm-up of plain allreduce
         state = comm_hooks.make_state(compression, process_group, **comm_hooks.without_warmup(compression))
+        state.pair(None)  # no optimizer steps with these tensors: the auto options' values without one
     else:
         raise ValueError(f"fused_allreduce: unknown compression {compression!r}; use None or one of "
                          f"{comm_hooks.available()} (or a state from ddpx.comm_hooks.make)")

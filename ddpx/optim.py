@@ -7,7 +7,8 @@ A plain DDP script::
     opt = ddpx.optim.OneBitAdam(ddp.parameters(), comm=state, lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1)
 
 ``ddpx train``: ``optimizer.target: ddpx.optim.OneBitAdam`` (AdamW's arguments); the
-``comm_hook`` plugin registers the ``onebit_adam`` hook and pairs them.
+``comm_hook`` plugin registers the ``onebit_adam`` hook (whose descriptor names this
+optimizer, ddpx/comm_hooks/onebit_adam.py) and pairs them.
 """
 
 from __future__ import annotations
@@ -61,24 +62,23 @@ class OneBitAdam(torch.optim.AdamW):
     Without ``comm`` (world size 1, or not yet paired) it is exactly AdamW.
     """
 
-    comm_hook = "onebit_adam"  # the hook this optimizer needs (ddpx train registers it)
-
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, comm=None, **options):
         for key in ("amsgrad", "maximize", "capturable", "fused", "differentiable"):
             if options.get(key):
                 raise DdpxError(f"ddpx.optim.OneBitAdam: {key}=True is not supported (its compressed stage steps "
                                 f"with foreach ops on the frozen second moment); leave {key} unset")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **options)
-        self.comm = None
+        self.comm = None  # the onebit_adam hook state it averages through, set by pairing (comm.pair(self))
         if comm is not None:
             self.pair(comm)
 
     def pair(self, comm: OneBitAdamState) -> None:
-        """Use ``comm`` (the ``onebit_adam`` hook state of the DDP model) for the momentum."""
+        """Use ``comm`` (the ``onebit_adam`` hook state of the DDP model) for the momentum: the
+        same as ``comm.pair(self)``, which sets ``self.comm``."""
         if not isinstance(comm, OneBitAdamState):
             raise DdpxError(f"ddpx.optim.OneBitAdam: comm must be the state of the 'onebit_adam' hook "
                             f"(ddpx.comm_hooks.register(ddp, 'onebit_adam')), got {comm!r}")
-        self.comm = comm
+        comm.pair(self)
 
     @torch.no_grad()
     def step(self, closure=None):

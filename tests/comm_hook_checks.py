@@ -85,6 +85,8 @@ def train(hook, native=False, steps=3, rank=0, mode=None, model=None, state_sd=N
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     if opt_sd is not None:
         opt.load_state_dict(opt_sd)
+    if state is not None:
+        state.pair(opt)  # after a loaded state dict, before the first step: as the ddpx trainer pairs
     cur = {"step": -1}
     if inject is not None:
         def poison(g):
@@ -141,6 +143,8 @@ class DigitsRun:
         self.ddp = DDP(self.model, bucket_cap_mb=bucket_cap_mb)
         self.state = ddpx.comm_hooks.register(self.ddp, name, native=native, **opts) if name else None
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        if self.state is not None:
+            self.state.pair(self.opt)
         train, self.test = digits_split()
         x, y = train.tensors
         self.x, self.y = x[rank::world], y[rank::world]

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import ddpx.comm_hooks
+import ddpx.optim
 from ddpx.errors import DdpxError
+from ddpx.rank import process_group
 
 
 def test_available_names():
@@ -135,11 +137,11 @@ def test_a_hook_that_warms_up_says_when_compression_starts(caplog, name, options
 
 # ------------------------------ the hook names, and the native algorithms behind them
 def test_a_hook_name_given_twice_is_refused(monkeypatch):
-    from ddpx.comm_hooks import halfprec
+    from ddpx.comm_hooks import halfprec, registry
 
-    monkeypatch.setattr(ddpx.comm_hooks, "_REGISTRY", None)  # built again, then restored
-    monkeypatch.setattr(halfprec, "HOOKS", (*halfprec.HOOKS, halfprec.Fp16State))
-    with pytest.raises(DdpxError, match="comm hook 'fp16' is defined twice: Fp16State and Fp16State"):
+    monkeypatch.setattr(registry, "_METHODS", None)  # found again, then restored
+    monkeypatch.setattr(halfprec, "METHODS", (*halfprec.METHODS, halfprec.METHODS[0]))
+    with pytest.raises(DdpxError, match="comm hook 'fp16' is declared twice: Fp16State and Fp16State"):
         ddpx.comm_hooks.available()
 
 
@@ -159,8 +161,8 @@ def test_each_native_kind_the_states_name_is_built_once_and_no_other():
 
 
 @pytest.mark.parametrize("change,needle", [
-    (lambda kinds: [k for k in kinds if k != "int8"], "named by a Python state but not built: int8"),
-    (lambda kinds: kinds + ["int4"], "built but named by no Python state: int4"),
+    (lambda kinds: [k for k in kinds if k != "int8"], "named by a method but not built: int8"),
+    (lambda kinds: kinds + ["int4"], "built but named by no method: int4"),
     (lambda kinds: kinds + ["cast"], "registered more than once: cast"),
 ], ids=["missing", "extra", "twice"])
 def test_register_refuses_an_extension_whose_kinds_differ(monkeypatch, change, needle):
@@ -175,22 +177,159 @@ def test_register_refuses_an_extension_whose_kinds_differ(monkeypatch, change, n
     assert not hasattr(model, "registered")
 
 
-def _step(optimizer_class, **kwargs):
-    w = torch.nn.Parameter(torch.ones(3))
-    w.grad = torch.ones(3)
-    optimizer_class([w], **kwargs).step()
+# ------------------------------------------------ one descriptor per method, one registry
+def test_the_registry_lists_each_method_once_with_its_parts():
+    from ddpx.comm_hooks import halfprec, int8, onebit, onebit_adam, powersgd, reduce_scatter
+    from ddpx.comm_hooks.state import HookState
+
+    methods = ddpx.comm_hooks.methods()
+    names = [m.name for m in methods]
+    assert names == sorted(set(names)) == ["allreduce", "bf16", "fp16", "int8", "onebit", "onebit_adam", "powersgd"]
+    parts = {m.name: (m.state, m.native, m.native_stage2, m.sharded, m.sharded_options, m.optimizer, m.ddp_options())
+             for m in methods}
+    views = {"gradient_as_bucket_view": True}
+    assert parts["int8"] == (int8.Int8State, "int8", None, int8.Int8ReduceScatter, ("block_size", "scope"), None,
+                             {**views, "bucket_cap_mb": 4.0})
+    assert parts["fp16"] == (halfprec.Fp16State, "cast", "cast_phases", halfprec.Fp16ReduceScatter, ("scope",), None,
+                             views)
+    assert parts["bf16"][:4] == (halfprec.Bf16State, "cast", "cast_phases", halfprec.Bf16ReduceScatter)
+    assert parts["onebit"] == (onebit.OnebitState, "onebit", None, None, (), None, views)
+    assert parts["onebit_adam"] == (onebit_adam.OneBitAdamState, None, None, None, (), "ddpx.optim.OneBitAdam", views)
+    assert parts["powersgd"][:4] == (powersgd.PowerSGDState, "powersgd", None, None)
+    for m in methods:
+        assert ddpx.comm_hooks.method(m.name) is m
+        assert issubclass(m.state, HookState)
+        assert m.sharded is None or issubclass(m.sharded, reduce_scatter.CompressedReduceScatter)
+        state = m.make_state()
+        assert state.method is m and state.name == m.name and isinstance(state, ddpx.comm_hooks.CommState)
+        assert state.opts == m.check_options({})  # the one dict of options, with its defaults
+    assert ddpx.comm_hooks.method_for_optimizer(ddpx.optim.OneBitAdam).name == "onebit_adam"
+    assert ddpx.comm_hooks.method_for_optimizer(torch.optim.AdamW) is None
+    with pytest.raises(DdpxError, match=r"^unknown comm hook 'int4'; available: allreduce, bf16, fp16, int8, onebit, "
+                                        r"powersgd$"):
+        ddpx.comm_hooks.method("int4")
 
 
-def test_powersgd_rank_auto_follows_the_first_optimizer_step():
-    adam, sgd, fixed = (ddpx.comm_hooks.make_state("powersgd") for _ in range(3))
-    fixed._fix_rank()  # what the first compressed layout does: before any optimizer step, rank 4 for good
-    assert adam.approx_rank == sgd.approx_rank == 4  # until an optimizer steps
-    _step(torch.optim.AdamW)
-    assert adam.approx_rank == 16 and fixed.approx_rank == 4
-    sgd = ddpx.comm_hooks.make_state("powersgd")
-    _step(torch.optim.SGD, lr=0.1)
-    assert sgd.approx_rank == 4
+def test_the_sharded_form_takes_the_methods_options_and_is_a_comm_state():
+    comm = ddpx.comm_hooks.method("int8").make_sharded(block_size=128)
+    assert isinstance(comm, ddpx.comm_hooks.CommState) and comm.name == "int8" and comm.block_size == 128
+    assert comm.state_dict() is None  # nothing to checkpoint
+    with pytest.raises(DdpxError, match=r"^comm hook 'powersgd' has no reduce-scatter for trainer.strategy=fsdp; "
+                                        r"choose one of: bf16, fp16, int8$"):
+        ddpx.comm_hooks.method("powersgd").make_sharded()
+
+
+def adamw():
+    return torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))])
+
+
+def sgd():
+    return torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+
+
+def test_pairing_resolves_the_auto_options_before_the_first_bucket():
+    """What the comm_hook plugin does at train start: with AdamW int8 codes its first bucket
+    in blocks of 64 and powersgd approximates at rank 16; with SGD 256 and 4; an explicit
+    option stays."""
+    int8, powersgd = ddpx.comm_hooks.make_state("int8"), ddpx.comm_hooks.make_state("powersgd")
+    assert (int8.block_size, powersgd.approx_rank) == (256, 4)  # not paired yet
+    for state in (int8, powersgd):
+        state.pair(adamw())
+    assert (int8.block_size, powersgd.approx_rank) == (64, 16)
+    int8, powersgd = ddpx.comm_hooks.make_state("int8"), ddpx.comm_hooks.make_state("powersgd")
+    for state in (int8, powersgd):
+        state.pair(sgd())
+    assert (int8.block_size, powersgd.approx_rank) == (256, 4)
+    fixed = ddpx.comm_hooks.make_state("int8", block_size=128)
+    fixed.pair(adamw())
+    assert fixed.block_size == 128
     assert ddpx.comm_hooks.make_state("powersgd", rank=8).approx_rank == 8
+
+
+def test_a_resumed_state_keeps_its_auto_values():
+    """A loaded state dict wins over pairing (the plugin pairs after the checkpoint's restore):
+    the memory was built with those values. Pairing it otherwise says so, once."""
+    adam_int8, adam_powersgd = ddpx.comm_hooks.make_state("int8"), ddpx.comm_hooks.make_state("powersgd")
+    for state in (adam_int8, adam_powersgd):
+        state.pair(adamw())
     resumed = ddpx.comm_hooks.make_state("powersgd")
-    resumed.load_state_dict(adam.state_dict())  # a resumed run keeps the rank its memory was built with
+    resumed.load_state_dict(adam_powersgd.state_dict())
+    resumed.pair(adamw())
     assert resumed.approx_rank == 16
+    resumed = ddpx.comm_hooks.make_state("int8")
+    resumed.load_state_dict(adam_int8.state_dict())
+    assert resumed.block_size == 64
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of this process alone (gloo), torn down after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    process_group.teardown()
+
+
+def plain_script(name, pair_with=None, **options):
+    """What a plain DDP script does: ``DDP(model)``, ``register``, (pair,) two steps. Returns the
+    state, closed, and the block sizes (int8) or ranks (powersgd) its layouts were built with."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)))
+    state = ddpx.comm_hooks.register(ddp, name, **options)
+    opt = (pair_with or torch.optim.SGD)(ddp.parameters(), lr=0.01)
+    if pair_with is not None:
+        state.pair(opt)
+    for _ in range(2):
+        opt.zero_grad()
+        ddp(torch.randn(8, 64)).sum().backward()
+        opt.step()
+    state.close()
+    used = sorted({pc.block for lay in state.layouts.values() for pc in lay.pieces} if name == "int8" else
+                  {r for lay in state.layouts.values() for r in lay.matrices[:, 4].tolist()})
+    return state, used
+
+
+@pytest.mark.parametrize("name, option, value, adam", [("int8", "block_size", 256, 64), ("powersgd", "rank", 4, 16)])
+def test_a_plain_script_that_never_pairs_gets_the_sgd_value_and_one_line(one_rank, caplog, name, option, value, adam):
+    """A plain DDP script that registers the hook and never pairs it: the first bucket fixes
+    the value without an Adam-family optimizer, and one line says how to pair."""
+    with caplog.at_level(logging.WARNING, logger="ddpx.comm_hooks"):
+        state, used = plain_script(name, warmup_steps=0, min_numel=0)
+    assert state.native and used == [value] and state.option(option) == value
+    said = [r.getMessage() for r in caplog.records if "pair" in r.getMessage()]
+    assert said == [f"comm hook {name!r}: {option} auto is {value} ({adam} with an Adam-family optimizer): no "
+                    "optimizer was paired with it before its first step; call state.pair(optimizer) before "
+                    "training (docs/comm_hooks.md)"]
+
+
+@pytest.mark.parametrize("name, value", [("int8", 64), ("powersgd", 16)])
+def test_a_plain_script_paired_with_adamw_codes_its_first_bucket_so(one_rank, caplog, name, value):
+    with caplog.at_level(logging.WARNING, logger="ddpx.comm_hooks"):
+        state, used = plain_script(name, pair_with=torch.optim.AdamW, warmup_steps=0, min_numel=0)
+    assert used == [value]
+    assert not [r for r in caplog.records if "pair" in r.getMessage()]
+
+
+def test_a_late_pairing_keeps_the_value_in_use_and_says_so_once(one_rank, caplog):
+    state, used = plain_script("int8", warmup_steps=0)  # two steps coded at 256: the pairing comes too late
+    with caplog.at_level(logging.WARNING, logger="ddpx.comm_hooks"):
+        for _ in range(2):
+            state.pair(adamw())
+    assert used == [256] and state.block_size == 256
+    late = [r.getMessage() for r in caplog.records if "auto stays" in r.getMessage()]
+    assert late == ["comm hook 'int8': block_size auto stays 256 (not paired before its first use); pairing with "
+                    "AdamW would make it 64, but a value once chosen stays: pair once, before the first step"]
+
+
+def test_no_process_wide_optimizer_hook():
+    """Pairing is explicit: nothing in ddpx registers a hook on every optimizer of the process."""
+    import pathlib
+
+    root = pathlib.Path(ddpx.__file__).parent
+    found = [str(p.relative_to(root)) for p in root.rglob("*.py")
+             if "register_optimizer_step_pre_hook" in p.read_text() or "register_optimizer_step_post_hook" in
+             p.read_text()]
+    assert found == []

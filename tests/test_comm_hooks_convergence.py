@@ -168,7 +168,7 @@ def test_converges_like_no_hook(part2_training, name):
     # it did compress, after its default warm-up of plain allreduce (raw bytes on the wire):
     # less than half of the bytes a step (onebit's default min_numel leaves only the 128 x 128
     # matrix compressed here: 0.39 of raw; powersgd 0.1)
-    warm = ddpx.comm_hooks.make_state(name).warmup_steps / stats["steps"]
+    warm = ddpx.comm_hooks.make_state(name).opts["warmup_steps"] / stats["steps"]
     assert stats["wire_bytes"] < stats["raw_bytes"] * (warm + (1 - warm) / 2)
 
 

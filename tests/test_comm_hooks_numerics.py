@@ -20,7 +20,7 @@ from comm_hook_checks import (ALL, LOSSY, NO_WARMUP, PART2, REL_TOL, DigitsRun, 
                          equal_lists, make_model, max_rel_err, train)
 
 import ddpx.comm_hooks
-from ddpx.comm_hooks.int8 import AUTO_BLOCKS, Int8State
+from ddpx.comm_hooks.int8 import BLOCK_SIZE
 from ddpx.data import digits_split
 
 # the 2-rank scenarios share one launch, set up by whichever test comes first
@@ -41,7 +41,7 @@ def equivalence_worker(rank, world):
             out[(hook, native)] = train(hook, native, rank=rank)
     out[("int8-warmup", True)] = train("int8", True, rank=rank, warmup_steps=2)
     out[("int8-all", True)] = train("int8", True, rank=rank, min_numel=0, compress_vectors=True, block_size=64)
-    for native in (False, True):  # block_size auto: 256 for step 0, 64 once AdamW has stepped
+    for native in (False, True):  # block_size auto: 64 from step 0, the state being paired with AdamW
         out[("int8-adamw", native)] = train("int8", native, rank=rank, adamw=True)
     for block, steps in ((64, 1), (256, 1), (64, 3)):  # what the steps send at each block size
         out[("int8-wire", block, steps)] = train("int8", True, steps=steps, rank=rank, block_size=block)
@@ -277,17 +277,16 @@ def test_native_and_python_paths_are_bit_identical(equivalence, hook):
         assert_bit_identical(rank_out[(hook, False)], rank_out[(hook, True)])
 
 
-def test_int8_block_size_auto_is_64_once_an_adam_optimizer_steps(equivalence):
-    """``block_size: auto``: step 0 is coded in blocks of 256 (no optimizer seen yet); AdamW's
-    first step makes it 64 and the layouts are rebuilt, the native hook's too (else it would
-    keep coding 256 and differ from the Python path). SGD keeps 256."""
+def test_int8_block_size_auto_is_64_when_paired_with_adamw(equivalence):
+    """``block_size: auto``: pairing the state with AdamW before the first step
+    (``state.pair(opt)``) makes every step, the first included, code in blocks of 64, the
+    native hook's as the Python one's; SGD keeps 256."""
     for rank_out in equivalence:
         py, nat = rank_out[("int8-adamw", False)], rank_out[("int8-adamw", True)]
         assert_bit_identical(py, nat)
         assert py["blocks"] == nat["blocks"] == [64]
         wire = {key[1:]: v["stats"]["wire_bytes"] for key, v in rank_out.items() if key[0] == "int8-wire"}
-        # step 0 at 256, steps 1 and 2 (DDP's rebuilt buckets) at 64
-        assert py["stats"]["wire_bytes"] == wire[256, 1] + wire[64, 3] - wire[64, 1]
+        assert py["stats"]["wire_bytes"] == wire[64, 3]  # every step at 64, the first included
         assert wire[64, 1] > wire[256, 1]
         assert rank_out[("int8", True)]["blocks"] == [256]  # SGD
 
@@ -363,7 +362,7 @@ def test_non_finite_gradient_stays_non_finite(modes, hook, value):
     bad = sum(int((~torch.isfinite(g)).sum()) for g in poisoned)
     # exact formats: only the poisoned element; int8 / onebit: at most its block / chunk (a NaN
     # scale); powersgd: its matrix (a non-finite P)
-    assert bad <= {"int8": AUTO_BLOCKS[False], "onebit": 128, "powersgd": poisoned[fc2_weight].numel()}.get(hook, 1), bad
+    assert bad <= {"int8": BLOCK_SIZE.auto[0], "onebit": 128, "powersgd": poisoned[fc2_weight].numel()}.get(hook, 1), bad
     for memory in got["memory"].values():  # error feedback is not poisoned
         assert all(bool(torch.isfinite(t).all()) for t in memory.values())
 

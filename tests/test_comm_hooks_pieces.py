@@ -103,7 +103,7 @@ def test_piece_option_validated():
     with pytest.raises(DdpxError, match="option piece_mb must be float"):
         ddpx.comm_hooks.make("onebit", piece_mb="4")
     state, _ = ddpx.comm_hooks.make("powersgd", piece_mb=2)
-    assert state.piece_mb == 2.0 and isinstance(state.piece_mb, float)
+    assert state.opts["piece_mb"] == 2.0 and isinstance(state.opts["piece_mb"], float)
 
 
 def test_piece_geometry():

@@ -63,7 +63,7 @@ def four_ranks(rank, world):
     for name in HOOKS:
         for native in (False, True):
             out[(name, native)] = train(name, native, rank=rank, steps=4, scope="inter_node", **NO_WARMUP.get(name, {}))
-    for native in (False, True):  # int8's block_size auto: 64 once AdamW steps, the plan's layouts rebuilt
+    for native in (False, True):  # int8's block_size auto: 64 with AdamW paired, stage 2 too
         out[("int8-adamw", native)] = train("int8", native, rank=rank, steps=3, scope="inter_node", adamw=True)
     # every parameter exempt: every stage is exact fp32
     out["all_exempt"] = train("int8", True, rank=rank, steps=3, scope="inter_node", min_numel=10**9)
@@ -135,8 +135,8 @@ def test_inter_node_replicas_identical_native_equals_python(runs, name):
 
 @pytest.mark.slow
 def test_inter_node_int8_block_size_auto_follows_adamw(runs):
-    """The stage-2 state codes with the outer state's block size: 256 at step 0, 64 after
-    AdamW's first step, native equal to Python (the native hook re-reads the rebuilt layouts)."""
+    """The stage-2 state codes with the outer state's block size: 64 from the first step with
+    the state paired with AdamW, native equal to Python; 256 with SGD."""
     _replicas_agree(runs, ("int8-adamw", False))
     py, native = runs[0][("int8-adamw", False)], runs[0][("int8-adamw", True)]
     for a, b in zip(py["grads"], native["grads"]):
@@ -218,8 +218,8 @@ def test_scope_option_is_checked():
     with pytest.raises(DdpxError, match="scope must be global, inter_node or auto"):
         ddpx.comm_hooks.make_state("int8", scope="node")
     for name in HOOKS:
-        assert ddpx.comm_hooks.make_state(name).scope == "global"
-        assert ddpx.comm_hooks.make_state(name, scope="inter_node").scope == "inter_node"
+        assert ddpx.comm_hooks.make_state(name).opts["scope"] == "global"
+        assert ddpx.comm_hooks.make_state(name, scope="inter_node").opts["scope"] == "inter_node"
 
 
 def test_node_facts_from_torchrun_and_slurm():

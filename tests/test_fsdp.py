@@ -167,8 +167,8 @@ def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, opti
         assert compressed[-1]["eval_loss"] < compressed[0]["eval_loss"]
         assert close([e["eval_loss"] for e in compressed], [e["eval_loss"] for e in epochs(sharded)], 1e-3)
         assert not close([e["loss"] for e in compressed], [e["loss"] for e in epochs(sharded)], 1e-7)
-        # bytes per step against fp32's reduce-scatter, from the comm's stats(): block_size auto is 256
-        # (1 + 4/256 of 4 bytes) until AdamW's first step, then 64 (1 + 4/64)
+        # bytes per step against fp32's reduce-scatter, from the comm's stats(): block_size auto is 64
+        # (1 + 4/64 of 4 bytes) from the first step, the comm being paired with AdamW at train start
         ratios = [line["comm_compression"] for line in runs["int8"] if line["kind"] == "step"]
         assert all(3.5 < r < 4.0 for r in ratios) and ratios[-1] < 3.8, ratios
     exported = {name: torch.load(tmp_path / f"{name}-allreduce" / "ema_weights.pt", weights_only=True)

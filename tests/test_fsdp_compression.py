@@ -185,10 +185,10 @@ def test_inter_node_reduces_inside_the_node_in_fp32_and_codes_across_nodes(ranks
 
 def test_options_are_the_ddp_hooks_and_bad_ones_are_one_line():
     auto, fixed = reduce_scatter.make("int8"), reduce_scatter.make("int8", block_size=128)
-    assert (auto.block_size, fixed.block_size) == (256, 128)  # auto before any optimizer step
-    weight = torch.nn.Parameter(torch.ones(1))
-    weight.grad = torch.ones(1)
-    torch.optim.AdamW([weight]).step()  # an Adam-family optimizer's first step: auto becomes 64
+    assert (auto.block_size, fixed.block_size) == (256, 128)  # auto before pairing
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
+    for comm in (auto, fixed):
+        comm.pair(adamw)  # what the comm_hook plugin does at train start: auto becomes 64
     assert (auto.block_size, fixed.block_size) == (64, 128)
     with pytest.raises(DdpxError, match=r"^comm hook 'int8' under trainer.strategy=fsdp: option block_size must "
                                         r"be 'auto' or a positive multiple of 4, got 6$"):

@@ -275,28 +275,25 @@ def test_a_rank_that_overflows_alone_makes_every_rank_skip(two_ranks):
 
 
 # ------------------------------------------------------------ without processes
-def test_onebit_hook_with_an_adam_family_optimizer_warns_once(monkeypatch, caplog):
+def test_onebit_hook_paired_with_an_adam_family_optimizer_warns_once(monkeypatch, caplog):
     monkeypatch.setattr(onebit, "_adam_warned", False)
     caplog.set_level(logging.WARNING, logger="ddpx.comm_hooks")
-    ddpx.comm_hooks.make("onebit")
-    ddpx.comm_hooks.make("onebit")
-    w = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.AdamW([w])
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))])
     for _ in range(2):
-        w.grad = torch.ones(3)
-        opt.step()
+        state, _ = ddpx.comm_hooks.make("onebit")
+        state.pair(opt)
     warnings = [r.getMessage() for r in caplog.records if "onebit_adam" in r.getMessage()]
     assert len(warnings) == 1 and "ddpx.optim.OneBitAdam" in warnings[0] and "AdamW" in warnings[0]
 
 
-def test_onebit_hook_with_sgd_does_not_warn(monkeypatch, caplog):
+def test_onebit_hook_paired_with_sgd_does_not_warn(monkeypatch, caplog):
     monkeypatch.setattr(onebit, "_adam_warned", False)
     caplog.set_level(logging.WARNING, logger="ddpx.comm_hooks")
-    ddpx.comm_hooks.make("onebit")
+    state, _ = ddpx.comm_hooks.make("onebit")
+    state.pair(torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1))
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.ones(3)
-    torch.optim.SGD([w], lr=0.1).step()
-    torch.optim.AdamW([w]).step()  # the first step after the hook was made decides
+    torch.optim.AdamW([w]).step()  # an optimizer stepping elsewhere in the process: none of the hook's business
     assert not [r for r in caplog.records if "onebit_adam" in r.getMessage()]
 
 
@@ -314,6 +311,9 @@ def test_without_its_hook_it_is_adamw():
 def test_bad_pairings_are_one_line_errors():
     with pytest.raises(DdpxError, match="comm must be the state of the 'onebit_adam' hook"):
         ddpx.optim.OneBitAdam(make_model().parameters(), comm=ddpx.comm_hooks.make_state("int8"))
+    with pytest.raises(DdpxError, match=r"^comm hook 'onebit_adam' averages the gradients through its optimizer: "
+                                        r"pair it with ddpx.optim.OneBitAdam, not AdamW$"):
+        ddpx.comm_hooks.make_state("onebit_adam").pair(torch.optim.AdamW(make_model().parameters()))
     with pytest.raises(DdpxError, match="amsgrad=True is not supported"):
         ddpx.optim.OneBitAdam(make_model().parameters(), amsgrad=True)
     with pytest.raises(DdpxError, match="warmup_steps must be >= 1"):
@@ -330,13 +330,13 @@ def _config(optimizer, hook):
 def test_the_plugin_pairs_the_optimizer_with_its_hook():
     from ddpx_plugins.comm_hook import hook_name
 
-    assert hook_name(_config("ddpx.optim.OneBitAdam", "allreduce"), ddpx.comm_hooks) == "onebit_adam"
-    assert hook_name(_config("ddpx.optim.OneBitAdam", "onebit_adam"), ddpx.comm_hooks) == "onebit_adam"
-    assert hook_name(_config("torch.optim.AdamW", "int8"), ddpx.comm_hooks) == "int8"
+    assert hook_name(_config("ddpx.optim.OneBitAdam", "allreduce")) == "onebit_adam"
+    assert hook_name(_config("ddpx.optim.OneBitAdam", "onebit_adam")) == "onebit_adam"
+    assert hook_name(_config("torch.optim.AdamW", "int8")) == "int8"
     with pytest.raises(DdpxError, match="set comm_hook.name: onebit_adam .* not 'int8'"):
-        hook_name(_config("ddpx.optim.OneBitAdam", "int8"), ddpx.comm_hooks)
+        hook_name(_config("ddpx.optim.OneBitAdam", "int8"))
     with pytest.raises(DdpxError, match="comm_hook.name onebit_adam needs optimizer.target: ddpx.optim.OneBitAdam"):
-        hook_name(_config("torch.optim.AdamW", "onebit_adam"), ddpx.comm_hooks)
+        hook_name(_config("torch.optim.AdamW", "onebit_adam"))
 
 
 @pytest.mark.slow

@@ -23,17 +23,13 @@ void bind(pybind11::module_& m) {
         auto runner = std::make_shared<HookRunner>(std::move(pg), std::move(executor_pg), std::move(state), kind);
         std::weak_ptr<HookRunner> weak = runner;  // the reducer owns the hook; these must not keep it
         reducer.register_comm_hook(std::make_unique<NativeHook>(std::move(runner)));
-        auto close = py::cpp_function([weak] {
+        return py::cpp_function([weak] {
           if (auto runner = weak.lock()) runner->close();
         });
-        auto drop_layouts = py::cpp_function([weak] {
-          if (auto runner = weak.lock()) runner->drop_layouts();
-        });
-        return py::make_tuple(close, drop_layouts);
       },
       py::arg("reducer"), py::arg("process_group"), py::arg("executor_group"), py::arg("state"), py::arg("kind"),
       "Register the native ddpx comm hook `kind` on a DDP reducer; `state` is the Python ddpx.comm_hooks state that "
-      "owns options, counters and buffers. Returns two functions: one ends the hook's executor thread "
-      "(HookState.close), one makes it forget its cached layouts (HookState.drop_layouts).");
+      "owns options, counters and buffers. Returns the function that ends the hook's executor thread "
+      "(HookState.close).");
 }
 }  // namespace ddpx::comm_hooks

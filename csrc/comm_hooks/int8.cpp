@@ -14,7 +14,7 @@ class Int8 final : public TwoPhaseAlgorithm {
  private:
   // The piece's sizes (ddpx/comm_hooks/int8.py, Int8State.build_layout): its per-rank chunk
   // [base, base + c) of the bucket's per-rank chunks of `stride` elements, in blocks of
-  // `block` (a layout's own: block_size auto changes once, with new layouts).
+  // `block` (a layout's own, as the Python state fixed it when it built the layout).
   struct Sizes {
     int64_t c, base, stride, piece, plain_chunk, blocks, block;
     bool first, last;

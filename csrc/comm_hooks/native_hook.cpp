@@ -238,29 +238,37 @@ HookRunner::~HookRunner() {
 
 void HookRunner::close() { executor_.stop(); }
 
-void HookRunner::drop_layouts() {
-  std::lock_guard<std::mutex> lock(layouts_mu_);
-  layouts_.clear();
-}
-
 c10d::ProcessGroup& HookRunner::executor_group() {
   TORCH_CHECK(executor_pg_, "ddpx native comm hook: this hook was registered without an executor group");
   return *executor_pg_;
 }
 
-int64_t HookRunner::int_option(const char* name) const { return state_.attr(name).cast<int64_t>(); }
+namespace {
+// Option `name` of the Python state's checked options (`state.opts`), or None where its
+// method has no such option.
+py::object option(const py::object& state, const char* name) {
+  py::dict opts = state.attr("opts");
+  return opts.contains(name) ? py::object(opts[name]) : py::object(py::none());
+}
+}  // namespace
+
+int64_t HookRunner::int_option(const char* name) const {
+  py::object v = option(state_, name);
+  TORCH_CHECK(!v.is_none(), "ddpx native comm hook: the state's method has no option '", name, "'");
+  return v.cast<int64_t>();
+}
 
 int64_t HookRunner::int_option(const char* name, int64_t fallback) const {
-  py::object v = py::getattr(state_, name, py::none());
+  py::object v = option(state_, name);
   return v.is_none() ? fallback : v.cast<int64_t>();
 }
 
 double HookRunner::float_option(const char* name, double fallback) const {
-  py::object v = py::getattr(state_, name, py::none());
+  py::object v = option(state_, name);
   return v.is_none() ? fallback : v.cast<double>();
 }
 
-std::string HookRunner::str_option(const char* name) const { return py::str(state_.attr(name)); }
+std::string HookRunner::str_option(const char* name) const { return py::str(option(state_, name)); }
 
 void HookRunner::count(int64_t bucket_numel, int64_t wire_bytes, bool last) {
   int64_t* c = counters_.data_ptr<int64_t>();

@@ -9,8 +9,9 @@
 // state_dict() and stats() see what the native hook wrote.
 //
 // Adding an algorithm = one csrc/comm_hooks/<name>.cpp defining a NativeAlgorithm and
-// DDPX_REGISTER_NATIVE_HOOK("<native_kind>", Class); the Python state names the kind in its
-// `native_kind`, and ddpx.comm_hooks refuses a build whose kinds differ (check_native_kinds).
+// DDPX_REGISTER_NATIVE_HOOK("<kind>", Class); the method's descriptor names the kind
+// (Method.native, ddpx/comm_hooks/registry.py), and ddpx.comm_hooks refuses a build whose
+// kinds differ (check_native_kinds).
 #pragma once
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -182,9 +183,6 @@ class HookRunner {
   ~HookRunner();
   // Ends the executor thread (ddpx.comm_hooks.state.HookState.close()); the hook must not run again.
   void close();
-  // Forgets every cached layout: the next bucket asks the Python state again
-  // (HookState.drop_layouts, between steps).
-  void drop_layouts();
 
   FuturePtr run(c10d::GradBucket& bucket);
 
@@ -201,8 +199,9 @@ class HookRunner {
   // Like submit, but `work` completes the future itself, possibly from a later
   // job (software pipelining across buckets).
   FuturePtr submit_deferred(const at::Tensor& buf, std::function<void(const FuturePtr&)> work);
-  // An option of the Python state (read once, at construction time). Without a
-  // fallback the state must have it: its Option default is the only default.
+  // An option of the Python state, from its checked options dict `state.opts` (read once,
+  // at construction time). Without a fallback the method must have it: its Option default
+  // (ddpx/comm_hooks/options.py) is the only default.
   int64_t int_option(const char* name) const;
   int64_t int_option(const char* name, int64_t fallback) const;
   double float_option(const char* name, double fallback) const;

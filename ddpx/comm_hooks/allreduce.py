@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .registry import Method
 from .state import HookState, ring_allreduce_bytes
 
 
@@ -32,11 +33,8 @@ def allreduce_average(state: HookState, bucket) -> torch.futures.Future:
 class AllreduceState(HookState):
     """Plain fp32 allreduce (average). No options."""
 
-    name = "allreduce"
-    native_kind = "allreduce"
-
     def run_bucket(self, bucket):
         return allreduce_average(self, bucket)
 
 
-HOOKS = (AllreduceState,)
+METHODS = (Method("allreduce", AllreduceState, native="allreduce"),)

@@ -8,6 +8,9 @@ straight into the bucket (``ddpx.ops.cast_scale_copy_``). Exempt parameters
 allreduce issued right after, in the same hook call. Non-finite values stay
 non-finite (an overflow in the cast becomes inf), so GradScaler sees them.
 Wire: 2 bytes per compressed element.
+
+Under ``trainer.strategy: fsdp`` the same cast is FSDP2's gradient reduce-scatter
+(``HalfPrecisionReduceScatter``, ddpx/comm_hooks/reduce_scatter.py).
 """
 
 from __future__ import annotations
@@ -16,15 +19,15 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from .options import LOSSY
+from .reduce_scatter import CompressedReduceScatter
+from .registry import Method
 from .state import LossyState, ring_allreduce_bytes
 from .twophase import Piece, Scoped
 
 
 class HalfPrecisionState(Scoped, LossyState):
     dtype = torch.float16
-    native_kind = "cast"
-    # as the stage 2 of scope=inter_node (ddpx/comm_hooks/scope.py): the phase functions below, natively
-    phase_kind = "cast_phases"
 
     def build_layout(self, lay):
         dev = lay.params[0].device
@@ -80,15 +83,44 @@ class HalfPrecisionState(Scoped, LossyState):
 class Fp16State(HalfPrecisionState):
     """IEEE half precision (range +-65504 after the 1/world scaling)."""
 
-    name = "fp16"
     dtype = torch.float16
 
 
 class Bf16State(HalfPrecisionState):
     """bfloat16: fp32's range, 8 bits of mantissa; runs on gloo too."""
 
-    name = "bf16"
     dtype = torch.bfloat16
 
 
-HOOKS = (Fp16State, Bf16State)
+class HalfPrecisionReduceScatter(CompressedReduceScatter):
+    """The 16-bit cast as FSDP2's gradient reduce-scatter: the op's factor applied in the cast,
+    one all-to-all, the received copies summed in fp32."""
+
+    dtype = torch.float16
+
+    def row_bytes(self, n):
+        return 2 * n
+
+    def reduce_scatter(self, output, flat, group, world, n, alpha):
+        send = ops.scale_cast(flat, alpha, self.dtype)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        torch.sum(recv.view(world, n), dim=0, dtype=torch.float32, out=output.view(n))
+
+
+class Fp16ReduceScatter(HalfPrecisionReduceScatter):
+    dtype = torch.float16
+
+
+class Bf16ReduceScatter(HalfPrecisionReduceScatter):
+    dtype = torch.bfloat16
+
+
+# native: fp16 and bf16 share the "cast" algorithm (the dtype is the layout's wire buffer's);
+# "cast_phases" runs the phase functions above as the stage 2 of scope=inter_node
+METHODS = (
+    Method("fp16", Fp16State, options=LOSSY, native="cast", native_stage2="cast_phases",
+           sharded=Fp16ReduceScatter, sharded_options=("scope",)),
+    Method("bf16", Bf16State, options=LOSSY, native="cast", native_stage2="cast_phases",
+           sharded=Bf16ReduceScatter, sharded_options=("scope",)),
+)

@@ -16,6 +16,9 @@ bucket i-2 is decoded only then, so the link has the next collective queued
 while the CPU codes a neighbour. The order is fixed (A2A 0, A2A 1, AG 0,
 A2A 2, AG 1, ..., AG last), the same on every rank.
 
+Under ``trainer.strategy: fsdp`` the same codes are FSDP2's gradient reduce-scatter
+(``Int8ReduceScatter``, ddpx/comm_hooks/reduce_scatter.py).
+
 Exempt parameters (small and 1-D by default) ride along as fp32 in the same
 two messages: each rank's message is one byte buffer ``[plain fp32 | scales
 fp32 | q int8]``. A block holding NaN/Inf gets a NaN scale, so a non-finite
@@ -25,59 +28,23 @@ gradient stays non-finite. Wire per rank (ring model): about
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 
 from .. import ops
-from .state import LossyState, Option, adam_family, non_negative, on_first_optimizer_step, positive_multiple_of
+from .options import LOSSY, Option, non_negative, positive_multiple_of
+from .reduce_scatter import CompressedReduceScatter
+from .registry import Method
 from .twophase import (Piece, TwoPhaseState, all_gather_single, piece_elements, piece_ranges, piece_spans,
                        segment_spans)
 
-AUTO_BLOCKS = {False: 256, True: 64}  # block_size auto: without / with an Adam-family optimizer
+# auto: (without, with an Adam-family optimizer), resolved by pairing (ddpx/comm_hooks/comm_state.py)
 BLOCK_SIZE = Option(object, "auto", lambda v: None if v == "auto" or (
     type(v) is int and positive_multiple_of(4)(v) is None) else "must be 'auto' or a positive multiple of 4",
-    "elements per fp32 scale; auto: 64 with an Adam-family optimizer, else 256")
+    "elements per fp32 scale; auto: 64 with an Adam-family optimizer, else 256", auto=(256, 64))
 
 
-class AutoBlockSize:
-    """``block_size: auto`` of int8 (the DDP hook and fsdp's reduce-scatter): 256 until the
-    first optimizer step shows an Adam-family optimizer, then 64. Call ``watch_optimizer``
-    once the options are set; ``_fix_block`` may be extended (the DDP hook rebuilds its layouts)."""
-
-    _auto_block = None  # fixed by the first optimizer step (or a loaded state)
-    outer = None  # scope=inter_node: the state whose block size this stage-2 state codes with
-
-    def watch_optimizer(self) -> None:
-        if self.opts["block_size"] == "auto":
-            this = weakref.ref(self)
-            on_first_optimizer_step(lambda opt: this() is not None and this()._fix_block(AUTO_BLOCKS[adam_family(opt)]))
-
-    @property
-    def block_size(self) -> int:
-        """Elements per scale now: the option, or for ``auto`` 256 until an Adam-family
-        optimizer has been seen, then 64."""
-        if self.outer is not None:
-            return self.outer.block_size
-        if self.opts["block_size"] != "auto":
-            return self.opts["block_size"]
-        return self._auto_block or AUTO_BLOCKS[False]
-
-    @block_size.setter
-    def block_size(self, value) -> None:
-        pass  # the option stays in self.opts
-
-    def _fix_block(self, block: int) -> bool:
-        """Fix ``auto`` (once); whether the block size changed. A stage-2 state follows its outer
-        state, which drops the plan's layouts (its own included) when it changes."""
-        if self._auto_block is not None or self.outer is not None:
-            return False
-        before, self._auto_block = self.block_size, block
-        return block != before
-
-
-class Int8State(AutoBlockSize, TwoPhaseState):
+class Int8State(TwoPhaseState):
     """Blockwise int8 with worker and server error feedback.
 
     ``piece_mb`` (default 2): a bucket is coded, sent and decoded in pieces of
@@ -92,49 +59,37 @@ class Int8State(AutoBlockSize, TwoPhaseState):
     4 MB buckets; int8 is near its link bound there (12.8 MB a step on the
     wire at the block size of then, 256: 102 ms at 1 Gbit/s).
 
-    ``block_size`` (default ``auto``): elements per fp32 scale. ``auto`` is 256 until
-    the first optimizer step shows an Adam-family optimizer (``betas``), then 64,
-    with the layouts rebuilt once (memory carries over per parameter). With AdamW,
+    ``block_size`` (default ``auto``): elements per fp32 scale. ``auto`` is 64 once the
+    state is paired with an Adam-family optimizer (``betas``; ``state.pair(optimizer)``
+    before the first step, which ``ddpx train`` does), else 256. With AdamW,
     256 missed the 0.01-nat target of the GPT table (+0.016) and 64 meets it; Adam
     divides by the root of its second moment, so the small elements that share a
     block with an outlier, rounded to zero or one step, move the update most. 64
     costs 4.7 % more wire and slower quantizing, which SGD does not need
-    (docs/comm_hooks.md: the GPT table, and the 2-host benchmark's cost). A plan
-    of ``scope=inter_node`` codes with its outer state's block size.
+    (docs/comm_hooks.md: the GPT table, and the 2-host benchmark's cost). The stage 2
+    of ``scope=inter_node`` codes with this state's block size (it shares the ``auto`` values).
     """
 
-    name = "int8"
-    native_kind = "int8"
-    options = {
-        **LossyState.options,
-        "block_size": BLOCK_SIZE,
-        "piece_mb": Option(float, 2.0, non_negative,
-                           "MB of fp32 gradient per pipelined piece of a bucket (0: one piece per bucket)"),
-    }
     memories = ("worker_error", "server_error")
-    # A bucket is coded only once DDP has all of it: with 25 MB buckets the first
-    # (after the 1 MB one) waits for 6 of the benchmark model's 12 layers. 4 MB
-    # buckets start the wire a layer after backward does (benchmarks/bench_comm.py,
-    # 1 Gbit/s, before pieces: 166 -> 119 ms/step); with pieces the gap is small.
-    bucket_cap_mb = 4.0
 
-    def __init__(self, process_group=None, **opts):
-        super().__init__(process_group, **opts)
-        self.watch_optimizer()
+    @property
+    def block_size(self) -> int:
+        """Elements per scale: the option, or for ``auto`` 64 when paired with an Adam-family
+        optimizer, else 256."""
+        return self.option("block_size")
 
-    def _fix_block(self, block: int) -> bool:
-        changed = super()._fix_block(block)
-        if changed:  # layouts built with the other block size are rebuilt at the next bucket
-            self.drop_layouts()
-        return changed
+    @property
+    def coding_unit(self) -> int:
+        return self.block_size
 
     def state_dict(self) -> dict:
-        return dict(super().state_dict(), block_size=self.block_size)
+        chosen = self.opts["block_size"] != "auto" or self.auto_options.chosen("block_size")
+        return dict(super().state_dict(), block_size=self.block_size if chosen else None)
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
-        if self.opts["block_size"] == "auto" and sd.get("block_size") in AUTO_BLOCKS.values():
-            self._fix_block(sd["block_size"])  # a resumed run codes as the saved one did
+        if sd.get("block_size") in BLOCK_SIZE.auto:
+            self.auto_options.restore("block_size", sd["block_size"])  # a resumed run codes as the saved one did
 
     def build_layout(self, lay):
         world, rank, block = self.world_size, self.rank, self.block_size
@@ -163,7 +118,7 @@ class Int8State(AutoBlockSize, TwoPhaseState):
         # pieces: the same block range [base, base + chunk) of every rank's chunk; the
         # first piece also carries the exempt values. Each has its own messages, so
         # pieces in flight do not share buffers.
-        ranges = piece_ranges(lay.chunk, piece_elements(self.piece_mb, world, block))
+        ranges = piece_ranges(lay.chunk, piece_elements(self.opts["piece_mb"], world, block))
         lay.pieces = []
         for j, (base, n) in enumerate(ranges):
             plain_chunk = lay.plain_chunk if j == 0 else 0
@@ -240,4 +195,44 @@ class Int8State(AutoBlockSize, TwoPhaseState):
             ops.unflatten_(lay.plain, lay.runs(buf, False))
 
 
-HOOKS = (Int8State,)
+class Int8ReduceScatter(CompressedReduceScatter):
+    """int8 as FSDP2's gradient reduce-scatter: each destination's chunk quantized in blocks
+    (no error feedback: ddpx/comm_hooks/reduce_scatter.py says why), one all-to-all, the
+    received copies summed in fp32."""
+
+    @property
+    def block_size(self) -> int:
+        return self.option("block_size")
+
+    def row_bytes(self, n):
+        return 4 * ops.ceil_div(n, self.block_size) + 4 * ops.ceil_div(n, 4)
+
+    def _views(self, buf, world, n):
+        """(scales fp32 [R, b], q int8 [R, n]) views of a [R * row] byte buffer."""
+        rows = buf.view(world, -1)
+        b4 = 4 * ops.ceil_div(n, self.block_size)
+        return rows[:, :b4].view(torch.float32), rows[:, b4:b4 + n].view(torch.int8)
+
+    def reduce_scatter(self, output, flat, group, world, n, alpha):
+        send = torch.empty(world * self.row_bytes(n), dtype=torch.uint8, device=flat.device)
+        recv = torch.empty_like(send)
+        scales, q = self._views(send, world, n)
+        for r in range(world):
+            ops.int8_quantize(flat.narrow(0, r * n, n), self.block_size, out_q=q[r], out_scales=scales[r])
+        dist.all_to_all_single(recv, send, group=group)
+        scales, q = self._views(recv, world, n)
+        ops.int8_dequant_accumulate_(output, q, scales, self.block_size, alpha)
+
+
+METHODS = (Method(
+    "int8", Int8State,
+    options={**LOSSY, "block_size": BLOCK_SIZE,
+             "piece_mb": Option(float, 2.0, non_negative,
+                                "MB of fp32 gradient per pipelined piece of a bucket (0: one piece per bucket)")},
+    native="int8",
+    sharded=Int8ReduceScatter, sharded_options=("block_size", "scope"),
+    # A bucket is coded only once DDP has all of it: with 25 MB buckets the first (after the
+    # 1 MB one) waits for 6 of the benchmark model's 12 layers. 4 MB buckets start the wire a
+    # layer after backward does (benchmarks/bench_comm.py, 1 Gbit/s, before pieces: 166 -> 119
+    # ms/step); with pieces the gap is small.
+    bucket_cap_mb=4.0),)

@@ -74,7 +74,9 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .state import LossyState, Option, adam_family, log, non_negative, on_first_optimizer_step, positive_multiple_of
+from .comm_state import adam_family, log
+from .options import LOSSY, Option, non_negative, positive_multiple_of
+from .registry import Method, method_for_optimizer
 from .twophase import (Piece, TwoPhaseState, all_gather_single, piece_elements, piece_ranges, piece_spans,
                        segment_spans)
 
@@ -85,9 +87,10 @@ _adam_warned = False  # the warning of warn_with_adam is given once per process
 def warn_with_adam(optimizer) -> None:
     """1-bit gradients with error feedback do not give Adam the update it would have had (a
     small GPT with AdamW lost 0.41 nats); the momentum path ``onebit_adam`` does: say so,
-    once, when the first optimizer step after the hook is made is an Adam-family one."""
+    once, when the hook is paired with an Adam-family optimizer (not one that needs a hook
+    of its own, which would refuse it)."""
     global _adam_warned
-    if _adam_warned or not adam_family(optimizer) or getattr(optimizer, "comm_hook", None):
+    if _adam_warned or not adam_family(optimizer) or method_for_optimizer(type(optimizer)) is not None:
         return
     _adam_warned = True
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -99,47 +102,26 @@ def warn_with_adam(optimizer) -> None:
 class OnebitState(TwoPhaseState):
     """1-bit signs with a per-chunk scale, worker and server error feedback."""
 
-    name = "onebit"
-    native_kind = "onebit"
-    options = {
-        **LossyState.options,
-        "warmup_steps": Option(int, 100, non_negative,
-                               "iterations of plain fp32 allreduce before compression starts (see the docstring)"),
-        "min_numel": Option(int, 16384, non_negative,
-                            "parameters with fewer elements are sent uncompressed (see the docstring)"),
-        "chunk_size": Option(int, 128, positive_multiple_of(8), "elements per fp32 scale"),
-        "piece_mb": Option(float, 16.0, non_negative,
-                           "MB of fp32 gradient per pipelined piece of a bucket (0: one piece per bucket)"),
-    }
     memories = ("worker_error", "server_error")
 
-    def __init__(self, process_group=None, **opts):
-        super().__init__(process_group, **opts)
-        if type(self) is OnebitState:  # the gradient hook, not onebit_adam's momentum
-            on_first_optimizer_step(warn_with_adam)
+    @property
+    def chunk_size(self) -> int:
+        """Elements per fp32 scale (the option)."""
+        return self.opts["chunk_size"]
+
+    @property
+    def coding_unit(self) -> int:
+        return self.chunk_size
+
+    def pair(self, optimizer) -> None:
+        super().pair(optimizer)
+        if self.method.optimizer is None:  # the gradient hook, not onebit_adam's momentum
+            warn_with_adam(optimizer)
 
     def build_layout(self, lay):
-        world, rank, chunk = self.world_size, self.rank, self.chunk_size
-        dev = lay.params[0].device
-        f32 = dict(dtype=torch.float32, device=dev)
-        # compressed parameters are packed in descending key order, not bucket order: the
-        # chunks, and so the results, then do not depend on the order DDP lists a bucket's
-        # parameters in (it changes at the bucket rebuild: a resumed run's first step
-        # matches), and after the rebuild (gradient-ready order, i.e. descending keys for
-        # most models) the packing order usually is the bucket order
-        offsets, off = [], 0
-        for p in lay.params:
-            offsets.append(off)
-            off += p.numel()
-        order = [i for i, poff in enumerate(lay.param_packed_offset) if poff is not None]
-        order.sort(key=lambda i: -lay.keys[i])
-        # [(bucket offset, numel)] per compressed parameter, in packing order (int64 [k, 2])
-        slices = [(offsets[i], lay.params[i].numel()) for i in order]
-        lay.comp_order = torch.tensor(slices, dtype=torch.int64).reshape(-1, 2)
-        # packed order == one contiguous stretch of the bucket: work in the bucket itself
-        # (no flatten/unflatten copies); its offset, or -1
-        contiguous = all(a[0] + a[1] == b[0] for a, b in zip(slices, slices[1:]))
-        lay.direct_offset = slices[0][0] if slices and contiguous else -1
+        world, chunk = self.world_size, self.chunk_size
+        f32 = dict(dtype=torch.float32, device=lay.params[0].device)
+        order, slices = self._packing(lay)
         # each rank's segment: whole chunks and whole 32-bit words, so every row of
         # the byte messages below keeps its fp32 fields 4-byte aligned
         align = chunk * 32 // math.gcd(chunk, 32)
@@ -157,14 +139,42 @@ class OnebitState(TwoPhaseState):
         lay.plain = torch.zeros(world * lay.plain_chunk, **f32)
         lay.worker_error = torch.zeros(world * lay.seg, **f32)
         lay.server_error = torch.zeros(world * lay.seg, **f32)  # only this rank's segment is used
-        # pieces: the same chunk range [base, base + seg) of every rank's segment; the
-        # first piece also carries the exempt values; each has its own messages
-        ranges = piece_ranges(lay.seg, piece_elements(self.piece_mb, world, align))
-        lay.pieces = []
+        lay.pieces = self._pieces(lay, spans, align)
+        self._adopt_memory(lay, order)
+
+    @staticmethod
+    def _packing(lay):
+        """(the compressed parameters' indices in packing order, their [(bucket offset, numel)]);
+        sets ``lay.comp_order`` (those slices, int64 [k, 2]) and ``lay.direct_offset``."""
+        # compressed parameters are packed in descending key order, not bucket order: the
+        # chunks, and so the results, then do not depend on the order DDP lists a bucket's
+        # parameters in (it changes at the bucket rebuild: a resumed run's first step
+        # matches), and after the rebuild (gradient-ready order, i.e. descending keys for
+        # most models) the packing order usually is the bucket order
+        offsets, off = [], 0
+        for p in lay.params:
+            offsets.append(off)
+            off += p.numel()
+        order = [i for i, poff in enumerate(lay.param_packed_offset) if poff is not None]
+        order.sort(key=lambda i: -lay.keys[i])
+        slices = [(offsets[i], lay.params[i].numel()) for i in order]
+        lay.comp_order = torch.tensor(slices, dtype=torch.int64).reshape(-1, 2)
+        # packed order == one contiguous stretch of the bucket: work in the bucket itself
+        # (no flatten/unflatten copies); its offset, or -1
+        contiguous = all(a[0] + a[1] == b[0] for a, b in zip(slices, slices[1:]))
+        lay.direct_offset = slices[0][0] if slices and contiguous else -1
+        return order, slices
+
+    def _pieces(self, lay, spans, align) -> list:
+        """The same chunk range [base, base + seg) of every rank's segment; the first piece
+        also carries the exempt values; each has its own messages."""
+        world, chunk, dev = self.world_size, self.chunk_size, lay.params[0].device
+        ranges = piece_ranges(lay.seg, piece_elements(self.opts["piece_mb"], world, align))
+        pieces = []
         for j, (base, n) in enumerate(ranges):
             plain_chunk = lay.plain_chunk if j == 0 else 0
             piece = 4 * plain_chunk + 4 * (n // chunk) + n // 8  # bytes per rank message
-            lay.pieces.append(Piece(
+            pieces.append(Piece(
                 j, len(ranges), base=base, seg=n, chunks=n // chunk, plain_chunk=plain_chunk, piece=piece,
                 stride=lay.seg, lengths=[max(0, min(n, m - base)) for m in lay.lengths],
                 spans=torch.tensor(piece_spans(spans, base, n), dtype=torch.int64).reshape(-1, 4),
@@ -172,6 +182,10 @@ class OnebitState(TwoPhaseState):
                 recv=torch.zeros(world * piece, dtype=torch.uint8, device=dev),
                 send2=torch.zeros(piece, dtype=torch.uint8, device=dev),
                 recv2=torch.zeros(world * piece, dtype=torch.uint8, device=dev)))
+        return pieces
+
+    def _adopt_memory(self, lay, order) -> None:
+        """Each compressed parameter's error memory, carried over into this layout."""
         packed = 0
         for i in order:
             n = lay.params[i].numel()
@@ -179,7 +193,7 @@ class OnebitState(TwoPhaseState):
             self.adopt("server_error", lay.keys[i], lay.server_error.narrow(0, packed, n))
             packed += n
         # server memory carried over from another layout is only valid for our segment
-        own = slice(rank * lay.seg, (rank + 1) * lay.seg)
+        own = slice(self.rank * lay.seg, (self.rank + 1) * lay.seg)
         keep = lay.server_error[own].clone()
         lay.server_error.zero_()
         lay.server_error[own] = keep
@@ -261,4 +275,14 @@ class OnebitState(TwoPhaseState):
             ops.unflatten_(comp_buf, comp)
 
 
-HOOKS = (OnebitState,)
+METHODS = (Method(
+    "onebit", OnebitState,
+    options={**LOSSY,
+             "warmup_steps": Option(int, 100, non_negative,
+                                    "iterations of plain fp32 allreduce before compression starts (see the docstring)"),
+             "min_numel": Option(int, 16384, non_negative,
+                                 "parameters with fewer elements are sent uncompressed (see the docstring)"),
+             "chunk_size": Option(int, 128, positive_multiple_of(8), "elements per fp32 scale"),
+             "piece_mb": Option(float, 16.0, non_negative,
+                                "MB of fp32 gradient per pipelined piece of a bucket (0: one piece per bucket)")},
+    native="onebit"),)

@@ -44,7 +44,9 @@ from .. import ops
 from ..errors import DdpxError
 from .allreduce import allreduce_average
 from .onebit import OnebitState
-from .state import Option, non_negative, positive_multiple_of, ring_allreduce_bytes
+from .options import Option, non_negative, positive_multiple_of
+from .registry import Method
+from .state import ring_allreduce_bytes
 
 # the layout index of the optimizer's "bucket" (DDP's buckets are 0, 1, ...)
 OPTIMIZER_BUCKET = -1
@@ -53,28 +55,20 @@ OPTIMIZER_BUCKET = -1
 class OneBitAdamState(OnebitState):
     """Exact allreduce during the warm-up, then local gradients and OneBitAdam's 1-bit update exchange."""
 
-    name = "onebit_adam"
-    native_kind = None
-    # the gradients are averaged by the optimizer, not the hook, once compression starts
-    needs_optimizer = "ddpx.optim.OneBitAdam"
-    options = {
-        "warmup_steps": Option(int, 100, lambda v: None if v >= 1 else "must be >= 1 (Adam's second moment is "
-                               "frozen at its end)", "iterations of exact allreduce and AdamW steps before the "
-                               "second moment is frozen"),
-        "min_numel": Option(int, 16384, non_negative, "parameters with fewer elements send their update exactly"),
-        "compress_vectors": Option(bool, False, None, "compress 1-D parameters' update (biases, norms) too"),
-        "chunk_size": Option(int, 128, positive_multiple_of(8), "elements per fp32 scale"),
-        "piece_mb": Option(float, 16.0, non_negative,
-                           "MB of fp32 update per pipelined piece (0: one piece)"),
-    }
-
     warmup_text = ("exact allreduce and AdamW steps for the first {n} steps; from step {n} Adam's second moment "
                    "is frozen and the updates travel 1-bit")
 
-    def __init__(self, process_group=None, **opts):
-        super().__init__(process_group, **opts)
+    def __init__(self, method, process_group=None, **opts):
+        super().__init__(method, process_group, **opts)
         # whether the hook's latest step left the gradients local (the optimizer then exchanges its update)
         self.compressing = False
+
+    def pair(self, optimizer) -> None:
+        """Pair with its ``ddpx.optim.OneBitAdam`` (any other optimizer is refused in one line),
+        which then averages its updates through :meth:`average`; ``OneBitAdam(...,
+        comm=state)`` and ``OneBitAdam.pair(state)`` come here."""
+        super().pair(optimizer)
+        optimizer.comm = self
 
     def run_bucket(self, bucket):
         self.compressing = not self.warming_up()
@@ -113,4 +107,19 @@ class OneBitAdamState(OnebitState):
         lay.flat = torch.empty(lay.numel, dtype=torch.float32, device=lay.params[0].device)  # the "bucket"
 
 
-HOOKS = (OneBitAdamState,)
+METHODS = (Method(
+    "onebit_adam", OneBitAdamState,
+    options={
+        "warmup_steps": Option(int, 100, lambda v: None if v >= 1 else "must be >= 1 (Adam's second moment is "
+                               "frozen at its end)", "iterations of exact allreduce and AdamW steps before the "
+                               "second moment is frozen"),
+        "min_numel": Option(int, 16384, non_negative, "parameters with fewer elements send their update exactly"),
+        "compress_vectors": Option(bool, False, None, "compress 1-D parameters' update (biases, norms) too"),
+        "chunk_size": Option(int, 128, positive_multiple_of(8), "elements per fp32 scale"),
+        "piece_mb": Option(float, 16.0, non_negative, "MB of fp32 update per pipelined piece (0: one piece)"),
+    },
+    # Python hook only: in its compressed stage the hook does next to nothing, and the update
+    # exchange runs the native kernels
+    native=None,
+    # the gradients are averaged by the optimizer, not the hook, once compression starts
+    optimizer="ddpx.optim.OneBitAdam"),)

@@ -31,16 +31,17 @@ allreduce from a future callback, in completion order, and crashes on gloo
 with several buckets). Wire per matrix: r (n + m)
 fp32 elements instead of n m.
 
-Rank with Adam (``rank: "auto"``, the default): 16 when the first optimizer step
-after the hook is made is an Adam-family one (it has ``betas``), else 4. On the
+Rank with Adam (``rank: "auto"``, the default): 16 when the state is paired with
+an Adam-family optimizer (it has ``betas``; ``state.pair(optimizer)``, which ``ddpx
+train`` does before the first step), else 4. On the
 transformer table of benchmarks/bench_convergence_gpt.py (a 4-block GPT, AdamW,
 400 steps, seed 0) rank 4 lost 0.09 nats against allreduce, 8 0.045, 16 0.019,
 32 0.004: Adam scales each coordinate by its own running magnitude, so the
 coordinates a low-rank approximation leaves small are scaled up, and error
 feedback does not repay that (the reason ``onebit`` fails with Adam). SGD does not
-care (the digits matrix passes at 4). The first optimizer step normally comes in
-the warm-up; a layout built before it (``warmup_steps=0``, a resume without the
-hook state) fixes rank 4. ``state_dict()`` keeps the rank (``approx_rank``).
+care (the digits matrix passes at 4). A state never paired fixes rank 4 at its
+first layout (the first compressed step) and says so once; ``state_dict()`` keeps
+the rank (``approx_rank``).
 
 Options: ``rank`` (the approximation rank r, or "auto"), ``warmup_steps`` (plain
 allreduce first, torch's ``start_powerSGD_iter``), ``min_numel`` (smaller
@@ -71,17 +72,14 @@ ring adds an element's copies in an order that depends on the buffer length).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 
 from .. import ops
-from .state import HookState, LossyState, Option, adam_family, non_negative, on_first_optimizer_step, ring_allreduce_bytes
+from .options import LOSSY, SCOPE, Option, non_negative
+from .registry import Method
+from .state import ring_allreduce_bytes
 from .twophase import Piece, TwoPhaseState
-
-# rank "auto": {with an Adam-family optimizer: r}; see the module docstring
-AUTO_RANKS = {False: 4, True: 16}
 
 
 def _matrix_shape(p: torch.Tensor) -> tuple[int, int]:
@@ -91,90 +89,67 @@ def _matrix_shape(p: torch.Tensor) -> tuple[int, int]:
 class PowerSGDState(TwoPhaseState):
     """Rank-r PowerSGD with error feedback and warm start."""
 
-    name = "powersgd"
-    native_kind = "powersgd"
-    options = {
-        "rank": Option(object, "auto", lambda v: None if v == "auto" or (type(v) is int and v >= 1) else
-                       "must be 'auto' or an int >= 1", "approximation rank r; auto: 16 with an Adam-family "
-                       "optimizer, else 4 (see the docstring)"),
-        "warmup_steps": Option(int, 100, non_negative,
-                               "iterations of plain fp32 allreduce before compression starts (see the docstring)"),
-        "min_numel": LossyState.options["min_numel"],
-        "seed": Option(int, 0, non_negative, "seed of the initial Q (identical on every rank)"),
-        "piece_mb": Option(float, 16.0, non_negative,
-                           "MB of fp32 gradient (whole matrices) per pipelined piece of a bucket (0: one piece)"),
-        "scope": LossyState.options["scope"],
-    }
     keep_matrices_whole = True  # scope=inter_node: exact allreduce in the node, then this (ddpx/comm_hooks/scope.py)
     memories = ("error", "q", "p")  # error: the last step's M (see above); p: its P
 
-    def __init__(self, process_group=None, **opts):
-        super().__init__(process_group, **opts)
-        self._auto_rank = None  # rank "auto", once fixed: by the first optimizer step or the first layout
-        if self.opts["rank"] == "auto":
-            this = weakref.ref(self)
-            on_first_optimizer_step(lambda opt: this() is not None and this()._fix_rank(opt))
-
-    # HookState.rank is the process rank; the option of the same name (the
-    # user-facing spelling, as in the paper) is read through `approx_rank`.
-    @property
-    def rank(self) -> int:
-        return HookState.rank.fget(self)
-
-    @rank.setter
-    def rank(self, value) -> None:
-        pass  # the option stays in self.opts
-
     @property
     def approx_rank(self) -> int:
-        """The approximation rank r: the option, or for ``auto`` the rank fixed so far (4 until then)."""
-        if self.opts["rank"] != "auto":
-            return self.opts["rank"]
-        return self._auto_rank or AUTO_RANKS[False]
-
-    def _fix_rank(self, optimizer=None) -> None:
-        """Fix rank ``auto``: by the first optimizer step after the hook was made, unless a
-        layout (the first compressed step) came first; that one runs with what it saw."""
-        if self._auto_rank is None:
-            self._auto_rank = AUTO_RANKS[optimizer is not None and adam_family(optimizer)]
-
-    def layout(self, index, params):
-        if self.opts["rank"] == "auto":
-            self._fix_rank()  # the layout's matrices must keep their rank
-        return super().layout(index, params)
+        """The approximation rank r (the option ``rank``; ``self.rank`` is the process's): the
+        option, or for ``auto`` 16 when paired with an Adam-family optimizer, else 4."""
+        return self.option("rank")
 
     def state_dict(self) -> dict:
-        return dict(super().state_dict(), approx_rank=self.approx_rank)
+        chosen = self.opts["rank"] != "auto" or self.auto_options.chosen("rank")
+        return dict(super().state_dict(), approx_rank=self.approx_rank if chosen else None)
 
     def r_of(self, p: torch.Tensor) -> int:
         n, m = _matrix_shape(p)
         return min(self.approx_rank, n, m)
 
     def compressible(self, p):
-        if p.dim() < 2 or p.numel() < self.min_numel:
+        if p.dim() < 2 or p.numel() < self.opts["min_numel"]:
             return False
         n, m = _matrix_shape(p)
         return (n + m) * self.r_of(p) < n * m
 
     def build_layout(self, lay):
-        dev = lay.params[0].device
-        f32 = dict(dtype=torch.float32, device=dev)
+        f32 = dict(dtype=torch.float32, device=lay.params[0].device)
+        tables, batches, p_total, q_total = self._piece_tables(lay)
+        lay.matrices = torch.tensor([r for t in tables for r in t], dtype=torch.int64).reshape(-1, 8)
+        lay.pbuf = torch.zeros(lay.n_plain + p_total, **f32)  # [plain | P's]: one allreduce per piece
+        lay.q = torch.zeros(q_total, **f32)  # Q's (m x r each): allreduced, and the warm-start memory
+        lay.qt = torch.zeros(q_total, **f32)  # the same Q's transposed (r x m): the kernels read rows of it
+        lay.p_prev = torch.zeros(p_total, **f32)  # the last step's P's (not overwritten by the allreduce)
+        lay.error = torch.zeros(lay.n_comp, **f32)
+        for key, _, n, m, r, p_off, qoff, poff in lay.matrices.tolist():
+            self.adopt("error", key, lay.error.narrow(0, poff, n * m))
+            self.adopt("p", key, lay.p_prev.narrow(0, p_off, n * r))
+            q = lay.q.narrow(0, qoff, m * r)
+            self.adopt("q", key, q)
+            if not q.any():  # new parameter, or memory reset: start from the seeded draw
+                self._draw_q(key, q)
+        lay.pieces = [self._piece(lay, j, len(tables), rows, spans)
+                      for j, (rows, spans) in enumerate(zip(tables, batches))]
+
+    def _piece_tables(self, lay):
+        """(per piece its matrix table, per piece its shape batches, P and Q elements in all).
+        A piece is a run of consecutive matrices of about ``piece_mb`` of gradient; each
+        allreduces its own stretch of pbuf (the first also the exempt values) and of q.
+        Within a piece, matrices of one shape (n, m, r) sit side by side in pbuf, q and qt
+        (a batch: its first row and count), so one call orthogonalizes all their P's and one
+        copy transposes all their Q's. Table rows: key, bucket_offset, n, m, r, p_offset,
+        q_offset, packed_offset."""
         mats = []  # (key, bucket_offset, n, m, r, packed_offset), in bucket order
         off = 0
         for key, p, poff in zip(lay.keys, lay.params, lay.param_packed_offset):
             if poff is not None:
                 mats.append((key, off, *_matrix_shape(p), self.r_of(p), poff))
             off += p.numel()
-        # pieces: runs of consecutive matrices of about piece_mb of gradient; each
-        # allreduces its own stretch of pbuf (the first also the exempt values) and of q
-        groups, limit = [[]], self.piece_mb * (1 << 20) / 4
+        groups, limit = [[]], self.opts["piece_mb"] * (1 << 20) / 4
         for row in mats:
             if groups[-1] and limit > 0 and sum(x[2] * x[3] for x in groups[-1]) >= limit:
                 groups.append([])
             groups[-1].append(row)
-        # Within a piece, matrices of one shape (n, m, r) sit side by side in pbuf, q and
-        # qt ("batches"), so one call orthogonalizes all their P's and one copy transposes
-        # all their Q's. Table rows: key, bucket_offset, n, m, r, p_offset, q_offset, packed_offset.
         tables, batches, p_total, q_total = [], [], 0, 0
         for group in groups:
             shapes: dict[tuple, list] = {}
@@ -189,56 +164,46 @@ class PowerSGDState(TwoPhaseState):
                     q_total += m * r
             tables.append(rows)
             batches.append(spans)
-        lay.matrices = torch.tensor([r for t in tables for r in t], dtype=torch.int64).reshape(-1, 8)
-        lay.pbuf = torch.zeros(lay.n_plain + p_total, **f32)  # [plain | P's]: one allreduce per piece
-        lay.q = torch.zeros(q_total, **f32)  # Q's (m x r each): allreduced, and the warm-start memory
-        lay.qt = torch.zeros(q_total, **f32)  # the same Q's transposed (r x m): the kernels read rows of it
-        lay.p_prev = torch.zeros(p_total, **f32)  # the last step's P's (not overwritten by the allreduce)
-        lay.error = torch.zeros(lay.n_comp, **f32)
-        for key, _, n, m, r, p_off, qoff, poff in lay.matrices.tolist():
-            self.adopt("error", key, lay.error.narrow(0, poff, n * m))
-            self.adopt("p", key, lay.p_prev.narrow(0, p_off, n * r))
-            q = lay.q.narrow(0, qoff, m * r)
-            self.adopt("q", key, q)
-            if not q.any():  # new parameter, or memory reset: start from the seeded draw
-                self._draw_q(key, q)
-        lay.pieces = []
-        for j, (rows, spans) in enumerate(zip(tables, batches)):
-            p0, q0 = (rows[0][5], rows[0][6]) if rows else (0, 0)
-            p_len = sum(x[2] * x[4] for x in rows)
-            q_len = sum(x[3] * x[4] for x in rows)
-            pbuf = lay.pbuf.narrow(0, 0, lay.n_plain + p_len) if j == 0 else lay.pbuf.narrow(0, lay.n_plain + p0, p_len)
-            pc = Piece(j, len(tables), matrices=torch.tensor(rows, dtype=torch.int64).reshape(-1, 8),
-                       batches=torch.tensor(spans, dtype=torch.int64).reshape(-1, 2), pbuf=pbuf,
-                       q=lay.q.narrow(0, q0, q_len), p_prev=lay.p_prev.narrow(0, p0, p_len),
-                       p=lay.pbuf.narrow(0, lay.n_plain + p0, p_len),
-                       # which matrices had a finite P this step (phase 2 writes it, finish reads it)
-                       finite=torch.ones(len(rows), dtype=torch.bool, device=dev))
-            # views of the layout's buffers, made once (the native hook makes its own)
-            pc.views = [(key, boff, n, m, lay.error.narrow(0, poff, n * m).view(n, m),
-                         lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r),
-                         lay.p_prev.narrow(0, p_off, n * r).view(n, r), lay.qt.narrow(0, qoff, m * r).view(r, m),
-                         lay.q.narrow(0, qoff, m * r).view(m, r))
-                        for key, boff, n, m, r, p_off, qoff, poff in rows]
-            pc.batch_views = []  # per shape: (P's [b, n, r], Q's [b, m, r], Q^T's [b, r, m], finite flags [b])
-            for first, count in spans:
-                key, boff, n, m, r, p_off, qoff, poff = rows[first]
-                pc.batch_views.append((lay.pbuf.narrow(0, lay.n_plain + p_off, count * n * r).view(count, n, r),
-                                       lay.q.narrow(0, qoff, count * m * r).view(count, m, r),
-                                       lay.qt.narrow(0, qoff, count * m * r).view(count, r, m),
-                                       pc.finite.narrow(0, first, count)))
-            pc.finite_host = _host_flags(pc.finite)
-            pc.finite_ready = None
-            pc.grads = (None, [])  # (the bucket's data_ptr, its matrix views), remade when DDP's bucket changes
-            lay.pieces.append(pc)
+        return tables, batches, p_total, q_total
+
+    @staticmethod
+    def _piece(lay, j: int, count: int, rows: list, spans: list) -> Piece:
+        """Piece ``j`` of ``count``: its matrices (``rows``, batched by shape in ``spans``), its
+        stretches of the layout's buffers, and views of them made once (the native hook makes
+        its own)."""
+        p0, q0 = (rows[0][5], rows[0][6]) if rows else (0, 0)
+        p_len = sum(x[2] * x[4] for x in rows)
+        q_len = sum(x[3] * x[4] for x in rows)
+        pbuf = lay.pbuf.narrow(0, 0, lay.n_plain + p_len) if j == 0 else lay.pbuf.narrow(0, lay.n_plain + p0, p_len)
+        pc = Piece(j, count, matrices=torch.tensor(rows, dtype=torch.int64).reshape(-1, 8),
+                   batches=torch.tensor(spans, dtype=torch.int64).reshape(-1, 2), pbuf=pbuf,
+                   q=lay.q.narrow(0, q0, q_len), p_prev=lay.p_prev.narrow(0, p0, p_len),
+                   p=lay.pbuf.narrow(0, lay.n_plain + p0, p_len),
+                   # which matrices had a finite P this step (phase 2 writes it, finish reads it)
+                   finite=torch.ones(len(rows), dtype=torch.bool, device=lay.params[0].device))
+        pc.views = [(key, boff, n, m, lay.error.narrow(0, poff, n * m).view(n, m),
+                     lay.pbuf.narrow(0, lay.n_plain + p_off, n * r).view(n, r),
+                     lay.p_prev.narrow(0, p_off, n * r).view(n, r), lay.qt.narrow(0, qoff, m * r).view(r, m),
+                     lay.q.narrow(0, qoff, m * r).view(m, r))
+                    for key, boff, n, m, r, p_off, qoff, poff in rows]
+        pc.batch_views = []  # per shape: (P's [b, n, r], Q's [b, m, r], Q^T's [b, r, m], finite flags [b])
+        for first, size in spans:
+            key, boff, n, m, r, p_off, qoff, poff = rows[first]
+            pc.batch_views.append((lay.pbuf.narrow(0, lay.n_plain + p_off, size * n * r).view(size, n, r),
+                                   lay.q.narrow(0, qoff, size * m * r).view(size, m, r),
+                                   lay.qt.narrow(0, qoff, size * m * r).view(size, r, m),
+                                   pc.finite.narrow(0, first, size)))
+        pc.finite_host = _host_flags(pc.finite)
+        pc.finite_ready = None
+        pc.grads = (None, [])  # (the bucket's data_ptr, its matrix views), remade when DDP's bucket changes
+        return pc
 
     def _draw_q(self, key: int, q: torch.Tensor) -> None:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
+        g = torch.Generator().manual_seed(self.opts["seed"] * 1_000_003 + key)
         q.copy_(torch.randn(q.numel(), generator=g).view(q.shape))
 
     def load_state_dict(self, sd: dict) -> None:
-        if self.opts["rank"] == "auto" and sd.get("approx_rank"):
-            self._auto_rank = sd["approx_rank"]  # a resumed run keeps the rank its memory has
+        self.auto_options.restore("rank", sd.get("approx_rank"))  # a resumed run keeps the rank its memory has
         super().load_state_dict(sd)
         saved = sd.get("memory", {})
         if "error" in saved and "p" not in saved:  # saved before P was kept: its "error" is the error itself
@@ -331,4 +296,18 @@ def _copy_to_host(flags: torch.Tensor, host: torch.Tensor):
     return event
 
 
-HOOKS = (PowerSGDState,)
+METHODS = (Method(
+    "powersgd", PowerSGDState,
+    options={
+        "rank": Option(object, "auto", lambda v: None if v == "auto" or (type(v) is int and v >= 1) else
+                       "must be 'auto' or an int >= 1", "approximation rank r; auto: 16 with an Adam-family "
+                       "optimizer, else 4 (see the docstring)", auto=(4, 16)),
+        "warmup_steps": Option(int, 100, non_negative,
+                               "iterations of plain fp32 allreduce before compression starts (see the docstring)"),
+        "min_numel": LOSSY["min_numel"],
+        "seed": Option(int, 0, non_negative, "seed of the initial Q (identical on every rank)"),
+        "piece_mb": Option(float, 16.0, non_negative,
+                           "MB of fp32 gradient (whole matrices) per pipelined piece of a bucket (0: one piece)"),
+        "scope": SCOPE,
+    },
+    native="powersgd"),)

@@ -6,6 +6,11 @@ over the ranks (``n = output.numel()``). ``FSDPModule.set_custom_reduce_scatter`
 lets ddpx do that step with its kernels instead, as phase 1 of the int8 DDP hook
 (ddpx/comm_hooks/int8.py):
 
+The methods that have one name it in their descriptor (``Method.sharded``:
+``Int8ReduceScatter`` in ddpx/comm_hooks/int8.py, the 16-bit ones in halfprec.py);
+``Method.make_sharded`` (or :func:`make` by name) makes it, :func:`install` puts it on
+every FSDP unit.
+
 * each rank codes its input chunk by destination (``int8``: blockwise int8 with one
   fp32 scale per ``block_size`` elements, ``ddpx.ops.int8_quantize``; ``fp16`` /
   ``bf16``: the op's factor applied in the cast, ``ddpx.ops.scale_cast``, so an
@@ -36,14 +41,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import ops
 from ..errors import DdpxError
-from .int8 import BLOCK_SIZE, AutoBlockSize
-from .state import LossyState, Option, validate_options
+from .comm_state import CommState
 
-try:  # FSDPModule.set_custom_reduce_scatter's interface (torch 2.13 has it; make() checks)
+try:  # FSDPModule.set_custom_reduce_scatter's interface (torch 2.13 has it; Method.make_sharded checks)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
-except ImportError:  # pragma: no cover - make() refuses on such a torch
+except ImportError:  # pragma: no cover - Method.make_sharded refuses on such a torch
     _ReduceScatterBase = object
 
 _ReduceOp = dist.ReduceOp
@@ -69,17 +72,13 @@ def _split(factor):
     return (1.0, factor) if torch.is_tensor(factor) else (float(factor), None)
 
 
-class CompressedReduceScatter(_ReduceScatterBase):
-    """One object serves every FSDP unit of a model (it holds no per-unit state), and counts
-    what this rank sends: :meth:`stats`."""
+class CompressedReduceScatter(CommState, _ReduceScatterBase):
+    """A method's sharded form: a :class:`CommState` and FSDP2's ``ReduceScatter``. One object
+    serves every FSDP unit of a model (it holds no per-unit state), and counts what this rank
+    sends: :meth:`stats`. Subclasses implement ``row_bytes`` and ``reduce_scatter``."""
 
-    name = ""
-    options: dict[str, Option] = {"scope": LossyState.options["scope"]}
-
-    def __init__(self, **opts):
-        self.opts = validate_options(f"comm hook {self.name!r} under trainer.strategy=fsdp", self.options, opts)
-        for key, value in self.opts.items():
-            setattr(self, key, value)
+    def __init__(self, method, **opts):
+        super().__init__(method, opts, sharded=True)
         self.raw_bytes = 0  # fp32 gradient bytes handed over (every rank's chunks)
         self.wire_bytes = 0  # bytes this rank sent to the others
         self.fp32_wire_bytes = 0  # what fp32's reduce-scatter would have sent
@@ -103,6 +102,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
         if input_tensor.numel() != world * n:
             raise ValueError(f"reduce-scatter input has {input_tensor.numel()} elements, not {world} x {n}")
         alpha, post = _split(_factor(op, world))
+        self.auto_options.use()  # an auto option never paired: fixed here, said once
         plan = self.plan(group)
         if plan is None:
             self.reduce_scatter(output_tensor, input_tensor.view(-1), group, world, n, alpha)
@@ -152,74 +152,12 @@ class CompressedReduceScatter(_ReduceScatterBase):
         return f"ddpx.comm_hooks.reduce_scatter.make({self.name!r}{', ' if opts else ''}{opts})"
 
 
-class Int8ReduceScatter(AutoBlockSize, CompressedReduceScatter):
-    name = "int8"
-    options = {**CompressedReduceScatter.options, "block_size": BLOCK_SIZE}
-
-    def __init__(self, **opts):
-        super().__init__(**opts)
-        self.watch_optimizer()  # block_size auto: 64 once an Adam-family optimizer steps
-
-    def row_bytes(self, n):
-        return 4 * ops.ceil_div(n, self.block_size) + 4 * ops.ceil_div(n, 4)
-
-    def _views(self, buf, world, n):
-        """(scales fp32 [R, b], q int8 [R, n]) views of a [R * row] byte buffer."""
-        rows = buf.view(world, -1)
-        b4 = 4 * ops.ceil_div(n, self.block_size)
-        return rows[:, :b4].view(torch.float32), rows[:, b4:b4 + n].view(torch.int8)
-
-    def reduce_scatter(self, output, flat, group, world, n, alpha):
-        send = torch.empty(world * self.row_bytes(n), dtype=torch.uint8, device=flat.device)
-        recv = torch.empty_like(send)
-        scales, q = self._views(send, world, n)
-        for r in range(world):
-            ops.int8_quantize(flat.narrow(0, r * n, n), self.block_size, out_q=q[r], out_scales=scales[r])
-        dist.all_to_all_single(recv, send, group=group)
-        scales, q = self._views(recv, world, n)
-        ops.int8_dequant_accumulate_(output, q, scales, self.block_size, alpha)
-
-
-class HalfPrecisionReduceScatter(CompressedReduceScatter):
-    dtype = torch.float16
-
-    def row_bytes(self, n):
-        return 2 * n
-
-    def reduce_scatter(self, output, flat, group, world, n, alpha):
-        send = ops.scale_cast(flat, alpha, self.dtype)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        torch.sum(recv.view(world, n), dim=0, dtype=torch.float32, out=output.view(n))
-
-
-class Fp16ReduceScatter(HalfPrecisionReduceScatter):
-    name = "fp16"
-    dtype = torch.float16
-
-
-class Bf16ReduceScatter(HalfPrecisionReduceScatter):
-    name = "bf16"
-    dtype = torch.bfloat16
-
-
-METHODS = {cls.name: cls for cls in (Int8ReduceScatter, Fp16ReduceScatter, Bf16ReduceScatter)}
-
-
 def make(name: str, **options) -> CompressedReduceScatter:
-    """The reduce-scatter of hook ``name`` (``int8``, ``fp16``, ``bf16``) for
-    ``FSDPModule.set_custom_reduce_scatter``; unknown names and options raise :class:`DdpxError`."""
-    from torch.distributed.fsdp import FSDPModule
+    """The reduce-scatter of method ``name`` (``int8``, ``fp16``, ``bf16``) for
+    ``FSDPModule.set_custom_reduce_scatter``: ``ddpx.comm_hooks.method(name).make_sharded``."""
+    from .registry import method
 
-    if _ReduceScatterBase is object or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
-        raise DdpxError(f"comm hook {name!r} under trainer.strategy=fsdp needs FSDPModule.set_custom_reduce_scatter, "
-                        f"which torch {torch.__version__} lacks (2.13 has it); upgrade torch, or set "
-                        "comm_hook.name=allreduce")
-    cls = METHODS.get(name)
-    if cls is None:
-        raise DdpxError(f"comm hook {name!r} has no reduce-scatter for trainer.strategy=fsdp; "
-                        f"choose one of: {', '.join(METHODS)}")
-    return cls(**options)
+    return method(name).make_sharded(**options)
 
 
 class _NodePlan:
@@ -247,7 +185,7 @@ class _NodePlan:
         scope = comm.opts.get("scope", "global")
         if scope == "global":
             return None
-        from .scope import _say_once, scoped_topology
+        from .scope import say_once, scoped_topology
 
         name = f"comm hook {comm.name!r} under fsdp, scope={scope}"
         topo = scoped_topology(scope, name, group, whose="FSDP's")
@@ -255,11 +193,11 @@ class _NodePlan:
             return None
         if topo.local_world == 1 or (scope == "auto" and topo.nodes == 1):
             if scope == "inter_node":
-                _say_once("%s: one rank per node: the same as scope=global", name)
+                say_once("%s: one rank per node: the same as scope=global", name)
             return None
         if topo.nodes == 1:
-            _say_once("%s: one node (%d ranks): an exact fp32 reduce-scatter, nothing crosses a slow link", name,
-                      topo.local_world)
+            say_once("%s: one node (%d ranks): an exact fp32 reduce-scatter, nothing crosses a slow link", name,
+                     topo.local_world)
         return cls(topo, group)
 
     def run(self, comm, output, flat, n: int, alpha: float) -> int:

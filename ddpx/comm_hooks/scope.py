@@ -28,9 +28,13 @@ node the same rank count, local ranks 0..L-1). A job that is not falls back to
 allreduce (nothing crosses a slow link), said once.
 
 The stage-2 state (error feedback, warm starts) is an ordinary hook state of
-the same class (``InterNode.inner``) whose memory dict *is* the user-facing
+the same method (``InterNode.inner``), made by the user-facing state's ``stage2``
+(ddpx/comm_hooks/state.py, ``LossyState``): its memory dict *is* the user-facing
 state's, so ``state_dict()`` / ``load_state_dict()`` keep it per rank as for
-``global``. Its keys name the set of parameters in the bucket and the node
+``global``. The plan talks to the states through that interface only
+(``keep_matrices_whole``, ``coding_unit``, ``stage2``, ``assign_key``, ``key_of``,
+``compressible``, the layouts and the two-phase functions), never through their
+attributes. Stage 2's keys name the set of parameters in the bucket and the node
 layout (``shard_key``): a checkpoint resumed on another layout (2 x 2 -> 1 x 2,
 2 x 1, ...) finds no memory under its keys and starts it from zero, and so does a
 bucket whose parameter set DDP's rebuild changes (a shard mixes parameters, so its
@@ -56,7 +60,8 @@ EXACT = "exact"  # a resolved scope: plain fp32 allreduce (inter_node on one nod
 _SAID: set[str] = set()
 
 
-def _say_once(msg: str, *args) -> None:
+def say_once(msg: str, *args) -> None:
+    """Log ``msg % args`` once per process (the scope's fallbacks, said where they happen)."""
     text = msg % args
     if text not in _SAID:
         _SAID.add(text)
@@ -154,12 +159,12 @@ def scoped_topology(scope: str, name: str, group, whose: str = "its"):
     global (said once under ``name``): the group is not the world's, or the nodes are not
     uniform. A collective the first time (see ``topology``)."""
     if dist.get_world_size(group) != dist.get_world_size():
-        _say_once("%s: runs global: %s process group is not the world group", name, whose)
+        say_once("%s: runs global: %s process group is not the world group", name, whose)
         return None
     topo = topology(group)
     if topo.reason is not None:
         if scope == "inter_node":
-            _say_once("%s: runs global: %s", name, topo.reason)
+            say_once("%s: runs global: %s", name, topo.reason)
         return None
     return topo
 
@@ -177,11 +182,11 @@ def resolve(state):
     if scope == "auto":
         return InterNode(state, topo) if topo.nodes > 1 and topo.local_world > 1 else None
     if topo.nodes == 1:
-        _say_once("%s: one node (%d ranks): an exact fp32 allreduce, nothing crosses a slow link", name,
-                  topo.local_world)
+        say_once("%s: one node (%d ranks): an exact fp32 allreduce, nothing crosses a slow link", name,
+                 topo.local_world)
         return EXACT
     if topo.local_world == 1:
-        _say_once("%s: one rank per node: the same as scope=global", name)
+        say_once("%s: one rank per node: the same as scope=global", name)
         return None
     return InterNode(state, topo)
 
@@ -234,28 +239,11 @@ class InterNode(Pipelined):
         super().__init__()
         self.state, self.topo = state, topo
         self.local_group, self.cross_group = topo.local_group, topo.cross_group
-        self.keep_whole = bool(getattr(state, "keep_matrices_whole", False))
-        cls = type(state)
-        opts = dict(state.opts, scope="global")
-        if "warmup_steps" in cls.options:  # the outer state warms up
-            opts["warmup_steps"] = 0
-        if not self.keep_whole:  # the shard is one compressed tensor
-            opts.update({k: v for k, v in (("min_numel", 0), ("compress_vectors", True)) if k in cls.options})
-        self.inner = cls(process_group=topo.cross_group, **opts)
-        self.inner._executor_group = topo.cross_group  # private to the hooks: the executor may use it directly
-        self.inner.memory = state.memory
-        if self.keep_whole:  # the same parameter keys: memory is the global hook's, per parameter
-            self.inner.key_of = state.key_of
-        self.inner_kind = getattr(state, "phase_kind", state.native_kind)
-        if "block_size" in cls.options:  # int8's block_size auto is the outer state's
-            self.inner.outer = state
+        self.keep_whole = state.keep_matrices_whole
+        self.inner = state.stage2(topo.cross_group)
+        # the C++ algorithm of stage 2 (inter_node.cpp runs it on `inner`)
+        self.inner_kind = state.method.native_stage2 or state.method.native
         self.layouts: dict[int, BucketLayout] = {}
-
-    @property
-    def unit(self) -> int:
-        """Shards are whole blocks (chunks) of stage 2's coding, read at each layout: int8's
-        ``block_size: auto`` may change it once."""
-        return getattr(self.state, "block_size", None) or getattr(self.state, "chunk_size", None) or 1
 
     # ------------------------------------------------------------------ layouts
     def layout(self, index: int, params: list[torch.Tensor]) -> BucketLayout:
@@ -277,7 +265,8 @@ class InterNode(Pipelined):
             lay.shard_comp = lay.shard_plain = None
         else:
             f32 = dict(dtype=torch.float32, device=dev)
-            sc = ops.ceil_div(ops.ceil_div(lay.n_comp, L), self.unit) * self.unit
+            unit = self.state.coding_unit  # shards are whole blocks (chunks) of stage 2's code
+            sc = ops.ceil_div(ops.ceil_div(lay.n_comp, L), unit) * unit
             sp = ops.ceil_div(lay.n_plain, L)
             me = self.topo.local_rank
             # [shard 0 | shard 1 | ...] of the node's compressed values (+ zero padding): stage 1
@@ -290,8 +279,7 @@ class InterNode(Pipelined):
             lay.shard_plain = lay.plain.narrow(0, me * sp, sp)
             lay.inner = None  # nothing to compress: stages 1 and 3 and the exempt values' allreduce
             if lay.n_comp:
-                self.inner._keys[id(lay.shard_comp)] = shard_key(lay.keys, self.topo)
-                self.inner._key_params.append(lay.shard_comp)
+                self.inner.assign_key(lay.shard_comp, shard_key(lay.keys, self.topo))
                 lay.inner = self.inner.layout(lay.index, [lay.shard_comp])
                 for pc in lay.inner.pieces:  # what stage 3 shares inside the node (see _share)
                     pc.result = self.inner.result_message(lay.inner, pc)

@@ -1,6 +1,7 @@
-"""The state every ddpx comm hook shares.
+"""The state every ddpx DDP comm hook shares.
 
-A hook is a ``HookState`` subclass: it declares its options, builds one
+A hook is a ``HookState`` subclass, named by its method's descriptor
+(ddpx/comm_hooks/registry.py, which also holds its options): it builds one
 ``BucketLayout`` per DDP bucket (which parameter slices are compressed, which
 travel uncompressed, the preallocated wire buffers) and runs one bucket in
 ``run_bucket``. The native C++ hook (csrc/comm_hooks/) runs the same algorithm on
@@ -22,67 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..errors import DdpxError
+from .comm_state import CommState
 from .executor import SerialExecutor
 
 log = logging.getLogger("ddpx.comm_hooks")
 
 STATE_DICT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Option:
-    """One hook option: type, default, a check returning an error text or None, and a doc line."""
-
-    type: type
-    default: Any
-    check: Callable[[Any], str | None] | None = None
-    doc: str = ""
-
-
-def validate_options(what: str, options: dict[str, Option], opts: dict) -> dict:
-    """``opts`` checked against ``options`` and completed with the defaults; a bad one is a
-    :class:`DdpxError` starting with ``what`` (e.g. ``comm hook 'int8'``)."""
-    unknown = sorted(set(opts) - set(options))
-    if unknown:
-        known = ", ".join(sorted(options)) or "none"
-        raise DdpxError(f"{what}: unknown option(s) {', '.join(unknown)}; known options: {known}")
-    out = {}
-    for key, spec in options.items():
-        v = opts.get(key, spec.default)
-        if spec.type is bool:
-            ok = isinstance(v, bool)
-        elif spec.type is int:
-            ok = isinstance(v, int) and not isinstance(v, bool)
-        elif spec.type is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-            v = float(v) if ok else v
-        else:
-            ok = isinstance(v, spec.type)
-        if not ok:
-            raise DdpxError(f"{what}: option {key} must be {spec.type.__name__}, got {v!r} ({type(v).__name__})")
-        problem = spec.check(v) if spec.check else None
-        if problem:
-            raise DdpxError(f"{what}: option {key} {problem}, got {v!r}")
-        out[key] = v
-    return out
-
-
-def non_negative(v):
-    return None if v >= 0 else "must be >= 0"
-
-
-def positive_multiple_of(k):
-    def check(v):
-        return None if v > 0 and v % k == 0 else f"must be a positive multiple of {k}"
-
-    return check
 
 
 def profiled(name: str):
@@ -92,36 +44,6 @@ def profiled(name: str):
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.autograd.profiler.record_function(name)
     return contextlib.nullcontext()
-
-
-_first_step_callbacks: list = []  # waiting for the next optimizer step (see on_first_optimizer_step)
-_first_step_hook = None
-
-
-def on_first_optimizer_step(callback: Callable[[torch.optim.Optimizer], None]) -> None:
-    """Call ``callback(optimizer)`` at the first optimizer step of the process after this
-    call. One torch step pre-hook per process, registered at the first call and kept (torch
-    iterates its hooks while calling them, so one cannot remove itself): it returns at once
-    while nothing waits."""
-    global _first_step_hook
-    if _first_step_hook is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        def first_step(optimizer, args, kwargs):
-            if _first_step_callbacks:
-                waiting = _first_step_callbacks[:]
-                del _first_step_callbacks[:]
-                for cb in waiting:
-                    cb(optimizer)
-
-        _first_step_hook = register_optimizer_step_pre_hook(first_step)
-    _first_step_callbacks.append(callback)
-
-
-def adam_family(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` divides by a second moment as Adam does (it has ``betas``:
-    Adam, AdamW, NAdam, RAdam, Adamax, and most third-party Adams)."""
-    return "betas" in optimizer.defaults
 
 
 def ring_allreduce_bytes(nbytes: int, world: int) -> int:
@@ -195,36 +117,22 @@ class BucketLayout:
         return [buf.narrow(0, off, n) for off, n, _ in (self.comp_runs if compressed else self.plain_runs)]
 
 
-class HookState:
-    """Base of every ddpx comm-hook state (one per DDP model).
+class HookState(CommState):
+    """Base of every ddpx comm-hook state (one per DDP model): a :class:`CommState`.
 
-    ``make(name)`` returns ``(state, hook)`` where ``hook(state, bucket)`` is the
-    function DDP calls per bucket. Subclasses set ``name``, ``options`` and
-    implement ``run_bucket`` (and ``build_layout`` if they need buffers).
+    ``Method.make_state`` (``ddpx.comm_hooks.make``) returns it with ``hook``:
+    ``hook(state, bucket)`` is the function DDP calls per bucket. Subclasses implement
+    ``run_bucket`` (and ``build_layout`` if they need buffers).
     """
 
-    name = ""
     lossy = False
-    options: dict[str, Option] = {}
     # per-parameter memory names kept in state_dict (e.g. error feedback)
     memories: tuple[str, ...] = ()
-    # the C++ algorithm that runs this state natively (its DDPX_REGISTER_NATIVE_HOOK kind), or None
-    native_kind: str | None = None
-    # the optimizer (import path) that averages the gradients for this hook, or None: the hook does
-    needs_optimizer: str | None = None
     # collectives depend on earlier results: run on the executor, on executor_group
     multi_phase = False
-    # the DDP bucket size this hook works best with (None: DDP's default 25 MB); see ddp_options()
-    bucket_cap_mb: float | None = None
-    # .grad as views of the buckets: a hook writes its result into the bucket, so
-    # DDP's copy of every bucket back into .grad is a pass over the gradients saved
-    # (and their memory); see ddp_options()
-    gradient_as_bucket_view = True
 
-    def __init__(self, process_group=None, **opts):
-        self.opts = self._validate(opts)
-        for k, v in self.opts.items():
-            setattr(self, k, v)
+    def __init__(self, method, process_group=None, **opts):
+        super().__init__(method, opts)
         self._group = process_group
         self._world = None
         self._rank = None
@@ -240,13 +148,7 @@ class HookState:
         self._executor_group = None
         self.native = False  # set by ddpx.comm_hooks.register when the C++ hook runs it
         self._native_close: Callable[[], None] | None = None  # ends the native hook's executor (register sets it)
-        self._native_drop_layouts: Callable[[], None] | None = None  # empties the native hook's layout cache
         self._warned: set[str] = set()
-
-    # ----------------------------------------------------------------- options
-    @classmethod
-    def _validate(cls, opts):
-        return validate_options(f"comm hook {cls.name!r}", cls.options, opts)
 
     # ------------------------------------------------------------------ group
     @property
@@ -282,8 +184,16 @@ class HookState:
             self._key_params.append(p)
         return k
 
+    def assign_key(self, tensor: torch.Tensor, key: int) -> None:
+        """Make ``key`` the memory key of ``tensor`` (scope inter_node's shard of a bucket,
+        whose key names the bucket's parameters: ddpx/comm_hooks/scope.py)."""
+        self._keys[id(tensor)] = key
+        self._key_params.append(tensor)
+
     def layout(self, index: int, params: list[torch.Tensor]) -> BucketLayout:
-        """The cached layout of bucket `index`; rebuilt when DDP changes the bucket."""
+        """The cached layout of bucket `index`; rebuilt when DDP changes the bucket. The
+        first one fixes the ``auto`` options that pairing did not choose."""
+        self.auto_options.use()
         lay = self.layouts.get(index)
         if lay is None or not lay.matches(params):
             lay = BucketLayout(index, params, [self.key_of(p) for p in params], [self.compressible(p) for p in params])
@@ -293,13 +203,6 @@ class HookState:
 
     def build_layout(self, lay: BucketLayout) -> None:
         """Allocate the layout's buffers (subclasses); call ``adopt`` for memory views."""
-
-    def drop_layouts(self) -> None:
-        """Forget every bucket layout (and the native hook's copies), between steps: the next
-        buckets build new ones, and ``adopt`` carries each parameter's memory over."""
-        self.layouts.clear()
-        if self._native_drop_layouts is not None:
-            self._native_drop_layouts()
 
     def adopt(self, name: str, key: int, view: torch.Tensor) -> None:
         """Make `view` the home of parameter `key`'s memory `name`, carrying over
@@ -436,26 +339,47 @@ class HookState:
 
 
 class LossyState(HookState):
-    """Base of the compressing hooks: warm-up and exemption of small tensors."""
+    """Base of the compressing hooks (their options: ``options.LOSSY``): warm-up, exemption
+    of small tensors, and the interface ``scope: inter_node`` runs them through
+    (ddpx/comm_hooks/scope.py): ``keep_matrices_whole``, ``coding_unit``, ``stage2``, and
+    the two-phase functions (ddpx/comm_hooks/twophase.py)."""
 
     lossy = True
-    options = {
-        "warmup_steps": Option(int, 0, non_negative, "iterations of plain fp32 allreduce before compression starts"),
-        "min_numel": Option(int, 1024, non_negative, "parameters with fewer elements are sent uncompressed"),
-        "compress_vectors": Option(bool, False, None, "compress 1-D parameters (biases, norms) too"),
-        "scope": Option(str, "global", lambda v: None if v in ("global", "inter_node", "auto") else
-                        "must be global, inter_node or auto", "where the compressed reduction runs "
-                        "(ddpx/comm_hooks/scope.py)"),
-    }
+    # scope inter_node: an exact allreduce in the node, then this on the whole bucket across
+    # nodes (a low-rank approximation is of a whole matrix), instead of a shard per local rank
+    keep_matrices_whole = False
 
     # What the warm-up does, said at registration (ddpx.comm_hooks._announce_warmup).
     warmup_text = "exact fp32 allreduce for the first {n} steps, compressing from step {n}"
 
     def compressible(self, p):
-        return p.numel() >= self.min_numel and (p.dim() > 1 or self.compress_vectors)
+        return p.numel() >= self.opts["min_numel"] and (p.dim() > 1 or self.opts["compress_vectors"])
 
     def warming_up(self) -> bool:
-        return self.steps < self.warmup_steps
+        return self.steps < self.opts["warmup_steps"]
+
+    @property
+    def coding_unit(self) -> int:
+        """Elements the code works in (int8's blocks, onebit's chunks; else 1): scope
+        inter_node cuts a bucket into shards of whole units."""
+        return 1
+
+    def stage2(self, group) -> "LossyState":
+        """The state of scope inter_node's stage 2 on ``group`` (this local rank on every
+        node, which its collectives use directly): this method and these options with scope
+        global and no warm-up of its own (this state warms up), compressing all of its shard
+        unless it keeps matrices whole. It shares this state's memory (``state_dict`` holds
+        it), its ``auto`` values and, keeping matrices whole, its parameter keys."""
+        opts = dict(self.opts, scope="global", warmup_steps=0)
+        if not self.keep_matrices_whole:  # the shard is one compressed tensor
+            opts.update({k: v for k, v in (("min_numel", 0), ("compress_vectors", True)) if k in opts})
+        inner = type(self)(self.method, group, **opts)
+        inner._executor_group = group
+        inner.memory = self.memory
+        inner.auto_options = self.auto_options
+        if self.keep_matrices_whole:
+            inner._keys, inner._key_params = self._keys, self._key_params
+        return inner
 
 
 def hook(state: HookState, bucket) -> torch.futures.Future:

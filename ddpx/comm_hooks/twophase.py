@@ -131,13 +131,10 @@ class Scoped:
 
     def layout(self, index, params):
         plan = self.inter_node()
-        return plan.layout(index, params) if plan is not None else super().layout(index, params)
-
-    def drop_layouts(self):
-        if isinstance(self._plan, Pipelined):  # scope=inter_node: its layouts hold the stage-2 state's
-            self._plan.layouts.clear()
-            self._plan.inner.layouts.clear()
-        super().drop_layouts()
+        if plan is None:
+            return super().layout(index, params)
+        self.auto_options.use()  # before the plan cuts shards of whole coding units
+        return plan.layout(index, params)
 
     def run_bucket(self, bucket):
         """Warm-up, and inter_node on one node: the exact average; inter_node: its plan;

@@ -128,6 +128,7 @@ def _hook_consistency(name: str, rank: int, world: int, native: bool, scope: str
     else:
         state, hook = ddpx.comm_hooks.make(name, **warm)
         ddp.register_comm_hook(state, hook)
+    state.pair(None)  # no optimizer steps here: the auto options' values without one
     x, y = batches[rank]
     worst_spread, rel_err = 0.0, None
     for step in range(2):

@@ -62,10 +62,11 @@ ACCUMULATION_STEPS = SharedKey[int](
     "accumulation_steps",
     "micro-batches per optimizer step; set by the accumulation plugin, read by the checkpoint and comm monitor "
     "plugins (absent: 1)")
-COMM_HOOK = SharedKey["ddpx.comm_hooks.HookState"](
+COMM_HOOK = SharedKey["ddpx.comm_hooks.CommState"](
     "comm_hook",
-    "the registered comm hook's state (its name, stats() with the wire bytes); set by the comm_hook plugin, read "
-    "by the logging and comm monitor plugins (absent: DDP's own allreduce)")
+    "the run's comm state (ddpx.comm_hooks.CommState: the DDP hook's state, or fsdp's compressed reduce-scatter; "
+    "its name, stats() with the wire bytes, pair(optimizer)); set by the comm_hook plugin, read by the logging and "
+    "comm monitor plugins (absent: DDP's or FSDP's own reduction)")
 EMA_WEIGHTS_FILE = SharedKey[str](
     "ema_weights_file",
     "the file the EMA weights were exported to at the end of training (rank 0); set by the ema plugin, handed to "

@@ -90,12 +90,13 @@ class Strategy:
         plain dicts), with a :class:`~ddpx.errors.DdpxError`. In the launcher and on every rank."""
 
     @classmethod
-    def check_compression(cls, config, name: str, options: Mapping) -> None:
-        """Refuse comm hook ``name`` with ``options`` where it cannot work under this strategy
-        (unknown options included). Default: refused, there is no gradient exchange to compress."""
-        raise DdpxError(f"comm_hook.name={name} does not apply under trainer.strategy={config.trainer.strategy}: it "
-                        "has no gradient exchange a comm hook could compress; remove comm_hook.name (or set it to "
-                        "allreduce)")
+    def check_compression(cls, config, method, options: Mapping) -> None:
+        """Refuse compression ``method`` (a ``ddpx.comm_hooks.Method``) with ``options`` where it cannot
+        work under this strategy (unknown options included). Default: refused, there is no gradient
+        exchange to compress."""
+        raise DdpxError(f"comm_hook.name={method.name} does not apply under trainer.strategy="
+                        f"{config.trainer.strategy}: it has no gradient exchange a comm hook could compress; remove "
+                        "comm_hook.name (or set it to allreduce)")
 
     # --- building ------------------------------------------------------------------------
 
@@ -103,14 +104,15 @@ class Strategy:
         """The model as this strategy trains it (the default ``ddpx_wrap_model``)."""
         raise NotImplementedError(f"strategy {type(self).__qualname__} must implement wrap(trainer, module)")
 
-    def use_compression(self, name: str, options: Mapping, native: bool) -> None:
-        """Compress the gradients with comm hook ``name`` (asked before :meth:`wrap`, which may
-        size its buckets for it; :meth:`check_compression` accepted it). Default: refused."""
-        self.check_compression(self.config, name, options)
+    def use_compression(self, method, options: Mapping, native: bool) -> None:
+        """Compress the gradients with ``method`` (asked before :meth:`wrap`, which may size its
+        buckets for it; :meth:`check_compression` accepted it). Default: refused."""
+        self.check_compression(self.config, method, options)
 
     def install_compression(self, trainer: "Trainer", model: nn.Module):
         """Install what :meth:`use_compression` asked for on the wrapped ``model``; returns its
-        state (``stats()``, ``state_dict()``, ``pair(optimizer)``), or None."""
+        state (a ``ddpx.comm_hooks.CommState``: ``stats()``, ``state_dict()``, ``pair(optimizer)``),
+        or None."""
         return None
 
     def start(self, trainer: "Trainer") -> None:

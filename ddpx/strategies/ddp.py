@@ -30,21 +30,17 @@ class DDPStrategy(Strategy):
 
     def __init__(self, config):
         super().__init__(config)
-        self.compression = None  # (name, options, native) asked by use_compression
+        self.compression = None  # (method, options, native) asked by use_compression
 
     @classmethod
-    def check_compression(cls, config, name, options):
-        from ..comm_hooks import make_state
+    def check_compression(cls, config, method, options):
+        method.check_options(options)  # unknown or bad options fail here
 
-        make_state(name, **options)  # unknown or bad options fail here
-
-    def use_compression(self, name, options, native):
-        self.compression = (name, dict(options), native)
+    def use_compression(self, method, options, native):
+        self.compression = (method, dict(options), native)
 
     def wrap(self, trainer, module):
-        from ..comm_hooks import ddp_options
-
-        preferred = ddp_options(self.compression[0]) if self.compression else {}
+        preferred = self.compression[0].ddp_options() if self.compression else {}
         device_ids = [trainer.device] if trainer.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids,
                                                          **ddp_kwargs(trainer.config, preferred))
@@ -56,7 +52,8 @@ class DDPStrategy(Strategy):
 
         if self.compression is None:
             return None
-        name, options, native = self.compression
+        method, options, native = self.compression
+        name = method.name
         if not isinstance(model, DistributedDataParallel):
             trainer.log.warning("comm_hook.name=%s ignored: the model is not wrapped in DDP", name)
             return None

@@ -208,7 +208,7 @@ class FSDPStrategy(Strategy):
 
     def __init__(self, config):
         super().__init__(config)
-        self.compression = None  # (name, options) asked by use_compression
+        self.compression = None  # (method, options) asked by use_compression
 
     @classmethod
     def check_config(cls, values):
@@ -220,13 +220,14 @@ class FSDPStrategy(Strategy):
                             "trainer.strategy=ddp")
 
     @classmethod
-    def check_compression(cls, config, name, options):
-        """The hooks with a reduce-scatter (ddpx/comm_hooks/reduce_scatter.py) apply, on fp32
-        gradients; any other is refused, as are options they do not take."""
-        from ..comm_hooks import reduce_scatter
+    def check_compression(cls, config, method, options):
+        """The methods with a sharded form (``Method.sharded``: ddpx/comm_hooks/reduce_scatter.py)
+        apply, on fp32 gradients; any other is refused, as are options they do not take."""
+        from ..comm_hooks import methods
 
-        if name not in reduce_scatter.METHODS:
-            *first, last = sorted(reduce_scatter.METHODS)
+        name = method.name
+        if method.sharded is None:
+            *first, last = sorted(m.name for m in methods() if m.sharded is not None)
             raise DdpxError(f"comm_hook.name={name} does not apply under trainer.strategy=fsdp "
                             f"(only {', '.join(first)} and {last} have a sharded reduce-scatter); set "
                             f"comm_hook.name=int8 (or {', '.join(first)}, allreduce)")
@@ -235,7 +236,7 @@ class FSDPStrategy(Strategy):
             raise DdpxError(f"comm_hook.name={name} under trainer.strategy=fsdp codes and sums "
                             f"fp32 gradients itself; set fsdp.reduce_dtype=fp32 (now {reduce_dtype}), or "
                             f"comm_hook.name=allreduce to reduce-scatter in {reduce_dtype}")
-        reduce_scatter.make(name, **options)  # bad options fail here
+        method.make_sharded(**options)  # bad options fail here
         shard_size = config.fsdp.get("shard_size", "all")
         if shard_size != "all" and options.get("scope", "global") != "global":
             raise DdpxError(f"comm_hook.options.scope={options['scope']} does not apply under "
@@ -246,16 +247,17 @@ class FSDPStrategy(Strategy):
     def wrap(self, trainer, module):
         return shard_model(trainer, module)
 
-    def use_compression(self, name, options, native):
-        self.compression = (name, dict(options))  # native does not apply: Python around the native kernels
+    def use_compression(self, method, options, native):
+        self.compression = (method, dict(options))  # native does not apply: Python around the native kernels
 
     def install_compression(self, trainer, model):
         from ..comm_hooks import reduce_scatter
 
         if self.compression is None:
             return None
-        name, options = self.compression
-        comm = reduce_scatter.make(name, **options)
+        method, options = self.compression
+        name = method.name
+        comm = method.make_sharded(**options)
         units = reduce_scatter.install(model, comm)
         opts = "".join(f", {k} {v}" for k, v in comm.opts.items())
         shard_size = trainer.config.fsdp.get("shard_size", "all")
