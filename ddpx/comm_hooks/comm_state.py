@@ -133,7 +133,7 @@ class CommState:
         """Pair with the optimizer that steps with these gradients, before the first step: it
         resolves the ``auto`` options; a method that needs its own optimizer
         (``Method.optimizer``) refuses any other in one line. ``None``: no optimizer steps with
-        them (a check, a timing, ``ddpx.comm.fused_allreduce``): the values without one."""
+        them (a check, a timing, ``ddpx.fused_allreduce``): the values without one."""
         if self.method.optimizer is not None:
             from ..imports import resolve
 
