@@ -254,9 +254,9 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
     pm = plugin_manager if plugin_manager is not None else make_plugin_manager(plugins_section)
 
     # The strategy may declare sections of its own: resolved before the rest is validated.
-    named = (raw.get("trainer") or {}).get("strategy", DEFAULTS["trainer"]["strategy"]) \
-        if isinstance(raw.get("trainer"), dict) else DEFAULTS["trainer"]["strategy"]
-    strategy = strategy_class(named)
+    trainer = raw.get("trainer")  # not a mapping: _validate below says so
+    strategy = strategy_class(trainer.get("strategy", DEFAULTS["trainer"]["strategy"]) if isinstance(trainer, dict)
+                              else DEFAULTS["trainer"]["strategy"])
     defaults = merge(DEFAULTS, plugin_defaults(pm, strategy))
     check_blocked_sections(raw, defaults, plugins_section["block"])
     _validate(raw, defaults, TYPES)

@@ -31,10 +31,9 @@ def strategy_class(name: str) -> type:
     if not isinstance(name, str) or not name:
         raise DdpxError(f"config key 'trainer.strategy' must name a strategy (ddp, fsdp, an installed one or an "
                         f"import path package.module:Class), got {name!r}")
-    installed = installed_strategies()
-    if name in BUILTIN_STRATEGIES:
+    if name in BUILTIN_STRATEGIES:  # no scan of the installed distributions (a few ms) for these
         found = resolve(BUILTIN_STRATEGIES[name], f"built-in strategy '{name}'")
-    elif name in installed:
+    elif name in (installed := installed_strategies()):
         ep = installed[name]
         try:
             found = ep.load()

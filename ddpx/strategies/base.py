@@ -81,6 +81,7 @@ class Strategy:
     def __init__(self, config):
         self.config = config
         self.name = config.trainer.strategy
+        self.compression = None  # (method, options, native) asked by use_compression
 
     # --- before anything distributed: one-line errors ---------------------------------------
 
@@ -106,8 +107,9 @@ class Strategy:
 
     def use_compression(self, method, options: Mapping, native: bool) -> None:
         """Compress the gradients with ``method`` (asked before :meth:`wrap`, which may size its
-        buckets for it; :meth:`check_compression` accepted it). Default: refused."""
-        self.check_compression(self.config, method, options)
+        buckets for it; :meth:`check_compression` accepted it when the config was read):
+        kept in ``compression`` for :meth:`install_compression`."""
+        self.compression = (method, dict(options), native)
 
     def install_compression(self, trainer: "Trainer", model: nn.Module):
         """Install what :meth:`use_compression` asked for on the wrapped ``model``; returns its

@@ -28,16 +28,9 @@ def ddp_kwargs(config, preferred: Mapping) -> dict:
 class DDPStrategy(Strategy):
     """The model replicated on every rank, wrapped in ``DistributedDataParallel``."""
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.compression = None  # (method, options, native) asked by use_compression
-
     @classmethod
     def check_compression(cls, config, method, options):
         method.check_options(options)  # unknown or bad options fail here
-
-    def use_compression(self, method, options, native):
-        self.compression = (method, dict(options), native)
 
     def wrap(self, trainer, module):
         preferred = self.compression[0].ddp_options() if self.compression else {}
@@ -66,4 +59,3 @@ class DDPStrategy(Strategy):
 
     def no_sync(self, model: nn.Module):
         return getattr(model, "no_sync", None)
-

@@ -206,10 +206,6 @@ class FSDPStrategy(Strategy):
     replicated = False
     compression_advice = "compress the gradients' reduce-scatter with comm_hook.name=int8 (or bf16, fp16)"
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.compression = None  # (method, options) asked by use_compression
-
     @classmethod
     def check_config(cls, values):
         from torch.torch_version import TorchVersion
@@ -247,15 +243,12 @@ class FSDPStrategy(Strategy):
     def wrap(self, trainer, module):
         return shard_model(trainer, module)
 
-    def use_compression(self, method, options, native):
-        self.compression = (method, dict(options))  # native does not apply: Python around the native kernels
-
     def install_compression(self, trainer, model):
         from ..comm_hooks import reduce_scatter
 
         if self.compression is None:
             return None
-        method, options = self.compression
+        method, options, _ = self.compression  # native does not apply: Python around the native kernels
         name = method.name
         comm = method.make_sharded(**options)
         units = reduce_scatter.install(model, comm)
