@@ -5,7 +5,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -52,8 +51,8 @@ def test_char_gpt_smoke(ranks, tmp_path):
     assert lrs[0] == pytest.approx(0.002) and lrs == sorted(lrs, reverse=True)  # warmed up by step 5, then cosine
     final = records[-1]
     assert final["kind"] == "epoch" and final["step"] == 30
-    unigram = subprocess.run([sys.executable, "text.py"], cwd=example, capture_output=True, text=True,
-                             check=True).stdout
+    code, unigram, err = ranks.run([sys.executable, "text.py"], timeout=60, cwd=example)
+    assert code == 0, err[-3000:]
     baseline = float(unigram.split()[2])  # "unigram baseline: 3.1328 nats/char ..."
     assert baseline == pytest.approx(3.13, abs=0.01)
     assert final["eval_loss"] < baseline  # validation loss: the model uses context after 30 steps
@@ -64,8 +63,9 @@ def test_resnet_images_smoke(ranks, tmp_path):
     pytest.importorskip("PIL", reason="the image example reads its folder with Pillow (pip install pillow)")
     example = copy_example("resnet_images", tmp_path)
     images = tmp_path / "shapes"
-    subprocess.run([sys.executable, "make_shapes.py", str(images), "--per-class", "64"], cwd=example, check=True,
-                   capture_output=True, timeout=60)
+    code, _, err = ranks.run([sys.executable, "make_shapes.py", str(images), "--per-class", "64"], timeout=60,
+                             cwd=example)
+    assert code == 0, err[-3000:]
     assert sorted(os.listdir(images)) == ["circle", "cross", "square", "triangle"]
     run_dir = tmp_path / "run"
     rc, out, err = ranks.cli(["train", "config.yaml", f"data.args.root={images}", f"run_dir={run_dir}",

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import types
 from pathlib import Path
 
@@ -384,11 +383,9 @@ def test_ctrl_c_is_one_line_and_the_resume_hint(ranks, project):
     log = project / "train.log"
     proc = harness.start([*cmd, "train", "cfg.yaml", "trainer.epochs=500"], log, harness.base_env(), cwd=project)
     try:
-        deadline = time.monotonic() + 120
-        while not glob.glob(str(project / "runs" / "*" / "checkpoints" / "*.pt")) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        harness.wait_for(lambda: glob.glob(str(project / "runs" / "*" / "checkpoints" / "*.pt")), 120, poll=0.2)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the launcher and its workers get SIGINT
-        proc.wait(timeout=90)
+        harness.wait_for(lambda: proc.poll() is not None, 90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
