@@ -2,7 +2,7 @@
 
 import json
 
-from ..config import load_config, split_config_and_overrides
+from ..config import read_config, split_config_and_overrides
 from ..config.strategies import BUILTIN_STRATEGIES, installed_strategies, strategy_class
 from ..plugin.manager import plugin_table
 
@@ -22,7 +22,7 @@ def register(subparsers):
 
 def run(args):
     config_path, overrides = split_config_and_overrides(args.config, args.overrides)
-    config = load_config(config_path, overrides)
+    config = read_config(config_path, overrides)  # the plugins and the strategy's name: no target imported
     rows = plugin_table(config.plugin_manager)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -37,9 +37,14 @@ def run(args):
 
 
 def strategy_line(name: str) -> str:
-    """``strategy: NAME (module.Class); built in: ddp, fsdp; installed: NAME (distribution version), ...``."""
-    cls = strategy_class(name)
+    """``strategy: NAME (module.Class); built in: ddp, fsdp; installed: NAME (distribution version), ...``
+    (a built-in strategy by its import path: importing it would import torch)."""
+    if name in BUILTIN_STRATEGIES:
+        where = BUILTIN_STRATEGIES[name].replace(":", ".")
+    else:
+        cls = strategy_class(name)
+        where = f"{cls.__module__}.{cls.__qualname__}"
     installed = [f"{n} ({ep.dist.name} {ep.dist.version})" if ep.dist else n
                  for n, ep in sorted(installed_strategies().items()) if n not in BUILTIN_STRATEGIES]
-    return (f"strategy: {name} ({cls.__module__}.{cls.__qualname__}); built in: {', '.join(BUILTIN_STRATEGIES)}; "
+    return (f"strategy: {name} ({where}); built in: {', '.join(BUILTIN_STRATEGIES)}; "
             f"installed: {', '.join(installed) or 'none'}")
