@@ -251,9 +251,9 @@ def read_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
     ``plugins.enable`` - ``plugins.block``); it is ``config.plugin_manager`` afterwards.
     """
     overrides = tuple(overrides)
-    raw = read_yaml(path if path is not None else DEFAULT_CONFIG)
+    file_values = read_yaml(path if path is not None else DEFAULT_CONFIG)
     add_user_module_dirs(path)
-    raw = apply_overrides(raw, overrides)
+    raw = apply_overrides(copy.deepcopy(file_values), overrides)
 
     # ddpx's own sections first (the plugins section decides which plugins exist): their
     # errors, a misspelt strategy among them, need no plugin loaded.
@@ -268,13 +268,10 @@ def read_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
     check_blocked_sections(raw, defaults, plugins_section["block"])
     _validate(raw, defaults, TYPES)
     values = merge(defaults, raw, FREE_FORM)
+    command_line = apply_overrides({}, overrides)
     for section in TARGET_SECTIONS:
-        given = raw.get(section) or {}
-        if "target" in given and "args" not in given:
-            values[section]["args"] = {}
-        elif "target" not in given and isinstance(given.get("args"), Mapping):
-            # `optimizer.args.lr=0.05` on a config without a target: into the default's args (SGD keeps momentum)
-            values[section]["args"] = {**defaults[section]["args"], **given["args"]}
+        values[section]["args"] = target_args([defaults[section], file_values.get(section),
+                                               command_line.get(section)])
     _coerce_floats(values, defaults, TYPES)
 
     config = Config(_sections(values))
@@ -282,6 +279,23 @@ def read_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugi
     config.overrides = overrides
     config.plugin_manager = pm
     return config
+
+
+def target_args(layers: Iterable) -> dict:
+    """The ``args`` of a target section from its layers, bottom first (ddpx's default, the
+    file's, the command line's): a layer that names a ``target`` brings its own args (``{}``
+    when it gives none: SGD's momentum must not reach a user's Adam, nor a file's
+    ``weight_decay`` a command-line Rprop); args given without a target merge into those below."""
+    args: dict = {}
+    for layer in layers:
+        if not isinstance(layer, Mapping):
+            continue
+        given = layer.get("args")
+        if "target" in layer:
+            args = dict(given) if isinstance(given, Mapping) else {}
+        elif isinstance(given, Mapping):
+            args = {**args, **given}
+    return args
 
 
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugin_manager=None) -> Config:
