@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ddpx.config.strategies import BUILTIN_STRATEGIES, strategy_class
+from ddpx.config.strategies import BUILTIN_STRATEGIES, strategy_class, strategy_import_path
 
 
 @contextlib.contextmanager
@@ -74,6 +74,10 @@ def test_config_errors_before_any_import_path_import_no_torch(override, message,
     assert err.startswith(f"ddpx: error: {message}") and err.count("\n") == 1, err
 
 
-def test_the_builtin_strategies_declare_no_sections():
-    """What lets read_config leave them (and torch) unimported: their section, fsdp, is ddpx's own."""
-    assert all(strategy_class(name).config_defaults == {} for name in BUILTIN_STRATEGIES)
+def test_what_is_said_of_the_builtin_strategies_unimported_holds():
+    """read_config leaves them (and torch) unimported: their section, fsdp, is ddpx's own; ``ddpx
+    plugins`` names their classes by import path."""
+    for name in BUILTIN_STRATEGIES:
+        cls = strategy_class(name)
+        assert cls.config_defaults == {}
+        assert strategy_import_path(name) == f"{cls.__module__}.{cls.__qualname__}"

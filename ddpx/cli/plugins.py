@@ -3,7 +3,7 @@
 import json
 
 from ..config import read_config, split_config_and_overrides
-from ..config.strategies import BUILTIN_STRATEGIES, installed_strategies, strategy_class
+from ..config.strategies import BUILTIN_STRATEGIES, installed_strategies, strategy_import_path
 from ..plugin.manager import plugin_table
 
 
@@ -37,14 +37,8 @@ def run(args):
 
 
 def strategy_line(name: str) -> str:
-    """``strategy: NAME (module.Class); built in: ddp, fsdp; installed: NAME (distribution version), ...``
-    (a built-in strategy by its import path: importing it would import torch)."""
-    if name in BUILTIN_STRATEGIES:
-        where = BUILTIN_STRATEGIES[name].replace(":", ".")
-    else:
-        cls = strategy_class(name)
-        where = f"{cls.__module__}.{cls.__qualname__}"
+    """``strategy: NAME (module.Class); built in: ddp, fsdp; installed: NAME (distribution version), ...``."""
     installed = [f"{n} ({ep.dist.name} {ep.dist.version})" if ep.dist else n
                  for n, ep in sorted(installed_strategies().items()) if n not in BUILTIN_STRATEGIES]
-    return (f"strategy: {name} ({where}); built in: {', '.join(BUILTIN_STRATEGIES)}; "
+    return (f"strategy: {name} ({strategy_import_path(name)}); built in: {', '.join(BUILTIN_STRATEGIES)}; "
             f"installed: {', '.join(installed) or 'none'}")

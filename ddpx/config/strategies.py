@@ -48,6 +48,14 @@ def strategy_sections(name: str) -> dict:
     return {} if name in BUILTIN_STRATEGIES else dict(strategy_class(name).config_defaults)
 
 
+def strategy_import_path(name: str) -> str:
+    """``module.Class`` of strategy ``name``; a built-in one is not imported for it (nor torch)."""
+    if name in BUILTIN_STRATEGIES:
+        return BUILTIN_STRATEGIES[name].replace(":", ".")
+    cls = strategy_class(name)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def strategy_class(name: str) -> type:
     """The strategy class ``trainer.strategy`` names (see the module docstring)."""
     check_strategy_name(name)
