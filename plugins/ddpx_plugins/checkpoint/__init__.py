@@ -103,13 +103,12 @@ from pathlib import Path
 from ddpx import hookimpl
 from ddpx.errors import DdpxError, TrainingDiverged
 from ddpx.plugin.shared import LAST_FINITE_CHECKPOINT
-from ddpx.rank.checkpoint_files import SHARDS_KEY
 from ddpx.train.monitor import Monitor
 from ddpx.train.state import TRAINER_STATE  # the trainer's own entries: one copy for all ranks
-from ddpx.train.stopping import across_ranks
 
-from .finite import finite_state
-from .resume import resume
+# What imports torch (ddpx.rank.checkpoint_files, ddpx.train.stopping, .finite, .resume) is
+# imported in the functions that use it: loading the plugin (``ddpx plugins``, the launcher's
+# config check) needs no torch.
 
 LR_SCALING = ("none", "linear")
 DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
@@ -222,6 +221,8 @@ class CheckpointPlugin:
         if session.enabled:
             _refuse_restart_after_divergence(trainer, session)
             if session.cfg["resume"]:
+                from .resume import resume
+
                 resume(trainer, session)
         session.stops.start(trainer)  # the checks count from the resumed step
         session.schedule(trainer)
@@ -287,6 +288,8 @@ def _refuse_restart_after_divergence(trainer, session) -> None:
     diverged would resume the same checkpoint and diverge again: end it at once.
     A new launch removes the marker and trains (the user may have changed the
     config). Rank 0 decides; every rank raises."""
+    from ddpx.train.stopping import across_ranks
+
     refusal = None
     if trainer.rank == 0:
         path = session.directory.directory / DIVERGED_MARKER
@@ -317,7 +320,10 @@ def _epoch_exhausted(trainer) -> bool:
 
 
 def _save(trainer, session, at_epoch_end, metrics=None):
-    from ddpx.rank.checkpoint_files import check_plain, rng_state
+    from ddpx.rank.checkpoint_files import SHARDS_KEY, check_plain, rng_state
+    from ddpx.train.stopping import across_ranks
+
+    from .finite import finite_state
 
     step = trainer.global_step
     if session.saved == (step, at_epoch_end):  # same on every rank: all skip the collective
@@ -377,6 +383,7 @@ def _save_shards(trainer, session, step, state) -> str:
     import torch.distributed as dist
 
     from ddpx.rank.checkpoint_files import fsync_directory
+    from ddpx.train.stopping import across_ranks
 
     session.writer.wait()  # the previous write, and its pruning, are done before this directory exists
     final = session.directory.shards_for(step)
