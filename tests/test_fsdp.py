@@ -43,6 +43,88 @@ def test_auto_units_are_the_large_children_and_the_blocks_of_a_list():
         ["embed", "blocks.0", "blocks.1", "blocks.2"]
 
 
+class TiedBlock(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, h):
+        return h + self.down(torch.relu(self.up(self.norm(h))))
+
+
+class TiedGPT(nn.Module):
+    """nanoGPT's shape: the blocks in a ModuleDict's ModuleList (``transformer.h``), the output head
+    tied to the input embedding; predicts a token from the last position of ``x``."""
+
+    def __init__(self, vocab=32, width=16, layers=2):
+        super().__init__()  # 512 parameters in the tied embedding, 1 104 in a block
+        self.transformer = nn.ModuleDict({"wte": nn.Embedding(vocab, width),
+                                          "h": nn.ModuleList(TiedBlock(width) for _ in range(layers)),
+                                          "ln_f": nn.LayerNorm(width)})
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, x):
+        h = self.transformer.wte(x)
+        for block in self.transformer.h:
+            h = block(h)
+        return self.lm_head(self.transformer.ln_f(h[:, -1]))
+
+
+def tied_data(n=640, vocab=32, length=4):
+    """Sequences of random tokens; the target is the token after the last one (mod ``vocab``)."""
+    x = torch.randint(vocab, (n, length), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, (x[:, -1] + 1) % vocab)
+    return torch.utils.data.Subset(data, range(512)), torch.utils.data.Subset(data, range(512, n))
+
+
+class Body(nn.Module):  # two blocks that are not in a container
+    def __init__(self, width):
+        super().__init__()
+        self.first, self.second, self.norm = TiedBlock(width), TiedBlock(width), nn.LayerNorm(width)
+
+
+class Hinted(nn.Module):
+    _no_split_modules = ["TiedBlock"]  # as a HuggingFace model names its blocks
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.body = Body(width)
+
+
+def test_auto_units_keep_tied_weights_in_the_root_and_find_blocks_at_any_depth():
+    units = fsdp.unit_modules(TiedGPT(), "auto", min_params=300)
+    assert [name for name, _ in units] == ["transformer.h.0", "transformer.h.1"]
+    assert units.tied == [("transformer.wte", ["lm_head.weight"]), ("lm_head", ["transformer.wte.weight"])]
+    assert fsdp.units_line(units, "2 ranks", 300) == (
+        "fsdp: 2 units (transformer.h.0, transformer.h.1) + the root sharded over 2 ranks; tied, kept in the root: "
+        "transformer.wte (shares lm_head.weight), lm_head (shares transformer.wte.weight)")
+    small = fsdp.unit_modules(TiedGPT(), "auto", min_params=100_000)  # the blocks are found, too small to be units
+    assert list(small) == [] and [name for name, _ in small.blocks] == ["transformer.h.0", "transformer.h.1"]
+    assert fsdp.units_line(small, "2 ranks", 100_000) == (
+        "fsdp: the whole model is one unit (the root), sharded over 2 ranks, so every parameter is gathered at once; "
+        "its 2 blocks (TiedBlock) hold up to 1104 parameters each, below fsdp.min_unit_params=100000; to gather one "
+        "at a time: fsdp.units=[TiedBlock]")
+    # _no_split_modules names the blocks where no container holds them; without it the body is one piece
+    assert [name for name, _ in fsdp.unit_modules(Hinted(), "auto", min_params=300)] == ["body.first", "body.second"]
+    Hinted._no_split_modules = None
+    try:
+        assert [name for name, _ in fsdp.unit_modules(Hinted(), "auto", min_params=300)] == ["body"]
+    finally:
+        Hinted._no_split_modules = ["TiedBlock"]
+    none = fsdp.unit_modules(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LayerNorm(8)), "auto", min_params=10 ** 6)
+    assert fsdp.units_line(none, "1 ranks", 10 ** 6).endswith(
+        "fsdp.units=auto found no repeated block; name your model's block class, e.g. fsdp.units=[Block]")
+
+
+def test_a_unit_by_class_name_that_shares_a_parameter_outside_it_is_one_line():
+    with pytest.raises(DdpxError, match=r"^fsdp.units names Embedding, but transformer.wte shares a parameter with "
+                                        r"lm_head.weight outside it \(tied weights\), and FSDP shards a parameter in "
+                                        r"one unit only; leave Embedding out of fsdp.units \(the root then holds it\), "
+                                        r"or set fsdp.units=auto$"):
+        fsdp.unit_modules(TiedGPT(), ["TiedBlock", "Embedding"], 1)
+
+
 def test_units_by_class_name_and_a_name_the_model_lacks():
     assert [name for name, _ in fsdp.unit_modules(Tiny(), ["Block"], 1)] == ["blocks.0", "blocks.1", "blocks.2"]
     with pytest.raises(DdpxError, match=r"fsdp.units names Blok, but no submodule of Tiny is of that class "
