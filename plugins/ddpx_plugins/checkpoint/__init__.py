@@ -27,8 +27,11 @@ directory is missing is skipped on resume. That part of the save is synchronous.
 A resume reads the shards back through a reader that runs nothing stored in them
 (the metadata is unpickled through an allow-list of DCP's plain records, other
 entries are read with ``weights_only=True``), at the same or another world size.
-At the end of training rank 0 also writes ``run_dir/model_weights.pt``, the whole
-model's weights gathered into one plain state dict (``model.load_state_dict(torch.load(path))``).
+At the end of training, under every strategy, rank 0 writes the trained model into
+``run_dir/model/`` (the strategy's ``full_state_dict``, gathered under fsdp: every rank takes
+part) through :func:`ddpx.rank.model_files.write_model`: ``model.safetensors`` (tied weights
+once), with ``config.json`` for a HuggingFace model (a ``from_pretrained`` directory);
+``ddpx export RUN_DIR`` writes the same from any checkpoint of a run.
 A checkpoint saved under one strategy is not resumed under the other (one line says so).
 
 Resuming. With ``resume`` (the default), the run starts from the newest
@@ -112,7 +115,6 @@ from ddpx.train.state import TRAINER_STATE  # the trainer's own entries: one cop
 
 LR_SCALING = ("none", "linear")
 DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
-FULL_WEIGHTS = "model_weights.pt"  # a strategy that is not replicated: the gathered model, written at the end
 
 
 class CheckpointSession:
@@ -235,8 +237,7 @@ class CheckpointPlugin:
     @hookimpl(trylast=True)
     def ddpx_train_end(self, trainer):
         session = self.session
-        if not trainer.strategy.replicated:
-            _export_full_weights(trainer)
+        _write_trained_model(trainer)
         if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
             _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
         session.writer.wait()
@@ -401,17 +402,17 @@ def _save_shards(trainer, session, step, state) -> str:
     return final.name
 
 
-def _export_full_weights(trainer) -> None:
-    """Rank 0 writes the gathered model as one plain state dict (every rank takes part)."""
-    import torch
-
-    from ddpx.rank.checkpoint_files import atomic_write
+def _write_trained_model(trainer) -> None:
+    """Rank 0 writes the whole model into ``run_dir/model/`` (every rank takes part: the strategy
+    may gather it)."""
+    from ddpx.rank.model_files import MODEL_DIR, write_model
 
     weights = trainer.strategy.full_state_dict(trainer.module)
     if trainer.rank == 0:
-        path = trainer.run_dir / FULL_WEIGHTS
-        atomic_write(path, lambda f: torch.save(weights, f))
-        trainer.log.info(f"wrote the whole model's weights to {path}")
+        directory = trainer.run_dir / MODEL_DIR
+        written, why = write_model(weights, directory, trainer.module)
+        note = f" (not safetensors: {why})" if why else ""
+        trainer.log.info(f"wrote the trained model to {directory}: {', '.join(written)}{note}")
 
 
 def _score(trainer, session, metrics):
