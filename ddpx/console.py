@@ -20,7 +20,7 @@ import errno
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 CONSOLE_LOG = "console.log"  # in the run directory
 GONE = (errno.EPIPE, errno.EIO)  # a pipe without a reader; a terminal that hung up
@@ -54,8 +54,8 @@ def write_fd(fd: int, data: bytes) -> None:
 
 
 class SurvivingStream:
-    """A text stream (``sys.stdout``, ``sys.stderr``) whose EPIPE silences its descriptor
-    instead of raising. ``copy`` (a path, or None) also receives what is written;
+    """A text stream (``sys.stdout``, ``sys.stderr``) whose EPIPE or EIO silences its
+    descriptor instead of raising. ``copy`` (a path, or None) also receives what is written;
     ``line_writer`` (a callable, or None), while set, writes each whole line instead (a
     progress bar's: the line above the bar), the rest of a line waiting for its end."""
 
@@ -142,7 +142,7 @@ def survive_closed_console() -> None:
 
 
 @contextlib.contextmanager
-def copied_to(path) -> None:
+def copied_to(path) -> Iterator[None]:
     """Inside: what this process writes to ``sys.stderr`` is appended to ``path`` too
     (opened at the first write). Needs :func:`survive_closed_console` first."""
     stream = sys.stderr if isinstance(sys.stderr, SurvivingStream) else None
