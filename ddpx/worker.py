@@ -18,9 +18,11 @@ if __name__ == "__main__":  # before torch loads, which takes seconds
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import load_config
+from .console import CONSOLE_LOG, append_line, survive_closed_console
 from .errors import DdpxError, show_tracebacks
+from .launch.resume import resume_line
 from .rank import failures
-from .rank.launcher_contract import launcher_alive, mark_done, stop_with_the_launcher
+from .rank.launcher_contract import LAUNCHER_PID_ENV, launcher_alive, mark_done, stop_with_the_launcher
 from .train.stopping import TrainingStopped
 from .train.trainer import Trainer
 
@@ -36,6 +38,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = os.environ.get("RANK", "0")
+    survive_closed_console()  # a console that closes (`| tee` and Ctrl-C) does not end the stop
     stop_with_the_launcher(rank)
     trainer = None
     try:
@@ -45,12 +48,25 @@ def main(argv=None) -> int:
         mark_done(rank)
     except TrainingStopped as exc:
         if not launcher_alive():  # else ddpx train says it, once for the node
-            print(f"ddpx: [rank{rank}] {exc}", file=sys.stderr, flush=True)
+            say_stopped(f"ddpx: [rank{rank}] {exc}", trainer, args, rank)
         return 128 + exc.signum
     except Exception as exc:
         report_failure(exc, trainer, rank)
         return exc.exit_code if isinstance(exc, DdpxError) else 1  # docs/checkpoints.md lists the exit codes
     return 0
+
+
+def say_stopped(line: str, trainer, args, rank: str) -> None:
+    """A stop without a launcher to say it (it died, or never was): this rank's line on the
+    console and in the run's console.log, and rank 0's command that resumes the run."""
+    lines = [line]
+    run_dir = trainer.run_dir if trainer is not None else None
+    if rank == "0" and run_dir is not None and os.environ.get(LAUNCHER_PID_ENV):  # a ddpx train whose launcher died
+        lines.append(resume_line(args.config, args.overrides, str(run_dir)))
+    for text in lines:
+        print(text, file=sys.stderr, flush=True)
+        if run_dir is not None:
+            append_line(run_dir / CONSOLE_LOG, text)
 
 
 def report_failure(exc: Exception, trainer, rank: str) -> None:

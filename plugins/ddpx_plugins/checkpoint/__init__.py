@@ -98,6 +98,7 @@ Config section ``checkpoint``: ``enabled`` (true), ``every_steps`` (0),
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -136,6 +137,7 @@ class CheckpointSession:
         self.writer = AsyncCheckpointWriter(self.directory, async_write=cfg["async_write"])
         self.finite_at = 0  # the last step whose state was checked finite (a save or the resumed checkpoint)
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
+        self.unannounced = None  # rank 0's "saved checkpoint" line of the last save, if not logged at info
         # The trainer's stop agreement (ddpx/train/stopping.py): SIGTERM/SIGINT stop every rank
         # after the same step, with a final checkpoint written here.
         self.stops = trainer.agree_on_stops(cfg["stop_check_every"], cfg["stop_check_s"], cfg["stop_timeout_s"],
@@ -162,7 +164,7 @@ class CheckpointSession:
         # The epoch's last step is saved by the epoch end (which also runs the evaluation).
         periodic = every and trainer.global_step % every == 0 and not _epoch_exhausted(trainer)
         if self.enabled and (periodic or stop):
-            _save(trainer, self, at_epoch_end=False)
+            _save(trainer, self, at_epoch_end=False, announce=stop)
         if stop:
             trainer.request_stop(self.stops.signal_received or signal.SIGTERM)
 
@@ -239,8 +241,10 @@ class CheckpointPlugin:
         session = self.session
         _write_trained_model(trainer)
         if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
-            _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
+            _save(trainer, session, at_epoch_end=False, announce=True)  # e.g. stopped by trainer.max_steps
         session.writer.wait()
+        if session.unannounced and not trainer.log.isEnabledFor(logging.DEBUG):  # the run's last checkpoint is
+            trainer.log.info(session.unannounced)  # said; each epoch end's only at logging.level=debug
         report_best(trainer, session)
 
     @hookimpl
@@ -320,7 +324,9 @@ def _epoch_exhausted(trainer) -> bool:
     return trainer.epoch_batches >= trainer.num_batches
 
 
-def _save(trainer, session, at_epoch_end, metrics=None):
+def _save(trainer, session, at_epoch_end, metrics=None, announce=False):
+    """A checkpoint (every rank takes part); ``announce``: its line is logged at info (a stop's
+    or the run's last), else at debug."""
     from ddpx.rank.checkpoint_files import SHARDS_KEY, check_plain, rng_state
     from ddpx.train.stopping import across_ranks
 
@@ -371,7 +377,9 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     where = f"end of epoch {epoch - 1}" if epoch != trainer.epoch else f"in epoch {epoch}"
 
     def done(path):
-        trainer.log.info(f"saved checkpoint {path} ({where}, step {step})")
+        line = f"saved checkpoint {path} ({where}, step {step})"
+        session.unannounced = None if announce else line
+        trainer.log.log(logging.INFO if announce else logging.DEBUG, line)
 
     session.writer.save(checkpoint, step, on_done=done, score=score)
 
