@@ -1,6 +1,8 @@
-"""One rank of ``ddpx train``: what torchrun starts, ``python -m ddpx.worker [--config PATH] [KEY=VALUE ...]``.
+"""One rank of ``ddpx train``: what torchrun starts, ``python -m ddpx.worker [--config PATH] [KEY=VALUE ...]``,
+and :func:`fit` (``ddpx.fit``), the same rank called in a process that another launcher started.
 
-``ddpx train`` launches it; you can also run it under your own torchrun.
+``ddpx train`` launches it; you can also run it under your own torchrun, srun or mpirun, or
+call :func:`fit` from Ray Train's train loop (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import argparse
 import os
 import sys
 import traceback
+from typing import Mapping, Sequence, Union
 
 if __name__ == "__main__":  # before torch loads, which takes seconds
     from .rank.launcher_contract import quiet_interrupt_while_starting
@@ -32,34 +35,57 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+FAILURE_ATTRIBUTE = "_ddpx_failure"  # (peer failure line, store) that fit leaves on the error for main
+
+
+def fit(config: Union[str, Mapping, None] = None, overrides: Sequence[str] = ()) -> list[dict]:
+    """Train one rank in this process; returns the metrics of each epoch it trained (``loss``,
+    ``accuracy``, ``step``, ...: the ``metrics.jsonl`` epoch records; a run that resumed from a
+    checkpoint in its ``run_dir`` starts there). Call it on every rank.
+
+    ``config``: a YAML file, a dict shaped like one, or None for the built-in digits run;
+    ``overrides``: ``KEY=VALUE`` strings as on ``ddpx train``'s command line. Where a default
+    process group exists already (Ray Train's workers, your own ``init_process_group``), the
+    run trains in it and leaves it as it was; otherwise it joins the group that torchrun's
+    variables describe (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), or trains alone.
+    Errors are raised; a rank stopped by another rank's failure raises with a note naming
+    the rank that failed first."""
+    trainer = None
+    try:
+        trainer = Trainer(load_config(config, overrides))
+        return trainer.run()
+    except Exception as exc:
+        peer_failure = trainer.peer_failure if trainer is not None else None
+        if peer_failure is not None:
+            exc.add_note(f"ddpx: {peer_failure}")
+        setattr(exc, FAILURE_ATTRIBUTE, (peer_failure, trainer.failure_store if trainer is not None else None))
+        raise
+
+
 @record
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = os.environ.get("RANK", "0")
     stop_with_the_launcher(rank)
-    trainer = None
     try:
-        config = load_config(args.config, args.overrides)
-        trainer = Trainer(config)
-        trainer.run()
+        fit(args.config, args.overrides)
         mark_done(rank)
     except TrainingStopped as exc:
         if not launcher_alive():  # else ddpx train says it, once for the node
             print(f"ddpx: [rank{rank}] {exc}", file=sys.stderr, flush=True)
         return 128 + exc.signum
     except Exception as exc:
-        report_failure(exc, trainer, rank)
+        report_failure(exc, rank)
         return exc.exit_code if isinstance(exc, DdpxError) else 1  # docs/checkpoints.md lists the exit codes
     return 0
 
 
-def report_failure(exc: Exception, trainer, rank: str) -> None:
+def report_failure(exc: Exception, rank: str) -> None:
     """One line for the error that ended this rank, printed by the first failing rank of each
     node only (the others failed the same way, or because of it); an unexpected error's
     traceback comes with it, every rank's with DDPX_TRACEBACK=1."""
-    peer_failure = trainer.peer_failure if trainer is not None else None
+    peer_failure, store = getattr(exc, FAILURE_ATTRIBUTE, (None, None))
     line, unexpected = failures.failure_line(exc, peer_failure)
-    store = trainer.failure_store if trainer is not None else None
     if store is None and getattr(exc, "same_on_every_rank", False):
         first = os.environ.get("LOCAL_RANK", "0") == "0"  # no store to ask: one rank per node says it
     else:

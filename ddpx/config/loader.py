@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import yaml
 
@@ -234,16 +234,20 @@ def plugin_defaults(pm, strategy=None) -> dict:
     return out
 
 
-def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugin_manager=None) -> Config:
+def load_config(path: Union[str, Mapping, None] = None, overrides: Iterable[str] = (), plugin_manager=None) -> Config:
     """Read, override, validate and announce (``ddpx_configure``) a config.
 
-    ``path`` None means the built-in default (``ddpx/config/default.yaml``).
+    ``path`` None means the built-in default (``ddpx/config/default.yaml``); a mapping is
+    taken as a YAML file's contents (``ddpx.fit`` passes either).
     Without ``plugin_manager`` one is made from the config's ``plugins``
     section (entry points + ``plugins.enable`` - ``plugins.block``); it is
     available afterwards as ``config.plugin_manager``.
     """
     overrides = tuple(overrides)
-    raw = read_yaml(path if path is not None else DEFAULT_CONFIG)
+    if isinstance(path, Mapping):
+        raw, path = copy.deepcopy(dict(path)), None
+    else:
+        raw = read_yaml(path if path is not None else DEFAULT_CONFIG)
     add_user_module_dirs(path)
     raw = apply_overrides(raw, overrides)
 
