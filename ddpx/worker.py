@@ -35,9 +35,6 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-FAILURE_ATTRIBUTE = "_ddpx_failure"  # (peer failure line, store) that fit leaves on the error for main
-
-
 def fit(config: Union[str, Mapping, None] = None, overrides: Sequence[str] = ()) -> list[dict]:
     """Train one rank in this process; returns the metrics of each epoch it trained (``loss``,
     ``accuracy``, ``step``, ...: the ``metrics.jsonl`` epoch records; a run that resumed from a
@@ -47,18 +44,16 @@ def fit(config: Union[str, Mapping, None] = None, overrides: Sequence[str] = ())
     ``overrides``: ``KEY=VALUE`` strings as on ``ddpx train``'s command line. Where a default
     process group exists already (Ray Train's workers, your own ``init_process_group``), the
     run trains in it and leaves it as it was; otherwise it joins the group that torchrun's
-    variables describe (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), or trains alone.
-    Errors are raised; a rank stopped by another rank's failure raises with a note naming
-    the rank that failed first."""
-    trainer = None
+    variables describe (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), or trains alone:
+    the rank :func:`main` runs. Errors are raised as they are (a launcher may pickle them: Ray
+    does); a rank stopped by another rank's failure raises with a note naming the rank that
+    failed first."""
+    trainer = Trainer(load_config(config, overrides))
     try:
-        trainer = Trainer(load_config(config, overrides))
         return trainer.run()
     except Exception as exc:
-        peer_failure = trainer.peer_failure if trainer is not None else None
-        if peer_failure is not None:
-            exc.add_note(f"ddpx: {peer_failure}")
-        setattr(exc, FAILURE_ATTRIBUTE, (peer_failure, trainer.failure_store if trainer is not None else None))
+        if trainer.peer_failure is not None:
+            exc.add_note(f"ddpx: {trainer.peer_failure}")
         raise
 
 
@@ -67,25 +62,28 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = os.environ.get("RANK", "0")
     stop_with_the_launcher(rank)
+    trainer = None
     try:
-        fit(args.config, args.overrides)
+        trainer = Trainer(load_config(args.config, args.overrides))  # the rank fit runs, its failure reported here
+        trainer.run()
         mark_done(rank)
     except TrainingStopped as exc:
         if not launcher_alive():  # else ddpx train says it, once for the node
             print(f"ddpx: [rank{rank}] {exc}", file=sys.stderr, flush=True)
         return 128 + exc.signum
     except Exception as exc:
-        report_failure(exc, rank)
+        report_failure(exc, trainer, rank)
         return exc.exit_code if isinstance(exc, DdpxError) else 1  # docs/checkpoints.md lists the exit codes
     return 0
 
 
-def report_failure(exc: Exception, rank: str) -> None:
+def report_failure(exc: Exception, trainer, rank: str) -> None:
     """One line for the error that ended this rank, printed by the first failing rank of each
     node only (the others failed the same way, or because of it); an unexpected error's
     traceback comes with it, every rank's with DDPX_TRACEBACK=1."""
-    peer_failure, store = getattr(exc, FAILURE_ATTRIBUTE, (None, None))
+    peer_failure = trainer.peer_failure if trainer is not None else None
     line, unexpected = failures.failure_line(exc, peer_failure)
+    store = trainer.failure_store if trainer is not None else None
     if store is None and getattr(exc, "same_on_every_rank", False):
         first = os.environ.get("LOCAL_RANK", "0") == "0"  # no store to ask: one rank per node says it
     else:

@@ -404,26 +404,26 @@ def test_ctrl_c_is_one_line_and_the_resume_hint(ranks, project):
 
 def test_a_worker_prints_its_failure_once_per_node_and_the_traceback_on_request(monkeypatch, capsys):
     from ddpx.plugin.manager import ORIGIN_ATTRIBUTE
-    from ddpx.worker import FAILURE_ATTRIBUTE, report_failure
+    from ddpx.worker import report_failure
 
     try:
         raise RuntimeError("metrics.csv is missing")
     except RuntimeError as caught:
         exc = caught
     setattr(exc, ORIGIN_ATTRIBUTE, ("epoch1plug", "ddpx_epoch_start"))
-    setattr(exc, FAILURE_ATTRIBUTE, (None, torch.distributed.HashStore()))  # what ddpx.worker.fit leaves: no peer failure
+    trainer = types.SimpleNamespace(peer_failure=None, failure_store=torch.distributed.HashStore())
     monkeypatch.delenv("DDPX_TRACEBACK", raising=False)
     monkeypatch.setenv("GROUP_RANK", "0")
     monkeypatch.setenv("RANK", "1")
-    report_failure(exc, "1")
+    report_failure(exc, trainer, "1")
     err = capsys.readouterr().err
     assert err.startswith("ddpx: error: [rank1] plugin 'epoch1plug' raised in ddpx_epoch_start: RuntimeError: "
                           "metrics.csv is missing (test_user_errors.py:") and err.count("\n") == 1, err
     monkeypatch.setenv("RANK", "0")
-    report_failure(exc, "0")  # rank 0 of the same node, failing later: silent
+    report_failure(exc, trainer, "0")  # rank 0 of the same node, failing later: silent
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("DDPX_TRACEBACK", "1")
-    report_failure(exc, "0")  # the traceback on request, from every rank
+    report_failure(exc, trainer, "0")  # the traceback on request, from every rank
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):") and "ddpx: error:" not in err, err
 
