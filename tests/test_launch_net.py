@@ -175,10 +175,17 @@ def test_torchruns_gpu_and_cpu_words_for_the_processes_per_node(clean_env, monke
     assert "--nproc-per-node=4" in _argv(LaunchOptions())
 
 
-def test_static_rendezvous_across_nodes_needs_a_node_rank(clean_env):
+def test_static_rendezvous_across_nodes_needs_a_node_rank_and_an_address_named_as_given(clean_env):
     _pretend(clean_env, address="10.9.0.1", local=False, local_addr="10.9.0.2", iface="eth0")
-    with pytest.raises(DdpxError, match=r"--rdzv-backend static needs --node-rank \(0 on the node at 10.9.0.1:29500\)"):
+    with pytest.raises(DdpxError, match=r"--rdzv-backend static needs --node-rank or PET_NODE_RANK \(0 on the node "
+                                        r"at 10.9.0.1:29500\)"):
         _argv(LaunchOptions(nnodes="2", master_addr="10.9.0.1"))
+    clean_env.setenv("PET_NNODES", "2")  # a TrainJob's variables without its master: named as such
+    with pytest.raises(DdpxError, match=r"^PET_NNODES=2 needs --rdzv-endpoint HOST:PORT or --master-addr "
+                                        r"\(PET_RDZV_ENDPOINT or PET_MASTER_ADDR in a Kubeflow job\)"):
+        _argv(LaunchOptions())
+    with pytest.raises(DdpxError, match=r"^--nnodes 3 needs --rdzv-endpoint"):
+        _argv(LaunchOptions(nnodes="3"))
 
 
 def test_route_to_this_machine_and_its_own_name(clean_env):

@@ -84,21 +84,23 @@ def check_port(port: Optional[int], where: str) -> None:
 def check_options(opts: LaunchOptions, env: Mapping[str, str] = os.environ) -> None:
     """One-line errors for launch options torchrun would reject with a traceback: the flags, and
     the ``PET_*`` variables that stand in for the flags not given (named as such)."""
-    given = opts
     opts = from_environment(opts, env)
-
-    def name(option: str) -> str:  # where the value came from: its flag, or its PET_* variable
-        variable = f"PET_{option.upper()}"
-        return variable if getattr(given, option) is None and env.get(variable) else "--" + option.replace("_", "-")
-
-    check_nproc(opts.nproc_per_node, name("nproc_per_node"))
-    check_port(opts.master_port, name("master_port"))
+    check_nproc(opts.nproc_per_node, named("nproc_per_node", opts.nproc_per_node, env))
+    check_port(opts.master_port, named("master_port", opts.master_port, env))
     if opts.max_restarts is not None and opts.max_restarts < 0:
-        raise DdpxError(f"{name('max_restarts')} must be >= 0, got {opts.max_restarts}")
+        raise DdpxError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
     if opts.node_rank is not None and opts.node_rank < 0:
-        raise DdpxError(f"{name('node_rank')} must be >= 0, got {opts.node_rank}")
+        raise DdpxError(f"--node-rank must be >= 0, got {opts.node_rank}")
     if opts.nnodes is not None and not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", str(opts.nnodes)):
-        raise DdpxError(f"{name('nnodes')} must be a number of nodes >= 1 or MIN:MAX, got {opts.nnodes!r}")
+        raise DdpxError(f"{named('nnodes', opts.nnodes, env)} must be a number of nodes >= 1 or MIN:MAX, "
+                        f"got {opts.nnodes!r}")
+
+
+def named(option: str, value, env: Mapping[str, str] = os.environ) -> str:
+    """How a message names where ``option``'s ``value`` came from: its ``PET_*`` variable when
+    that holds the value, else its flag (a flag given on the command line wins over the variable)."""
+    variable = f"PET_{option.upper()}"
+    return variable if env.get(variable, "").strip() == str(value) else "--" + option.replace("_", "-")
 
 
 

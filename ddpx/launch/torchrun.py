@@ -63,7 +63,7 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
                 # The workers' MASTER_ADDR: otherwise the rank-0 agent's getfqdn(), often "localhost".
                 argv.append(f"--local-addr={route.local_addr}")
         elif opts.node_rank is None:
-            raise DdpxError(f"--rdzv-backend {backend} needs --node-rank (0 on the node at {endpoint})")
+            raise DdpxError(f"--rdzv-backend {backend} needs --node-rank or PET_NODE_RANK (0 on the node at {endpoint})")
         made = [] if route.one_machine else net.choose_socket_ifname(route.iface)
         if made:
             print(f"ddpx: {rendezvous.node_label(route)}: {' '.join(made)} (the interface that reaches "
