@@ -40,6 +40,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -454,21 +455,25 @@ def run(args) -> int:
     config_path, overrides = split_config_and_overrides(args.config, args.overrides)
     config = load_config(config_path, overrides)
     opts = dataclasses.replace(options.options_from_args(args), max_restarts=0)
-    argv = torchrun.torchrun_argv(opts, config.launch, config_path, overrides)
-    argv[argv.index("--module") + 1] = BENCH_MODULE
-    if "--nproc-per-node=1" in argv and "--nnodes=1" in argv:
-        raise DdpxError("ddpx bench comm needs at least 2 ranks: use --nproc-per-node 2 or several nodes")
-    fd, out = tempfile.mkstemp(prefix="ddpx-bench-comm-", suffix=".json")
-    os.close(fd)
-    os.environ.update({ENV_OUT: out, ENV_STEPS: str(args.steps), ENV_ROUNDS: str(args.rounds)})
-    if args.hooks:
-        os.environ[ENV_HOOKS] = args.hooks
+    # The ranks' trainer needs a run_dir, and rank 0 writes its report: both in a directory that
+    # goes when the command ends, so that a measurement leaves no run behind under runs/.
+    work = tempfile.mkdtemp(prefix="ddpx-bench-comm-")
+    out = os.path.join(work, "report.json")
     try:
+        argv = torchrun.torchrun_argv(opts, config.launch, config_path, [*overrides, f"run_dir={work}"])
+        argv[argv.index("--module") + 1] = BENCH_MODULE
+        if "--nproc-per-node=1" in argv and "--nnodes=1" in argv:
+            raise DdpxError("ddpx bench comm needs at least 2 ranks: use --nproc-per-node 2 or several nodes")
+        os.environ.update({ENV_OUT: out, ENV_STEPS: str(args.steps), ENV_ROUNDS: str(args.rounds)})
+        if args.hooks:
+            os.environ[ENV_HOOKS] = args.hooks
         torchrun.run_torchrun(argv)
-        with open(out) as f:
-            text = f.read()
+        text = ""
+        if os.path.exists(out):  # not where rank 0 runs on another node
+            with open(out) as f:
+                text = f.read()
     finally:
-        os.unlink(out)
+        shutil.rmtree(work, ignore_errors=True)
     if not text:
         print("ddpx bench comm: rank 0 runs on another node; the report is printed there", file=sys.stderr)
         return 0

@@ -84,10 +84,10 @@ CHOICES: dict = {
     "fsdp.param_dtype": ("amp", "fp32"),
     "fsdp.offload": ("none", "cpu"),
 }
-# Sections built from an import path; their ``args`` are free-form keyword
-# arguments: given with a target they replace the default's as a whole, and are
-# reset to {} when only the target is given (SGD's momentum must not leak into a
-# user's Adam); given without one they merge into the default's.
+# Sections built from an import path; their ``args`` are free-form keyword arguments that
+# belong to their target: where a target is given (in the file over the defaults, on the
+# command line over the file) the args are those given with it, else {}; args given without
+# a target merge into those below (loader.target_args).
 TARGET_SECTIONS = ("model", "data", "loss", "optimizer", "scheduler")
 FREE_FORM = frozenset(f"{section}.args" for section in TARGET_SECTIONS)
 

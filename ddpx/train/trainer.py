@@ -43,7 +43,7 @@ from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
 from .. import strategies
-from .batches import to_device
+from .batches import model_loss, to_device
 from .compile import compile_model
 from .grad_norms import GradientNorms
 from .losses import EpochLosses, LossWindow
@@ -443,6 +443,10 @@ class Trainer:
             loss = self.hook.ddpx_forward(trainer=self, batch=batch)
         self.backward(loss / window if window > 1 else loss)
         return loss.detach()
+
+    def batch_loss(self, batch) -> torch.Tensor:
+        """The default ``ddpx_forward``: :func:`~ddpx.train.batches.model_loss`'s loss of one micro-batch."""
+        return model_loss(self.model, self.loss_fn, batch)[0]
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, scaled by the GradScaler under fp16 AMP."""

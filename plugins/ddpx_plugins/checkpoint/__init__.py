@@ -27,8 +27,11 @@ directory is missing is skipped on resume. That part of the save is synchronous.
 A resume reads the shards back through a reader that runs nothing stored in them
 (the metadata is unpickled through an allow-list of DCP's plain records, other
 entries are read with ``weights_only=True``), at the same or another world size.
-At the end of training rank 0 also writes ``run_dir/model_weights.pt``, the whole
-model's weights gathered into one plain state dict (``model.load_state_dict(torch.load(path))``).
+At the end of training, under every strategy, rank 0 writes the trained model into
+``run_dir/model/`` (the strategy's ``full_state_dict``, gathered under fsdp: every rank takes
+part) through :func:`ddpx.rank.model_files.write_model`: ``model.safetensors`` (tied weights
+once), with ``config.json`` for a HuggingFace model (a ``from_pretrained`` directory);
+``ddpx export RUN_DIR`` writes the same from any checkpoint of a run.
 A checkpoint saved under one strategy is not resumed under the other (one line says so).
 
 Resuming. With ``resume`` (the default), the run starts from the newest
@@ -103,17 +106,15 @@ from pathlib import Path
 from ddpx import hookimpl
 from ddpx.errors import DdpxError, TrainingDiverged
 from ddpx.plugin.shared import LAST_FINITE_CHECKPOINT
-from ddpx.rank.checkpoint_files import SHARDS_KEY
 from ddpx.train.monitor import Monitor
 from ddpx.train.state import TRAINER_STATE  # the trainer's own entries: one copy for all ranks
-from ddpx.train.stopping import across_ranks
 
-from .finite import finite_state
-from .resume import resume
+# What imports torch (ddpx.rank.checkpoint_files, ddpx.train.stopping, .finite, .resume) is
+# imported in the functions that use it: loading the plugin (``ddpx plugins``, the launcher's
+# config check) needs no torch.
 
 LR_SCALING = ("none", "linear")
 DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
-FULL_WEIGHTS = "model_weights.pt"  # a strategy that is not replicated: the gathered model, written at the end
 
 
 class CheckpointSession:
@@ -222,6 +223,8 @@ class CheckpointPlugin:
         if session.enabled:
             _refuse_restart_after_divergence(trainer, session)
             if session.cfg["resume"]:
+                from .resume import resume
+
                 resume(trainer, session)
         session.stops.start(trainer)  # the checks count from the resumed step
         session.schedule(trainer)
@@ -234,8 +237,7 @@ class CheckpointPlugin:
     @hookimpl(trylast=True)
     def ddpx_train_end(self, trainer):
         session = self.session
-        if not trainer.strategy.replicated:
-            _export_full_weights(trainer)
+        _write_trained_model(trainer)
         if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
             _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
         session.writer.wait()
@@ -287,6 +289,8 @@ def _refuse_restart_after_divergence(trainer, session) -> None:
     diverged would resume the same checkpoint and diverge again: end it at once.
     A new launch removes the marker and trains (the user may have changed the
     config). Rank 0 decides; every rank raises."""
+    from ddpx.train.stopping import across_ranks
+
     refusal = None
     if trainer.rank == 0:
         path = session.directory.directory / DIVERGED_MARKER
@@ -317,7 +321,10 @@ def _epoch_exhausted(trainer) -> bool:
 
 
 def _save(trainer, session, at_epoch_end, metrics=None):
-    from ddpx.rank.checkpoint_files import check_plain, rng_state
+    from ddpx.rank.checkpoint_files import SHARDS_KEY, check_plain, rng_state
+    from ddpx.train.stopping import across_ranks
+
+    from .finite import finite_state
 
     step = trainer.global_step
     if session.saved == (step, at_epoch_end):  # same on every rank: all skip the collective
@@ -377,6 +384,7 @@ def _save_shards(trainer, session, step, state) -> str:
     import torch.distributed as dist
 
     from ddpx.rank.checkpoint_files import fsync_directory
+    from ddpx.train.stopping import across_ranks
 
     session.writer.wait()  # the previous write, and its pruning, are done before this directory exists
     final = session.directory.shards_for(step)
@@ -394,17 +402,17 @@ def _save_shards(trainer, session, step, state) -> str:
     return final.name
 
 
-def _export_full_weights(trainer) -> None:
-    """Rank 0 writes the gathered model as one plain state dict (every rank takes part)."""
-    import torch
-
-    from ddpx.rank.checkpoint_files import atomic_write
+def _write_trained_model(trainer) -> None:
+    """Rank 0 writes the whole model into ``run_dir/model/`` (every rank takes part: the strategy
+    may gather it)."""
+    from ddpx.rank.model_files import MODEL_DIR, write_model
 
     weights = trainer.strategy.full_state_dict(trainer.module)
     if trainer.rank == 0:
-        path = trainer.run_dir / FULL_WEIGHTS
-        atomic_write(path, lambda f: torch.save(weights, f))
-        trainer.log.info(f"wrote the whole model's weights to {path}")
+        directory = trainer.run_dir / MODEL_DIR
+        written, why = write_model(weights, directory, trainer.module)
+        note = f" (not safetensors: {why})" if why else ""
+        trainer.log.info(f"wrote the trained model to {directory}: {', '.join(written)}{note}")
 
 
 def _score(trainer, session, metrics):

@@ -58,7 +58,6 @@ import os
 import time
 
 from ddpx import hookimpl
-from ddpx.data.stream import has_length
 from ddpx.errors import DdpxError
 from ddpx.plugin.shared import ACCUMULATION_STEPS
 
@@ -144,6 +143,8 @@ def batches_left(trainer, epoch):
     epochs left, or fewer where ``trainer.max_steps`` ends the run first (its steps left times
     the accumulation's micro-batches per step); for a loader without a length (a stream),
     ``trainer.max_steps``'s batches left, or None without it."""
+    from ddpx.data.stream import has_length  # imports torch: not on loading the plugin
+
     left = None
     if has_length(trainer.train_loader):  # a DataLoader over a stream has __len__, which raises
         left = len(trainer.train_loader) * (trainer.config.trainer.epochs - epoch)
