@@ -1,6 +1,8 @@
-"""One rank of ``ddpx train``: what torchrun starts, ``python -m ddpx.worker [--config PATH] [KEY=VALUE ...]``.
+"""One rank of ``ddpx train``: what torchrun starts, ``python -m ddpx.worker [--config PATH] [KEY=VALUE ...]``,
+and :func:`fit` (``ddpx.fit``), the same rank called in a process that another launcher started.
 
-``ddpx train`` launches it; you can also run it under your own torchrun.
+``ddpx train`` launches it; you can also run it under your own torchrun, srun or mpirun, or
+call :func:`fit` from Ray Train's train loop (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import argparse
 import os
 import sys
 import traceback
+from typing import Mapping, Sequence, Union
 
 if __name__ == "__main__":  # before torch loads, which takes seconds
     from .rank.launcher_contract import quiet_interrupt_while_starting
@@ -34,6 +37,28 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+def fit(config: Union[str, Mapping, None] = None, overrides: Sequence[str] = ()) -> list[dict]:
+    """Train one rank in this process; returns the metrics of each epoch it trained (``loss``,
+    ``accuracy``, ``step``, ...: the ``metrics.jsonl`` epoch records; a run that resumed from a
+    checkpoint in its ``run_dir`` starts there). Call it on every rank.
+
+    ``config``: a YAML file, a dict shaped like one, or None for the built-in digits run;
+    ``overrides``: ``KEY=VALUE`` strings as on ``ddpx train``'s command line. Where a default
+    process group exists already (Ray Train's workers, your own ``init_process_group``), the
+    run trains in it and leaves it as it was; otherwise it joins the group that torchrun's
+    variables describe (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), or trains alone:
+    the rank :func:`main` runs. Errors are raised as they are (a launcher may pickle them: Ray
+    does); a rank stopped by another rank's failure raises with a note naming the rank that
+    failed first."""
+    trainer = Trainer(load_config(config, overrides))
+    try:
+        return trainer.run()
+    except Exception as exc:
+        if trainer.peer_failure is not None:
+            exc.add_note(f"ddpx: {trainer.peer_failure}")
+        raise
+
+
 @record
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -42,8 +67,7 @@ def main(argv=None) -> int:
     stop_with_the_launcher(rank)
     trainer = None
     try:
-        config = load_config(args.config, args.overrides)
-        trainer = Trainer(config)
+        trainer = Trainer(load_config(args.config, args.overrides))  # the rank fit runs, its failure reported here
         trainer.run()
         mark_done(rank)
     except TrainingStopped as exc:

@@ -177,6 +177,12 @@ def test_the_plugin_example_greets_from_every_rank_as_shown(ranks, tmp_path):
         assert [line for line in printed if line in mine] == mine, out + err
 
 
+def test_the_ray_recipe_in_engines_md_is_what_the_benchmark_runs():
+    source = open(os.path.join(ROOT, "benchmarks", "bench_engines.py")).read()
+    recipe = source.split("(tests/test_docs.py: the page shows this text) ---\n")[1].split("# --- end of the recipe")[0]
+    assert "ddpx.fit(" in recipe and recipe.strip() in open(os.path.join(DOCS, "engines.md")).read()
+
+
 TESTING_MD = os.path.join(DOCS, "testing.md")
 LANES = ("fast lane", "whole suite", "fresh clone")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import yaml
 
@@ -241,17 +241,21 @@ def plugin_defaults(pm, strategy=None) -> dict:
     return out
 
 
-def read_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugin_manager=None) -> Config:
+def read_config(path: Union[str, Mapping, None] = None, overrides: Iterable[str] = (), plugin_manager=None) -> Config:
     """Read, override and check a config against what declares its keys, importing none of the
     run's code: the import paths (``model.target``, ...) are not resolved and no plugin's
     ``ddpx_configure`` runs (:func:`load_config` does both). ``ddpx plugins`` needs no more.
 
-    ``path`` None means the built-in default (``ddpx/config/default.yaml``). Without
-    ``plugin_manager`` one is made from the config's ``plugins`` section (entry points +
-    ``plugins.enable`` - ``plugins.block``); it is ``config.plugin_manager`` afterwards.
+    ``path`` None means the built-in default (``ddpx/config/default.yaml``); a mapping is taken
+    as a YAML file's contents (``ddpx.fit`` passes either). Without ``plugin_manager`` one is
+    made from the config's ``plugins`` section (entry points + ``plugins.enable`` -
+    ``plugins.block``); it is ``config.plugin_manager`` afterwards.
     """
     overrides = tuple(overrides)
-    file_values = read_yaml(path if path is not None else DEFAULT_CONFIG)
+    if isinstance(path, Mapping):
+        file_values, path = copy.deepcopy(dict(path)), None
+    else:
+        file_values = read_yaml(path if path is not None else DEFAULT_CONFIG)
     add_user_module_dirs(path)
     raw = apply_overrides(copy.deepcopy(file_values), overrides)
 
@@ -298,7 +302,7 @@ def target_args(layers: Iterable) -> dict:
     return args
 
 
-def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugin_manager=None) -> Config:
+def load_config(path: Union[str, Mapping, None] = None, overrides: Iterable[str] = (), plugin_manager=None) -> Config:
     """Read and check (:func:`read_config`), resolve the import paths, and have the strategy and
     the plugins check the result (``ddpx_configure``): the validated config a run uses."""
     config = read_config(path, overrides, plugin_manager)

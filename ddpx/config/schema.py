@@ -145,10 +145,13 @@ def check_fsdp(values: Mapping) -> None:
                         f"parameter is sharded over; HSDP below the world size), got {shard!r}")
 
 
+NPROC_WORDS = ("auto", "gpu", "cpu")  # torchrun's words for --nproc-per-node (a Kubeflow TrainJob passes them)
+
+
 def check_nproc(value, where: str) -> None:
-    """``auto`` or a whole number >= 1 (also as a string from the command line)."""
-    if value is None or value == "auto":
+    """A whole number >= 1 (also as a string from the command line) or one of :data:`NPROC_WORDS`."""
+    if value is None or value in NPROC_WORDS:
         return
     text = str(value).strip()
     if not text.isdigit() or int(text) < 1:
-        raise DdpxError(f"{where} must be a number of processes >= 1 or auto, got {value!r}")
+        raise DdpxError(f"{where} must be a number of processes >= 1, auto, gpu or cpu, got {value!r}")

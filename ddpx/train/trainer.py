@@ -239,7 +239,7 @@ class Trainer:
                 restore_logger(self.log, self._saved_logger)
 
     def _report_exception(self, exc: BaseException) -> None:
-        store = self.failure_store = failures.default_store()  # kept: the group goes before the worker reports
+        store = self.failure_store = process_group.run_store()  # kept: the group goes before the worker reports
         if failures.is_peer_failure(exc):
             # Another rank failed, died or hung: the plugin whose collective broke is not to blame.
             self.peer_failure = failures.peer_failure_line(exc, store, self.global_step)
@@ -279,7 +279,7 @@ class Trainer:
         if cfg.check_collectives and self.world_size > 1:
             self._collectives = CollectiveWatchdog(self.rank, self.world_size, cfg.stall_s, self._progress,
                                                    self.plugin_manager, self.run_dir,
-                                                   dist.distributed_c10d._get_default_store(), self.device)
+                                                   process_group.run_store(), self.device)
             self._collectives.install()
             self._collectives.start()
         torch.manual_seed(self.config.seed)  # identical initial weights and default shuffles on every rank
