@@ -153,7 +153,8 @@ setup(
     cmdclass=_cmdclass(),
     # numpy: torch's object collectives (all_gather_object, broadcast_object_list), which
     # every run uses at start-up, need it, and the torch wheel does not require it
-    install_requires=["torch>=2.7", "pybind11", "ninja", "pluggy>=1.2", "pyyaml", "tqdm", "numpy"],
+    # safetensors: the trained model's file (ddpx/rank/model_files.py; torch.save where it is missing)
+    install_requires=["torch>=2.7", "pybind11", "ninja", "pluggy>=1.2", "pyyaml", "tqdm", "numpy", "safetensors"],
     extras_require={
         "tensorboard": ["tensorboard"],  # logging.tensorboard: true
         "wandb": ["wandb"],  # logging.wandb.project

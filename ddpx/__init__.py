@@ -1,6 +1,8 @@
 """ddpx: plugin-based PyTorch DDP training with fused gradient-compression kernels.
 
 Public entry points:
+    ddpx.fit             train one rank in this process: ``ddpx.fit("cfg.yaml", ["trainer.epochs=3"])``,
+                         also in a process group a launcher created (Ray Train, docs/engines.md)
     ddpx.hookimpl        marker for plugin hook implementations
     ddpx.comm_hooks      DDP comm hooks: ``state, hook = ddpx.comm_hooks.make("int8")``
     ddpx.fused_allreduce collectives outside DDP: ``ddpx.fused_allreduce.fused_allreduce``
@@ -16,6 +18,7 @@ from .plugin.markers import hookimpl
 from .version import __version__
 
 _LAZY = {"comm_hooks", "fused_allreduce", "ops", "data", "models", "config"}
+_FUNCTIONS = {"fit": "worker"}  # public functions, imported from these modules on first use
 
 
 def __getattr__(name):
@@ -23,7 +26,9 @@ def __getattr__(name):
     # first use, so `ddpx --version` and plugin discovery stay fast.
     if name in _LAZY:
         return importlib.import_module(f".{name}", __name__)
+    if name in _FUNCTIONS:
+        return getattr(importlib.import_module(f".{_FUNCTIONS[name]}", __name__), name)
     raise AttributeError(f"module 'ddpx' has no attribute {name!r}")
 
 
-__all__ = ["DdpxError", "__version__", "hookimpl", "comm_hooks", "fused_allreduce", "ops", "data", "models", "config"]
+__all__ = ["DdpxError", "__version__", "hookimpl", "fit", "comm_hooks", "fused_allreduce", "ops", "data", "models", "config"]

@@ -76,7 +76,7 @@ step tests_cuda gpu 60 120 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda te
     tests/test_compile.py tests/test_comm_hook_threads.py
 # trainer.strategy=fsdp on the device: the digits default sharded (3 units + the root), bf16 AMP
 # (gathered and computed in bf16), a checkpoint of shards at each epoch end, the padded
-# evaluation, the exported model_weights.pt. World 1 over NCCL; 2 ranks on the one GPU over
+# evaluation, the trained model in model/. World 1 over NCCL; 2 ranks on the one GPU over
 # gloo (NCCL refuses two ranks on one device), which then resume from their shards for a
 # third epoch (3 x 23 steps), and 2 ranks with the int8 reduce-scatter. Without a GPU the
 # same runs on the CPU over gloo.
@@ -85,7 +85,7 @@ DEV=$([ "$GPU" = 1 ] && echo cuda || echo cpu)
 FSDP="$PY -m ddpx train trainer.strategy=fsdp fsdp.min_unit_params=1000 amp.enabled=true amp.dtype=bf16 \
 logging.progress=false trainer.device=$DEV"
 step fsdp_world1 25 90 bash -c "$FSDP --nproc-per-node 1 trainer.backend=$([ "$GPU" = 1 ] && echo nccl || echo gloo) \
-    trainer.epochs=2 run_dir=$RUNS/world1 && test -s $RUNS/world1/model_weights.pt && tail -n 1 $RUNS/world1/metrics.jsonl"
+    trainer.epochs=2 run_dir=$RUNS/world1 && test -s $RUNS/world1/model/model.safetensors && tail -n 1 $RUNS/world1/metrics.jsonl"
 step fsdp_gloo_2ranks 45 150 bash -c "$FSDP --nproc-per-node 2 trainer.backend=gloo trainer.epochs=2 run_dir=$RUNS/gloo2 \
     && $FSDP --nproc-per-node 2 trainer.backend=gloo trainer.epochs=3 --resume $RUNS/gloo2 \
     && test -d $RUNS/gloo2/checkpoints/step-000000069.shards && tail -n 1 $RUNS/gloo2/metrics.jsonl"

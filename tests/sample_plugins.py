@@ -75,6 +75,15 @@ class RaisesAtEpochStart:
         raise RuntimeError("broken on purpose")
 
 
+class RaisesOnRank1AtStep3:
+    """Rank 1 raises after its third optimizer step; the other ranks are stopped by its failure."""
+
+    @hookimpl
+    def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
+        if trainer.rank == 1 and trainer.global_step == 3:
+            raise RuntimeError("broken on purpose on rank 1")
+
+
 class SigtermAtBatch:
     """Sends this process SIGTERM at the end of batch 2."""
 

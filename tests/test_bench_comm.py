@@ -137,14 +137,15 @@ def test_prediction_is_compute_plus_wire_time():
 MODEL = ["model.args.hidden=1024", "comm_hook.native=false", "logging.progress=false"]
 
 
-def test_loopback_recommends_no_compression(ranks):
+def test_loopback_recommends_no_compression(ranks, tmp_path):
     # compute-bound on loopback: a large batch per rank, 4 micro-batches per allreduce. With one
     # micro-batch the allreduce was 15-16% of a step on this 2-core box (CPU contention, not the
     # link), where the advice's threshold lies, and int8 came out 10% faster now and then.
     rc, out, err = ranks.cli(["bench", "comm", *MODEL, "trainer.batch_size=512", "accumulation.steps=4",
                             "--hooks", "fp16,int8", "--rounds", "2",
-                            "--steps", "3", "--json"], timeout=180)
+                            "--steps", "3", "--json"], timeout=180, cwd=tmp_path, env={"TMPDIR": str(tmp_path)})
     assert rc == 0, out + err
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.glob("ddpx-*"))  # its temporary run_dir is gone
     report = json.loads(out)
     names = [h["name"] for h in report["measurement"]["hooks"]]
     assert names == [BASELINE, "fp16", "int8"]

@@ -422,14 +422,23 @@ def test_bf16_runs_and_converges_with_sampler_and_metrics(ranks, tmp_path):
     assert f"[rank0] epoch {epochs - 1} (step" in errors[0]
     assert "recorder info" not in errors[1]
     assert "[rank1] recorder warning from rank 1" in errors[1]
-    assert f"epoch {epochs - 1}: 100%" in errors[0] and "samples_s=" in errors[0]  # rank 0's progress bar
+    assert "%|" not in errors[0] and "\r" not in errors[0]  # not a terminal: no bar redraws piling up in the log
     assert "%|" not in errors[1]  # no bar on other ranks
+    # what the fp16 hook saved, once per epoch: 2 bytes per element of the two 64 x 64 matrices, 4 of the 64 x 10
+    # one (under min_numel) and of the biases, against 4 of each in an fp32 allreduce (two ranks: as many bytes
+    # sent as there are); and at install, what it compresses
+    assert re.search(rf"\[rank0\] epoch {epochs - 1} \(step \d+\): .*; comm 19\.5 kB/step, 1\.84x less than fp32 "
+                     r"allreduce \(35\.9 kB\)\n", errors[0]), errors[0]
+    assert "; 2 of 6 parameters compressed (91.3% of the elements; min_numel=1024 leaves 1 small tensor in fp32; " \
+           "3 vectors (biases, norms) in fp32, compress_vectors=false)\n" in errors[0], errors[0]
 
 
-def test_a_run_ends_with_a_summary_and_its_bar_counts_to_max_steps(make_config, tmp_path, capsys):
+def test_a_run_ends_with_a_summary_and_its_bar_counts_to_max_steps(make_config, tmp_path, capsys, monkeypatch):
     """The default run ended without a summary, and with ``trainer.max_steps`` ending the run
     first the bar counted every epoch's batches (char GPT: 0/35700, 2-hour ETA, stuck at 0 %)."""
     from ddpx.train.trainer import Trainer
+
+    monkeypatch.setattr("ddpx_plugins.logging.progress.on_terminal", lambda stream=None: True)
 
     run_dir = tmp_path / "run"
     config = make_config("trainer.epochs=50", "trainer.max_steps=5", "trainer.batch_size=128", "accumulation.steps=5",
@@ -448,15 +457,16 @@ def test_a_run_ends_with_a_summary_and_its_bar_counts_to_max_steps(make_config, 
                         rf"{re.escape(shown)}; run directory {re.escape(str(run_dir))}", summary), summary
 
 
-def test_progress_bar_loss_follows_training(capsys):
+def test_progress_bar_loss_follows_training(capsys, monkeypatch):
     """The bar shows the mean loss since its previous redraw, not the last step line's."""
     from ddpx.train.losses import EpochLosses
     from ddpx_plugins.logging.metrics_log import MetricsLog
 
+    monkeypatch.setattr("ddpx_plugins.logging.progress.on_terminal", lambda stream=None: True)
     losses = EpochLosses()  # what the trainer keeps
     log = MetricsLog(every_steps=50, progress=True, samples_per_batch=32)
     log.window, log.bar_window = losses.open_window(), losses.open_window()
-    log.start_bar(0, 10)
+    log.start_bar(0, 10, print)
     losses.append(torch.tensor(2.0))
     losses.append(torch.tensor(4.0))
     log.advance_bar()

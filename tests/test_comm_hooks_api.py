@@ -111,6 +111,25 @@ def test_register_says_when_no_parameter_would_be_compressed(caplog, name, optio
     assert (said in caplog.text) is warned, caplog.text
 
 
+@pytest.mark.parametrize("name, options, said", [
+    ("onebit_adam", {}, "2 of 5 parameters compressed (98.9% of the elements; min_numel=16384 leaves 1 small tensor in "
+                        "fp32; 2 vectors (biases, norms) in fp32, compress_vectors=false)"),
+    ("int8", {}, "2 of 5 parameters compressed (98.9% of the elements; min_numel=1024 leaves 1 small tensor in fp32; "
+                 "2 vectors (biases, norms) in fp32, compress_vectors=false)"),
+    ("powersgd", {"min_numel": 0}, "3 of 5 parameters compressed (99.7% of the elements; 2 vectors (biases, norms) in "
+                                   "fp32)"),
+    ("fp16", {"compress_vectors": True, "min_numel": 0}, "5 of 5 parameters compressed (all of the elements)"),
+    ("allreduce", {}, None),
+])
+def test_the_compression_coverage_says_what_min_numel_leaves_in_fp32(name, options, said):
+    """A small model's matrices under min_numel travel in fp32: onebit_adam sent 1/1.52 of fp32's
+    bytes instead of 1/18, and nothing said so; ``ddpx train`` now says it at install."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64, bias=False),
+                                torch.nn.Linear(64, 10))  # 65536 + 16384 (two matrices >= 16384) + 640 + 2 biases
+    state = ddpx.comm_hooks.make_state(name, **options)
+    assert ddpx.comm_hooks.compression_coverage(model, state) == said
+
+
 WARMUP_OPTION = "(option warmup_steps; comm_hook.options.warmup_steps in a ddpx config)"
 
 

@@ -221,8 +221,9 @@ def test_scope_option_is_checked():
         assert ddpx.comm_hooks.make_state(name, scope="inter_node").opts["scope"] == "inter_node"
 
 
-def test_node_facts_from_torchrun_and_slurm():
+def test_node_facts_from_torchrun_ray_and_slurm():
     assert scope.node_facts({"GROUP_RANK": "1", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}) == (1, 3, 4)
+    assert scope.node_facts({"NODE_RANK": "1", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}) == (1, 3, 4)  # Ray Train
     assert scope.node_facts({"SLURM_NODEID": "2", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "8"}) == (2, 0, 8)
     assert scope.node_facts({"SLURM_NODEID": "2", "SLURM_LOCALID": "0"}) == (2, 0, None)
     assert scope.node_facts({"HOSTNAME": "a"}) is None

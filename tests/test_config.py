@@ -5,9 +5,11 @@ import textwrap
 import pytest
 from ddpx.net import free_port
 
-from ddpx.config import load_config
+from ddpx.config import load_config, read_config
 from ddpx.config.loader import DEFAULT_CONFIG, apply_overrides, parse_value, read_yaml
+from ddpx.config.schema import TARGET_SECTIONS
 from ddpx.errors import DdpxError
+from ddpx.launch.preflight import check_target_arguments
 from ddpx.launch.rendezvous import check_rendezvous
 from ddpx.plugin.manager import make_plugin_manager
 
@@ -66,6 +68,28 @@ def test_yaml_file_merges_over_defaults_and_target_resets_args(tmp_path):
     assert config.optimizer.target == "torch.optim.Adam" and config.optimizer.args == {}
     assert config.model.target == "ddpx.models.DigitsMLP" and config.model.args == {"hidden": 16}
     assert config.source == path
+
+
+@pytest.mark.parametrize("section", TARGET_SECTIONS)
+def test_a_command_line_target_brings_its_own_args_over_the_files(tmp_path, section):
+    """The rule of the file over the defaults, again for the command line over the file (read_config
+    resolves no target, so any name does)."""
+    path = write(tmp_path, f"{section}: {{target: pkg.FileTarget, args: {{a: 1, b: 2}}}}\n")
+    args = lambda *overrides: read_config(path, overrides)[section]["args"]  # noqa: E731
+    assert args() == {"a": 1, "b": 2}
+    assert args(f"{section}.target=pkg.Other") == {}  # another target: none of the file's args
+    assert args(f"{section}.target=pkg.Other", f"{section}.args.c=3") == {"c": 3}
+    assert args(f"{section}.target=pkg.FileTarget") == {}  # a target given is a target with the args given
+    assert args(f"{section}.args.b=5", f"{section}.args.c=3") == {"a": 1, "b": 5, "c": 3}  # no target: merged
+    assert args(f"{section}={{target: pkg.Other}}") == {}
+
+
+def test_a_command_line_optimizer_takes_none_of_the_files_arguments(tmp_path):
+    """An AdamW config tried with Rprop: the file's weight_decay, which Rprop does not take, stays out."""
+    path = write(tmp_path, "optimizer: {target: torch.optim.AdamW, args: {lr: 0.001, weight_decay: 0.01}}\n")
+    config = load_config(path, ["optimizer.target=torch.optim.Rprop"])
+    assert config.optimizer.args == {}
+    check_target_arguments(config)  # what refused weight_decay before a worker started
 
 
 def test_unknown_keys_suggest_the_closest():

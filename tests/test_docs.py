@@ -177,6 +177,12 @@ def test_the_plugin_example_greets_from_every_rank_as_shown(ranks, tmp_path):
         assert [line for line in printed if line in mine] == mine, out + err
 
 
+def test_the_ray_recipe_in_engines_md_is_what_the_benchmark_runs():
+    source = open(os.path.join(ROOT, "benchmarks", "bench_engines.py")).read()
+    recipe = source.split("(tests/test_docs.py: the page shows this text) ---\n")[1].split("# --- end of the recipe")[0]
+    assert "ddpx.fit(" in recipe and recipe.strip() in open(os.path.join(DOCS, "engines.md")).read()
+
+
 TESTING_MD = os.path.join(DOCS, "testing.md")
 LANES = ("fast lane", "whole suite", "fresh clone")
 
@@ -231,6 +237,20 @@ def test_the_test_counts_in_testing_md_match_the_suite(tmp_path):
     for lane, count in (("fast lane", selected), ("whole suite", total), ("fresh clone", total)):
         stated = counts[lane][0] + counts[lane][1]
         assert abs(stated - count) <= 0.05 * count, f"docs/testing.md: {lane}: {stated} tests, pytest collects {count}"
+
+
+def test_the_bench_comm_note_on_a_step_below_compute_is_quoted_as_printed():
+    """``bench comm`` printed measured steps below compute without saying why; the report says it
+    now, and docs/cluster.md quotes that line."""
+    from ddpx.bench.comm import HookTiming, Measurement, below_compute_note, format_report, recommend
+
+    rounds = [(0.07, s) for s in (0.05871, 0.0601, 0.06161, 0.0632, 0.06541)]
+    m = Measurement(2, 16, 1, 450_000, 3.66e8, 0.00123, 0.06161, compute_rounds=rounds)
+    m.hooks = [HookTiming("allreduce", 450_000, 0.0628, 0.0742),
+               HookTiming("powersgd", 45_000, 0.0617, 0.0502, rounds=[(0.07, 0.05)] * 5)]
+    note = below_compute_note(m, ["powersgd"])
+    assert note in format_report(m, recommend(m)).splitlines()
+    assert f"    {note}\n" in open(os.path.join(DOCS, "cluster.md")).read()
 
 
 def _script(name):

@@ -165,9 +165,13 @@ def test_workers_stop_with_a_final_checkpoint_when_the_launcher_is_killed(ranks,
     assert harness.wait_for(lambda: not any(map(alive, workers)), 30, poll=0.1), \
         "the workers outlived their launcher by 30 s"
     log = (tmp_path / "launcher.log").read_text()  # the workers' output went on after the launcher's end
-    for rank in (0, 1):
-        assert re.search(rf"ddpx: \[rank{rank}\] the launcher \(pid \d+\) is gone: stopping", log), log[-3000:]
-        assert f"ddpx: [rank{rank}] stopped by signal SIGTERM" in log, log[-3000:]
+    console = (tmp_path / "run" / "console.log").read_text()  # and into the run's console.log
+    for text in (log, console):
+        for rank in (0, 1):
+            assert re.search(rf"\[rank{rank}\] the launcher \(pid \d+\) is gone: stopping", text), text[-3000:]
+            assert f"ddpx: [rank{rank}] stopped by signal SIGTERM" in text, text[-3000:]
+    resume = next(line for line in console.splitlines() if line.startswith("ddpx: to resume this run: ddpx train "))
+    assert resume.endswith(f" run_dir={tmp_path / 'run'}"), resume
 
     code, log = train(ranks, tmp_path, "second")
     assert code == 0, log[-3000:]

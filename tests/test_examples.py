@@ -38,9 +38,9 @@ def test_char_gpt_smoke(ranks, tmp_path):
     notes = [line for line in err.splitlines() if "comm hook powersgd: " in line]
     assert notes == ["[rank0] comm hook powersgd: exact fp32 allreduce for the first 100 steps, compressing from "
                      "step 100 (option warmup_steps; comm_hook.options.warmup_steps in a ddpx config)"]
-    # the bar counts to max_steps (30 steps of 2 micro-batches), not every epoch's batches (0/35700)
-    bar = err.replace("\r", "\n")
-    assert "| 0/60 [" in bar and "100%|██████████| 60/60 [" in bar and "/35700" not in bar
+    # a log file is not a terminal: no bar redraws piling up in it (the bar's count to max_steps:
+    # test_builtin_plugins.py, test_a_run_ends_with_a_summary_and_its_bar_counts_to_max_steps)
+    assert "%|" not in err and "\r" not in err
     summary = err.strip().splitlines()[-1]
     assert summary.startswith("[rank0] finished after ") and " of training (step 30); epoch 0: loss " in summary
     assert summary.endswith(f"; run directory {run_dir}") and " eval_loss " in summary

@@ -43,6 +43,130 @@ def test_auto_units_are_the_large_children_and_the_blocks_of_a_list():
         ["embed", "blocks.0", "blocks.1", "blocks.2"]
 
 
+class TiedBlock(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, h):
+        return h + self.down(torch.relu(self.up(self.norm(h))))
+
+
+class TiedGPT(nn.Module):
+    """nanoGPT's shape: the blocks in a ModuleDict's ModuleList (``transformer.h``), the output head
+    tied to the input embedding; predicts a token from the last position of ``x``."""
+
+    def __init__(self, vocab=32, width=16, layers=2):
+        super().__init__()  # 512 parameters in the tied embedding, 1 104 in a block
+        self.transformer = nn.ModuleDict({"wte": nn.Embedding(vocab, width),
+                                          "h": nn.ModuleList(TiedBlock(width) for _ in range(layers)),
+                                          "ln_f": nn.LayerNorm(width)})
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, x):
+        h = self.transformer.wte(x)
+        for block in self.transformer.h:
+            h = block(h)
+        return self.lm_head(self.transformer.ln_f(h[:, -1]))
+
+
+def tied_data(n=640, vocab=32, length=4):
+    """Sequences of random tokens; the target is the token after the last one (mod ``vocab``)."""
+    x = torch.randint(vocab, (n, length), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, (x[:, -1] + 1) % vocab)
+    return torch.utils.data.Subset(data, range(512)), torch.utils.data.Subset(data, range(512, n))
+
+
+class Body(nn.Module):  # two blocks that are not in a container
+    def __init__(self, width):
+        super().__init__()
+        self.first, self.second, self.norm = TiedBlock(width), TiedBlock(width), nn.LayerNorm(width)
+
+
+class Hinted(nn.Module):
+    _no_split_modules = ["TiedBlock"]  # as a HuggingFace model names its blocks
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.body = Body(width)
+
+
+def test_auto_units_keep_tied_weights_in_the_root_and_find_blocks_at_any_depth():
+    units = fsdp.unit_modules(TiedGPT(), "auto", min_params=300)
+    assert [name for name, _ in units] == ["transformer.h.0", "transformer.h.1"]
+    assert units.tied == [("transformer.wte", ["lm_head.weight"]), ("lm_head", ["transformer.wte.weight"])]
+    assert fsdp.units_line(units, "2 ranks", 300) == (
+        "fsdp: 2 units (transformer.h.0, transformer.h.1) + the root sharded over 2 ranks; tied, kept in the root: "
+        "transformer.wte (shares lm_head.weight), lm_head (shares transformer.wte.weight)")
+    small = fsdp.unit_modules(TiedGPT(), "auto", min_params=100_000)  # the blocks are found, too small to be units
+    assert list(small) == [] and [name for name, _ in small.blocks] == ["transformer.h.0", "transformer.h.1"]
+    assert fsdp.units_line(small, "2 ranks", 100_000) == (
+        "fsdp: the whole model is one unit (the root), sharded over 2 ranks, so every parameter is gathered at once; "
+        "its 2 blocks (TiedBlock) hold up to 1104 parameters each, below fsdp.min_unit_params=100000; to gather one "
+        "at a time: fsdp.units=[TiedBlock]")
+    # _no_split_modules names the blocks where no container holds them; without it the body is one piece
+    assert [name for name, _ in fsdp.unit_modules(Hinted(), "auto", min_params=300)] == ["body.first", "body.second"]
+    Hinted._no_split_modules = None
+    try:
+        assert [name for name, _ in fsdp.unit_modules(Hinted(), "auto", min_params=300)] == ["body"]
+    finally:
+        Hinted._no_split_modules = ["TiedBlock"]
+    none = fsdp.unit_modules(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LayerNorm(8)), "auto", min_params=10 ** 6)
+    assert fsdp.units_line(none, "1 ranks", 10 ** 6).endswith(
+        "fsdp.units=auto found no repeated block; name your model's block class, e.g. fsdp.units=[Block]")
+
+
+def test_a_unit_by_class_name_that_shares_a_parameter_outside_it_is_one_line():
+    with pytest.raises(DdpxError, match=r"^fsdp.units names Embedding, but transformer.wte shares a parameter with "
+                                        r"lm_head.weight outside it \(tied weights\), and FSDP shards a parameter in "
+                                        r"one unit only; leave Embedding out of fsdp.units \(the root then holds it\), "
+                                        r"or set fsdp.units=auto$"):
+        fsdp.unit_modules(TiedGPT(), ["TiedBlock", "Embedding"], 1)
+
+
+def test_tied_weights_stay_tied_under_fsdp_get_both_gradients_and_are_written_once(make_config, tmp_path):
+    """In one process (world 1): the tied parameter, kept in the root, is one DTensor in both modules,
+    its gradient the embedding's plus the head's (measured apart on an untied copy); the gathered
+    model is written with the tied tensor once and loads into a fresh model, tied again."""
+    import copy
+    import logging
+    import types
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file, load_model
+
+    from ddpx.rank.model_files import SAFETENSORS, write_model
+
+    torch.manual_seed(0)
+    model = TiedGPT()
+    untied = copy.deepcopy(model)
+    x, y = (t[:16] for t in tied_data()[0].dataset.tensors)
+    config = make_config("trainer.strategy=fsdp", "fsdp.min_unit_params=300")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        trainer = types.SimpleNamespace(config=config, device=torch.device("cpu"), world_size=1,
+                                        log=logging.getLogger("test_fsdp"))
+        fsdp.shard_model(trainer, model)
+        assert model.lm_head.weight is model.transformer.wte.weight and shards.is_shard(model.lm_head.weight)
+        nn.functional.cross_entropy(model(x), y).backward()
+        grad = model.lm_head.weight.grad.full_tensor()
+        whole = fsdp.FSDPStrategy(config).full_state_dict(model)
+        assert write_model(whole, tmp_path / "model", model) == ([SAFETENSORS], "")
+    finally:
+        dist.destroy_process_group()
+    untied.lm_head.weight = nn.Parameter(untied.transformer.wte.weight.detach().clone())
+    nn.functional.cross_entropy(untied(x), y).backward()
+    embedding, head = untied.transformer.wte.weight.grad, untied.lm_head.weight.grad
+    assert embedding.abs().sum() > 0 and head.abs().sum() > 0
+    torch.testing.assert_close(grad, embedding + head)
+    assert sorted(load_file(tmp_path / "model" / SAFETENSORS)) == sorted(k for k in whole if k != "lm_head.weight")
+    fresh = TiedGPT()
+    load_model(fresh, tmp_path / "model" / SAFETENSORS)  # strict: every key, the tied one through the tie
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in whole.items())
+
+
 def test_units_by_class_name_and_a_name_the_model_lacks():
     assert [name for name, _ in fsdp.unit_modules(Tiny(), ["Block"], 1)] == ["blocks.0", "blocks.1", "blocks.2"]
     with pytest.raises(DdpxError, match=r"fsdp.units names Blok, but no submodule of Tiny is of that class "
@@ -172,6 +296,18 @@ def test_fsdp_trains_as_ddp_with_accumulation_and_clipping(ranks, tmp_path, opti
         assert all(3.5 < r < 4.0 for r in ratios) and ratios[-1] < 3.8, ratios
     exported = {name: torch.load(tmp_path / f"{name}-allreduce" / "ema_weights.pt", weights_only=True)
                 for name in ("ddp", "fsdp")}
+    # the model each strategy wrote at the end (ddp's from rank 0, fsdp's gathered) loads strictly; the same weights
+    from safetensors.torch import load_file
+
+    from ddpx.models import DigitsMLP
+
+    model = digits_bn() if "model" in extra else DigitsMLP(hidden=16)
+    written = {name: load_file(tmp_path / f"{name}-allreduce" / "model" / "model.safetensors")
+               for name in ("ddp", "fsdp")}
+    for weights in written.values():
+        model.load_state_dict(weights)
+    assert all(close(written["fsdp"][k].flatten().tolist(), v.flatten().tolist(), 1e-4)
+               for k, v in written["ddp"].items())
 
 
 @pytest.mark.slow
@@ -199,12 +335,45 @@ def test_fsdp_checkpoints_resume_exactly_at_2_ranks_and_train_on_at_1(ranks, tmp
     assert last["epoch"] == 2 and last["step"] == 24 + 23 and last["eval_loss"] < epochs(first)[-1]["eval_loss"]
     from ddpx.models import DigitsMLP
 
-    weights = torch.load(tmp_path / "one_rank" / "model_weights.pt", weights_only=True)
-    DigitsMLP(hidden=16).load_state_dict(weights)  # strict: every key, every shape
+    from safetensors.torch import load_file
+
+    DigitsMLP(hidden=16).load_state_dict(load_file(tmp_path / "one_rank" / "model" / "model.safetensors"))  # strict
     ema = torch.load(tmp_path / "one_rank" / "ema_weights.pt", weights_only=True)
     assert ema["step"] == 47 and ema["updates"] == 47  # 24 updates read from 2 ranks' shards, 23 at 1 rank
     DigitsMLP(hidden=16).load_state_dict(ema["state_dict"])
     assert last["ema_eval_loss"] < epochs(first)[-1]["ema_eval_loss"]
+
+
+@pytest.mark.slow
+def test_fsdp_at_auto_units_trains_a_tied_model_and_its_weights_load_and_export(ranks, tmp_path):
+    """nanoGPT's shape (the head tied to the embedding) at fsdp.units=auto on 2 ranks: the blocks are
+    units, the tied pair stays in the root; it learns; run_dir/model loads into a fresh model, tied,
+    whose loss on the evaluation set is the run's last eval_loss; ``ddpx export`` of the last
+    checkpoint (each rank's shards) writes the same tensors."""
+    from safetensors.torch import load_file, load_model
+
+    from ddpx.cli import main
+
+    run_dir = tmp_path / "tied"
+    lines = train(ranks, run_dir, trainer={"strategy": "fsdp", "epochs": 2, "batch_size": 32},
+                  model={"target": "tests.test_fsdp.TiedGPT", "args": {}}, data={"target": "tests.test_fsdp.tied_data"},
+                  optimizer={"target": "torch.optim.AdamW", "args": {"lr": 0.01}}, fsdp={"min_unit_params": 300})
+    assert "fsdp: 2 units (transformer.h.0, transformer.h.1) + the root sharded over 2 ranks; tied, kept in the " \
+           "root: transformer.wte (shares lm_head.weight), lm_head (shares transformer.wte.weight)" in \
+           (tmp_path / "rank0.log").read_text()
+    first, last = epochs(lines)
+    assert last["step"] == 16 and last["eval_loss"] < 0.7 * first["eval_loss"]
+    assert last["accuracy"] > 0.1  # 1/32 by chance
+    fresh = TiedGPT()
+    load_model(fresh, run_dir / "model" / "model.safetensors")
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    x, y = tied_data()[1].dataset[512:]
+    with torch.no_grad():
+        assert nn.functional.cross_entropy(fresh(x), y).item() == pytest.approx(last["eval_loss"], rel=1e-5)
+    assert main(["export", str(run_dir), "--config", str(tmp_path / "tied.yaml"), "--out", str(tmp_path / "out")]) == 0
+    written = load_file(run_dir / "model" / "model.safetensors")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert written.keys() == exported.keys() and all(torch.equal(written[k], exported[k]) for k in written)
 
 
 @pytest.mark.slow

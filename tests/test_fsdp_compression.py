@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.torch_version import TorchVersion
 
-from ddpx.bench import reference
+from ddpx.bench import _reference as reference
 from ddpx.comm_hooks import reduce_scatter
 from ddpx.config import load_config
 from ddpx.strategies.fsdp import MIN_TORCH as FSDP_MIN_TORCH

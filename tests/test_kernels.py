@@ -1,4 +1,4 @@
-"""The fused kernels (ddpx.ops) against the plain-torch reference (ddpx.bench.reference).
+"""The fused kernels (ddpx.ops) against the plain-torch reference (ddpx.bench._reference).
 
 Exact comparisons everywhere the format is deterministic: int8 q/scales/error,
 1-bit bits/error, the casts, the dequantize/unpack sums and flatten. The only
@@ -15,7 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ddpx import ops
-from ddpx.bench import reference as ref
+from ddpx.bench import _reference as ref
 
 CUDA = torch.cuda.is_available()
 SIZES = [0, 1, 7, 8, 9, 63, 64, 65, 1000, 4099]

@@ -42,7 +42,7 @@ def test_numbers_out_of_range_are_one_line_errors(override, words):
 @pytest.mark.parametrize("opts, words", [
     (LaunchOptions(nproc_per_node="0"), "--nproc-per-node must be a number of processes >= 1"),
     (LaunchOptions(nproc_per_node="-2"), "--nproc-per-node must be a number of processes >= 1"),
-    (LaunchOptions(nproc_per_node="abc"), "--nproc-per-node must be a number of processes >= 1 or auto, got 'abc'"),
+    (LaunchOptions(nproc_per_node="abc"), "--nproc-per-node must be a number of processes >= 1, auto, gpu or cpu, got 'abc'"),
     (LaunchOptions(master_port=99999), "--master-port must be a port number from 1 to 65535, got 99999"),
     (LaunchOptions(master_port=0), "--master-port must be a port number from 1 to 65535"),
     (LaunchOptions(max_restarts=-1), "--max-restarts must be >= 0"),

@@ -138,10 +138,54 @@ def test_pet_variables_configure_the_launch_and_flags_win(clean_env, capsys):
         _argv(LaunchOptions())
 
 
-def test_static_rendezvous_across_nodes_needs_a_node_rank(clean_env):
+@pytest.mark.parametrize("variable, value, flag, message", [
+    ("PET_NPROC_PER_NODE", "many", {"nproc_per_node": "1"},
+     "PET_NPROC_PER_NODE must be a number of processes >= 1, auto, gpu or cpu, got 'many'"),
+    ("PET_MASTER_PORT", "70000", {"master_port": 29500}, "PET_MASTER_PORT must be a port number from 1 to 65535, got 70000"),
+    ("PET_NNODES", "two", {"nnodes": "2"}, "PET_NNODES must be a number of nodes >= 1 or MIN:MAX, got 'two'"),
+])
+def test_a_bad_pet_variable_is_named_before_anything_starts_unless_a_flag_stands_in(clean_env, capsys, variable,
+                                                                                   value, flag, message):
+    from ddpx.cli import main
+    from ddpx.launch.options import check_options
+
+    clean_env.setenv(variable, value)
+    with pytest.raises(DdpxError, match=f"^{message}$"):
+        check_options(LaunchOptions())
+    check_options(LaunchOptions(**flag))  # the flag's value is used: the variable is not read
+    assert main(["train", "--nproc-per-node", "0"]) == 2  # a bad flag is named as the flag
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-2:] == ["ddpx: error: --nproc-per-node must be a number of processes >= 1, auto, gpu or cpu, got '0'",
+                        f"ddpx: error: {message}"]
+
+
+def test_torchruns_gpu_and_cpu_words_for_the_processes_per_node(clean_env, monkeypatch):
+    import torch
+
+    clean_env.setenv("PET_NPROC_PER_NODE", "cpu")  # a TrainJob's numProcPerNode: cpu, without resourcesPerNode
+    assert f"--nproc-per-node={os.cpu_count()}" in _argv(LaunchOptions())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    clean_env.setenv("PET_NPROC_PER_NODE", "gpu")
+    with pytest.raises(DdpxError, match=r"^nproc-per-node gpu \(from --nproc-per-node, PET_NPROC_PER_NODE or "
+                                        r"launch.nproc_per_node\) needs a CUDA GPU, and none is visible"):
+        _argv(LaunchOptions())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert "--nproc-per-node=4" in _argv(LaunchOptions())
+
+
+def test_static_rendezvous_across_nodes_needs_a_node_rank_and_an_address_named_as_given(clean_env):
     _pretend(clean_env, address="10.9.0.1", local=False, local_addr="10.9.0.2", iface="eth0")
-    with pytest.raises(DdpxError, match=r"--rdzv-backend static needs --node-rank \(0 on the node at 10.9.0.1:29500\)"):
+    with pytest.raises(DdpxError, match=r"--rdzv-backend static needs --node-rank or PET_NODE_RANK \(0 on the node "
+                                        r"at 10.9.0.1:29500\)"):
         _argv(LaunchOptions(nnodes="2", master_addr="10.9.0.1"))
+    clean_env.setenv("PET_NNODES", "2")  # a TrainJob's variables without its master: named as such
+    with pytest.raises(DdpxError, match=r"^PET_NNODES=2 needs --rdzv-endpoint HOST:PORT or --master-addr "
+                                        r"\(PET_RDZV_ENDPOINT or PET_MASTER_ADDR in a Kubeflow job\)"):
+        _argv(LaunchOptions())
+    with pytest.raises(DdpxError, match=r"^--nnodes 3 needs --rdzv-endpoint"):
+        _argv(LaunchOptions(nnodes="3"))
 
 
 def test_route_to_this_machine_and_its_own_name(clean_env):

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ddpx"
 # package (ddpx.train.trainer -> ddpx.train.losses) may import each other.
 LAYERS = [
     ["errors", "version", "_C"],
-    ["imports", "net", "ops", "models"],
+    ["imports", "net", "ops", "models", "console"],
     ["plugin"],
     ["config"],
     ["rank"],

@@ -30,6 +30,7 @@ def test_step_lines_and_epoch_losses_are_exact_means_of_the_micro_batch_losses(m
     import ddpx.train.losses
 
     monkeypatch.setattr(ddpx.train.losses, "FOLD_AT", fold)
+    monkeypatch.setattr("ddpx_plugins.logging.progress.on_terminal", lambda stream=None: True)  # the bar
     events = sample_plugins.EVENTS
     events.clear()
     # 45 micro-batches an epoch, 3 per step: 15 steps an epoch; a step line every 4 steps spans epochs

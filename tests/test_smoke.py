@@ -2,6 +2,7 @@
 
 import os
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -19,9 +20,19 @@ def _table(out):
     return rows
 
 
+def documented_output():
+    """The lines docs/cluster.md shows ``ddpx train --smoke`` printing."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cluster.md").read_text()
+    block = text.split("    $ ddpx train --smoke\n", 1)[1].split("\n\n", 1)[0]
+    return [line[4:] for line in block.splitlines()]
+
+
 def test_smoke_passes_on_the_default_example(ranks, tmp_path):
     rc, out, err = ranks.cli(["train", "--smoke"], timeout=120, cwd=tmp_path)
     assert rc == 0, out + err
+    # what docs/cluster.md shows, and nothing else: no training lines, bar or summaries before the table
+    assert [line.split()[0] for line in out.splitlines()] == [line.split()[0] for line in documented_output()], out
+    assert not [line for line in err.splitlines() if line.startswith("[rank") or "%|" in line], err
     rows = _table(out)
     assert set(rows) == set(smoke_rank.STAGES), out
     assert all(status == smoke_rank.PASS for status, _ in rows.values()), out

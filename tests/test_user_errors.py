@@ -5,6 +5,7 @@ can be; a resume hint only when there is a checkpoint; no empty run directory le
 import glob
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -377,26 +378,40 @@ def test_a_failing_smoke_run_is_a_line_per_rank_then_its_table(ranks, project):
 
 
 @pytest.mark.slow
-def test_ctrl_c_is_one_line_and_the_resume_hint(ranks, project):
+def test_ctrl_c_through_tee_saves_the_stop_says_how_to_resume_and_resumes_exactly(ranks, project):
+    """``ddpx train ... 2>&1 | tee train.log`` and Ctrl-C: the terminal's SIGINT ends tee first, and
+    the launcher and its workers then wrote into a pipe nobody read (BrokenPipeError): they died
+    without the stop's checkpoint, and the stop and resume lines went nowhere. Now the stop goes
+    on as in a terminal; its lines are in the run's console.log; the resume goes on at that step."""
     script = os.path.join(os.path.dirname(sys.executable), "ddpx")
-    cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "ddpx"]
-    log = project / "train.log"
-    proc = harness.start([*cmd, "train", "cfg.yaml", "trainer.epochs=500"], log, harness.base_env(), cwd=project)
+    ddpx = script if os.path.exists(script) else f"{sys.executable} -m ddpx"
+    pipeline = f"{ddpx} train cfg.yaml trainer.epochs=500 2>&1 | tee train.log; echo ${{PIPESTATUS[@]}} > status"
+    proc = harness.start(["bash", "-c", pipeline], project / "terminal.log", harness.base_env(), cwd=project)
     try:
         harness.wait_for(lambda: glob.glob(str(project / "runs" / "*" / "checkpoints" / "*.pt")), 120, poll=0.2)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the launcher and its workers get SIGINT
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the launcher and tee get SIGINT
         harness.wait_for(lambda: proc.poll() is not None, 90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    out = log.read_text()
-    assert proc.returncode == 130, out
-    assert "death signal" not in out and "closing signal" not in out and "Traceback" not in out, out
-    lines = terminal_lines(out)
     (run_dir,) = (project / "runs").iterdir()
-    assert lines[-2:] == ["ddpx: stopped by SIGINT",
-                          f"ddpx: to resume this run: ddpx train cfg.yaml trainer.epochs=500 run_dir={run_dir}"], out
+    console = (run_dir / "console.log").read_text()
+    assert (project / "status").read_text().split() == ["130", "130"], console  # ddpx's 130; tee killed by SIGINT
+    assert "death signal" not in console and "closing signal" not in console and "Traceback" not in console, console
+    lines = terminal_lines(console)
+    saved = re.fullmatch(r"\[rank0\] saved checkpoint (\S+) \(in epoch (\d+), step (\d+)\)", lines[-3])
+    assert saved and lines[-2:] == ["ddpx: stopped by SIGINT",
+                                    f"ddpx: to resume this run: ddpx train cfg.yaml trainer.epochs=500 run_dir={run_dir}"], console
+    path, epoch, step = saved[1], int(saved[2]), int(saved[3])
+    assert Path(path).exists(), saved[0]
+
+    rc, out, err = ranks.cli(["train", "cfg.yaml", f"trainer.epochs={epoch + 1}", f"run_dir={run_dir}"], timeout=120,
+                             cwd=project)
+    assert rc == 0, out + err
+    assert f"[rank0] resumed from {path} (epoch {epoch}, step {step})" in err, err
+    # the rest of the interrupted epoch, not more and not less: it ends at its own last step
+    assert f"[rank0] epoch {epoch} (step {6 * (epoch + 1)}): " in err, err
 
 
 def test_a_worker_prints_its_failure_once_per_node_and_the_traceback_on_request(monkeypatch, capsys):

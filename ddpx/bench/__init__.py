@@ -2,6 +2,8 @@
 
 Each module here that defines ``register(subparsers)`` adds one ``ddpx bench``
 subcommand (``kernels.py`` -> ``ddpx bench kernels``); ``ddpx/cli/bench.py``
-discovers them, so a new benchmark is a new module. The scripts in
+discovers them (a private ``_module`` is a helper and not imported there), so a new
+benchmark is a new module; it imports torch inside its functions, so ``ddpx --help`` does
+not. The scripts in
 ``benchmarks/`` call the same code.
 """

@@ -40,6 +40,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -96,8 +97,9 @@ class Measurement:
     grad_bytes: int
     link_bytes_per_s: float  # what one rank sends per second in a ring allreduce
     allreduce_s: float  # fp32 allreduce of the gradients
-    compute_s: float  # one optimizer step without communication
+    compute_s: float  # one optimizer step without communication: the median of compute_rounds
     hooks: list = field(default_factory=list)  # [HookTiming], the baseline first
+    compute_rounds: list = field(default_factory=list)  # [baseline_s, compute_s] per interleaved round
     nodes: int = 1  # as the launcher tells them (ddpx/comm_hooks/scope.py); 1 where it does not
     ranks_per_node: int = 0
     intra_allreduce_s: Optional[float] = None  # fp32 allreduce of the gradients inside a node
@@ -190,6 +192,18 @@ def recommend(m: Measurement) -> dict:
     return advice
 
 
+def below_compute_note(m: Measurement, below: list) -> str:
+    """Why a measured step can come out below compute (no step is faster than its own forward and
+    backward): noise of the same size as what communication adds."""
+    spread = ""
+    if len(m.compute_rounds) > 1:
+        times = [c for _, c in m.compute_rounds]
+        spread = f" (compute {1e3 * min(times):.2f}-{1e3 * max(times):.2f} ms over its {len(times)} rounds)"
+    return (f"measured ms below compute ms ({', '.join(below)}): no step is faster than its forward and backward; "
+            f"communication adds less than the steps' noise here{spread}, and DDP overlaps the allreduce with the "
+            "backward pass")
+
+
 def _label(h: HookTiming) -> str:
     return h.name if h.scope == "global" or h.name == BASELINE else f"{h.name} {h.scope}"
 
@@ -228,6 +242,9 @@ def format_report(m: Measurement, advice: dict) -> str:
     lines.append("measured ms: DDP(model, **ddpx.comm_hooks.ddp_options(name)), as ddpx train wraps it, the median of "
                  "the rounds; vs allreduce: the median of the rounds' speedups, rounds: their range; DDP defaults ms: "
                  "DDP(model) + ddpx.comm_hooks.register(ddp, name), timed once; inter_node rows: MB sent across nodes")
+    below = [_label(h) for h in m.hooks if h.measured_s and h.measured_s < m.compute_s]
+    if below:
+        lines.append(below_compute_note(m, below))
     lines.append("")
     lines += advice["lines"]
     return "\n".join(lines)
@@ -332,10 +349,15 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 3,
 
     baseline = fresh_ddp()  # kept: every hook's rounds alternate with its steps
     base_step = _step_fn(baseline, trainer.loss_fn, batch, accumulation, True)
-    compute_s = _time_steps(_step_fn(baseline, trainer.loss_fn, batch, accumulation, False), steps, device)
-    measured = _time_steps(base_step, steps, device)
+    # compute in rounds beside the allreduce step too, as the hooks are timed: a single block of it,
+    # timed once, took load that came and went on a shared machine for a difference between hooks
+    compute_rounds = _time_rounds(base_step, _step_fn(baseline, trainer.loss_fn, batch, accumulation, False),
+                                  rounds, steps, device)
+    compute_s = statistics.median(c for _, c in compute_rounds)
+    measured = statistics.median(b for b, _ in compute_rounds)
     base_wire = ring_bytes(grad_bytes, world)
-    m = Measurement(world, trainer.config.trainer.batch_size, accumulation, grad_bytes, link, allreduce_s, compute_s)
+    m = Measurement(world, trainer.config.trainer.batch_size, accumulation, grad_bytes, link, allreduce_s, compute_s,
+                    compute_rounds=compute_rounds)
     m.hooks.append(HookTiming(BASELINE, base_wire, predict_step_s(compute_s, base_wire, link), measured))
 
     try:
@@ -380,9 +402,8 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 3,
         m.hooks.append(HookTiming(name, wire, predict_step_s(compute_s, wire, link), seconds, defaults_s=defaults,
                                   scope=scope, rounds=paired))
         del ddp, state
-    paired_base = [b for h in m.hooks for b, _ in h.rounds]
-    if paired_base:  # the baseline row: every round it ran in, beside the hooks
-        m.hooks[0].measured_s = statistics.median(paired_base)
+    paired_base = [b for b, _ in compute_rounds] + [b for h in m.hooks for b, _ in h.rounds]
+    m.hooks[0].measured_s = statistics.median(paired_base)  # the baseline row: every round it ran in
     return m
 
 
@@ -454,21 +475,25 @@ def run(args) -> int:
     config_path, overrides = split_config_and_overrides(args.config, args.overrides)
     config = load_config(config_path, overrides)
     opts = dataclasses.replace(options.options_from_args(args), max_restarts=0)
-    argv = torchrun.torchrun_argv(opts, config.launch, config_path, overrides)
-    argv[argv.index("--module") + 1] = BENCH_MODULE
-    if "--nproc-per-node=1" in argv and "--nnodes=1" in argv:
-        raise DdpxError("ddpx bench comm needs at least 2 ranks: use --nproc-per-node 2 or several nodes")
-    fd, out = tempfile.mkstemp(prefix="ddpx-bench-comm-", suffix=".json")
-    os.close(fd)
-    os.environ.update({ENV_OUT: out, ENV_STEPS: str(args.steps), ENV_ROUNDS: str(args.rounds)})
-    if args.hooks:
-        os.environ[ENV_HOOKS] = args.hooks
+    # The ranks' trainer needs a run_dir, and rank 0 writes its report: both in a directory that
+    # goes when the command ends, so that a measurement leaves no run behind under runs/.
+    work = tempfile.mkdtemp(prefix="ddpx-bench-comm-")
+    out = os.path.join(work, "report.json")
     try:
+        argv = torchrun.torchrun_argv(opts, config.launch, config_path, [*overrides, f"run_dir={work}"])
+        argv[argv.index("--module") + 1] = BENCH_MODULE
+        if "--nproc-per-node=1" in argv and "--nnodes=1" in argv:
+            raise DdpxError("ddpx bench comm needs at least 2 ranks: use --nproc-per-node 2 or several nodes")
+        os.environ.update({ENV_OUT: out, ENV_STEPS: str(args.steps), ENV_ROUNDS: str(args.rounds)})
+        if args.hooks:
+            os.environ[ENV_HOOKS] = args.hooks
         torchrun.run_torchrun(argv)
-        with open(out) as f:
-            text = f.read()
+        text = ""
+        if os.path.exists(out):  # not where rank 0 runs on another node
+            with open(out) as f:
+                text = f.read()
     finally:
-        os.unlink(out)
+        shutil.rmtree(work, ignore_errors=True)
     if not text:
         print("ddpx bench comm: rank 0 runs on another node; the report is printed there", file=sys.stderr)
         return 0

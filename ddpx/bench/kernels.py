@@ -4,7 +4,7 @@ Bandwidth is (bytes read + bytes written) / time, the best of ``repeats``
 timed runs after one warm-up run. The memcpy baseline is ``dst.copy_(src)`` of
 two fp32 buffers of the input size (on a GPU: a device-to-device copy), counted
 the same way (read + write); it is re-timed between kernels and the best kept. The plain-torch baseline is the same operation
-written with torch ops (:mod:`ddpx.bench.reference`), timed in the same run.
+written with torch ops (:mod:`ddpx.bench._reference`), timed in the same run.
 
 On a GPU each timed run is many back-to-back calls timed with CUDA events,
 cycling through enough copies of the inputs that they do not stay in the L2
@@ -161,7 +161,7 @@ def _cases(n: int, device: str, block: int, ranks: int) -> List[Dict]:
     import torch
 
     from .. import ops
-    from . import reference as ref
+    from . import _reference as ref
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(n, generator=gen).to(device)

@@ -10,6 +10,8 @@ def register(subparsers):
     parser = subparsers.add_parser("bench", help="micro-benchmarks (kernels, communication, ...)")
     sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK")
     for info in sorted(pkgutil.iter_modules(bench_pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):  # a helper, no benchmark (_reference imports torch: not for --help)
+            continue
         module = importlib.import_module(f"{bench_pkg.__name__}.{info.name}")
         if hasattr(module, "register"):
             module.register(sub)

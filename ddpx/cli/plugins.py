@@ -2,8 +2,8 @@
 
 import json
 
-from ..config import load_config, split_config_and_overrides
-from ..config.strategies import BUILTIN_STRATEGIES, installed_strategies, strategy_class
+from ..config import read_config, split_config_and_overrides
+from ..config.strategies import BUILTIN_STRATEGIES, installed_strategies, strategy_import_path
 from ..plugin.manager import plugin_table
 
 
@@ -22,7 +22,7 @@ def register(subparsers):
 
 def run(args):
     config_path, overrides = split_config_and_overrides(args.config, args.overrides)
-    config = load_config(config_path, overrides)
+    config = read_config(config_path, overrides)  # the plugins and the strategy's name: no target imported
     rows = plugin_table(config.plugin_manager)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -38,8 +38,7 @@ def run(args):
 
 def strategy_line(name: str) -> str:
     """``strategy: NAME (module.Class); built in: ddp, fsdp; installed: NAME (distribution version), ...``."""
-    cls = strategy_class(name)
     installed = [f"{n} ({ep.dist.name} {ep.dist.version})" if ep.dist else n
                  for n, ep in sorted(installed_strategies().items()) if n not in BUILTIN_STRATEGIES]
-    return (f"strategy: {name} ({cls.__module__}.{cls.__qualname__}); built in: {', '.join(BUILTIN_STRATEGIES)}; "
+    return (f"strategy: {name} ({strategy_import_path(name)}); built in: {', '.join(BUILTIN_STRATEGIES)}; "
             f"installed: {', '.join(installed) or 'none'}")

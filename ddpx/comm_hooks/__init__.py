@@ -35,7 +35,7 @@ log = logging.getLogger("ddpx.comm_hooks")
 
 __all__ = ["make", "register", "available", "ddp_options", "needs_optimizer", "without_warmup", "method", "methods",
            "method_for_optimizer", "make_state", "Method", "CommState", "HookState", "hook", "check_native_kinds",
-           "native_kinds"]
+           "native_kinds", "compression_coverage"]
 
 _FALLBACK_LOGGED: set[str] = set()
 
@@ -95,6 +95,28 @@ def _announce_warmup(state) -> None:
         return
     log.warning("comm hook %s: %s (option warmup_steps; comm_hook.options.warmup_steps in a ddpx config)",
                 state.name, state.warmup_text.format(n=steps))
+
+
+def compression_coverage(module: torch.nn.Module, state) -> str | None:
+    """What a lossy hook compresses of ``module``'s gradients, in words: "N of M parameters
+    compressed (P% of the elements; min_numel=... leaves K small tensors in fp32, ...)"; None
+    for an exact hook. Said at install: on a small model ``min_numel`` may leave most of the
+    bytes uncompressed."""
+    if not state.lossy:
+        return None
+    params = [p for p in module.parameters() if p.requires_grad]
+    compressed = [p for p in params if state.compressible(p)]
+    exempt = [p for p in params if not state.compressible(p)]
+    small = sum(1 for p in exempt if p.dim() > 1)
+    vectors = len(exempt) - small
+    done, total = sum(p.numel() for p in compressed), sum(p.numel() for p in params)
+    why = ["all of the elements" if done == total else f"{100 * done / max(total, 1):.1f}% of the elements"]
+    if small:
+        why.append(f"min_numel={state.opts['min_numel']} leaves {small} small tensor{'s' * (small > 1)} in fp32")
+    if vectors:
+        switch = ", compress_vectors=false" if "compress_vectors" in state.opts else ""
+        why.append(f"{vectors} vector{'s' * (vectors > 1)} (biases, norms) in fp32{switch}")
+    return f"{len(compressed)} of {len(params)} parameters compressed ({'; '.join(why)})"
 
 
 def _warn_if_nothing_compresses(ddp_model, state) -> None:

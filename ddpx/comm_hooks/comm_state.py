@@ -143,6 +143,9 @@ class CommState:
         self.auto_options.pair(optimizer)
 
     def stats(self) -> dict:
+        """Totals since creation; at least ``wire_bytes`` (what this rank sent),
+        ``fp32_wire_bytes`` (what fp32's collective would have sent: None before the first
+        one), ``steps`` and ``compression``."""
         raise NotImplementedError
 
     def state_dict(self) -> dict | None:

@@ -70,9 +70,10 @@ def say_once(msg: str, *args) -> None:
 
 def node_facts(env=os.environ):
     """(node, local rank, local world size or None) from the launcher, or None if it told nothing."""
-    if "GROUP_RANK" in env and "LOCAL_RANK" in env:  # torchrun
+    node = env.get("GROUP_RANK", env.get("NODE_RANK"))  # torchrun's; Ray Train's
+    if node is not None and "LOCAL_RANK" in env:
         lws = env.get("LOCAL_WORLD_SIZE")
-        return int(env["GROUP_RANK"]), int(env["LOCAL_RANK"]), int(lws) if lws else None
+        return int(node), int(env["LOCAL_RANK"]), int(lws) if lws else None
     if "SLURM_NODEID" in env and "SLURM_LOCALID" in env:  # srun
         per_node = env.get("SLURM_NTASKS_PER_NODE", "")
         return int(env["SLURM_NODEID"]), int(env["SLURM_LOCALID"]), int(per_node) if per_node.isdigit() else None
@@ -98,7 +99,7 @@ class Topology:
         if any(f is None for f in facts):
             missing = [r for r, f in enumerate(facts) if f is None]
             self.reason = (f"rank(s) {missing[:4]} have no node facts from the launcher (torchrun's GROUP_RANK/"
-                           "LOCAL_RANK/LOCAL_WORLD_SIZE or SLURM_NODEID/SLURM_LOCALID)")
+                           "LOCAL_RANK/LOCAL_WORLD_SIZE, Ray's NODE_RANK/LOCAL_RANK or SLURM_NODEID/SLURM_LOCALID)")
             return
         by_node: dict[int, list[tuple[int, int]]] = {}
         for r, (node, local, _) in enumerate(facts):

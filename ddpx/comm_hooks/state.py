@@ -265,12 +265,14 @@ class HookState(CommState):
 
     def stats(self) -> dict:
         """Totals since creation: ``raw_bytes`` (fp32 gradient bytes handed to the
-        hook), ``wire_bytes`` (bytes this rank sent, ring model), ``steps``
-        (iterations communicated), ``buckets`` (hook calls), ``compression``
-        (raw / wire)."""
+        hook), ``wire_bytes`` (bytes this rank sent, ring model), ``fp32_wire_bytes`` (what
+        an fp32 ring allreduce of the same gradients sends), ``steps`` (iterations
+        communicated), ``buckets`` (hook calls), ``compression`` (raw / wire)."""
         raw, wire, steps, buckets = (int(v) for v in self.counters)
-        return {"name": self.name, "raw_bytes": raw, "wire_bytes": wire, "steps": steps, "buckets": buckets,
-                "compression": (raw / wire) if wire else None}
+        world = self.world_size if dist.is_initialized() else self._world
+        fp32 = ring_allreduce_bytes(raw, world) if world else None
+        return {"name": self.name, "raw_bytes": raw, "wire_bytes": wire, "fp32_wire_bytes": fp32, "steps": steps,
+                "buckets": buckets, "compression": (raw / wire) if wire else None}
 
     # ------------------------------------------------------------ state dict
     def state_dict(self) -> dict:

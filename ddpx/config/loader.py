@@ -4,6 +4,13 @@ overrides, the plugins' sections, validation, and :func:`load_config`, which doe
 The valid keys are ddpx's own sections (:mod:`.schema`) plus every section a plugin
 declares through ``ddpx_config_defaults()``. Every problem is a one-line
 :class:`~ddpx.errors.DdpxError`.
+
+Two steps, cheapest first: :func:`read_config` checks the config against what declares its
+keys (ddpx's own sections before any plugin is loaded, then the plugins' and the strategy's
+sections) and imports none of the run's code, so an error there comes before torch is
+imported (the built-in plugins import it only where they use it; tests/test_fast_start.py);
+:func:`load_config` then resolves the import paths (``model.target``, ...) and asks the
+strategy and the plugins (``ddpx_configure``).
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import yaml
 
@@ -20,7 +27,7 @@ from ..imports import resolve
 from ..plugin.manager import blocked_sections, make_plugin_manager
 from .paths import add_user_module_dirs
 from .schema import CHOICES, DEFAULTS, FREE_FORM, TARGET_SECTIONS, TYPES, check_ranges
-from .strategies import strategy_class
+from .strategies import check_strategy_name, strategy_class, strategy_sections
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "default.yaml")
 
@@ -218,11 +225,11 @@ def _coerce_floats(values: dict, defaults: Mapping, types: Mapping, prefix: str 
 
 def plugin_defaults(pm, strategy=None) -> dict:
     """Sections declared by the registered plugins (``ddpx_config_defaults``) and by the run's
-    ``strategy`` class (its ``config_defaults``)."""
+    ``strategy`` (its class's ``config_defaults``)."""
     declared = [(f"plugin '{impl.plugin_name}'", impl.function())
                 for impl in reversed(pm.hook.ddpx_config_defaults.get_hookimpls())]  # registration order
     if strategy is not None:
-        declared.append((f"strategy {strategy.__qualname__}", strategy.config_defaults))
+        declared.append((f"strategy '{strategy}'", strategy_sections(strategy)))
     out: dict = {}
     for who, sections in declared:
         for section, values in (sections or {}).items():
@@ -234,55 +241,80 @@ def plugin_defaults(pm, strategy=None) -> dict:
     return out
 
 
-def load_config(path: Optional[str] = None, overrides: Iterable[str] = (), plugin_manager=None) -> Config:
-    """Read, override, validate and announce (``ddpx_configure``) a config.
+def read_config(path: Union[str, Mapping, None] = None, overrides: Iterable[str] = (), plugin_manager=None) -> Config:
+    """Read, override and check a config against what declares its keys, importing none of the
+    run's code: the import paths (``model.target``, ...) are not resolved and no plugin's
+    ``ddpx_configure`` runs (:func:`load_config` does both). ``ddpx plugins`` needs no more.
 
-    ``path`` None means the built-in default (``ddpx/config/default.yaml``).
-    Without ``plugin_manager`` one is made from the config's ``plugins``
-    section (entry points + ``plugins.enable`` - ``plugins.block``); it is
-    available afterwards as ``config.plugin_manager``.
+    ``path`` None means the built-in default (``ddpx/config/default.yaml``); a mapping is taken
+    as a YAML file's contents (``ddpx.fit`` passes either). Without ``plugin_manager`` one is
+    made from the config's ``plugins`` section (entry points + ``plugins.enable`` -
+    ``plugins.block``); it is ``config.plugin_manager`` afterwards.
     """
     overrides = tuple(overrides)
-    raw = read_yaml(path if path is not None else DEFAULT_CONFIG)
+    if isinstance(path, Mapping):
+        file_values, path = copy.deepcopy(dict(path)), None
+    else:
+        file_values = read_yaml(path if path is not None else DEFAULT_CONFIG)
     add_user_module_dirs(path)
-    raw = apply_overrides(raw, overrides)
+    raw = apply_overrides(copy.deepcopy(file_values), overrides)
 
-    # The plugins section decides which plugins exist, so it is validated first.
-    plugins_raw = raw.get("plugins") or {}
-    _validate({"plugins": plugins_raw}, DEFAULTS, TYPES)
-    plugins_section = merge(DEFAULTS["plugins"], plugins_raw)
+    # ddpx's own sections first (the plugins section decides which plugins exist): their
+    # errors, a misspelt strategy among them, need no plugin loaded.
+    _validate({key: value for key, value in raw.items() if key in DEFAULTS}, DEFAULTS, TYPES)
+    check_ranges(merge(DEFAULTS, raw, FREE_FORM))
+    strategy = raw.get("trainer", {}).get("strategy", DEFAULTS["trainer"]["strategy"])
+    check_strategy_name(strategy)
+    plugins_section = merge(DEFAULTS["plugins"], raw.get("plugins") or {})
     pm = plugin_manager if plugin_manager is not None else make_plugin_manager(plugins_section)
 
-    # The strategy may declare sections of its own: resolved before the rest is validated.
-    trainer = raw.get("trainer")  # not a mapping: _validate below says so
-    strategy = strategy_class(trainer.get("strategy", DEFAULTS["trainer"]["strategy"]) if isinstance(trainer, dict)
-                              else DEFAULTS["trainer"]["strategy"])
     defaults = merge(DEFAULTS, plugin_defaults(pm, strategy))
     check_blocked_sections(raw, defaults, plugins_section["block"])
     _validate(raw, defaults, TYPES)
     values = merge(defaults, raw, FREE_FORM)
+    command_line = apply_overrides({}, overrides)
     for section in TARGET_SECTIONS:
-        given = raw.get(section) or {}
-        if "target" in given and "args" not in given:
-            values[section]["args"] = {}
-        elif "target" not in given and isinstance(given.get("args"), Mapping):
-            # `optimizer.args.lr=0.05` on a config without a target: into the default's args (SGD keeps momentum)
-            values[section]["args"] = {**defaults[section]["args"], **given["args"]}
-        if values[section]["target"] is not None:
-            resolve(values[section]["target"], f"{section}.target")
-    if values["data"]["collate"] is not None:
-        resolve(values["data"]["collate"], "data.collate")
-    if values["trainer"]["eval_metric"] is not None:
-        resolve(values["trainer"]["eval_metric"], "trainer.eval_metric")
+        values[section]["args"] = target_args([defaults[section], file_values.get(section),
+                                               command_line.get(section)])
     _coerce_floats(values, defaults, TYPES)
-    check_ranges(values)
-    strategy.check_config(values)
 
     config = Config(_sections(values))
     config.source = path
     config.overrides = overrides
     config.plugin_manager = pm
-    pm.hook.ddpx_configure(config=config)
+    return config
+
+
+def target_args(layers: Iterable) -> dict:
+    """The ``args`` of a target section from its layers, bottom first (ddpx's default, the
+    file's, the command line's): a layer that names a ``target`` brings its own args (``{}``
+    when it gives none: SGD's momentum must not reach a user's Adam, nor a file's
+    ``weight_decay`` a command-line Rprop); args given without a target merge into those below."""
+    args: dict = {}
+    for layer in layers:
+        if not isinstance(layer, Mapping):
+            continue
+        given = layer.get("args")
+        if "target" in layer:
+            args = dict(given) if isinstance(given, Mapping) else {}
+        elif isinstance(given, Mapping):
+            args = {**args, **given}
+    return args
+
+
+def load_config(path: Union[str, Mapping, None] = None, overrides: Iterable[str] = (), plugin_manager=None) -> Config:
+    """Read and check (:func:`read_config`), resolve the import paths, and have the strategy and
+    the plugins check the result (``ddpx_configure``): the validated config a run uses."""
+    config = read_config(path, overrides, plugin_manager)
+    for section in TARGET_SECTIONS:
+        if config[section]["target"] is not None:
+            resolve(config[section]["target"], f"{section}.target")
+    if config.data.collate is not None:
+        resolve(config.data.collate, "data.collate")
+    if config.trainer.eval_metric is not None:
+        resolve(config.trainer.eval_metric, "trainer.eval_metric")
+    strategy_class(config.trainer.strategy).check_config(config.to_dict())
+    config.plugin_manager.hook.ddpx_configure(config=config)
     return config
 
 

@@ -84,10 +84,10 @@ CHOICES: dict = {
     "fsdp.param_dtype": ("amp", "fp32"),
     "fsdp.offload": ("none", "cpu"),
 }
-# Sections built from an import path; their ``args`` are free-form keyword
-# arguments: given with a target they replace the default's as a whole, and are
-# reset to {} when only the target is given (SGD's momentum must not leak into a
-# user's Adam); given without one they merge into the default's.
+# Sections built from an import path; their ``args`` are free-form keyword arguments that
+# belong to their target: where a target is given (in the file over the defaults, on the
+# command line over the file) the args are those given with it, else {}; args given without
+# a target merge into those below (loader.target_args).
 TARGET_SECTIONS = ("model", "data", "loss", "optimizer", "scheduler")
 FREE_FORM = frozenset(f"{section}.args" for section in TARGET_SECTIONS)
 
@@ -145,10 +145,13 @@ def check_fsdp(values: Mapping) -> None:
                         f"parameter is sharded over; HSDP below the world size), got {shard!r}")
 
 
+NPROC_WORDS = ("auto", "gpu", "cpu")  # torchrun's words for --nproc-per-node (a Kubeflow TrainJob passes them)
+
+
 def check_nproc(value, where: str) -> None:
-    """``auto`` or a whole number >= 1 (also as a string from the command line)."""
-    if value is None or value == "auto":
+    """A whole number >= 1 (also as a string from the command line) or one of :data:`NPROC_WORDS`."""
+    if value is None or value in NPROC_WORDS:
         return
     text = str(value).strip()
     if not text.isdigit() or int(text) < 1:
-        raise DdpxError(f"{where} must be a number of processes >= 1 or auto, got {value!r}")
+        raise DdpxError(f"{where} must be a number of processes >= 1, auto, gpu or cpu, got {value!r}")

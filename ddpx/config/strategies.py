@@ -26,12 +26,40 @@ def installed_strategies() -> dict:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def strategy_class(name: str) -> type:
-    """The strategy class ``trainer.strategy`` names (see the module docstring)."""
+def check_strategy_name(name) -> None:
+    """A one-line error for a ``trainer.strategy`` that names no strategy, without importing one
+    (nor torch): a misspelt name fails before anything heavy loads."""
     if not isinstance(name, str) or not name:
         raise DdpxError(f"config key 'trainer.strategy' must name a strategy (ddp, fsdp, an installed one or an "
                         f"import path package.module:Class), got {name!r}")
-    if name in BUILTIN_STRATEGIES:  # no scan of the installed distributions (a few ms) for these
+    if name in BUILTIN_STRATEGIES or "." in name or ":" in name:  # no scan of the installed distributions for these
+        return
+    installed = installed_strategies()
+    if name not in installed:
+        names = [*BUILTIN_STRATEGIES, *sorted(installed)]
+        raise DdpxError(f"unknown trainer.strategy '{name}'{did_you_mean(name, names)}; choose one of "
+                        f"{', '.join(names)}, or give an import path package.module:Class")
+
+
+def strategy_sections(name: str) -> dict:
+    """The config sections strategy ``name`` declares (its ``config_defaults``). The built-in ones
+    declare none (their section, ``fsdp``, is ddpx's own: schema.py), so they are not imported
+    for it, nor is torch."""
+    return {} if name in BUILTIN_STRATEGIES else dict(strategy_class(name).config_defaults)
+
+
+def strategy_import_path(name: str) -> str:
+    """``module.Class`` of strategy ``name``; a built-in one is not imported for it (nor torch)."""
+    if name in BUILTIN_STRATEGIES:
+        return BUILTIN_STRATEGIES[name].replace(":", ".")
+    cls = strategy_class(name)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def strategy_class(name: str) -> type:
+    """The strategy class ``trainer.strategy`` names (see the module docstring)."""
+    check_strategy_name(name)
+    if name in BUILTIN_STRATEGIES:
         found = resolve(BUILTIN_STRATEGIES[name], f"built-in strategy '{name}'")
     elif name in (installed := installed_strategies()):
         ep = installed[name]
@@ -40,12 +68,8 @@ def strategy_class(name: str) -> type:
         except Exception as exc:
             raise DdpxError(f"trainer.strategy '{name}' (entry point {ep.value}) failed to import: "
                             f"{type(exc).__name__}: {exc}") from None
-    elif "." in name or ":" in name:
+    else:  # an import path
         found = resolve(name, "trainer.strategy")
-    else:
-        names = [*BUILTIN_STRATEGIES, *sorted(installed)]
-        raise DdpxError(f"unknown trainer.strategy '{name}'{did_you_mean(name, names)}; choose one of "
-                        f"{', '.join(names)}, or give an import path package.module:Class")
     if not isinstance(found, type) or not any((c.__module__, c.__qualname__) == BASE for c in found.__mro__):
         raise DdpxError(f"trainer.strategy '{name}' is {found!r}, not a strategy: subclass "
                         "ddpx.strategies.Strategy (docs/strategies.md)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +55,10 @@ def run_collectives(nproc: int, timeout_s: float = 120.0, nbytes: int = COLLECTI
         if p.poll() is None:
             os.killpg(p.pid, 9)
             p.wait()
-    return _collective_report(outdir, procs, hung, timeout_s)
+    checks = _collective_report(outdir, procs, hung, timeout_s)
+    if all(check.status != FAIL for check in checks):  # the ranks' logs are named only by a failure
+        shutil.rmtree(outdir, ignore_errors=True)
+    return checks
 
 
 def _collective_report(outdir: str, procs, hung: list[int], timeout_s: float) -> list[Check]:

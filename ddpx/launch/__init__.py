@@ -3,5 +3,6 @@
 nodes (:mod:`.rendezvous`, :mod:`.slurm`), torchrun itself (:mod:`.torchrun`), the resume
 record (:mod:`.resume`), and the launcher that ties them together (:mod:`.launcher`).
 
-Nothing here runs in a rank: torchrun starts each rank as ``python -m ddpx.worker``.
+Nothing here runs in a rank (torchrun starts each rank as ``python -m ddpx.worker``), but the
+resume command, which a rank whose launcher died says itself.
 """

@@ -9,6 +9,7 @@ import socket
 from typing import Optional, Sequence
 
 from ..config import default_run_dir, load_config
+from ..console import CONSOLE_LOG, copied_to, survive_closed_console
 from ..errors import DdpxError
 from ..rank.run_lock import JOB_ENV
 from .options import DEFAULT_MASTER_PORT, LaunchOptions, check_options, from_environment
@@ -22,6 +23,7 @@ def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOpt
     """Validate the config here (one-line errors, nothing spawned), then run torchrun.
     When training does not finish, the last line says how to resume, if there is a checkpoint
     to resume from."""
+    survive_closed_console()  # `ddpx train | tee log` and Ctrl-C: tee dies first; the stop goes on
     config = load_config(config_path, overrides)  # raises DdpxError before any worker exists
     check_target_arguments(config)
     check_options(opts)
@@ -38,16 +40,17 @@ def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOpt
         warn_if_oversubscribed(nproc_per_node(from_environment(opts), config.launch), config.trainer)
         trace = LaunchTrace.before(run_dir, config)
         record_launch(run_dir, config_path, overrides)
-        code = run_torchrun(argv)
-    except DdpxError as exc:
-        if trace is not None:
-            after_failure(trace, config_path, overrides, bad_input=exc.exit_code == DdpxError.exit_code)
-        raise
+        with copied_to(os.path.join(run_dir, CONSOLE_LOG)):  # the stop and resume lines, whatever the console
+            try:
+                code = run_torchrun(argv)
+            except DdpxError as exc:
+                after_failure(trace, config_path, overrides, bad_input=exc.exit_code == DdpxError.exit_code)
+                raise
+            if code != 0:
+                after_failure(trace, config_path, overrides, bad_input=False)
     finally:
         if given_job is None:
             os.environ.pop(JOB_ENV, None)
-    if code != 0:
-        after_failure(trace, config_path, overrides, bad_input=False)
     return code
 
 

@@ -54,11 +54,18 @@ def options_from_args(args) -> LaunchOptions:
     return LaunchOptions(**{name: getattr(args, name, None) for name in LaunchOptions.__dataclass_fields__})
 
 
-def default_nproc() -> int:
-    """One worker per GPU, or 2 on a CPU-only machine."""
+def default_nproc(word: str = "auto") -> int:
+    """Workers for a word of --nproc-per-node: auto, one per GPU or 2 on a CPU-only machine
+    (torchrun's auto: one per core); gpu, one per GPU; cpu, one per core."""
+    if word == "cpu":
+        return os.cpu_count() or 1
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if word == "gpu" and gpus == 0:
+        raise DdpxError("nproc-per-node gpu (from --nproc-per-node, PET_NPROC_PER_NODE or launch.nproc_per_node) "
+                        "needs a CUDA GPU, and none is visible; use a number of processes or auto")
+    return gpus or 2
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -74,16 +81,26 @@ def check_port(port: Optional[int], where: str) -> None:
         raise DdpxError(f"{where} must be a port number from 1 to 65535, got {port}")
 
 
-def check_options(opts: LaunchOptions) -> None:
-    """One-line errors for launch options torchrun would reject with a traceback."""
-    check_nproc(opts.nproc_per_node, "--nproc-per-node")
-    check_port(opts.master_port, "--master-port")
+def check_options(opts: LaunchOptions, env: Mapping[str, str] = os.environ) -> None:
+    """One-line errors for launch options torchrun would reject with a traceback: the flags, and
+    the ``PET_*`` variables that stand in for the flags not given (named as such)."""
+    opts = from_environment(opts, env)
+    check_nproc(opts.nproc_per_node, named("nproc_per_node", opts.nproc_per_node, env))
+    check_port(opts.master_port, named("master_port", opts.master_port, env))
     if opts.max_restarts is not None and opts.max_restarts < 0:
         raise DdpxError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
     if opts.node_rank is not None and opts.node_rank < 0:
         raise DdpxError(f"--node-rank must be >= 0, got {opts.node_rank}")
     if opts.nnodes is not None and not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", str(opts.nnodes)):
-        raise DdpxError(f"--nnodes must be a number of nodes >= 1 or MIN:MAX, got {opts.nnodes!r}")
+        raise DdpxError(f"{named('nnodes', opts.nnodes, env)} must be a number of nodes >= 1 or MIN:MAX, "
+                        f"got {opts.nnodes!r}")
+
+
+def named(option: str, value, env: Mapping[str, str] = os.environ) -> str:
+    """How a message names where ``option``'s ``value`` came from: its ``PET_*`` variable when
+    that holds the value, else its flag (a flag given on the command line wins over the variable)."""
+    variable = f"PET_{option.upper()}"
+    return variable if env.get(variable, "").strip() == str(value) else "--" + option.replace("_", "-")
 
 
 

@@ -11,7 +11,7 @@ from typing import Mapping, Optional
 
 from .. import net
 from ..errors import DdpxError
-from .options import DEFAULT_MASTER_PORT, LaunchOptions, parse_endpoint
+from .options import DEFAULT_MASTER_PORT, LaunchOptions, named, parse_endpoint
 
 DEFAULT_RDZV_ID = "ddpx"
 RDZV_WAIT_ENV = "DDPX_RDZV_WAIT_S"  # how long a joining node waits for the rendezvous host
@@ -35,7 +35,10 @@ def rendezvous_route(opts: LaunchOptions, nnodes: str) -> Optional[net.Route]:
     elif opts.master_addr is not None:
         host, port = opts.master_addr, opts.master_port or DEFAULT_MASTER_PORT
     else:
-        raise DdpxError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (an address of node 0 every node can reach)")
+        source = named("nnodes", nnodes)
+        raise DdpxError(f"{source}{'=' if source.startswith('PET_') else ' '}{nnodes} needs --rdzv-endpoint HOST:PORT "
+                        "or --master-addr (PET_RDZV_ENDPOINT or PET_MASTER_ADDR in a Kubeflow job): an address of "
+                        "node 0 every node can reach")
     route = net.route_to(host, port)
     if route.address is None:
         raise DdpxError(f"cannot resolve rendezvous host '{host}' ({route.resolve_error}); use node 0's IP "

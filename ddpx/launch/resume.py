@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..config import default_run_dir
+from ..console import CONSOLE_LOG
 from ..errors import DdpxError
 
 LAUNCH_RECORD = "ddpx-launch.json"  # in run_dir: the config and overrides that started it (for --resume)
@@ -24,9 +25,12 @@ def resume_command(config_path: Optional[str], overrides: Sequence[str], run_dir
     return " ".join(shlex.quote(str(w)) for w in words)
 
 
+def resume_line(config_path: Optional[str], overrides: Sequence[str], run_dir: str) -> str:
+    return f"ddpx: to resume this run: {resume_command(config_path, overrides, run_dir)}"
+
+
 def print_resume_command(config_path, overrides, run_dir) -> None:
-    print(f"ddpx: to resume this run: {resume_command(config_path, overrides, run_dir)}", file=sys.stderr,
-          flush=True)
+    print(resume_line(config_path, overrides, run_dir), file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -68,10 +72,12 @@ def after_failure(trace: LaunchTrace, config_path: Optional[str], overrides: Seq
 
 
 def remove_unused(made: Sequence[Path]) -> None:
-    """Remove the launch record, empty files and empty directories from the directories a
-    failed launch made, innermost first; a file with anything in it keeps its directory."""
+    """Remove the launch record, the console's copy, empty files and empty directories from the
+    directories a failed launch made, innermost first; a file with anything else in it keeps its
+    directory."""
     run_dir = made[0]
     (run_dir / LAUNCH_RECORD).unlink(missing_ok=True)
+    (run_dir / CONSOLE_LOG).unlink(missing_ok=True)
     for path in sorted(run_dir.rglob("*"), reverse=True):
         if path.is_dir() and not path.is_symlink():
             _rmdir_if_empty(path)

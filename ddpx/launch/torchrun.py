@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 from .. import net
 from ..config import user_module_dirs
+from ..config.schema import NPROC_WORDS
 from ..errors import DdpxError, TrainingDiverged
 from ..rank.launcher_contract import DONE_DIR_ENV, LAUNCHER_PID_ENV
 from . import rendezvous
@@ -62,7 +63,7 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
                 # The workers' MASTER_ADDR: otherwise the rank-0 agent's getfqdn(), often "localhost".
                 argv.append(f"--local-addr={route.local_addr}")
         elif opts.node_rank is None:
-            raise DdpxError(f"--rdzv-backend {backend} needs --node-rank (0 on the node at {endpoint})")
+            raise DdpxError(f"--rdzv-backend {backend} needs --node-rank or PET_NODE_RANK (0 on the node at {endpoint})")
         made = [] if route.one_machine else net.choose_socket_ifname(route.iface)
         if made:
             print(f"ddpx: {rendezvous.node_label(route)}: {' '.join(made)} (the interface that reaches "
@@ -100,9 +101,9 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
 
 def nproc_per_node(opts: LaunchOptions, launch_cfg) -> int:
     """Workers on this node: the option (after :func:`from_environment`), else
-    ``launch.nproc_per_node``; auto: one per GPU, 2 on CPU."""
+    ``launch.nproc_per_node``; auto, gpu or cpu as :func:`~.options.default_nproc` counts them."""
     nproc = opts.nproc_per_node if opts.nproc_per_node is not None else launch_cfg["nproc_per_node"]
-    return default_nproc() if str(nproc) == "auto" else int(nproc)
+    return default_nproc(nproc) if str(nproc) in NPROC_WORDS else int(nproc)
 
 
 class WorkerCrashed(DdpxError):

@@ -123,6 +123,8 @@ TRAINER_ATTRIBUTES = {
 TRAINER_METHODS = {
     "train_step(batches)": "one optimizer step over a window of micro-batches; returns (losses, applied)",
     "forward_backward(batch, window)": "forward and backward of one micro-batch, the loss divided by ``window``",
+    "batch_loss(batch)": "the loss of one micro-batch as the default ``ddpx_forward`` computes it "
+                         "(``loss.target``, or the model's own loss)",
     "backward(loss)": "back-propagate ``loss`` through the scaler",
     "clip_gradients()": "clip the gradient norm to ``trainer.grad_clip``; returns the norm",
     "watch_grad_norm(step)": "compute ``grad_norm`` at optimizer step ``step`` also without ``grad_clip``",

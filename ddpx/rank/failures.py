@@ -45,16 +45,6 @@ def summary(exc: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def default_store():
-    """The default group's store, or None."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
 @contextlib.contextmanager
 def short_timeout(store):
     """A failing run must not wait on the store for long; the plugins' exception hooks after us

@@ -6,34 +6,66 @@ are left alone."""
 
 from __future__ import annotations
 
+import logging
 import os
+import select
 import signal
-import sys
 import threading
 import time
+
+from ..console import silence
 
 DONE_DIR_ENV = "DDPX_DONE_DIR"  # each worker that finishes training writes a marker file here
 LAUNCHER_PID_ENV = "DDPX_LAUNCHER_PID"  # the workers stop when this process dies
 
 
 def stop_with_the_launcher(rank: str, poll_s: float = 1.0) -> None:
-    """SIGTERM this worker once ``ddpx train``'s launcher has died. torchrun starts each
-    worker in a session of its own, so a launcher killed with SIGKILL (the OOM killer,
-    ``kill -9``, a job's time limit) would leave its workers training on, holding the GPUs
-    and the run directory. SIGTERM takes the usual stop: the ranks agree on a step and save
-    a final checkpoint. (Not prctl's PR_SET_PDEATHSIG: it sends one signal per thread, and a
-    second SIGTERM means "exit now".)"""
+    """SIGTERM this worker as soon as ``ddpx train``'s launcher has died. torchrun starts each
+    worker in a session of its own and does nothing when its agent dies, so a launcher killed
+    with SIGKILL (the OOM killer, ``kill -9``, a job's time limit) would leave its workers
+    training on, holding the GPUs and the run directory. SIGTERM takes the usual stop: the ranks
+    agree on a step and save a final checkpoint. On a terminal the shell's prompt is back once
+    the launcher is gone, so the worker's console goes to /dev/null then (its ``ddpx`` log lines
+    still reach the run's console.log). (Not prctl's PR_SET_PDEATHSIG: it fires when the
+    launcher's thread that started the worker ends, and a second SIGTERM means "exit now".)"""
     if not os.environ.get(LAUNCHER_PID_ENV):
         return  # started by a user's own torchrun, srun or mpirun: they manage their workers
     launcher = int(os.environ[LAUNCHER_PID_ENV])
 
     def watch() -> None:
-        while os.getppid() == launcher:
-            time.sleep(poll_s)
-        print(f"ddpx: [rank{rank}] the launcher (pid {launcher}) is gone: stopping", file=sys.stderr, flush=True)
+        _wait_for_exit(launcher, poll_s)
+        if any(_isatty(fd) for fd in (1, 2)):
+            for fd in (1, 2):
+                silence(fd)
+        logging.getLogger("ddpx").warning("the launcher (pid %d) is gone: stopping", launcher)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="ddpx-launcher-watch", daemon=True).start()
+
+
+def _wait_for_exit(parent: int, poll_s: float) -> None:
+    """Return once ``parent`` is no longer this process's parent: at once through a pidfd
+    (Linux 5.3), else by polling."""
+    try:
+        pidfd = os.pidfd_open(parent)
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is not None:
+        try:
+            if os.getppid() == parent:  # the pidfd is our parent's, not a reused pid's
+                select.select([pidfd], [], [])  # readable when the process exits
+            return
+        finally:
+            os.close(pidfd)
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
 
 
 def launcher_alive() -> bool:

@@ -16,6 +16,7 @@ def restore_logger(log: logging.Logger, settings: tuple) -> None:
     for handler in list(log.handlers):
         if handler not in handlers:
             log.removeHandler(handler)
+            handler.close()  # a file handler's file (the run's console.log)
     for handler in handlers:
         if handler not in log.handlers:
             log.addHandler(handler)

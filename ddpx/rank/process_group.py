@@ -1,4 +1,6 @@
-"""Process-group set-up from torchrun's environment, and its teardown.
+"""Process-group set-up from torchrun's environment, and its teardown; or a group a
+launcher created already (Ray Train's workers, a script's own ``init_process_group``),
+trained in and left as found (:func:`adopt`).
 
 Workers join through an explicit client ``TCPStore`` on
 ``MASTER_ADDR:MASTER_PORT`` (the store torchrun's agent serves) wrapped in a
@@ -20,6 +22,7 @@ import gc
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -73,10 +76,17 @@ def choose_device(requested: str, backend: str, local_rank: int) -> torch.device
 
 _served: dict = {}  # MASTER_PORT -> the store this process serves; a second group here reuses it
 _groups_created = [0]
+# The default group a launcher created, which ddpx trains in (see adopt): the group (a weak
+# reference: the launcher's to end), its own timeout to give back, and the store for ddpx's keys;
+# "runs" counts the runs adopted here.
+_adopted: dict = {"group": lambda: None, "timeout": None, "store": None, "runs": 0}
 
 
 def init_process_group(backend: str = "auto", device: str = "auto", first_timeout_s: float = 900.0) -> DistInfo:
-    """Join the group described by torchrun's environment (a group of one without it)."""
+    """Join the group described by torchrun's environment (a group of one without it), or train
+    in the default group that exists already (:func:`adopt`)."""
+    if dist.is_available() and dist.is_initialized():
+        return adopt(backend, device)
     rank = env_int("RANK", 0)
     world_size = env_int("WORLD_SIZE", 1)
     local_rank = env_int("LOCAL_RANK", 0)
@@ -113,6 +123,54 @@ def init_process_group(backend: str = "auto", device: str = "auto", first_timeou
         kwargs["device_id"] = bound  # binds NCCL communicators eagerly to this rank's GPU
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     return DistInfo(rank, world_size, local_rank, local_world_size, backend, bound)
+
+
+def adopt(backend: str = "auto", device: str = "auto") -> DistInfo:
+    """Train in the default group a launcher created (Ray Train's ``TorchTrainer`` does before it
+    calls the train loop): rank and world size from the group, the local rank from
+    ``LOCAL_RANK`` (Ray and torchrun set it; 0 without). :func:`teardown` leaves the group
+    as it was found: not destroyed, its own timeout back. ddpx's keys go in the group's store
+    under a prefix of this run's (:func:`run_store`)."""
+    found = dist.get_backend()  # "gloo", "nccl", or per device "cpu:gloo,cuda:nccl"
+    uses = "nccl" if "nccl" in found else "gloo" if "gloo" in found else found
+    if backend not in ("auto", uses):
+        raise DdpxError(f"trainer.backend={backend}, but this process already has a process group that uses "
+                        f"{found}; use trainer.backend=auto, or create that group with {backend}")
+    local_rank = env_int("LOCAL_RANK", 0)
+    bound = choose_device(device, uses, local_rank)
+    group = dist.distributed_c10d._get_default_group()
+    runs = _adopted["runs"] + 1  # every rank runs as many times as the others: the same prefix everywhere
+    store = dist.PrefixStore(f"ddpx/run{runs}/", dist.distributed_c10d._get_default_store())
+    _adopted.update(group=weakref.ref(group), timeout=group_timeout(group), store=store, runs=runs)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, env_int("LOCAL_WORLD_SIZE", 1), uses, bound)
+
+
+def group_timeout(group) -> Optional[datetime.timedelta]:
+    """The collective timeout ``group`` was created with (None where its backend does not say)."""
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None:
+            return options._timeout
+    return None
+
+
+def in_adopted_group() -> bool:
+    """Whether the default group is one a launcher created and ddpx trained in (:func:`adopt`)."""
+    return _adopted["group"]() is dist.distributed_c10d._get_default_group()
+
+
+def run_store() -> Optional[dist.Store]:
+    """The store for ddpx's own keys during a run (the collectives' watchdog, the failure reports):
+    the default group's; in an adopted group, under this run's prefix, so that a second run in
+    the same group reads nothing of the first's. None without a group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if in_adopted_group():
+        return _adopted["store"]
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
 
 
 def choose_interface(master_addr: str, master_port: int, rank: int, local_rank: int) -> None:
@@ -193,7 +251,8 @@ def first_disagreement(lists: Sequence[Sequence]) -> Optional[tuple[int, int, An
 
 
 def teardown() -> None:
-    """Destroy the default process group if there is one (safe to call twice).
+    """Destroy the default process group if there is one (safe to call twice); an adopted one
+    (:func:`adopt`) stays, with its own timeout back.
 
     Drop your own references to DDP models and comm-hook states first: the
     collection here frees them, and whatever else they left in reference cycles,
@@ -202,4 +261,8 @@ def teardown() -> None:
         # A DDP reducer that outlives its group makes torch 2.13 + gloo abort now and
         # then ("terminate called without an active exception").
         gc.collect()
-        dist.destroy_process_group()
+        if not in_adopted_group():
+            dist.destroy_process_group()
+        elif _adopted["timeout"] is not None:
+            set_timeout(_adopted["timeout"].total_seconds())
+            _adopted["timeout"] = None

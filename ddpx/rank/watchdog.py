@@ -11,7 +11,7 @@ recorded; neither are collectives on other groups or from other threads.
 
 A watchdog thread per rank looks once a second. When its rank has waited
 ``trainer.stall_s`` in one collective, or made no progress for twice that (no
-step, no collective, and its main thread's stack the same at every look: busy
+step, no collective, and its training thread's stack the same at every look: busy
 code such as a long evaluation moves on), every rank is asked, through the
 store (it answers while the process group is stuck), for its last
 fingerprints, where it is, and its threads' stacks
@@ -134,7 +134,7 @@ class CollectiveWatchdog:
         self._originals: dict = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._main_thread = threading.main_thread().ident
+        self._main_thread = threading.get_ident()  # the thread that trains: the main one, or Ray Train's
         # Reports start on a line of their own: a progress bar may be mid-line.
         self.report = lambda text: print(text, file=sys.stderr, flush=True)
         self.exit = os._exit  # the main thread may be blocked in C++: nothing else ends it

@@ -140,6 +140,8 @@ def _smoke_overrides(config, world_size: int) -> list[str]:
     ]
     if "checkpoint" in config:
         overrides += ["checkpoint.resume=false", "checkpoint.every_steps=0", "checkpoint.dir=checkpoints"]
+    if "logging" in config:  # the table is the report: no bar, no epoch lines, warnings only
+        overrides += ["logging.progress=false", "logging.level=warning"]
     return overrides
 
 

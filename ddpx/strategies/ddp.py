@@ -41,7 +41,7 @@ class DDPStrategy(Strategy):
     def install_compression(self, trainer, model):
         from torch.nn.parallel import DistributedDataParallel
 
-        from ..comm_hooks import register
+        from ..comm_hooks import compression_coverage, register
 
         if self.compression is None:
             return None
@@ -54,7 +54,9 @@ class DDPStrategy(Strategy):
         kind = "native C++" if getattr(state, "native", False) else "Python"
         bucket_mb = getattr(model, "bucket_bytes_cap", 0) / 2**20
         views = ", gradients as bucket views" if getattr(model, "gradient_as_bucket_view", False) else ""
-        trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)", name, kind, bucket_mb, views)
+        coverage = compression_coverage(model.module, state)
+        trainer.log.info("comm hook %s installed (%s hook, DDP buckets of %g MB%s)%s", name, kind, bucket_mb, views,
+                         f"; {coverage}" if coverage else "")
         return state
 
     def no_sync(self, model: nn.Module):

@@ -44,22 +44,35 @@ def param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def unit_modules(model: nn.Module, units, min_params: int) -> list[tuple[str, nn.Module]]:
-    """The submodules that become FSDP units, as ``(name, module)``, parents before children.
+class Units(list):
+    """The submodules that become FSDP units, as ``(name, module)``, parents before children; what
+    ``auto`` found besides: ``blocks`` (the model's repeated blocks, ``(name, module)``) and
+    ``tied`` (candidates kept in the root because they share a parameter with a module outside
+    them, ``(name, shared parameter names)``), for the start-up line."""
 
-    ``auto``: the model's direct children, and the items of a child that is a
-    ModuleList / ModuleDict / Sequential (a transformer's blocks), that hold at least
-    ``min_params`` parameters. A list of class names: every submodule of one of those
-    classes (a name no submodule has is an error). The model itself is always the
-    root unit, which holds every parameter no unit took."""
+    def __init__(self, units=(), blocks=(), tied=()):
+        super().__init__(units)
+        self.blocks, self.tied = list(blocks), list(tied)
+
+
+def unit_modules(model: nn.Module, units, min_params: int) -> Units:
+    """The submodules that become FSDP units. The model itself is always the root unit, which
+    holds every parameter no unit took.
+
+    ``auto``: the model's blocks (:func:`block_modules`), and every other piece beside them
+    (the children of the model, of a ModuleList / ModuleDict / Sequential and of a module
+    that holds blocks) that holds at least ``min_params`` parameters. A piece whose parameters
+    a module outside it uses too (tied embeddings: ``wte`` and ``lm_head``) stays in the root:
+    FSDP shards a parameter in one unit only. A list of class names: every submodule of one of
+    those classes (a name no submodule has, or a unit that shares a parameter with a module
+    outside it, is an error)."""
+    shared = shared_parameters(model)
     if units == "auto":
-        candidates = []
-        for name, child in model.named_children():
-            if isinstance(child, UNIT_CONTAINERS):
-                candidates += [(f"{name}.{n}", c) for n, c in child.named_children()]
-            else:
-                candidates.append((name, child))
-        return [(name, m) for name, m in candidates if param_count(m) >= min_params]
+        blocks = block_modules(model)
+        pieces = _pieces(model, blocks)
+        large = [(name, m) for name, m in pieces if param_count(m) >= min_params]
+        tied = [(name, shared(name)) for name, _ in large if shared(name)]
+        return Units([(name, m) for name, m in large if not shared(name)], blocks, tied)
     found = [(name, m) for name, m in model.named_modules() if name and type(m).__name__ in units]
     missing = [u for u in units if u not in {type(m).__name__ for _, m in found}]
     if missing:
@@ -67,7 +80,67 @@ def unit_modules(model: nn.Module, units, min_params: int) -> list[tuple[str, nn
         raise DdpxError(f"fsdp.units names {', '.join(missing)}, but no submodule of {type(model).__name__} is of "
                         f"that class (its classes: {', '.join(classes[:12])}{', ...' if len(classes) > 12 else ''}); "
                         "list class names of your model's blocks, or set fsdp.units=auto")
-    return found
+    for name, module in found:
+        if shared(name):
+            raise DdpxError(f"fsdp.units names {type(module).__name__}, but {name} shares a parameter with "
+                            f"{', '.join(shared(name))} outside it (tied weights), and FSDP shards a parameter in "
+                            f"one unit only; leave {type(module).__name__} out of fsdp.units (the root then holds "
+                            "it), or set fsdp.units=auto")
+    return Units(found)
+
+
+def shared_parameters(model: nn.Module):
+    """A function of a submodule's name: the names, outside that submodule, of the parameters it
+    shares with other modules of ``model`` (tied weights, a module used in two places); [] if none."""
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+
+    def shared(prefix: str) -> list:
+        def inside(n):
+            return n.startswith(prefix + ".")
+        return sorted(n for group in names.values() if any(map(inside, group)) for n in group if not inside(n))
+
+    return shared
+
+
+def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks, outermost first and not inside one another, as ``(name,
+    module)``: the submodules of the classes a HuggingFace model names in ``_no_split_modules``
+    (where the model has any), else the items of a ModuleList / ModuleDict / Sequential that
+    repeat one class with parameters (a transformer's layers, at any depth)."""
+    hint = {c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or ())}
+
+    def repeated(parent, child):
+        return isinstance(parent, UNIT_CONTAINERS) and param_count(child) > 0 and \
+            sum(type(c) is type(child) for c in parent.children()) > 1
+
+    def walk(module, prefix, by_hint):
+        for name, child in module.named_children():
+            if (type(child).__name__ in hint) if by_hint else repeated(module, child):
+                yield prefix + name, child
+            else:
+                yield from walk(child, f"{prefix}{name}.", by_hint)
+
+    hinted = list(walk(model, "", True)) if hint else []
+    return hinted or list(walk(model, "", False))
+
+
+def _pieces(model: nn.Module, blocks: list) -> list[tuple[str, nn.Module]]:
+    """The unit candidates of ``auto``: the ``blocks``, and the children of the model, of a
+    container and of a module that holds blocks."""
+    block_ids = {id(m) for _, m in blocks}
+    holders = {".".join(name.split(".")[:i]) for name, _ in blocks for i in range(1, name.count(".") + 1)}
+
+    def walk(module, prefix):
+        for name, child in module.named_children():
+            path = prefix + name
+            if id(child) not in block_ids and (isinstance(child, UNIT_CONTAINERS) or path in holders):
+                yield from walk(child, path + ".")
+            else:
+                yield path, child
+
+    return list(walk(model, ""))
 
 
 def mixed_precision(config):
@@ -162,14 +235,28 @@ def shard_model(trainer, model: nn.Module):
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     layout = f"{trainer.world_size} ranks" if mesh.ndim == 1 else \
         f"{mesh.size(1)} ranks, replicated {mesh.size(0)} times (HSDP)"
+    trainer.log.info(units_line(units, layout, cfg.min_unit_params))
+    return model
+
+
+def units_line(units: Units, layout: str, min_params: int) -> str:
+    """The start-up line: the units, the tied pieces kept in the root, or, with no unit, why and
+    the ``fsdp.units`` that would shard the blocks one at a time."""
+    tied = "; tied, kept in the root: " + ", ".join(f"{name} (shares {', '.join(outside)})"
+                                                    for name, outside in units.tied) if units.tied else ""
     if units:
         names = f"{', '.join(name for name, _ in units[:4])}{', ...' if len(units) > 4 else ''}"
-        trainer.log.info(f"fsdp: {len(units)} units ({names}) + the root sharded over {layout}")
-    else:  # one unit: the whole model is gathered at once in forward and backward
-        trainer.log.info(f"fsdp: the whole model is one unit (the root), sharded over {layout}; no submodule was "
-                         f"made a unit (fsdp.units={cfg.units}, fsdp.min_unit_params={cfg.min_unit_params}), so "
-                         "every parameter is gathered at once")
-    return model
+        return f"fsdp: {len(units)} units ({names}) + the root sharded over {layout}{tied}"
+    line = f"fsdp: the whole model is one unit (the root), sharded over {layout}, so every parameter is gathered " \
+           f"at once{tied}; "
+    kinds = ", ".join(sorted({type(m).__name__ for _, m in units.blocks}))
+    if not kinds:
+        return line + "fsdp.units=auto found no repeated block; name your model's block class, e.g. fsdp.units=[Block]"
+    biggest = max(param_count(m) for _, m in units.blocks)
+    if biggest >= min_params:
+        return line + f"its blocks ({kinds}) share parameters with modules outside them, so none is a unit of its own"
+    return line + (f"its {len(units.blocks)} blocks ({kinds}) hold up to {biggest} parameters each, below "
+                   f"fsdp.min_unit_params={min_params}; to gather one at a time: fsdp.units=[{kinds}]")
 
 
 def padded_forwards(trainer, loader) -> int:

@@ -4,21 +4,23 @@
 manager (which loads it by its import path), so any plugin can take over a hook. Its
 ``ddpx_wrap_model`` is the run's strategy's wrap (``DistributedDataParallel`` under ``ddp``,
 FSDP2's shards under ``fsdp``: ddpx/strategies/).
+
+Torch is imported inside the hooks that use it, so that loading the plugins (``ddpx plugins``,
+the launcher's config check) does not; the step's ``ddpx_forward`` is the trainer's
+:meth:`~ddpx.train.trainer.Trainer.batch_loss`, which imports nothing per step.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader
-
 from ..imports import instantiate, resolve
 from ..plugin.markers import hookimpl
-from .batches import batch_size, model_loss, to_device
 
 if TYPE_CHECKING:  # imported only for the annotations
+    import torch
+    from torch.utils.data import DataLoader
+
     from .trainer import Trainer
 
 
@@ -41,6 +43,9 @@ class DefaultHooks:
     def ddpx_build_dataloaders(self, trainer: "Trainer", train_set, eval_set):
         # Unsharded: every rank sees all data, in the same seeded order (the
         # sampler plugin shards it).
+        import torch
+        from torch.utils.data import DataLoader
+
         cfg = trainer.config.trainer
         common = {"num_workers": cfg.num_workers, "pin_memory": trainer.device.type == "cuda"}
         generator = torch.Generator().manual_seed(trainer.config.seed)
@@ -52,7 +57,7 @@ class DefaultHooks:
 
     @hookimpl(trylast=True)
     def ddpx_forward(self, trainer: "Trainer", batch):
-        return model_loss(trainer.model, trainer.loss_fn, batch)[0]
+        return trainer.batch_loss(batch)
 
     @hookimpl(trylast=True)
     def ddpx_optimizer_step(self, trainer: "Trainer"):
@@ -79,6 +84,11 @@ class DefaultHooks:
         # without padding gives exact metrics. Assumes a mean-reducing loss.
         # Accuracy is built in for class logits and labels; trainer.eval_metric
         # replaces it with the user's metrics (batch means, weighted by n).
+        import torch
+        import torch.distributed as dist
+
+        from .batches import batch_size, model_loss, to_device
+
         model = trainer.module
         name = trainer.config.trainer.eval_metric
         metric = resolve(name, "trainer.eval_metric") if name else None

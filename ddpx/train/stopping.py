@@ -40,6 +40,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..console import write_fd
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FIRST_STOP_CHECK = 10  # optimizer steps to the first stop check (auto), before any step time is known
 MAX_STOP_CHECK = 1000  # auto never checks less often than this
@@ -131,14 +133,14 @@ class StopAgreement:
     def on_signal(self, signum: int) -> None:
         """The trainer's handler calls this instead of stopping at once."""
         self.signal_received = signum
-        # os.write, not print/logging: a signal may interrupt a write to stderr
+        # not print/logging: a signal may interrupt a write to stderr
         within = f"{2 * self.every_steps} optimizer steps" if self.every_steps else f"about {2 * self.every_s:g} s"
-        os.write(2, (f"[rank{self.trainer.rank}] ddpx: received {signal.Signals(signum).name}: stopping within "
+        write_fd(2, (f"[rank{self.trainer.rank}] ddpx: received {signal.Signals(signum).name}: stopping within "
                      f"{within} with {self.what} (send it again to exit now)\n").encode())
         self.arm_stop_deadline()
 
     def give_up(self, signum: int) -> None:
-        os.write(2, (
+        write_fd(2, (
             f"[rank{self.trainer.rank}] ddpx: no optimizer step boundary for {self.timeout_key}={self.timeout_s:g} s "
             f"after {signal.Signals(signum).name} (a peer failed or hangs): exiting without {self.what}\n"
         ).encode())

@@ -43,7 +43,7 @@ from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
 from .. import strategies
-from .batches import to_device
+from .batches import model_loss, to_device
 from .compile import compile_model
 from .grad_norms import GradientNorms
 from .losses import EpochLosses, LossWindow
@@ -239,7 +239,7 @@ class Trainer:
                 restore_logger(self.log, self._saved_logger)
 
     def _report_exception(self, exc: BaseException) -> None:
-        store = self.failure_store = failures.default_store()  # kept: the group goes before the worker reports
+        store = self.failure_store = process_group.run_store()  # kept: the group goes before the worker reports
         if failures.is_peer_failure(exc):
             # Another rank failed, died or hung: the plugin whose collective broke is not to blame.
             self.peer_failure = failures.peer_failure_line(exc, store, self.global_step)
@@ -279,7 +279,7 @@ class Trainer:
         if cfg.check_collectives and self.world_size > 1:
             self._collectives = CollectiveWatchdog(self.rank, self.world_size, cfg.stall_s, self._progress,
                                                    self.plugin_manager, self.run_dir,
-                                                   dist.distributed_c10d._get_default_store(), self.device)
+                                                   process_group.run_store(), self.device)
             self._collectives.install()
             self._collectives.start()
         torch.manual_seed(self.config.seed)  # identical initial weights and default shuffles on every rank
@@ -443,6 +443,10 @@ class Trainer:
             loss = self.hook.ddpx_forward(trainer=self, batch=batch)
         self.backward(loss / window if window > 1 else loss)
         return loss.detach()
+
+    def batch_loss(self, batch) -> torch.Tensor:
+        """The default ``ddpx_forward``: :func:`~ddpx.train.batches.model_loss`'s loss of one micro-batch."""
+        return model_loss(self.model, self.loss_fn, batch)[0]
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, scaled by the GradScaler under fp16 AMP."""

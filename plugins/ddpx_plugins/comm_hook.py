@@ -38,10 +38,13 @@ Config section ``comm_hook``: ``name`` (``allreduce``), ``native`` (true),
 The plugin is one :class:`CommHookPlugin` object; ``trainer.plugin("comm_hook").state``
 is the run's comm state (``ddpx.comm_hooks.CommState``; None: DDP's own all-reduce),
 shared with the other plugins as ``trainer.shared[COMM_HOOK]``.
+
+``ddpx.comm_hooks`` (and torch with it) is imported where a method is looked up, not with
+this module: listing the plugins and checking the config's keys need no torch.
 """
 
 
-from ddpx import comm_hooks, hookimpl
+from ddpx import hookimpl
 from ddpx.config.strategies import strategy_class
 from ddpx.errors import DdpxError
 from ddpx.imports import resolve
@@ -54,6 +57,8 @@ def hook_name(config) -> str:
     """The hook a run uses: ``comm_hook.name``, or the method the optimizer needs (the one whose
     ``Method.optimizer`` it is, e.g. ``ddpx.optim.OneBitAdam``: ``onebit_adam``); a mismatch is
     a DdpxError."""
+    from ddpx import comm_hooks
+
     name = config.section("comm_hook")["name"]
     target = config.optimizer.target
     needed = comm_hooks.method_for_optimizer(resolve(target, "optimizer.target"))
@@ -86,6 +91,8 @@ class CommHookPlugin:
 
     @hookimpl
     def ddpx_configure(self, config):
+        from ddpx import comm_hooks
+
         name = hook_name(config)
         if name != BUILTIN:  # bad options, or a method the strategy cannot use, fail here, before any worker starts
             strategy_class(config.trainer.strategy).check_compression(
@@ -93,6 +100,8 @@ class CommHookPlugin:
 
     @hookimpl
     def ddpx_setup(self, trainer):
+        from ddpx import comm_hooks
+
         cfg = trainer.config.section("comm_hook")
         self.state, self.name = None, hook_name(trainer.config)
         if self.name != BUILTIN:  # before the wrap: DDP sizes its buckets for the hook

@@ -105,11 +105,8 @@ def measure_share(trainer, step_s, measure_allreduce_seconds):
     comm_s = measure_allreduce_seconds(grad_bytes, iters=3, device=trainer.device, fastest=True)
     hook = trainer.shared.get(COMM_HOOK)
     stats = hook.stats() if hook is not None else None
-    if stats and stats.get("wire_bytes") and stats.get("raw_bytes"):
-        # the hook sends wire/raw of what an fp32 ring allreduce would
-        world = trainer.world_size
-        fp32_wire = 2 * (world - 1) * stats["raw_bytes"] / world
-        comm_s *= min(1.0, stats["wire_bytes"] / fp32_wire)
+    if stats and stats.get("wire_bytes") and stats.get("fp32_wire_bytes"):
+        comm_s *= min(1.0, stats["wire_bytes"] / stats["fp32_wire_bytes"])  # what the hook sends of fp32's bytes
     return min(1.0, comm_s / step_s) if step_s > 0 else 0.0, comm_s, grad_bytes
 
 

@@ -33,7 +33,7 @@ holds the whole average. At the end of training rank 0 writes
 "step", "updates", "state_dict"}``, the module's state dict with the EMA's
 parameters (and buffers with ``buffers: true``), loadable with
 ``model.load_state_dict(torch.load(path)["state_dict"])``; under fsdp the EMA shards are
-swapped into the model and gathered like ``model_weights.pt`` (every rank takes part).
+swapped into the model and gathered like the trained model in ``run_dir/model/`` (every rank takes part).
 
 Per-run state: ``trainer.plugin("ema").state`` (an :class:`EmaState`, None when off;
 docs/plugins.md, "Per-run state").

@@ -27,8 +27,11 @@ directory is missing is skipped on resume. That part of the save is synchronous.
 A resume reads the shards back through a reader that runs nothing stored in them
 (the metadata is unpickled through an allow-list of DCP's plain records, other
 entries are read with ``weights_only=True``), at the same or another world size.
-At the end of training rank 0 also writes ``run_dir/model_weights.pt``, the whole
-model's weights gathered into one plain state dict (``model.load_state_dict(torch.load(path))``).
+At the end of training, under every strategy, rank 0 writes the trained model into
+``run_dir/model/`` (the strategy's ``full_state_dict``, gathered under fsdp: every rank takes
+part) through :func:`ddpx.rank.model_files.write_model`: ``model.safetensors`` (tied weights
+once), with ``config.json`` for a HuggingFace model (a ``from_pretrained`` directory);
+``ddpx export RUN_DIR`` writes the same from any checkpoint of a run.
 A checkpoint saved under one strategy is not resumed under the other (one line says so).
 
 Resuming. With ``resume`` (the default), the run starts from the newest
@@ -95,6 +98,7 @@ Config section ``checkpoint``: ``enabled`` (true), ``every_steps`` (0),
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -103,17 +107,15 @@ from pathlib import Path
 from ddpx import hookimpl
 from ddpx.errors import DdpxError, TrainingDiverged
 from ddpx.plugin.shared import LAST_FINITE_CHECKPOINT
-from ddpx.rank.checkpoint_files import SHARDS_KEY
 from ddpx.train.monitor import Monitor
 from ddpx.train.state import TRAINER_STATE  # the trainer's own entries: one copy for all ranks
-from ddpx.train.stopping import across_ranks
 
-from .finite import finite_state
-from .resume import resume
+# What imports torch (ddpx.rank.checkpoint_files, ddpx.train.stopping, .finite, .resume) is
+# imported in the functions that use it: loading the plugin (``ddpx plugins``, the launcher's
+# config check) needs no torch.
 
 LR_SCALING = ("none", "linear")
 DIVERGED_MARKER = "diverged.json"  # written when training diverged; read by an automatic restart
-FULL_WEIGHTS = "model_weights.pt"  # a strategy that is not replicated: the gathered model, written at the end
 
 
 class CheckpointSession:
@@ -135,6 +137,7 @@ class CheckpointSession:
         self.writer = AsyncCheckpointWriter(self.directory, async_write=cfg["async_write"])
         self.finite_at = 0  # the last step whose state was checked finite (a save or the resumed checkpoint)
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
+        self.unannounced = None  # rank 0's "saved checkpoint" line of the last save, if not logged at info
         # The trainer's stop agreement (ddpx/train/stopping.py): SIGTERM/SIGINT stop every rank
         # after the same step, with a final checkpoint written here.
         self.stops = trainer.agree_on_stops(cfg["stop_check_every"], cfg["stop_check_s"], cfg["stop_timeout_s"],
@@ -161,7 +164,7 @@ class CheckpointSession:
         # The epoch's last step is saved by the epoch end (which also runs the evaluation).
         periodic = every and trainer.global_step % every == 0 and not _epoch_exhausted(trainer)
         if self.enabled and (periodic or stop):
-            _save(trainer, self, at_epoch_end=False)
+            _save(trainer, self, at_epoch_end=False, announce=stop)
         if stop:
             trainer.request_stop(self.stops.signal_received or signal.SIGTERM)
 
@@ -222,6 +225,8 @@ class CheckpointPlugin:
         if session.enabled:
             _refuse_restart_after_divergence(trainer, session)
             if session.cfg["resume"]:
+                from .resume import resume
+
                 resume(trainer, session)
         session.stops.start(trainer)  # the checks count from the resumed step
         session.schedule(trainer)
@@ -234,11 +239,12 @@ class CheckpointPlugin:
     @hookimpl(trylast=True)
     def ddpx_train_end(self, trainer):
         session = self.session
-        if not trainer.strategy.replicated:
-            _export_full_weights(trainer)
+        _write_trained_model(trainer)
         if session.enabled and (session.saved or (None,))[0] != trainer.global_step:
-            _save(trainer, session, at_epoch_end=False)  # e.g. stopped by trainer.max_steps
+            _save(trainer, session, at_epoch_end=False, announce=True)  # e.g. stopped by trainer.max_steps
         session.writer.wait()
+        if session.unannounced and not trainer.log.isEnabledFor(logging.DEBUG):  # the run's last checkpoint is
+            trainer.log.info(session.unannounced)  # said; each epoch end's only at logging.level=debug
         report_best(trainer, session)
 
     @hookimpl
@@ -287,6 +293,8 @@ def _refuse_restart_after_divergence(trainer, session) -> None:
     diverged would resume the same checkpoint and diverge again: end it at once.
     A new launch removes the marker and trains (the user may have changed the
     config). Rank 0 decides; every rank raises."""
+    from ddpx.train.stopping import across_ranks
+
     refusal = None
     if trainer.rank == 0:
         path = session.directory.directory / DIVERGED_MARKER
@@ -316,8 +324,13 @@ def _epoch_exhausted(trainer) -> bool:
     return trainer.epoch_batches >= trainer.num_batches
 
 
-def _save(trainer, session, at_epoch_end, metrics=None):
-    from ddpx.rank.checkpoint_files import check_plain, rng_state
+def _save(trainer, session, at_epoch_end, metrics=None, announce=False):
+    """A checkpoint (every rank takes part); ``announce``: its line is logged at info (a stop's
+    or the run's last), else at debug."""
+    from ddpx.rank.checkpoint_files import SHARDS_KEY, check_plain, rng_state
+    from ddpx.train.stopping import across_ranks
+
+    from .finite import finite_state
 
     step = trainer.global_step
     if session.saved == (step, at_epoch_end):  # same on every rank: all skip the collective
@@ -364,7 +377,9 @@ def _save(trainer, session, at_epoch_end, metrics=None):
     where = f"end of epoch {epoch - 1}" if epoch != trainer.epoch else f"in epoch {epoch}"
 
     def done(path):
-        trainer.log.info(f"saved checkpoint {path} ({where}, step {step})")
+        line = f"saved checkpoint {path} ({where}, step {step})"
+        session.unannounced = None if announce else line
+        trainer.log.log(logging.INFO if announce else logging.DEBUG, line)
 
     session.writer.save(checkpoint, step, on_done=done, score=score)
 
@@ -377,6 +392,7 @@ def _save_shards(trainer, session, step, state) -> str:
     import torch.distributed as dist
 
     from ddpx.rank.checkpoint_files import fsync_directory
+    from ddpx.train.stopping import across_ranks
 
     session.writer.wait()  # the previous write, and its pruning, are done before this directory exists
     final = session.directory.shards_for(step)
@@ -394,17 +410,17 @@ def _save_shards(trainer, session, step, state) -> str:
     return final.name
 
 
-def _export_full_weights(trainer) -> None:
-    """Rank 0 writes the gathered model as one plain state dict (every rank takes part)."""
-    import torch
-
-    from ddpx.rank.checkpoint_files import atomic_write
+def _write_trained_model(trainer) -> None:
+    """Rank 0 writes the whole model into ``run_dir/model/`` (every rank takes part: the strategy
+    may gather it)."""
+    from ddpx.rank.model_files import MODEL_DIR, write_model
 
     weights = trainer.strategy.full_state_dict(trainer.module)
     if trainer.rank == 0:
-        path = trainer.run_dir / FULL_WEIGHTS
-        atomic_write(path, lambda f: torch.save(weights, f))
-        trainer.log.info(f"wrote the whole model's weights to {path}")
+        directory = trainer.run_dir / MODEL_DIR
+        written, why = write_model(weights, directory, trainer.module)
+        note = f" (not safetensors: {why})" if why else ""
+        trainer.log.info(f"wrote the trained model to {directory}: {', '.join(written)}{note}")
 
 
 def _score(trainer, session, metrics):

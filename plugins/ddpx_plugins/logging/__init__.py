@@ -1,18 +1,20 @@
 """Progress bar, rank-aware log messages and ``metrics.jsonl``.
 
-* Rank 0 shows a tqdm progress bar (one for the whole run, labelled with the
-  epoch) with the training loss (rank 0's mean micro-batch loss since the
+* On a terminal rank 0 shows a tqdm progress bar (one for the whole run, labelled with the
+  epoch; elsewhere a plain line about every ``progress.LINE_SECONDS``) with the training loss (rank 0's mean micro-batch loss since the
   previous redraw, read from a loss window of its own at the redraw, about
   every ``progress.BAR_SECONDS``) and the throughput in samples/s (all ranks together:
   ``world_size * batch_size`` per micro-batch, from the latest step line). It counts
   micro-batches to the end of ``trainer.epochs``, or of ``trainer.max_steps`` where that
-  comes first (re-estimated at each epoch start). At a normal end rank 0 logs one summary
-  line: the training time, the last epoch's metrics, the run directory.
+  comes first (re-estimated at each epoch start). Rank 0 logs one line per epoch (its
+  metrics; with a comm hook the bytes sent per step against an fp32 allreduce's), and at a
+  normal end one summary line: the training time, the last epoch's metrics, the run directory.
 * The trackers' settings are checked in the launcher (``ddpx_configure``): a setting without
   the key that turns its tracker on, and an MLflow ``tracking_uri`` the installed MLflow refuses.
 * Log messages of the ``ddpx`` logger (``trainer.log``) carry a rank prefix
-  (``[rank1] ...``); by default only rank 0's info messages are shown (warnings
-  and errors of every rank always are); ``all_ranks: true`` shows every rank's.
+  (``[rank1] ...``); by default only rank 0's messages at ``level`` and above are shown
+  (warnings and errors of every rank always are); ``all_ranks: true`` shows every rank's.
+  The same lines go to ``<run_dir>/console.log``.
 * Rank 0 appends one JSON line to ``<run_dir>/<metrics_file>`` every
   ``every_steps`` optimizer steps (``kind: "step"``: ``step``, ``epoch``, ``loss``
   = rank 0's mean micro-batch loss since the previous line, ``lr``,
@@ -39,7 +41,8 @@
   bar, about every ``progress.BAR_SECONDS`` (the number of steps adapts to the step
   time); the bar also advances at the epoch end.
 
-Config section ``logging``: ``progress`` (true), ``all_ranks`` (false),
+Config section ``logging``: ``progress`` (true), ``level`` (``info``; ``warning``,
+``debug``), ``all_ranks`` (false),
 ``every_steps`` (50, as Lightning's ``log_every_n_steps``; 0 writes only
 per-epoch lines), ``metrics_file`` (``metrics.jsonl``; relative to the run
 directory), ``tensorboard`` (false), ``wandb`` (``project``, ``entity``,
@@ -58,12 +61,12 @@ import os
 import time
 
 from ddpx import hookimpl
-from ddpx.data.stream import has_length
 from ddpx.errors import DdpxError
 from ddpx.plugin.shared import ACCUMULATION_STEPS
 
-from .console import configure_logger
+from .console import LEVELS, configure_logger
 from .metrics_log import MetricsLog
+from .progress import clear_line_before_mine
 from .trackers import open_backends, wanted_backends
 
 __all__ = ["LoggingPlugin"]
@@ -144,6 +147,8 @@ def batches_left(trainer, epoch):
     epochs left, or fewer where ``trainer.max_steps`` ends the run first (its steps left times
     the accumulation's micro-batches per step); for a loader without a length (a stream),
     ``trainer.max_steps``'s batches left, or None without it."""
+    from ddpx.data.stream import has_length  # imports torch: not on loading the plugin
+
     left = None
     if has_length(trainer.train_loader):  # a DataLoader over a stream has __len__, which raises
         left = len(trainer.train_loader) * (trainer.config.trainer.epochs - epoch)
@@ -184,7 +189,8 @@ class LoggingPlugin:
 
     @hookimpl
     def ddpx_config_defaults(self):
-        return {"logging": {"progress": True, "all_ranks": False, "every_steps": 50, "metrics_file": "metrics.jsonl",
+        return {"logging": {"progress": True, "level": "info", "all_ranks": False, "every_steps": 50,
+                            "metrics_file": "metrics.jsonl",
                             "tensorboard": False,
                             "wandb": {"project": None, "entity": None, "name": None, "tags": [], "mode": None},
                             "mlflow": {"tracking_uri": None, "experiment": None, "run_name": None}}}
@@ -192,6 +198,8 @@ class LoggingPlugin:
     @hookimpl
     def ddpx_configure(self, config):
         cfg = config.section("logging")
+        if cfg["level"] not in LEVELS:
+            raise DdpxError(f"logging.level must be one of {', '.join(LEVELS)} (got {cfg['level']!r})")
         if cfg["every_steps"] < 0:
             raise DdpxError(f"logging.every_steps must be 0 (epoch lines only) or more (got {cfg['every_steps']})")
         if not cfg["metrics_file"]:
@@ -217,7 +225,7 @@ class LoggingPlugin:
     @hookimpl(tryfirst=True)  # before other plugins log from their setup hooks
     def ddpx_setup(self, trainer):
         cfg = trainer.config.section("logging")
-        configure_logger(trainer.rank, cfg["all_ranks"])
+        configure_logger(trainer.rank, cfg["all_ranks"], LEVELS[cfg["level"]], trainer.run_dir)
         samples_per_batch = trainer.world_size * trainer.config.trainer.batch_size
         self.state = MetricsLog(cfg["every_steps"], cfg["progress"], samples_per_batch)
 
@@ -226,8 +234,10 @@ class LoggingPlugin:
         log = self.state
         log.start = log.mark = time.perf_counter()
         if trainer.rank != 0:
+            log.around_bar = clear_line_before_mine(trainer.rank, log.progress)
             return
         log.backends = open_backends(trainer, trainer.config.section("logging"))
+        log.count_comm_from_here(trainer)
         if log.progress or log.every_steps > 0:
             log.window = trainer.open_loss_window()
             if log.progress:
@@ -246,7 +256,7 @@ class LoggingPlugin:
         # else between epochs) would make it look slow and the bar update every step.
         log.last_call = (trainer.global_step, log.mark)
         if log.progress:
-            log.start_bar(epoch, batches_left(trainer, epoch))
+            log.start_bar(epoch, batches_left(trainer, epoch), trainer.log.info)
 
     @hookimpl(trylast=True)  # after other plugins added their entries to ``metrics``
     def ddpx_epoch_end(self, trainer, epoch, metrics):
@@ -257,7 +267,7 @@ class LoggingPlugin:
         log.log_metrics("epoch", trainer.global_step, {"epoch": epoch, **{k: v for k, v in metrics.items()
                                                                             if k != "step"}})
         shown = "  ".join(f"{k} {_format(v)}" for k, v in metrics.items() if k not in ("epoch", "step"))
-        trainer.log.info("epoch %d (step %d): %s", epoch, trainer.global_step, shown)
+        trainer.log.info("epoch %d (step %d): %s%s", epoch, trainer.global_step, shown, log.comm_this_epoch(trainer))
 
     @hookimpl(wrapper=True)  # around every other plugin's: the final checkpoint is written when it closes
     def ddpx_train_end(self, trainer):

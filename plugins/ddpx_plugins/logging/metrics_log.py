@@ -7,7 +7,9 @@ import time
 
 from ddpx.plugin.shared import COMM_HOOK, EMA_WEIGHTS_FILE, LAST_FINITE_CHECKPOINT
 
-from .progress import BAR_SECONDS, MAX_BAR_STEPS, ProgressBar
+from .progress import BAR_SECONDS, MAX_BAR_STEPS, PlainProgress, ProgressBar
+
+PLAIN_CALL_SECONDS = 1.0  # plain progress lines: whether one is due is asked about this often
 
 
 class MetricsLog(ProgressBar):
@@ -21,6 +23,7 @@ class MetricsLog(ProgressBar):
         self.samples_per_batch = samples_per_batch
         self.backends: list = []  # rank 0's Backend objects, metrics.jsonl first
         self.comm_counted = (0, 0)  # (wire bytes, steps) of the comm hook at the last step line
+        self.comm_at_epoch = (0, 0, 0)  # (wire bytes, fp32 wire bytes, steps) at the last epoch line
         self.window = None  # the trainer's LossWindow since the last step line (rank 0)
         self.epoch_base = 0  # micro-batches of the window from before this epoch: not in the throughput
         self.last_call = (0, 0.0)  # (global_step, perf_counter) of the last scheduled call
@@ -50,7 +53,8 @@ class MetricsLog(ProgressBar):
         if self.bar is not None:
             self.advance_bar()
             step_s = (now - last_time) / max(1, step - last_step)
-            self.bar_steps = max(1, min(MAX_BAR_STEPS, int(BAR_SECONDS / max(step_s, 1e-9))))
+            every_s = PLAIN_CALL_SECONDS if isinstance(self.bar, PlainProgress) else BAR_SECONDS
+            self.bar_steps = max(1, min(MAX_BAR_STEPS, int(every_s / max(step_s, 1e-9))))
         if self.every_steps and step % self.every_steps == 0:
             self.write_step_line(trainer, now)
         self.schedule(trainer)
@@ -93,13 +97,35 @@ class MetricsLog(ProgressBar):
             self.comm_counted = (stats["wire_bytes"], stats["steps"])
         return state
 
+    def count_comm_from_here(self, trainer):
+        """Training starts (maybe resumed, with the comm hook's totals restored): the step and
+        epoch lines count the traffic from here."""
+        hook = trainer.shared.get(COMM_HOOK)
+        stats = hook.stats() if hook is not None else None
+        if stats:
+            self.comm_counted = (stats["wire_bytes"], stats["steps"])
+            self.comm_at_epoch = (stats["wire_bytes"], stats.get("fp32_wire_bytes") or 0, stats["steps"])
+
+    def comm_this_epoch(self, trainer):
+        """The epoch line's ``comm ...`` part: the bytes this rank sent per step since the previous
+        epoch line against what an fp32 allreduce of the same gradients sends; "" without a comm hook."""
+        hook = trainer.shared.get(COMM_HOOK)
+        stats = hook.stats() if hook is not None else None
+        if not stats or stats.get("fp32_wire_bytes") is None:
+            return ""
+        now = (stats["wire_bytes"], stats["fp32_wire_bytes"], stats["steps"])
+        (wire, fp32, steps), self.comm_at_epoch = (a - b for a, b in zip(now, self.comm_at_epoch)), now
+        if steps <= 0 or wire <= 0:
+            return ""
+        ratio = fp32 / wire
+        versus = "the same as" if abs(ratio - 1) < 0.005 else \
+            f"{ratio:.2f}x less than" if ratio > 1 else f"{1 / ratio:.2f}x more than"
+        return f"; comm {_bytes(wire / steps)}/step, {versus} fp32 allreduce ({_bytes(fp32 / steps)})"
+
     def close(self, trainer=None, failed=False):
         """Close the bar and every backend; ``trainer`` (a normal end): hand them the
         run's files first (``metrics.jsonl``, the final checkpoint, the EMA weights)."""
-        if self.bar is not None:
-            self.advance_bar()
-            self.bar.close()
-            self.bar = None
+        self.close_bar()
         backends, self.backends = self.backends, []
         if backends:
             backends[0].file.flush()  # metrics.jsonl, complete before it is copied
@@ -110,6 +136,13 @@ class MetricsLog(ProgressBar):
                     backend.log_file(path)
             finally:
                 backend.close(failed=failed)
+
+
+def _bytes(n):
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def _run_files(trainer, metrics_path):
