@@ -267,9 +267,12 @@ def finish_or_fail(procs, logs, timeout: float) -> list[Finished]:
     or killed rank's output."""
     started = time.monotonic()
     ended = finish(procs, logs, timeout, stop_on_failure=True)
+    failed = [rank for rank, e in enumerate(ended) if not e.hung and e.returncode != 0]
     lines = []
     for rank, e in enumerate(ended):
-        if e.hung:
+        if e.hung and failed:
+            lines.append(f"rank {rank} was killed when rank {failed[0]} failed:\n{e.output[-3000:]}")
+        elif e.hung:
             lines.append(f"rank {rank} did not finish within {_limit(timeout, started)} (killed):\n{e.output[-3000:]}")
         elif e.returncode != 0:
             lines.append(f"rank {rank} exited with {e.returncode}:\n{e.output[-3000:]}")

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import yaml
 
-import harness
 from ddpx import hookimpl
 from ddpx.net import free_port
 from ddpx.data import digits_split
@@ -142,6 +141,8 @@ def test_ranks_started_without_torchrun_rendezvous_through_rank_0(ranks, tmp_pat
 def test_rendezvous_store_failures_are_one_line(capfd):
     import datetime
     import socket
+
+    import harness  # here: the workers import this module as a plugin, without tests/ on their path
 
     from ddpx.rank import process_group
     from ddpx.errors import DdpxError
