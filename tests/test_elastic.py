@@ -88,12 +88,15 @@ def assert_each_sample_once(seen, epochs=(0, 1)):
         )
 
 
-def final_accuracy(tmp_path):
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+def final_accuracy(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if "accuracy" in line][-1]["accuracy"]
 
 
 def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(ranks, tmp_path):
+    """SIGKILL of a worker mid epoch 1, run_dir unset: the restarted workers resume from the
+    newest checkpoint in the same ``runs/<UTC time>`` (chosen once per launch, not again by
+    them), replay nothing twice, and end with the uninterrupted run's weights."""
     reference = tmp_path / "reference"
     reference.mkdir()
     code, log = train(ranks, reference, "ref")
@@ -101,13 +104,15 @@ def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(ranks, tmp_pat
 
     at_step = STEPS_PER_EPOCH + 7  # mid epoch 1, 3 steps after the checkpoint of step 28
     code, log = train(ranks, tmp_path, "kill", "probe.action=kill", f"probe.at_step={at_step}", "probe.rank=1",
-                      max_restarts=2)
+                      max_restarts=2, run_dir=False)
     assert code == 0, log[-3000:]
     assert (tmp_path / "marker").exists(), "the probe never killed the worker"
+    (run_dir,) = (tmp_path / "runs").iterdir()
     seen, runs = committed_samples(tmp_path, ["kill"])
     assert [r[0] for r in runs][0] == 0 and len(runs) == 2, runs
     # Resumed from the newest checkpoint before the kill (24 if the async write of 28 was still in flight).
     assert runs[1][0] in (24, 28), runs[1][0]
+    assert f"resumed from {run_dir / 'checkpoints'}" in log, log[-3000:]
     assert any(r["step"] > runs[1][0] for r in runs[0][2]), "nothing was replayed: the test proves nothing"
     assert_each_sample_once(seen)
 
@@ -116,20 +121,7 @@ def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(ranks, tmp_pat
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), f"{name} differs from the uninterrupted run"
-    assert final_accuracy(tmp_path) > 0.8  # chance: 0.1
-
-
-def test_a_restart_with_the_default_run_dir_resumes_in_the_same_directory(ranks, tmp_path):
-    """run_dir unset: ``runs/<UTC time>`` is chosen once per launch, not again by the restarted workers."""
-    code, log = train(ranks, tmp_path, "default", "probe.action=kill", "probe.at_step=7", "probe.rank=1",
-                      "trainer.epochs=1", max_restarts=1, run_dir=False)
-    assert code == 0, log[-3000:]
-    assert (tmp_path / "marker").exists(), "the probe never killed the worker"
-    run_dirs = list((tmp_path / "runs").iterdir())
-    assert len(run_dirs) == 1, run_dirs
-    runs = attempts(tmp_path, ["default"])
-    assert [r[0] for r in runs] == [0, 4], runs  # the restart resumed the checkpoint of step 4
-    assert f"resumed from {run_dirs[0] / 'checkpoints'}" in log, log[-3000:]
+    assert final_accuracy(run_dir) > 0.8  # chance: 0.1
 
 
 def test_sigterm_stops_cleanly_and_resumes_with_another_world_size(ranks, tmp_path):
@@ -147,14 +139,14 @@ def test_sigterm_stops_cleanly_and_resumes_with_another_world_size(ranks, tmp_pa
     # Only epoch-end checkpoints were configured: this one is the stop's own, mid epoch 1.
     assert world == 3 and at_step <= stopped_at < 2 * STEPS_PER_EPOCH, runs[1][:2]
     assert_each_sample_once(seen)
-    assert final_accuracy(tmp_path) > 0.8  # chance: 0.1
+    assert final_accuracy(tmp_path / "run") > 0.8  # chance: 0.1
 
 
 def test_workers_stop_with_a_final_checkpoint_when_the_launcher_is_killed(ranks, tmp_path):
     """``kill -9`` of ``ddpx train`` (the OOM killer, a job's time limit): its workers, each in a
     session of its own under torchrun, stop within seconds with a final checkpoint instead of
     training on as orphans; a rerun resumes there and sees every sample once."""
-    at_step = STEPS_PER_EPOCH + 7  # 0.2 s steps: the 1 s watch plus two 2-step checks end it well before step 46
+    at_step = STEPS_PER_EPOCH + 7  # 0.2 s steps from the kill on: two 2-step checks end it well before step 46
     cmd = [sys.executable, "-m", "ddpx", *train_args(
         tmp_path, "first", "probe.action=kill_agent", f"probe.at_step={at_step}", "probe.rank=0",
         "probe.step_sleep_s=0.2", "checkpoint.every_steps=0", "checkpoint.stop_check_every=2")]
@@ -309,5 +301,5 @@ def test_elastic_membership_across_hosts_survivor_goes_on_and_the_host_rejoins(t
             if resumed_at is None or record["step"] <= resumed_at:
                 seen.setdefault(record["epoch"], Counter()).update(record["indices"])
     assert_each_sample_once(seen, epochs=range(6))
-    assert final_accuracy(tmp_path) > 0.8
+    assert final_accuracy(tmp_path / "run") > 0.8
     assert "frame #" not in logs  # no C++ stack trace reaches the user
