@@ -439,7 +439,7 @@ def test_a_submodule_skipped_on_some_batches_is_named_with_the_fix(ranks, tmp_pa
     assert "trainer.find_unused_parameters: true" in out and "Traceback" not in out, out
     # The fix named works.
     code, out, _ = train(ranks, tmp_path, "model.target=skipmodel.Skipper", "model.args={}",
-                         "trainer.find_unused_parameters=true", "trainer.epochs=1")
+                         "trainer.find_unused_parameters=true", "trainer.epochs=1", "trainer.max_steps=3")
     assert code == 0, out
 
 
