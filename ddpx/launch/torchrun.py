@@ -55,8 +55,7 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
         rdzv_id = opts.rdzv_id or rendezvous.DEFAULT_RDZV_ID
         argv += [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
         if backend == "c10d":
-            wait_s = float(os.environ.get(rendezvous.RDZV_WAIT_ENV, rendezvous.DEFAULT_RDZV_WAIT_S))
-            is_host = rendezvous.check_rendezvous(route, wait_s)
+            is_host = rendezvous.check_rendezvous(route, rendezvous.rendezvous_wait_s())
             conf = rendezvous.rendezvous_conf(nnodes, is_host)
             if conf:
                 argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
