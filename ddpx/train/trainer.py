@@ -275,7 +275,7 @@ class Trainer:
         process_group.set_timeout(cfg.timeout_s)
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world_size)  # one run per run_dir
+        self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world_size, process_group.adopted_group_id())
         if cfg.check_collectives and self.world_size > 1:
             self._collectives = CollectiveWatchdog(self.rank, self.world_size, cfg.stall_s, self._progress,
                                                    self.plugin_manager, self.run_dir,
