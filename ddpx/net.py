@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import ipaddress
+import math
 import os
 import shutil
 import socket
@@ -355,3 +356,22 @@ def measure_allreduce_seconds(nbytes: int, iters: int = 5, group=None, device=No
     t = torch.tensor([min(times) if fastest else sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return float(t.item())
+
+
+MAX_ACCUMULATION_ADVICE = 64  # more micro-batches per step change the training (its batch) more than a link is worth
+
+
+def accumulation_advice(comm_s: float, compute_s: float, accumulation: int = 1) -> Optional[int]:
+    """The ``accumulation.steps`` at which compute catches up with the gradient allreduce.
+
+    ``compute_s``: one optimizer step's compute over ``accumulation`` micro-batches, so
+    ``k = ceil(accumulation * comm_s / compute_s)`` micro-batches per allreduce make compute at
+    least as long as it (what ``ddpx bench comm`` and the comm monitor advise), at most
+    MAX_ACCUMULATION_ADVICE. None where a number would not help: compute not known (0 or less:
+    the comm monitor's step minus an allreduce that measured longer than the whole step), or
+    already at least as long as the allreduce.
+    """
+    if compute_s <= 0:
+        return None
+    k = math.ceil(max(1, accumulation) * comm_s / compute_s)
+    return min(k, MAX_ACCUMULATION_ADVICE) if k > accumulation else None

@@ -87,10 +87,18 @@ class RaisesOnRank1AtStep3:
 class SigtermAtBatch:
     """Sends this process SIGTERM at the end of batch 2."""
 
+    signum = signal.SIGTERM
+
     @hookimpl
     def ddpx_batch_end(self, trainer, batch_index, loss, stepped):
         if batch_index == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
+
+
+class SighupAtBatch(SigtermAtBatch):
+    """Sends this process SIGHUP (a closed terminal, forwarded by torchrun) at the end of batch 2."""
+
+    signum = signal.SIGHUP
 
 
 # Batch-end implementations in pluggy's three orderings, two of them taking a

@@ -297,6 +297,52 @@ def test_comm_monitor_is_off_for_one_rank():
     assert plugin.state is None
 
 
+def _warning(comm_s, step_s, accumulation=1):
+    """The comm monitor's warning for a measured allreduce and step, on a run of batch 32 per rank."""
+    from ddpx_plugins import comm_monitor
+    from ddpx.plugin.shared import ACCUMULATION_STEPS
+
+    trainer = types.SimpleNamespace(config=types.SimpleNamespace(trainer=types.SimpleNamespace(batch_size=32)),
+                                    shared={ACCUMULATION_STEPS: accumulation},
+                                    strategy=types.SimpleNamespace(compression_advice="compress"))
+    return comm_monitor.warning_text(trainer, min(1.0, comm_s / step_s), comm_s, step_s, 100_000)
+
+
+def test_accumulation_advice_is_bounded_and_only_where_it_helps():
+    from ddpx.net import MAX_ACCUMULATION_ADVICE, accumulation_advice
+
+    assert accumulation_advice(0.3655, 0.3774 - 0.3655) == 31  # docs/cluster.md's two hosts
+    assert accumulation_advice(0.030, 0.010, accumulation=4) == 12  # compute per micro-batch: 2.5 ms
+    assert accumulation_advice(1.0, 0.001) == MAX_ACCUMULATION_ADVICE == 64  # not 1000
+    assert accumulation_advice(0.004, 0.012) is None  # compute already longer than the allreduce
+    assert accumulation_advice(0.010, 0.020, accumulation=4) is None  # ... at the run's accumulation
+    assert accumulation_advice(0.003673243, 0.0031 - 0.003673243) is None  # compute not known
+    assert accumulation_advice(0.001, 0.0) is None
+
+
+def test_comm_monitor_names_no_number_where_the_allreduce_outlasts_the_step():
+    """The digits default on a busy machine: an allreduce of 3.673243 ms at least as long as the step
+    (DDP overlaps it with the backward pass; 3.1 ms here) made the step minus the allreduce a compute
+    of 1e-9 s and the advice accumulation.steps=3673243."""
+    text = _warning(0.003673243, 0.0031)
+    assert "3.7 ms of a 3.1 ms step; the allreduce alone measured longer than the whole step" in text
+    assert "accumulation.steps=" not in text
+    assert "communicate less often with a larger accumulation.steps (now 1) or trainer.batch_size (now 32 per " \
+           "rank); compress;" in text
+    text = _warning(0.3655, 0.3774)
+    assert "accumulation.steps=31 or a larger trainer.batch_size (now 32 per rank); compress;" in text
+    assert "longer than the whole step" not in text
+    assert "accumulation.steps=64 or" in _warning(0.100, 0.1001)  # 1000 would be needed
+
+
+def test_bench_comm_bounds_its_accumulation():
+    m = _measurement(0.1, 0.125, {"allreduce": 446})  # 0.1 ms of compute: 4459 micro-batches to catch up
+    advice = recommend(m)
+    assert advice["accumulation_steps"] == 64
+    assert ("accumulation.steps: 64 (or a 64x larger trainer.batch_size), the most ddpx advises: compute "
+            "stays shorter than the allreduce") in "\n".join(advice["lines"])
+
+
 def test_training_warns_once_with_the_options(ranks, tmp_path):
     args = ["train", "trainer.max_steps=10", "logging.progress=false",
             "comm_monitor.start_step=1", "comm_monitor.window_steps=2", "comm_monitor.every_steps=3",
@@ -305,7 +351,7 @@ def test_training_warns_once_with_the_options(ranks, tmp_path):
     assert rc == 0, out + err
     warnings = [line for line in err.splitlines() if "communication takes about" in line]
     assert len(warnings) == 1, err
-    for option in ("accumulation.steps=", "trainer.batch_size", "comm_hook.name=", "ddpx bench comm"):
+    for option in ("accumulation.steps", "trainer.batch_size", "comm_hook.name=", "ddpx bench comm"):
         assert option in warnings[0]
 
 

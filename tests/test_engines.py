@@ -50,6 +50,31 @@ def test_fit_trains_in_the_callers_group_and_leaves_it_as_found(tmp_path):
         dist.destroy_process_group()
 
 
+def test_the_run_lock_tells_two_jobs_in_groups_of_their_launchers_apart(tmp_path):
+    """Under Ray every job's workers are children of the node's raylet, so the lock's job (the
+    host and parent pid) was the same for two Ray jobs, and the second took the first's run_dir
+    over without a word. In a launcher's group the job is the group's store."""
+    import socket
+
+    from ddpx.rank.run_lock import LOCK_NAME, read_holder
+
+    port = free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        assert process_group.adopted_group_id() is None  # not adopted yet: a group of the caller's own
+        run_dir = tmp_path / "shared"
+        run_dir.mkdir()
+        for other_job in (f"{socket.gethostname()}:{os.getppid()}", "store@127.0.0.1:1"):  # before, after the fix
+            (run_dir / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
+                                                         "job": other_job, "started": 0}))  # a live process
+            with pytest.raises(DdpxError, match=f"^run_dir {run_dir} is in use by another run \\(pid {os.getppid()} "):
+                ddpx.fit(None, [*TINY, f"run_dir={run_dir}"])
+        assert read_holder(run_dir)["job"] == "store@127.0.0.1:1"  # left to its holder
+        assert process_group.adopted_group_id() == f"store@127.0.0.1:{port}"  # the job of the runs refused
+    finally:
+        dist.destroy_process_group()
+
+
 def _fit_in_the_callers_group_then_in_its_own(rank, world, run_dirs, ports):
     """One rank: the group exists (harness.call_ranks made it, as Ray Train does in each worker),
     with no RANK/WORLD_SIZE in the environment; then, that group gone, torchrun's variables; then

@@ -3,6 +3,7 @@
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -28,7 +29,8 @@ def clean_env(monkeypatch):
 
 
 def _pretend(monkeypatch, **route):
-    """route_to answers ``route`` (the machine's real interfaces do not matter here)."""
+    """route_to answers ``route`` (the machine's real interfaces and names do not matter here)."""
+    monkeypatch.setattr(net, "resolve", lambda host: ([route["address"]], ""))
     monkeypatch.setattr(net, "route_to", lambda host, port: net.Route(host, port, **route))
     monkeypatch.setattr(rendezvous, "check_rendezvous", lambda r, wait_s: None if r.one_machine else r.local)
 
@@ -107,6 +109,49 @@ def test_a_busy_endpoint_that_never_listens_is_a_one_line_error(monkeypatch):
         port = holder.getsockname()[1]
         with pytest.raises(DdpxError, match=rf"^rendezvous port {port} on 127.0.0.1 is busy"):
             rendezvous.check_rendezvous(net.route_to("127.0.0.1", port), wait_s=1.0)
+
+
+def test_a_master_name_that_does_not_resolve_yet_is_waited_for(clean_env, capsys):
+    """Kubeflow: a worker pod may start before the first pod's name (PET_MASTER_ADDR) resolves."""
+    asked = []
+
+    def resolve(host):  # not yet, not yet, then the pod is up
+        asked.append(host)
+        return (["10.9.0.1"], "") if len(asked) > 2 else ([], "Name or service not known")
+
+    _pretend(clean_env, address="10.9.0.1", local=False, local_addr="10.9.0.2", iface="eth0")
+    clean_env.setattr(net, "resolve", resolve)
+    clean_env.setattr(rendezvous, "RESOLVE_EVERY_S", 0.01)
+    for name, value in {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-node-0-0.job",
+                        "PET_MASTER_PORT": "29400"}.items():
+        clean_env.setenv(name, value)
+    assert "--rdzv-endpoint=job-node-0-0.job:29400" in _argv(LaunchOptions())
+    assert asked == ["job-node-0-0.job"] * 3
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"ddpx: node {socket.gethostname()}: rendezvous host 'job-node-0-0.job' does not resolve yet (Name or service "
+        "not known); waiting up to 60 s for it (node 0's name may appear only once node 0 runs)")
+
+
+def test_a_rendezvous_host_that_never_resolves_is_one_line_after_the_wait(clean_env, capsys):
+    clean_env.setattr(net, "resolve", lambda host: ([], "Name or service not known"))
+    clean_env.setattr(rendezvous, "RESOLVE_EVERY_S", 0.05)
+    clean_env.setenv("DDPX_RDZV_WAIT_S", "0.3")
+    start = time.monotonic()
+    with pytest.raises(DdpxError) as info:
+        rendezvous.rendezvous_route(LaunchOptions(rdzv_endpoint="never.invalid:29400"), "2")
+    assert 0.3 <= time.monotonic() - start < 10  # the wait, not more (a generous margin on a busy machine)
+    assert str(info.value) == ("cannot resolve rendezvous host 'never.invalid' (Name or service not known) after "
+                               "waiting 0.3 s; use node 0's IP address or a name every node resolves (wait longer "
+                               "with DDPX_RDZV_WAIT_S=SECONDS)")
+    assert "waiting up to 0.3 s for it" in capsys.readouterr().err
+    with pytest.raises(DdpxError) as info:  # ddpx doctor's: it reports a name that does not resolve at once
+        rendezvous.rendezvous_route(LaunchOptions(rdzv_endpoint="never.invalid:29400"), "2", wait_s=0)
+    assert str(info.value) == ("cannot resolve rendezvous host 'never.invalid' (Name or service not known); use node "
+                               "0's IP address or a name every node resolves")
+    assert capsys.readouterr().err == ""
+    clean_env.setenv("DDPX_RDZV_WAIT_S", "soon")
+    with pytest.raises(DdpxError, match="^DDPX_RDZV_WAIT_S='soon' must be a number of seconds, 0 or more$"):
+        rendezvous.rendezvous_route(LaunchOptions(rdzv_endpoint="never.invalid:29400"), "2")
 
 
 def test_pet_variables_configure_the_launch_and_flags_win(clean_env, capsys):

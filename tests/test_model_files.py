@@ -109,5 +109,42 @@ def test_export_writes_a_replicated_checkpoint_as_the_run_does(tmp_path, capsys)
     assert not (tmp_path / "other").exists()
 
 
+def test_export_names_a_file_that_is_not_a_checkpoint_and_writes_the_ema_weights(tmp_path, capsys):
+    """``--checkpoint some.yaml`` said torch's "Unsupported operand 109"; ``--ema`` writes the EMA
+    weights the ema plugin wrote at the run's end (ema_weights.pt) with the same writer."""
+    config = tmp_path / "cfg.yaml"
+    config.write_text("model: {target: torch.nn.Linear, args: {in_features: 4, out_features: 3}}\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "ddpx-launch.json").write_text(json.dumps({"config": str(config), "overrides": [], "started": 0}))
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"weight": torch.zeros(3, 4)}, tmp_path / "state.pt")
+    instead = f"give a step-N.pt of {run_dir / 'checkpoints'}, or leave --checkpoint out for the newest"
+    for given, why in [(config, "is not a ddpx checkpoint (a text file)"),
+                       (tmp_path / "empty.pt", "is not a ddpx checkpoint (an empty file)"),
+                       (tmp_path / "state.pt", "is not a ddpx checkpoint (a file torch.save wrote, without "
+                                               "ddpx_checkpoint_format)"),
+                       (tmp_path / "gone.pt", ": no such file")]:
+        assert main(["export", str(run_dir), "--checkpoint", str(given)]) == 2
+        assert capsys.readouterr().err == f"ddpx: error: --checkpoint {given} {why}; {instead}\n".replace(" :", ":")
+
+    assert main(["export", str(run_dir), "--ema"]) == 2
+    assert capsys.readouterr().err == (f"ddpx: error: {run_dir / 'ema_weights.pt'} does not exist: a run with "
+                                       "ema.decay set writes it when its training ends (the checkpoints hold the raw "
+                                       f"weights: ddpx export {run_dir} without --ema)\n")
+    averaged = nn.Linear(4, 3)
+    torch.save({"weights": "ema", "decay": 0.9, "step": 12, "updates": 12, "state_dict": averaged.state_dict()},
+               run_dir / "ema_weights.pt")  # as plugins/ddpx_plugins/ema.py writes it
+    assert main(["export", str(run_dir), "--ema"]) == 0
+    assert capsys.readouterr().err == (f"ddpx: wrote {run_dir / 'model-ema'}: {SAFETENSORS} from "
+                                       f"{run_dir / 'ema_weights.pt'} (the EMA weights of step 12)\n")
+    exported = load_file(run_dir / "model-ema" / SAFETENSORS)
+    assert exported.keys() == averaged.state_dict().keys()
+    assert all(torch.equal(exported[k], v) for k, v in averaged.state_dict().items())
+    assert main(["export", str(run_dir), "--checkpoint", str(run_dir / "ema_weights.pt")]) == 2
+    assert capsys.readouterr().err == (f"ddpx: error: --checkpoint {run_dir / 'ema_weights.pt'} holds the EMA weights "
+                                       f"of a run's end, not a checkpoint: ddpx export {run_dir} --ema writes them\n")
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

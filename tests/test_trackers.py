@@ -126,6 +126,38 @@ def test_a_tracking_uri_the_installed_mlflow_refuses_stops_the_launch_in_one_lin
     assert asked == ["./mlruns", "http://mlflow.example:5000"]
 
 
+def test_trackers_get_the_trained_model_directory_under_its_name(tmp_path):
+    """``run_dir/model/`` (model.safetensors, a HF model's config.json) goes to W&B and MLflow
+    beside metrics.jsonl and the final checkpoint, as one folder ``model``."""
+    from types import SimpleNamespace
+
+    from ddpx.plugin.shared import LAST_FINITE_CHECKPOINT
+    from ddpx_plugins.logging.metrics_log import _run_files
+    from ddpx_plugins.logging.trackers import MlflowBackend, WandbBackend
+
+    (tmp_path / "model").mkdir()
+    for name in ("metrics.jsonl", "model/model.safetensors", "model/config.json"):
+        (tmp_path / name).write_text("x")
+    trainer = SimpleNamespace(run_dir=tmp_path, shared={LAST_FINITE_CHECKPOINT: str(tmp_path / "gone.pt")})
+    files = _run_files(trainer, str(tmp_path / "metrics.jsonl"))
+    assert files == [str(tmp_path / "metrics.jsonl"), str(tmp_path / "model")]  # no checkpoint file: not listed
+
+    saved, logged = [], []
+    wandb = WandbBackend.__new__(WandbBackend)
+    wandb.run = SimpleNamespace(save=lambda glob, base_path, policy: saved.append((glob, base_path, policy)))
+    mlflow = MlflowBackend.__new__(MlflowBackend)
+    mlflow.run_id = "r1"
+    mlflow.client = SimpleNamespace(log_artifact=lambda run, path: logged.append((run, path, None)),
+                                    log_artifacts=lambda run, path, artifact_path: logged.append((run, path,
+                                                                                                  artifact_path)))
+    for path in files:
+        wandb.log_file(path)
+        mlflow.log_file(path)
+    assert saved == [(str(tmp_path / "metrics.jsonl"), str(tmp_path), "now"),
+                     (str(tmp_path / "model" / "*"), str(tmp_path), "now")]  # saved as model/model.safetensors
+    assert logged == [("r1", str(tmp_path / "metrics.jsonl"), None), ("r1", str(tmp_path / "model"), "model")]
+
+
 # --- Weights & Biases, offline ----------------------------------------------------------------
 
 
@@ -229,7 +261,8 @@ def check_mlflow_run(client, run_dir, experiment):
     assert sorted((m.step, m.value) for m in history) == [(r["step"], pytest.approx(r["accuracy"])) for r in epochs]
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     final = CheckpointDirectory(run_dir / "checkpoints", keep=3).checkpoints()[-1][1]
-    assert {"metrics.jsonl", final.name} <= artifacts
+    assert {"metrics.jsonl", final.name, "model"} <= artifacts
+    assert {a.path for a in client.list_artifacts(run_id, "model")} == {"model/model.safetensors"}
     return run_id
 
 

@@ -49,35 +49,58 @@ def test_max_steps_on_the_last_batch_finishes_the_epoch(make_config, tmp_path):
 def test_a_run_restores_the_logger_and_signal_handlers(make_config, tmp_path):
     logger = logging.getLogger("ddpx")
     before = (list(logger.handlers), logger.level, logger.propagate)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     Trainer(make_config(NO_EVAL, "trainer.epochs=1", "trainer.max_steps=2")).run()
     assert (list(logger.handlers), logger.level, logger.propagate) == before
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
 
-@pytest.mark.parametrize("checkpoint", [False, True])
-def test_sigterm_stops_the_run_cleanly(make_config, tmp_path, checkpoint, capfd):
-    previous = signal.getsignal(signal.SIGTERM)
-    overrides = ["trainer.epochs=2", "plugins.enable=[sample_plugins.SigtermAtBatch]"]
+@pytest.mark.parametrize("signum, checkpoint", [(signal.SIGTERM, False), (signal.SIGTERM, True),
+                                               (signal.SIGHUP, True)])  # SIGHUP: a closed terminal
+def test_a_stop_signal_stops_the_run_cleanly(make_config, tmp_path, signum, checkpoint, capfd):
+    previous = signal.getsignal(signum)
+    sender = "SigtermAtBatch" if signum == signal.SIGTERM else "SighupAtBatch"
+    overrides = ["trainer.epochs=2", f"plugins.enable=[sample_plugins.{sender}]"]
     overrides.append("checkpoint.stop_check_every=5" if checkpoint else "plugins.block=[checkpoint]")
     trainer = None
     with pytest.raises(TrainingStopped) as stopped:
         trainer = Trainer(make_config(NO_EVAL, *overrides))
         trainer.run()
-    assert stopped.value.signum == signal.SIGTERM
+    assert stopped.value.signum == signum
     assert not dist.is_initialized()
-    assert signal.getsignal(signal.SIGTERM) == previous
+    assert signal.getsignal(signum) == previous
     if checkpoint:
         # Agreed stop at the next check (step 5) with a final checkpoint.
         assert trainer.global_step == 5
         assert saved_progress(tmp_path)["global_step"] == 5
-        assert "stopping within 10 optimizer steps" in capfd.readouterr().err
+        name = signal.Signals(signum).name
+        assert f"[rank0] ddpx: received {name}: stopping within 10 optimizer steps" in capfd.readouterr().err
     else:
         # No plugin can agree on a stop across ranks: the rank stops at once, saying why.
         assert trainer.global_step == 3
         assert "no plugin agrees on a stop across ranks" in str(stopped.value)
         assert not (tmp_path / "run" / "checkpoints").exists()
     assert torch.is_grad_enabled()
+
+
+def test_under_nohup_sighup_stays_ignored_in_the_launcher_agent_and_the_rank():
+    """``nohup ddpx train ... &``: the SIGHUP of a closed terminal must not stop the run. torchrun's
+    agent would take it (and forward it) by default; the trainer takes it only where it is not ignored."""
+    from ddpx.launch.torchrun import SIGNALS_ENV, agent_signals
+    from ddpx.train.stopping import StopSignals
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert agent_signals() == {SIGNALS_ENV: "SIGTERM,SIGINT,SIGQUIT"}
+        handlers = StopSignals(trainer=None)
+        handlers.install()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGINT) == handlers.on_signal
+        handlers.restore()
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        assert agent_signals() == {}  # torchrun's own default: SIGHUP stops the run
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_batch_end_runs_for_each_micro_batch_in_pluggy_order_with_its_arguments(make_config, tmp_path):

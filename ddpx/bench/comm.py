@@ -38,7 +38,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
 import shutil
 import statistics
@@ -51,6 +50,7 @@ from typing import Optional, Sequence
 from ..errors import DdpxError
 from ..launch import options, torchrun
 from ..launch.options import add_launch_arguments
+from ..net import MAX_ACCUMULATION_ADVICE, accumulation_advice
 
 BENCH_MODULE = "ddpx.bench.comm"
 BASELINE = "allreduce"  # DDP's built-in fp32 allreduce, no hook
@@ -174,15 +174,19 @@ def recommend(m: Measurement) -> dict:
                      f"{speedup:.2f}x faster ({1e3 * base_s:.1f} -> {1e3 * best.measured_s:.1f} ms{versus}{spread}); "
                      "it is lossy: check convergence on a short run first")
     if share > COMM_BOUND_SHARE:
-        # k micro-batches per allreduce: communication becomes at most half of the step when
-        # k * compute >= comm, i.e. k = ceil(comm / compute).
-        per_micro = m.compute_s / max(1, m.accumulation)
-        k = max(2, math.ceil(comm_s / per_micro)) if per_micro > 0 else None
+        k = accumulation_advice(comm_s, m.compute_s, m.accumulation)
         advice.update(small_batch_trap=True, accumulation_steps=k)
         small = f" (batch {m.batch_size} per rank is below ~{SMALL_BATCH})" if m.batch_size < SMALL_BATCH else ""
+        if k is None:
+            less_often = "a larger accumulation.steps or trainer.batch_size"
+        elif k < MAX_ACCUMULATION_ADVICE:
+            less_often = (f"accumulation.steps: {k} (or a {k}x larger trainer.batch_size) makes compute at least as "
+                          "long as the allreduce")
+        else:
+            less_often = (f"accumulation.steps: {k} (or a {k}x larger trainer.batch_size), the most ddpx advises: "
+                          "compute stays shorter than the allreduce, compress the gradients too")
         lines.append(f"communication dominates the step ({pct}): the small-batch trap{small}. Communicate less "
-                     f"often: accumulation.steps: {k} (or a {k}x larger trainer.batch_size) makes compute at "
-                     "least as long as the allreduce")
+                     f"often: {less_often}")
     # one process alone does batch_size samples per compute_s; the job does world * that per base_s
     if m.world_size > 1 and base_s > m.world_size * m.compute_s:
         advice["slower_than_one_process"] = True

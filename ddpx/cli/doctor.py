@@ -41,7 +41,7 @@ def run(args):
         raise DdpxError(f"--nnodes must be N or MIN:MAX with N >= 1, got {nnodes!r}")
     nproc = opts.nproc_per_node if opts.nproc_per_node is not None else launch_cfg["nproc_per_node"]
     nproc = int(nproc) if str(nproc).isdigit() else None  # "auto" (or torchrun's "gpu"): one per GPU
-    route = rendezvous.rendezvous_route(opts, nnodes)  # None on one node
+    route = rendezvous.rendezvous_route(opts, nnodes, wait_s=0)  # None on one node; a name that does not resolve: now
     if route is not None:
         addr, port = route.host, route.port
         backend = opts.rdzv_backend or ("c10d" if opts.rdzv_endpoint else "static")

@@ -4,7 +4,9 @@ The model is built from the run's config (the one ``ddpx train`` recorded in the
 directory, or ``--config``), on the CPU; the checkpoint's weights are read into it (a
 replicated checkpoint's ``model`` entry, or the shard directory each rank wrote under a
 sharded strategy, at any world size), and ``ddpx.rank.model_files.write_model`` writes
-them: ``model.safetensors`` (with ``config.json`` for a HuggingFace model)."""
+them: ``model.safetensors`` (with ``config.json`` for a HuggingFace model). ``--ema`` writes
+the EMA weights instead, those the ``ema`` plugin wrote at the run's end (``ema_weights.pt``),
+into ``RUN_DIR/model-ema``."""
 
 import json
 import sys
@@ -13,6 +15,8 @@ from pathlib import Path
 
 from ..config import split_config_and_overrides
 from ..errors import DdpxError
+
+EMA_MODEL_DIR = "model-ema"  # in run_dir: ddpx export --ema's default --out
 
 
 def register(subparsers):
@@ -28,7 +32,10 @@ def register(subparsers):
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides on top of the run's (e.g. a model argument the run was given)")
     p.add_argument("--checkpoint", metavar="PATH", help="a step-N.pt of the run (default: the newest that loads)")
-    p.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/model)")
+    p.add_argument("--out", metavar="DIR", help=f"where to write (default: RUN_DIR/model, with --ema RUN_DIR/{EMA_MODEL_DIR})")
+    p.add_argument("--ema", action="store_true",
+                   help="the EMA weights the run wrote at its end (RUN_DIR/ema_weights.pt, with ema.decay) instead "
+                        "of a checkpoint's raw weights")
     p.add_argument("--config", metavar="YAML",
                    help="the run's config, where RUN_DIR has no record of it (a run not started by ddpx train)")
     p.set_defaults(func=run, overrides_anywhere=True)  # KEY=VALUE also after the options (ddpx/cli/__init__.py)
@@ -38,16 +45,20 @@ def run(args):
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise DdpxError(f"ddpx export {run_dir}: no such run directory; pass the run_dir of a run")
+    if args.ema and args.checkpoint:
+        raise DdpxError("ddpx export --ema writes the EMA weights of the run's end (RUN_DIR/ema_weights.pt), not a "
+                        "checkpoint's: leave --checkpoint out")
     config = run_config(run_dir, args.config, args.overrides)
-    path, checkpoint = read_checkpoint(config, run_dir, args.checkpoint)
+    path, checkpoint = read_ema(run_dir) if args.ema else read_checkpoint(config, run_dir, args.checkpoint)
     model = model_from(config, path, checkpoint)
     from ..rank.model_files import MODEL_DIR, write_model
 
-    out = Path(args.out) if args.out else run_dir / MODEL_DIR
+    out = Path(args.out) if args.out else run_dir / (EMA_MODEL_DIR if args.ema else MODEL_DIR)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     written, why = write_model(state, out, model)
     note = f" (not safetensors: {why})" if why else ""
-    print(f"ddpx: wrote {out}: {', '.join(written)} from {path} (step {checkpoint.get('step')}){note}",
+    what = "the EMA weights of step" if args.ema else "step"
+    print(f"ddpx: wrote {out}: {', '.join(written)} from {path} ({what} {checkpoint.get('step')}){note}",
           file=sys.stderr)
     return 0
 
@@ -74,20 +85,50 @@ def run_config(run_dir: Path, config_path, overrides):
 def read_checkpoint(config, run_dir: Path, path) -> tuple:
     """``(path, checkpoint)``: the file ``path`` names, else the newest that loads in the run's
     checkpoint directory (``checkpoint.dir``)."""
-    from ..rank.checkpoint_files import CheckpointDirectory, load_file
+    from ..rank.checkpoint_files import FORMAT_KEY, CheckpointDirectory, NotACheckpoint, load_file
 
-    if path is not None:
-        try:
-            return Path(path), load_file(Path(path))
-        except Exception as exc:
-            raise DdpxError(f"cannot read checkpoint {path}: {exc}") from None
     directory = Path(config.section("checkpoint").get("dir") or "checkpoints")
     directory = directory if directory.is_absolute() else run_dir / directory
+    if path is not None:
+        instead = f"give a step-N.pt of {directory}, or leave --checkpoint out for the newest"
+        try:
+            checkpoint = load_file(Path(path))
+        except FileNotFoundError:
+            raise DdpxError(f"--checkpoint {path}: no such file; {instead}") from None
+        except NotACheckpoint as exc:
+            raise DdpxError(f"--checkpoint {exc}; {instead}") from None
+        except Exception as exc:
+            raise DdpxError(f"cannot read checkpoint {path}: {exc}") from None
+        if isinstance(checkpoint, dict) and checkpoint.get("weights") == "ema":
+            raise DdpxError(f"--checkpoint {path} holds the EMA weights of a run's end, not a checkpoint: "
+                            f"ddpx export {run_dir} --ema writes them")
+        if not isinstance(checkpoint, dict) or FORMAT_KEY not in checkpoint:
+            raise DdpxError(f"--checkpoint {path} is not a ddpx checkpoint (a file torch.save wrote, without "
+                            f"{FORMAT_KEY}); {instead}")
+        return Path(path), checkpoint
     found = CheckpointDirectory(directory).load_latest()
     if found is None:
         raise DdpxError(f"no checkpoint in {directory}; give one with --checkpoint PATH (a run with "
                         f"checkpoint.enabled=false wrote its model into {run_dir / 'model'} at its end only)")
     return found
+
+
+def read_ema(run_dir: Path) -> tuple:
+    """``(path, checkpoint)`` for the EMA weights the ``ema`` plugin wrote at the run's end,
+    as a checkpoint whose replicated model entry they are."""
+    from ..rank.checkpoint_files import NotACheckpoint, load_file
+
+    path = run_dir / "ema_weights.pt"  # plugins/ddpx_plugins/ema.py's EXPORT
+    if not path.is_file():
+        raise DdpxError(f"{path} does not exist: a run with ema.decay set writes it when its training ends "
+                        f"(the checkpoints hold the raw weights: ddpx export {run_dir} without --ema)")
+    try:
+        export = load_file(path)
+    except NotACheckpoint as exc:
+        raise DdpxError(f"{path} is not ddpx's EMA weights ({exc.what})") from None
+    if not isinstance(export, dict) or export.get("weights") != "ema" or "state_dict" not in export:
+        raise DdpxError(f"{path} does not hold ddpx's EMA weights (a dict with weights: ema and a state_dict)")
+    return path, {"step": export.get("step"), "replicated": {"model": export["state_dict"]}}
 
 
 def model_from(config, path: Path, checkpoint: dict):

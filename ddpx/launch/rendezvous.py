@@ -16,6 +16,7 @@ from .options import DEFAULT_MASTER_PORT, LaunchOptions, named, parse_endpoint
 DEFAULT_RDZV_ID = "ddpx"
 RDZV_WAIT_ENV = "DDPX_RDZV_WAIT_S"  # how long a joining node waits for the rendezvous host
 DEFAULT_RDZV_WAIT_S = 60.0
+RESOLVE_EVERY_S = 1.0  # how often a node asks again for a rendezvous host's name that does not resolve yet
 BUSY_ENDPOINT_WAIT_S = 10.0  # how long a busy local endpoint may take to start listening
 TORCH_JOIN_TIMEOUT_S = 600  # torchrun's c10d rendezvous join_timeout
 RDZV_COUNT_KEYS = ("keep_alive_interval", "keep_alive_max_attempt", "timeout")  # ints to torchrun, as *_timeout
@@ -25,9 +26,10 @@ RDZV_COUNT_KEYS = ("keep_alive_interval", "keep_alive_max_attempt", "timeout")  
 ELASTIC_RDZV_CONF = {"last_call_timeout": "3", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 
 
-def rendezvous_route(opts: LaunchOptions, nnodes: str) -> Optional[net.Route]:
+def rendezvous_route(opts: LaunchOptions, nnodes: str, wait_s: Optional[float] = None) -> Optional[net.Route]:
     """Where the nodes of a multi-node run meet (None on one node): the c10d endpoint,
-    or MASTER_ADDR:MASTER_PORT for the static rendezvous (torchrun's way)."""
+    or MASTER_ADDR:MASTER_PORT for the static rendezvous (torchrun's way). A host that does not
+    resolve yet is waited for up to ``wait_s`` (default: :func:`rendezvous_wait_s`)."""
     if nnodes == "1" and opts.rdzv_endpoint is None:
         return None
     if opts.rdzv_endpoint is not None:
@@ -39,11 +41,49 @@ def rendezvous_route(opts: LaunchOptions, nnodes: str) -> Optional[net.Route]:
         raise DdpxError(f"{source}{'=' if source.startswith('PET_') else ' '}{nnodes} needs --rdzv-endpoint HOST:PORT "
                         "or --master-addr (PET_RDZV_ENDPOINT or PET_MASTER_ADDR in a Kubeflow job): an address of "
                         "node 0 every node can reach")
+    wait_to_resolve(host, rendezvous_wait_s() if wait_s is None else wait_s)
     route = net.route_to(host, port)
-    if route.address is None:
+    if route.address is None:  # resolved a moment ago
         raise DdpxError(f"cannot resolve rendezvous host '{host}' ({route.resolve_error}); use node 0's IP "
                         "address or a name every node resolves")
     return route
+
+
+def rendezvous_wait_s(env: Mapping[str, str] = os.environ) -> float:
+    """How long a node waits for the rendezvous host (its name to resolve, its endpoint to listen)."""
+    value = env.get(RDZV_WAIT_ENV)
+    if value is None:
+        return DEFAULT_RDZV_WAIT_S
+    try:
+        wait_s = float(value)
+    except ValueError:
+        wait_s = -1.0
+    if not 0 <= wait_s < float("inf"):
+        raise DdpxError(f"{RDZV_WAIT_ENV}={value!r} must be a number of seconds, 0 or more")
+    return wait_s
+
+
+def wait_to_resolve(host: str, wait_s: float) -> None:
+    """Return once ``host`` resolves, asking again every RESOLVE_EVERY_S for up to ``wait_s``:
+    node 0's name may resolve only once node 0 runs (on Kubernetes, ``PET_MASTER_ADDR`` names
+    the first pod, whose DNS record appears when that pod is up, and the other pods may start
+    first). One line when the wait starts; a one-line error naming the host and the wait."""
+    addresses, error = net.resolve(host)
+    if addresses:
+        return
+    deadline = time.monotonic() + wait_s
+    if wait_s > 0:
+        print(f"ddpx: node {socket.gethostname()}: rendezvous host '{host}' does not resolve yet ({error}); "
+              f"waiting up to {wait_s:g} s for it (node 0's name may appear only once node 0 runs)",
+              file=sys.stderr, flush=True)
+    while not addresses and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(RESOLVE_EVERY_S, left))
+        addresses, error = net.resolve(host)
+    if not addresses:
+        waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
+        longer = f" (wait longer with {RDZV_WAIT_ENV}=SECONDS)" if wait_s > 0 else ""
+        raise DdpxError(f"cannot resolve rendezvous host '{host}' ({error}){waited}; use node 0's IP address or a "
+                        f"name every node resolves{longer}")
 
 
 def node_label(route: net.Route) -> str:

@@ -30,6 +30,7 @@ from .options import LaunchOptions, default_nproc, from_environment
 
 WORKER_MODULE = "ddpx.worker"
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # torchrun's agent: the signals it stops the workers on
 
 
 def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], overrides: Sequence[str]) -> list[str]:
@@ -54,8 +55,7 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
         rdzv_id = opts.rdzv_id or rendezvous.DEFAULT_RDZV_ID
         argv += [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
         if backend == "c10d":
-            wait_s = float(os.environ.get(rendezvous.RDZV_WAIT_ENV, rendezvous.DEFAULT_RDZV_WAIT_S))
-            is_host = rendezvous.check_rendezvous(route, wait_s)
+            is_host = rendezvous.check_rendezvous(route, rendezvous.rendezvous_wait_s())
             conf = rendezvous.rendezvous_conf(nnodes, is_host)
             if conf:
                 argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
@@ -117,7 +117,8 @@ def run_torchrun(argv: Sequence[str]) -> int:
 
     args = parse_args(list(argv))
     with tempfile.TemporaryDirectory(prefix="ddpx-done-") as done_dir:
-        env = {DONE_DIR_ENV: done_dir, LAUNCHER_PID_ENV: str(os.getpid())}  # inherited by the workers torchrun starts
+        env = {DONE_DIR_ENV: done_dir, LAUNCHER_PID_ENV: str(os.getpid()),  # inherited by the workers torchrun starts
+               **agent_signals()}
         if args.rdzv_backend == "c10d" and SHARE_STORE_ENV not in os.environ:
             # A store per worker group, served by its rank 0 (see ddpx.rank.process_group): the agents'
             # shared store would keep the previous group's keys, namespaced by each agent's own
@@ -130,6 +131,16 @@ def run_torchrun(argv: Sequence[str]) -> int:
         finally:
             for name in env:
                 os.environ.pop(name, None)
+
+
+def agent_signals() -> dict:
+    """The variables that tell torchrun's agent which signals to take (and forward to the
+    workers): its own default, SIGTERM, SIGINT, SIGHUP and SIGQUIT, except under ``nohup``
+    (SIGHUP ignored), where the agent would otherwise take the SIGHUP of a closed terminal as a
+    stop; ignored, it stays ignored in the workers too."""
+    if SIGNALS_ENV in os.environ or signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        return {}
+    return {SIGNALS_ENV: "SIGTERM,SIGINT,SIGQUIT"}
 
 
 # torchrun's log lines that ddpx says in its own words (a failed or stopped rank, a signal).

@@ -142,7 +142,7 @@ TRAINER_METHODS = {
     "open_loss_window()": "a window over the micro-batch losses from now on (``take()``, ``pending``)",
     "run_due_calls()": "run the calls scheduled for ``global_step`` (the loop does, at step boundaries)",
     "agree_on_stops(every_steps, every_s, timeout_s, timeout_key, what)":
-        "stop every rank after the same step on SIGTERM/SIGINT (see ``ddpx.train.stopping``)",
+        "stop every rank after the same step on SIGTERM/SIGINT/SIGHUP (see ``ddpx.train.stopping``)",
 }
 
 # The lifecycle a driver (``ddpx train``, the smoke run, the benchmarks) calls, in this order.

@@ -21,8 +21,10 @@ states, every plugin's state; :func:`check_plain` refuses anything else at
 save time, naming the key). Every load goes through :func:`load_file`, which
 uses ``torch.load(weights_only=True)``: a file that needs any other Python
 global (a pickled object whose ``__reduce__`` could run code) is refused with
-one line naming the file and that global, and nothing in it runs. What a load
-allows besides plain data is listed once, in :data:`SAFE_GLOBALS`.
+one line naming the file and that global, and nothing in it runs; a file that
+``torch.save`` did not write (a YAML given by mistake, an empty or cut file) is one line
+saying it is not a ddpx checkpoint. What a load allows besides plain data is listed once,
+in :data:`SAFE_GLOBALS`.
 """
 
 from __future__ import annotations
@@ -226,6 +228,39 @@ class UnsafeCheckpoint(Exception):
     """A checkpoint file that needs Python globals beyond plain data: not loaded."""
 
 
+class NotACheckpoint(Exception):
+    """A file that ``torch.save`` did not write (its zip archive): not loaded. ``what``: what it
+    is instead (an empty file, a text file)."""
+
+    def __init__(self, path, what: str):
+        super().__init__(f"{path} is not a ddpx checkpoint ({what})")
+        self.what = what
+
+
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive; a ddpx checkpoint is always one
+
+
+def check_torch_file(path: Path) -> None:
+    """Raise :class:`NotACheckpoint` naming ``path`` and what it holds instead, unless it is a
+    file ``torch.save`` wrote (else unpickling a YAML says "Unsupported operand 109")."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head.startswith(ZIP_MAGIC):
+        return
+    what = "an empty file" if not head else "a text file" if _is_text(head) else "not a file torch.save wrote"
+    raise NotACheckpoint(path, what)
+
+
+def _is_text(head: bytes) -> bool:
+    for cut in range(4):  # the bytes read may end inside a character
+        try:
+            head[:len(head) - cut].decode("utf-8")
+            return b"\0" not in head
+        except UnicodeDecodeError:
+            pass
+    return False
+
+
 def unsafe_globals(path: Path) -> list[str]:
     """The globals ``path`` needs that a weights-only load refuses (read from the
     pickle's opcodes, nothing runs); [] if none, or if the file cannot be scanned."""
@@ -240,7 +275,9 @@ def load_file(path: Path, map_location: Any = "cpu") -> Any:
     """``torch.load(path, weights_only=True)``, with :data:`SAFE_GLOBALS` allowed.
 
     Raises :class:`UnsafeCheckpoint` (one line naming the file and the global it
-    needs) when the file holds anything else; nothing in it runs."""
+    needs) when the file holds anything else; nothing in it runs. :class:`NotACheckpoint`
+    when ``torch.save`` did not write it."""
+    check_torch_file(path)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location=map_location, weights_only=True)

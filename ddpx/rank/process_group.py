@@ -159,6 +159,22 @@ def in_adopted_group() -> bool:
     return _adopted["group"]() is dist.distributed_c10d._get_default_group()
 
 
+def adopted_group_id() -> Optional[str]:
+    """The group a launcher created, by its store (``store@HOST:PORT`` of its TCPStore, the path
+    of a FileStore): the same on every rank of one group, and another group running beside it
+    (a second Ray job on the node) has another. None where ddpx created the group, or for a
+    store that names no address."""
+    if not in_adopted_group():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return f"store@{store.host}:{store.port}"
+    path = getattr(store, "path", None)
+    return f"store@{path}" if path else None
+
+
 def run_store() -> Optional[dist.Store]:
     """The store for ddpx's own keys during a run (the collectives' watchdog, the failure reports):
     the default group's; in an adopted group, under this run's prefix, so that a second run in

@@ -11,7 +11,10 @@ The same job takes the lock over without a word: a worker group restarted by
 ``--max-restarts``, or re-formed after an elastic membership change (rank 0 may
 then be on another node). ``ddpx train`` names the job in ``DDPX_JOB_ID``: the
 rendezvous (``RDZV_ID@HOST:PORT``) across nodes, the launcher's host and pid on
-one node; workers started otherwise use their host and parent pid.
+one node. ``ddpx.fit`` in a process group a launcher created (Ray Train) names it
+by that group's store (``store@HOST:PORT``): the parent pid there is Ray's raylet,
+the same for every Ray job on the node. Workers started otherwise (torchrun, srun)
+use their host and parent pid.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ DEFAULT_LEASE_S = 300.0
 log = logging.getLogger("ddpx")
 
 
-def job_id() -> str:
-    return os.environ.get(JOB_ENV) or f"{socket.gethostname()}:{os.getppid()}"
+def job_id(group: Optional[str] = None) -> str:
+    """``DDPX_JOB_ID``, else ``group`` (the store of a process group a launcher created:
+    :func:`ddpx.rank.process_group.adopted_group_id`), else this host and the parent's pid."""
+    return os.environ.get(JOB_ENV) or group or f"{socket.gethostname()}:{os.getppid()}"
 
 
 def lease_s() -> float:
@@ -91,11 +96,11 @@ def refusal(run_dir: Path, holder: dict) -> str:
 
 
 class RunLock:
-    """The held lock; :meth:`release` removes it (if still ours)."""
+    """The held lock; :meth:`release` removes it (if still ours). ``group``: see :func:`job_id`."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, group: Optional[str] = None):
         self.path = Path(run_dir) / LOCK_NAME
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time()}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(group), "started": time.time()}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -148,12 +153,12 @@ class RunLock:
             self.path.unlink(missing_ok=True)
 
 
-def hold_run_dir(run_dir: Path, rank: int, world_size: int) -> Optional[RunLock]:
+def hold_run_dir(run_dir: Path, rank: int, world_size: int, group: Optional[str] = None) -> Optional[RunLock]:
     """Rank 0 takes the lock; every rank raises the same one-line error when it is held
-    (one broadcast at set-up). Returns rank 0's lock (None on the others)."""
+    (one broadcast at set-up). Returns rank 0's lock (None on the others). ``group``: see :func:`job_id`."""
     lock = error = None
     if rank == 0:
-        lock = RunLock(run_dir)
+        lock = RunLock(run_dir, group)
         try:
             lock.acquire()
         except DdpxError as exc:

@@ -1,7 +1,7 @@
-"""SIGTERM/SIGINT during a run: the trainer's handlers, and the agreement that stops every
+"""SIGTERM/SIGINT/SIGHUP during a run: the trainer's handlers, and the agreement that stops every
 rank after the same step.
 
-The trainer is the one owner of SIGTERM/SIGINT during a run (:class:`StopSignals`): it
+The trainer is the one owner of SIGTERM/SIGINT/SIGHUP during a run (:class:`StopSignals`): it
 installs the handlers in ``setup()``, before any plugin's, and restores the previous ones
 in ``close()``. A rank cannot stop alone: its peers would wait for it in their next
 collective. So a stop must be agreed on (:class:`StopAgreement`). A plugin that acts on a
@@ -11,7 +11,11 @@ stop (the checkpoint plugin: a final checkpoint) turns it on with
 stops a rank at once (:class:`TrainingStopped`: teardown, a clear message, exit 128 + the
 signal number).
 
-How the ranks agree: the first SIGTERM or SIGINT only sets a flag (and the
+SIGHUP (the terminal closed, the ssh connection dropped: torchrun forwards it to the
+workers) stops a run as the other two do, unless it is ignored when the run starts (``nohup``):
+then it stays ignored.
+
+How the ranks agree: the first SIGTERM, SIGINT or SIGHUP only sets a flag (and the
 trainer restores the default handlers, so a second one acts at once). At each
 stop check (every ``every_steps`` optimizer steps, or with 0 about every
 ``every_s`` seconds) each rank reads the all_reduce (MAX) of the flags it
@@ -42,14 +46,14 @@ import torch.distributed as dist
 
 from ..console import write_fd
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 FIRST_STOP_CHECK = 10  # optimizer steps to the first stop check (auto), before any step time is known
 MAX_STOP_CHECK = 1000  # auto never checks less often than this
 STREAM_STOP_CHECK = 10  # ... or than this over a stream without __len__: its end comes within two checks
 
 
 class TrainingStopped(Exception):
-    """Raised when SIGTERM/SIGINT asked the run to stop: at a batch boundary every
+    """Raised when SIGTERM/SIGINT/SIGHUP asked the run to stop: at a batch boundary every
     rank agreed on (a plugin turned on the stop agreement: ``trainer.agree_on_stops``), or at once."""
 
     def __init__(self, signum: int, detail: str = ""):
@@ -58,7 +62,7 @@ class TrainingStopped(Exception):
 
 
 class StopSignals:
-    """The trainer's SIGTERM/SIGINT handlers for one run: :meth:`install` in setup,
+    """The trainer's SIGTERM/SIGINT/SIGHUP handlers for one run: :meth:`install` in setup,
     :meth:`restore` in close. A signal goes to the stop agreement while it takes signals;
     otherwise the rank stops at once."""
 
@@ -72,6 +76,8 @@ class StopSignals:
             return  # Python delivers signals to the main thread only
         self.pid = os.getpid()
         for sig in STOP_SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # nohup: the run outlives its terminal
             self.previous[sig] = signal.signal(sig, self.on_signal)
 
     def on_signal(self, signum, frame) -> None:
@@ -83,8 +89,8 @@ class StopSignals:
                 os.kill(os.getpid(), signum)
             return
         # A second signal acts immediately (KeyboardInterrupt / termination).
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in self.previous:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         agreement = self.trainer.stop_agreement
         if agreement is not None and agreement.taking_signals:
             agreement.on_signal(signum)
@@ -123,7 +129,7 @@ class StopAgreement:
         self.losses_from = 0  # optimizer step at which that window starts
         self.stop_deadline: Optional[threading.Event] = None  # set() ends the watchdog of a stop
         self.stop_vote = None  # (work, tensor, steps it covers) of the all_reduce started at the last check
-        self.taking_signals = True  # the trainer hands SIGTERM/SIGINT to on_signal until release()
+        self.taking_signals = True  # the trainer hands its stop signals to on_signal until release()
         self.data_ended = False  # this rank's stream (no __len__) ran out in this epoch: voted at the next check
         self.most_steps = MAX_STOP_CHECK  # the longest auto interval (set by the trainer, the same on every rank)
         self.start_checks(0)

@@ -116,7 +116,7 @@ class Trainer:
         self._grad_norm_due = NEVER  # the next step whose gradient norm a logger asked for (watch_grad_norm)
         self.grad_norm: Optional[torch.Tensor] = None  # see clip_gradients
         self.grad_norm_step: Optional[int] = None
-        self._signals = StopSignals(self)  # SIGTERM/SIGINT during the run
+        self._signals = StopSignals(self)  # SIGTERM/SIGINT/SIGHUP during the run
         self.stop_agreement: Optional[StopAgreement] = None  # see agree_on_stops
         self._batches = None  # the running epoch's batch iterator, kept while train() pauses
         self._stream_end: Optional[StreamEnd] = None  # the running epoch's, over a loader without __len__
@@ -164,7 +164,7 @@ class Trainer:
         return False
 
     def setup(self) -> None:
-        """Start this rank's run: take SIGTERM/SIGINT, join the process group, build the
+        """Start this rank's run: take SIGTERM/SIGINT/SIGHUP, join the process group, build the
         model, optimizer and data through the hooks, then ``ddpx_train_start`` (a
         checkpoint is restored there). Pair it with :meth:`close`."""
         self._saved_logger = logger_settings(self.log)
@@ -258,7 +258,7 @@ class Trainer:
 
     def agree_on_stops(self, every_steps: int, every_s: float, timeout_s: float, timeout_key: str,
                        what: str) -> StopAgreement:
-        """Take SIGTERM/SIGINT through a :class:`~ddpx.train.stopping.StopAgreement`: every rank
+        """Take SIGTERM/SIGINT/SIGHUP through a :class:`~ddpx.train.stopping.StopAgreement`: every rank
         stops after the same step (the plugin calling this, from ``ddpx_setup``, asks
         ``agreement.check(trainer)`` at the boundaries it schedules and then calls
         :meth:`request_stop`). The trainer finishes and releases it at the end of the run."""
@@ -275,7 +275,7 @@ class Trainer:
         process_group.set_timeout(cfg.timeout_s)
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world_size)  # one run per run_dir
+        self._run_lock = hold_run_dir(self.run_dir, self.rank, self.world_size, process_group.adopted_group_id())
         if cfg.check_collectives and self.world_size > 1:
             self._collectives = CollectiveWatchdog(self.rank, self.world_size, cfg.stall_s, self._progress,
                                                    self.plugin_manager, self.run_dir,

@@ -22,7 +22,6 @@ share of a step), ``start_step`` (20), ``window_steps`` (10), ``every_steps``
 
 from __future__ import annotations
 
-import math
 import time
 
 from ddpx import hookimpl
@@ -111,18 +110,26 @@ def measure_share(trainer, step_s, measure_allreduce_seconds):
 
 
 def warning_text(trainer, share, comm_s, step_s, grad_bytes):
-    cfg = trainer.config
-    batch = cfg.trainer.batch_size
+    from ddpx.net import accumulation_advice
+
+    batch = trainer.config.trainer.batch_size
     accumulation = trainer.shared.get(ACCUMULATION_STEPS, 1)
-    compute_s = max(step_s - comm_s, 1e-9)
-    k = max(2, math.ceil(accumulation * comm_s / compute_s))
+    # the step minus the allreduce: compute, where DDP did not hide the allreduce behind the backward pass
+    k = accumulation_advice(comm_s, step_s - comm_s, accumulation)
     hook = trainer.shared[COMM_HOOK].name if COMM_HOOK in trainer.shared else "allreduce"
     compress = trainer.strategy.compression_advice
+    unknown = "" if comm_s < step_s else (
+        "; the allreduce alone measured longer than the whole step (DDP overlaps it with the backward pass), "
+        "so the step does not tell how long compute takes")
+    if k is not None:
+        less_often = f"accumulation.steps={k} or a larger trainer.batch_size (now {batch} per rank)"
+    else:
+        less_often = (f"a larger accumulation.steps (now {accumulation}) or trainer.batch_size (now {batch} per "
+                      "rank)")
     return (
         f"communication takes about {100 * share:.0f}% of each optimizer step (gradient allreduce of "
         f"{grad_bytes / 1e6:.1f} MB: {1e3 * comm_s:.1f} ms of a {1e3 * step_s:.1f} ms step"
-        f"{', comm hook ' + hook if hook != 'allreduce' else ''}). Options: communicate less often with "
-        f"accumulation.steps={k} or a larger trainer.batch_size (now {batch} per rank); {compress}; "
-        "`ddpx bench comm CONFIG` measures which helps. "
+        f"{', comm hook ' + hook if hook != 'allreduce' else ''}{unknown}). Options: communicate less often with "
+        f"{less_often}; {compress}; `ddpx bench comm CONFIG` measures which helps. "
         "(warned once; comm_monitor.enabled=false silences it)"
     )

@@ -1,4 +1,4 @@
-"""Checkpoints, exact resume after a restart, and a clean stop on SIGTERM/SIGINT.
+"""Checkpoints, exact resume after a restart, and a clean stop on SIGTERM/SIGINT/SIGHUP.
 
 Saving. Every ``every_steps`` optimizer steps (0: never mid-epoch), at every
 epoch end, when a stop is requested and when training ends, all ranks take part
@@ -56,14 +56,14 @@ A different world size on resume (``--nnodes MIN:MAX``, fewer GPUs):
 * per-rank plugin state (comm-hook error feedback) receives rank 0's entries,
   which the plugin resets with a warning (its state records its rank and world size).
 
-Stopping. The trainer owns the SIGTERM/SIGINT handlers and the agreement on a
+Stopping. The trainer owns the SIGTERM/SIGINT/SIGHUP handlers and the agreement on a
 stop (:mod:`ddpx.train.stopping`); this plugin turns the agreement on from
 ``ddpx_setup`` with its keys: a stop check every ``stop_check_every`` optimizer
 steps, or with 0 about every ``stop_check_s`` seconds, where the ranks combine
 their flags with one asynchronous ``all_reduce``, and all of them stop after the
 same step: they write a final checkpoint and call ``trainer.request_stop``; the
 loop ends at that boundary and the worker exits with 128 + the signal number
-once the write is on disk. ``torchrun`` forwards a SIGTERM/SIGINT it receives to
+once the write is on disk. ``torchrun`` forwards a SIGTERM/SIGINT/SIGHUP it receives to
 every worker and kills them 30 s later; a rank that reaches no step boundary for
 ``stop_timeout_s`` after the signal terminates at once, without a final
 checkpoint (the last periodic one is used on restart).
@@ -138,7 +138,7 @@ class CheckpointSession:
         self.finite_at = 0  # the last step whose state was checked finite (a save or the resumed checkpoint)
         self.saved = None  # (step, at_epoch_end) of the last save or of the resumed checkpoint
         self.unannounced = None  # rank 0's "saved checkpoint" line of the last save, if not logged at info
-        # The trainer's stop agreement (ddpx/train/stopping.py): SIGTERM/SIGINT stop every rank
+        # The trainer's stop agreement (ddpx/train/stopping.py): SIGTERM/SIGINT/SIGHUP stop every rank
         # after the same step, with a final checkpoint written here.
         self.stops = trainer.agree_on_stops(cfg["stop_check_every"], cfg["stop_check_s"], cfg["stop_timeout_s"],
                                             "checkpoint.stop_timeout_s", "a final checkpoint")

@@ -35,7 +35,7 @@
   Scalar names there: ``train/<key>`` for step lines (``comm/<key>`` for the
   comm hook's), ``epoch/<metric>`` for epoch lines; the x axis is the
   optimizer step. W&B and MLflow runs are resumed (the run id is kept in the
-  run directory), and get ``metrics.jsonl`` and the final checkpoint as files.
+  run directory), and get ``metrics.jsonl``, the final checkpoint, the EMA weights and ``model/`` as files.
 * Nothing runs per step: on rank 0, when there is a bar or step lines, the
   plugin is called (``trainer.call_at_step``) at logged steps and, for the
   bar, about every ``progress.BAR_SECONDS`` (the number of steps adapts to the step

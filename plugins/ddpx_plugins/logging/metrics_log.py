@@ -124,7 +124,8 @@ class MetricsLog(ProgressBar):
 
     def close(self, trainer=None, failed=False):
         """Close the bar and every backend; ``trainer`` (a normal end): hand them the
-        run's files first (``metrics.jsonl``, the final checkpoint, the EMA weights)."""
+        run's files first (``metrics.jsonl``, the final checkpoint, the EMA weights, the trained
+        model's ``model/``)."""
         self.close_bar()
         backends, self.backends = self.backends, []
         if backends:
@@ -146,6 +147,10 @@ def _bytes(n):
 
 
 def _run_files(trainer, metrics_path):
+    """The files (and the ``model/`` directory) a tracker gets at the end of a run, where they exist."""
+    from ddpx.rank.model_files import MODEL_DIR
+
     files = [metrics_path, trainer.shared.get(LAST_FINITE_CHECKPOINT), trainer.shared.get(EMA_WEIGHTS_FILE)]
-    return [path for path in files if path and os.path.isfile(path)]
+    model = os.path.join(trainer.run_dir, MODEL_DIR)
+    return [path for path in files if path and os.path.isfile(path)] + ([model] if os.path.isdir(model) else [])
 

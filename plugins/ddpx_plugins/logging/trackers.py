@@ -39,7 +39,8 @@ class Backend:
         raise NotImplementedError
 
     def log_file(self, path: str) -> None:
-        """A file of the run (``metrics.jsonl``, the final checkpoint), at the end."""
+        """A file of the run (``metrics.jsonl``, the final checkpoint) or a directory of files
+        (``model/``, kept as one folder under its name), at the end."""
 
     def close(self, failed: bool = False) -> None:
         """The run ended (``failed``: by an exception)."""
@@ -115,7 +116,8 @@ class WandbBackend(Backend):
         self.run.log(scalar_names(kind, values), step=step)
 
     def log_file(self, path):
-        self.run.save(path, base_path=os.path.dirname(path), policy="now")
+        base = os.path.dirname(os.path.normpath(path))  # a directory's files keep its name in front
+        self.run.save(os.path.join(path, "*") if os.path.isdir(path) else path, base_path=base, policy="now")
 
     def close(self, failed=False):
         self.run.finish(exit_code=1 if failed else 0)
@@ -175,7 +177,10 @@ class MlflowBackend(Backend):
             self.client.log_batch(self.run_id, metrics=metrics)
 
     def log_file(self, path):
-        self.client.log_artifact(self.run_id, path)
+        if os.path.isdir(path):
+            self.client.log_artifacts(self.run_id, path, artifact_path=os.path.basename(os.path.normpath(path)))
+        else:
+            self.client.log_artifact(self.run_id, path)
 
     def close(self, failed=False):
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
