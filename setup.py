@@ -129,8 +129,9 @@ def _cmdclass():
             print(f"{stamps.MESSAGE_PREFIX}compiling {len(ext.sources)} files ({stale}; "
                   f"MAX_JOBS={os.environ.get('MAX_JOBS', 'all cores')})", flush=True)
             start = time.monotonic()
-            super().build_extension(ext)
-            print(f"{stamps.MESSAGE_PREFIX}built in {time.monotonic() - start:.0f} s", flush=True)
+            with stamps.CompileHeartbeat(ROOT, self.build_temp, len(ext.sources)):
+                super().build_extension(ext)
+            print(f"{stamps.MESSAGE_PREFIX}built in {stamps.duration(time.monotonic() - start)}", flush=True)
 
     return {"build_ext": BuildOnce}
 

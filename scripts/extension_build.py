@@ -8,22 +8,21 @@ environment, with the file's size and mtime. When all of that still matches, a b
 compiling for minutes again: a second ``scripts/setup.sh`` in the same checkout, or one
 into another venv with the same torch. Deleting ``ddpx/_C*.so`` forces a fresh build.
 
-    ... | python scripts/extension_build.py progress
-
-reads pip's verbose output and prints what pip says without -v, the lines setup.py
-prints about the build and one line per compiled file (ninja's ``[n/N]`` steps): what
-scripts/setup.sh shows while it installs.
+While it compiles, setup.py prints a line at least every 10 s (:class:`CompileHeartbeat`):
+the files a compiler has open and how many are done. ninja names a file only when it is
+compiled, and the first ones take minutes (they include torch's extension headers).
 """
 
+import glob
 import hashlib
 import json
 import os
-import re
-import sys
+import threading
+import time
 
 # the environment a compile reads beyond the sources and torch: a change means a rebuild
 BUILD_ENV = ("CC", "CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "TORCH_CUDA_ARCH_LIST", "NVCC_FLAGS")
-MESSAGE_PREFIX = "ddpx._C: "  # setup.py's lines about the build; the progress filter passes them on
+MESSAGE_PREFIX = "ddpx._C: "  # setup.py's lines about the build; scripts/pip_progress.py passes them on
 
 
 def sources_digest(root: str) -> str:
@@ -81,48 +80,66 @@ def stale_because(extension_path: str, record: dict):
     return None
 
 
-# --- progress: pip -v's output, one line per compiled file --------------------------------
+# --- while it compiles: a line at least every HEARTBEAT_S ---------------------------------
 
-_NINJA_STEP = re.compile(r"^\s*\[(\d+)/(\d+)\]\s+(.*)$")
-_SOURCE = re.compile(r"\s-c\s+([^\s-]\S*)")  # torch's ninja lines say "-c -c /path/file.cpp"
-
-
-_PIP_SAYS = ("Collecting ", "Installing collected packages", "Successfully installed", "ERROR")
+HEARTBEAT_S = 10  # the longest silence of a set-up (each printer speaks a little sooner)
+SOURCE_SUFFIXES = (".cpp", ".cu")
 
 
-def progress_line(line: str, root: str):
-    """What to show of one line of pip -v's output, or None: what pip says without -v (the
-    packages it fetches and installs, errors), setup.py's lines about the build, and one
-    line per compiled file."""
-    line = line.rstrip("\n")
-    if line.startswith(_PIP_SAYS):
-        return line
-    if MESSAGE_PREFIX in line:
-        return line[line.index(MESSAGE_PREFIX):]
-    step = _NINJA_STEP.match(line)
-    if not step:
-        return None
-    done, total, command = step.groups()
-    source = _SOURCE.search(command)
-    if source:
-        path = source.group(1).strip("'\"")
-        what = "compiling " + (os.path.relpath(path, root) if os.path.isabs(path) else path)
-    else:
-        what = command.split()[0] if command.split() else "a step"
-    return f"{MESSAGE_PREFIX}[{done}/{total}] {what}"
+def duration(seconds: float) -> str:
+    """``40 s``, ``3 min 5 s``."""
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
 
 
-def main(argv) -> int:
-    if argv[1:2] != ["progress"]:
-        print(__doc__, file=sys.stderr)
-        return 2
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for line in sys.stdin:
-        shown = progress_line(line, root)
-        if shown:
-            print(shown, flush=True)
-    return 0
+def compiling_now(root: str, proc: str = "/proc") -> list:
+    """The sources under ``root``/csrc a compiler has open now (the command lines in /proc; none
+    where there is no /proc): ninja names a file only once it is compiled, and the first ones,
+    which include torch's extension headers, take minutes."""
+    csrc = os.path.join(root, "csrc") + os.sep
+    found = set()
+    for cmdline in glob.glob(os.path.join(proc, "[0-9]*", "cmdline")):
+        try:
+            with open(cmdline, "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:  # the process ended meanwhile
+            continue
+        if "-c" in args:
+            found.update(os.path.relpath(a, root) for a in args if a.startswith(csrc) and a.endswith(SOURCE_SUFFIXES))
+    return sorted(found)
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+class CompileHeartbeat:
+    """``with CompileHeartbeat(root, objects_dir, total):`` prints, every ``every`` s while the
+    block runs, which files are compiling, how many of ``total`` are done (object files under
+    ``objects_dir`` written since the start) and for how long."""
+
+    def __init__(self, root: str, objects_dir: str, total: int, every: float = HEARTBEAT_S - 2, proc: str = "/proc"):
+        self.root, self.objects_dir, self.total, self.every, self.proc = root, objects_dir, total, every, proc
+        self.stop = threading.Event()
+        self.start = time.time()
+
+    def __enter__(self):
+        self.start = time.time()
+        self.thread = threading.Thread(target=self._run, name="compile heartbeat", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    def line(self) -> str:
+        done = 0
+        for obj in glob.glob(os.path.join(self.objects_dir, "**", "*.o"), recursive=True):
+            try:
+                done += os.stat(obj).st_mtime >= self.start
+            except OSError:
+                pass
+        files = compiling_now(self.root, self.proc)
+        doing = "linking" if not files and done >= self.total else f"compiling {', '.join(files)}".rstrip()
+        return f"{MESSAGE_PREFIX}{doing} ({done} of {self.total} done, {duration(time.time() - self.start)})"
+
+    def _run(self):
+        while not self.stop.wait(self.every):
+            print(self.line(), flush=True)

@@ -16,7 +16,9 @@
 # PyTorch index: install it into the environment first (README.md, set-up).
 # The extension is compiled once: a later run (or another venv with the same torch)
 # reuses ddpx/_C*.so while csrc/, setup.py and torch are unchanged
-# (scripts/extension_build.py); the compile shows one line per file.
+# (scripts/extension_build.py). Every pip install shows a line per compiled file and
+# speaks at least every 10 s (scripts/pip_progress.py); it first says which python and
+# which site-packages it installs into.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,6 +35,20 @@ marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
 sys.exit(0 if not in_venv and os.path.exists(marker) else 1)'
 }
 VENV=""
+LOG=$(mktemp "${TMPDIR:-/tmp}/ddpx-install-log.XXXXXX")
+# pip install -v ARGS: its whole output into $LOG; on the terminal what pip says without -v,
+# a line per compiled file, and a line at least every 10 s (scripts/pip_progress.py)
+pip_install() {
+    set +e
+    "$PY" -m pip install -v "$@" 2>&1 | tee -a "$LOG" | "$PY" scripts/pip_progress.py
+    local status=("${PIPESTATUS[@]}")
+    set -e
+    if [ "${status[0]}" -ne 0 ]; then
+        tail -n 40 "$LOG" >&2
+        echo "setup.sh: pip install $* failed (exit ${status[0]}); its whole output: $LOG" >&2
+        exit "${status[0]}"
+    fi
+}
 if externally_managed "$PY"; then
     VENV=${DDPX_VENV:-.venv}
     echo "setup.sh: $PY is externally managed (PEP 668): installing into $VENV"
@@ -40,30 +56,30 @@ if externally_managed "$PY"; then
         "$PY" -m venv "$VENV" || { echo "setup.sh: cannot create $VENV: install python3-venv (apt install python3-venv) or set PYTHON=/path/to/a/venv/python" >&2; exit 1; }
     fi
     PY=$VENV/bin/python
-    "$PY" -m pip install -q --upgrade pip
+    pip_install --upgrade pip
 fi
+# where everything goes, said before anything is installed: a global interpreter (pyenv's,
+# conda's base) gets torch and ddpx too
+"$PY" -c 'import sys, sysconfig
+where = sysconfig.get_paths()["purelib"]
+if sys.prefix != sys.base_prefix:
+    print(f"setup.sh: installing into the virtual environment {sys.prefix} ({where})")
+else:
+    print(f"setup.sh: installing into {sys.executable}, not a virtual environment: its packages in {where} "
+          "get torch and ddpx (to keep them apart, activate a venv or set PYTHON=/path/to/venv/bin/python first)")' \
+    || echo "setup.sh: installing into $PY"
+echo "setup.sh: checking for an installed torch"
 TORCH_REQ=${DDPX_TORCH:-torch==2.13.0}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     echo "setup.sh: installing $TORCH_REQ (a CPU wheel where pip sees one; from PyPI alone, on Linux, the CUDA build: several GB)"
-    "$PY" -m pip install "$TORCH_REQ"
+    pip_install "$TORCH_REQ"
 fi
-"$PY" -m pip install -q setuptools wheel ninja pybind11
+pip_install setuptools wheel ninja pybind11
 EXTRA=""
 [ "$MODE" = "test" ] && EXTRA="[test]"
-# pip -v into a log; on the terminal what pip says without -v, plus one line per compiled file
-LOG=$(mktemp "${TMPDIR:-/tmp}/ddpx-install-log.XXXXXX")
 echo "setup.sh: installing ddpx$EXTRA from this checkout; the first build of its C++ extension takes" \
-     "about 5 minutes on 2 cores (pip's whole output: $LOG)"
-set +e
-MAX_JOBS=${MAX_JOBS:-2} "$PY" -m pip install -v --no-build-isolation -e ".${EXTRA}" 2>&1 | tee "$LOG" |
-    "$PY" scripts/extension_build.py progress
-status=("${PIPESTATUS[@]}")
-set -e
-if [ "${status[0]}" -ne 0 ]; then
-    tail -n 40 "$LOG" >&2
-    echo "setup.sh: pip install failed (exit ${status[0]}); its whole output: $LOG" >&2
-    exit "${status[0]}"
-fi
+     "10 to 20 minutes on 2 busy cores, less on more (pip's whole output: $LOG)"
+MAX_JOBS=${MAX_JOBS:-2} pip_install --no-build-isolation -e ".${EXTRA}"
 rm -f "$LOG"
 if [ -n "$VENV" ]; then
     echo "setup.sh: done; activate the environment with:  . $VENV/bin/activate"

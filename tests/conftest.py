@@ -6,7 +6,10 @@ Lanes: ``python -m pytest -q -m "not slow" tests`` is the fast lane for developm
 ``python -m pytest -q tests`` runs everything, as CI does.
 """
 
+import threading
+
 import pytest
+import pytest_timeout
 
 import harness
 from ddpx.config import load_config
@@ -28,6 +31,27 @@ def pytest_runtest_setup(item):
 
 def pytest_runtest_teardown(item):
     harness.current_test = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    """Each test's limit (pyproject.toml's ``timeout``, a ``pytest.mark.timeout``) on the tests'
+    clock (``harness.clock``), not the wall's: a hang still ends the run with every thread's
+    stack, a busy machine does not."""
+    if settings.method != "thread":
+        return None  # pytest-timeout's own signal timer
+    cancelled = threading.Event()
+    deadline = harness.clock() + settings.timeout
+
+    def watch():
+        while not cancelled.wait(0.5):  # returns at once when the test ends
+            if harness.clock() >= deadline:
+                pytest_timeout.timeout_timer(item, settings)
+
+    watcher = threading.Thread(target=watch, name=f"timeout {item.nodeid}", daemon=True)
+    item.cancel_timeout = lambda: (cancelled.set(), watcher.join())
+    watcher.start()
+    return True
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,9 @@ attempt, and can inject one failure at a chosen step:
 * ``action: hang``        sleep for an hour (a stuck rank that is still alive).
 
 ``rank: -1`` acts on every rank (e.g. the one worker of the node whose config
-says so); ``step_sleep_s`` slows every step down, so a run lasts long enough
-for a node to rejoin.
+says so); ``step_sleep_s`` slows every step from ``at_step`` on down (every step
+where none is set), so a run lasts long enough after the failure for a node to
+rejoin or a stop to land, and no longer before it.
 
 The failure happens once: ``marker`` names a file created just before it, and
 an existing marker disables the action (a restarted attempt runs normally).
@@ -84,7 +85,8 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
             "time": time.time()})
     _probe["pending"] = []
     cfg = _probe["cfg"]
-    time.sleep(cfg["step_sleep_s"])
+    if trainer.global_step >= cfg["at_step"]:
+        time.sleep(cfg["step_sleep_s"])
     if cfg["action"] == "none" or trainer.global_step != cfg["at_step"] or cfg["rank"] not in (-1, trainer.rank):
         return
     marker = Path(cfg["marker"])

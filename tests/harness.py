@@ -7,7 +7,8 @@ its own, and is killed with every process it started when the deadline passes
 peer fails; the test then fails with what each process printed.
 On it stand the four shapes the tests need:
 
-* :func:`run_cli`: ``python -m ddpx ARGS`` (torchrun starts the workers);
+* :func:`run` and :func:`run_cli`: one command, ``python -m ddpx ARGS`` for the latter
+  (torchrun starts the workers);
 * :func:`run_commands`: several commands at once (two torchrun "nodes", hosts in
   network namespaces);
 * :func:`call_ranks`: a test function in ``world_size`` fresh processes joined by a
@@ -16,10 +17,16 @@ On it stand the four shapes the tests need:
   mpirun start them.
 
 Plus two simulated hosts in network namespaces (root only).
+
+Every time limit in the tests is counted on one clock, :func:`clock`: seconds of a
+CPU's time as a process waiting for one gets it, so a limit catches a hang without
+measuring how busy the machine is (docs/testing.md, "Time limits").
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -33,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -41,6 +49,94 @@ from ddpx.net import free_port  # noqa: F401  (the tests' free ports)
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+
+
+# --- the tests' clock: a CPU's seconds, not the wall's -------------------------------------------
+
+class _Clock:
+    """Seconds that advance as the monotonic clock does on a machine with a CPU free for every
+    runnable task, and slower when more tasks want one than there are CPUs: by the share of a
+    CPU each then gets, CPUs / runnable tasks (``procs_running`` of /proc/stat, sampled every
+    ``PERIOD`` s by a thread), never slower than ``SLOWEST`` (a hang still ends, at worst 10
+    times its limit later). Without /proc/stat: the monotonic clock."""
+
+    PERIOD = 0.1
+    SLOWEST = 0.1
+
+    def __init__(self):
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.lock = threading.Lock()
+        self.at, self.value, self.rate = time.monotonic(), 0.0, 1.0
+        self.history = collections.deque(maxlen=36_000)  # (time.time(), value): an hour of samples
+        if self._runnable() is not None:
+            threading.Thread(target=self._sample, name="harness clock", daemon=True).start()
+
+    @staticmethod
+    def _runnable():
+        with contextlib.suppress(OSError, ValueError):
+            with open("/proc/stat", "rb") as f:
+                stat = f.read()
+            at = stat.index(b"\nprocs_running ") + 15
+            return int(stat[at:stat.index(b"\n", at)]) - 1  # not counting this thread, which reads
+        return None
+
+    def _sample(self):
+        while True:
+            runnable = self._runnable() or 0
+            rate = max(self.SLOWEST, min(1.0, self.cpus / max(1, runnable)))
+            with self.lock:
+                now = time.monotonic()
+                self.value += (now - self.at) * self.rate
+                self.at, self.rate = now, rate
+                self.history.append((time.time(), self.value))
+            time.sleep(self.PERIOD)
+
+    def now(self) -> float:
+        with self.lock:
+            return self.value + (time.monotonic() - self.at) * self.rate
+
+    def at_wall_time(self, wall: float) -> float:
+        """The clock's reading at ``wall`` (a ``time.time()`` another process wrote), to the sample
+        before it; before the first sample, as if the clock had run with the wall's."""
+        with self.lock:
+            i = bisect.bisect_right(self.history, (wall, float("inf")))
+            first_wall, first = self.history[0] if self.history else (time.time(), self.value)
+            return self.history[i - 1][1] if i else first - max(0.0, first_wall - wall)
+
+
+_clock = None
+
+
+def clock() -> float:
+    """The tests' clock: seconds of a CPU's time as a runnable process gets it (see _Clock).
+    On an idle machine it runs with the wall clock; at 11 runnable tasks on 2 CPUs, at 2/11
+    of it. Every time limit in the tests is on this clock: a hang is still caught, a busy
+    machine is not taken for one."""
+    global _clock
+    if _clock is None:
+        _clock = _Clock()
+    return _clock.now()
+
+
+def since(wall: float) -> float:
+    """Seconds on :func:`clock` since ``wall``, a ``time.time()`` (a file's mtime, a timestamp
+    a process under test wrote): from the event under test, not from a process's start."""
+    clock()
+    return _clock.now() - _clock.at_wall_time(wall)
+
+
+def _limit(seconds: float, started: float) -> str:
+    """A limit that ran out, for a failure message: on the tests' clock, and the wall's."""
+    return f"{seconds:.0f} s (the tests' clock; {time.monotonic() - started:.0f} s of wall clock)"
+
+
+def wait_for(condition, seconds: float, poll: float = 0.05):
+    """Call ``condition`` until it returns something true or ``seconds`` pass on :func:`clock`;
+    return its last value (false: the time ran out)."""
+    deadline = clock() + seconds
+    while not (value := condition()) and clock() < deadline:
+        time.sleep(poll)
+    return value
 
 
 def base_env(env=None) -> dict:
@@ -118,11 +214,11 @@ def finish(procs, logs, timeout: float, stop_on_failure: bool = False) -> list[F
     """Wait for every process until ``timeout`` s pass (or, with ``stop_on_failure``, until
     one exits non-zero: its peers would wait for it until the gloo timeout); kill what is
     left, process group and all."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if stop_on_failure and any(p.returncode not in (None, 0) for p in procs):
-            break
-        time.sleep(0.05)
+    def ended():
+        running = [p.poll() is None for p in procs]
+        return not any(running) or (stop_on_failure and any(p.returncode not in (None, 0) for p in procs))
+
+    wait_for(ended, timeout)
     hung = [p.poll() is None for p in procs]
     _dump_and_kill([pid for p, still_running in zip(procs, hung) if still_running for pid in process_tree(p.pid)])
     for p, still_running in zip(procs, hung):
@@ -146,28 +242,38 @@ def run_commands(cmds, logdir: Path, timeout: float, env=None, cwd=None, names=N
     return finish(procs, logs, timeout)
 
 
-def run_cli(args, timeout=120, env=None, cwd=None, python=None, script=None):
-    """Run ``python -m ddpx ARGS`` (``script``: an installed ``ddpx`` script, as a user types
-    it; ``python``: another interpreter) and return ``(returncode, stdout, stderr)``.
-    The test fails with the output so far when ``timeout`` seconds pass (torchrun and its
-    workers are killed with it)."""
-    cmd = [script] if script else [python or sys.executable, "-m", "ddpx"]
+def run(cmd, timeout=120, env=None, cwd=None) -> tuple[int, str, str]:
+    """Run ``cmd`` and return ``(returncode, stdout, stderr)``. The test fails with the output so
+    far when ``timeout`` seconds pass on :func:`clock` (the command is killed with every process
+    it started)."""
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        (ended,) = run_commands([[*cmd, *args]], Path(tmp), timeout, env, cwd, ["cli"], split_stderr=True)
+        (ended,) = run_commands([cmd], Path(tmp), timeout, env, cwd, ["cmd"], split_stderr=True)
     if ended.hung:
-        raise AssertionError(f"`ddpx {' '.join(map(str, args))}` did not finish within {timeout} s\n"
+        raise AssertionError(f"`{' '.join(map(str, cmd))}` did not finish within {_limit(timeout, started)}\n"
                              f"--- stdout ---\n{ended.output[-4000:]}\n--- stderr ---\n{ended.errors[-4000:]}")
     return ended.returncode, ended.output, ended.errors
+
+
+def run_cli(args, timeout=120, env=None, cwd=None, python=None, script=None):
+    """:func:`run` of ``python -m ddpx ARGS`` (``script``: an installed ``ddpx`` script, as a user
+    types it; ``python``: another interpreter): ``(returncode, stdout, stderr)``."""
+    cmd = [script] if script else [python or sys.executable, "-m", "ddpx"]
+    return run([*cmd, *args], timeout, env, cwd)
 
 
 def finish_or_fail(procs, logs, timeout: float) -> list[Finished]:
     """:func:`finish` (stopping at the first failure); the test fails with every failed
     or killed rank's output."""
+    started = time.monotonic()
     ended = finish(procs, logs, timeout, stop_on_failure=True)
+    failed = [rank for rank, e in enumerate(ended) if not e.hung and e.returncode != 0]
     lines = []
     for rank, e in enumerate(ended):
-        if e.hung:
-            lines.append(f"rank {rank} did not finish within {timeout:.0f} s (killed):\n{e.output[-3000:]}")
+        if e.hung and failed:
+            lines.append(f"rank {rank} was killed when rank {failed[0]} failed:\n{e.output[-3000:]}")
+        elif e.hung:
+            lines.append(f"rank {rank} did not finish within {_limit(timeout, started)} (killed):\n{e.output[-3000:]}")
         elif e.returncode != 0:
             lines.append(f"rank {rank} exited with {e.returncode}:\n{e.output[-3000:]}")
     if lines:
@@ -323,6 +429,7 @@ def require_slow_mark() -> None:
 class Ranks:
     """The ``ranks`` fixture: every way a test starts processes."""
 
+    run = staticmethod(run)
     cli = staticmethod(run_cli)
     commands = staticmethod(run_commands)
     call = staticmethod(call_ranks)

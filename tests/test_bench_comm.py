@@ -205,16 +205,16 @@ def _bench_namespaces(pid):
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # the suite's default: the module's 240 s is too short for its two runs
 @pytest.mark.skipif(not harness.netns_available(tc=True), reason="needs root and ip netns")
-def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
+def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted(tmp_path):
     import json
     import signal
     import subprocess
     import time
 
-    r = subprocess.run([sys.executable, BENCH, "--steps", "1", "--warmup", "1", "--hooks", "int8", "--rate", "10gbit",
-                        "--json"], capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(r.stdout)
+    code, out, err = harness.run([sys.executable, BENCH, "--steps", "1", "--warmup", "1", "--hooks", "int8", "--rate",
+                                  "10gbit", "--json"], timeout=240)
+    assert code == 0, err[-2000:]
+    res = json.loads(out)
     by = {e["label"]: e for e in res["results"]}
     assert by["ddpx int8 native"]["native"] is True and by["ddpx int8 native"]["ms_per_step"] > 0
     assert by["ddpx int8 native"]["wire_bytes"] < 0.3 * by["no hook"]["wire_bytes"]
@@ -226,18 +226,16 @@ def test_bench_comm_runs_in_namespaces_and_cleans_up_even_when_interrupted():
     assert all(e["compute_ms"] > 0 for e in res["results"])
     assert int8["link_bound_ms"] == pytest.approx(int8["compute_ms"] + int8["wire_bytes"] * 8 / 10e9 * 1e3)
     # SIGTERM while the workers run: the namespaces still go away
-    p = subprocess.Popen([sys.executable, BENCH, "--steps", "50", "--hooks", "int8"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not _bench_namespaces(p.pid) and time.time() < deadline:
-        time.sleep(0.2)
-    assert _bench_namespaces(p.pid), "the benchmark never created its namespaces"
+    log = tmp_path / "interrupted.log"
+    p = harness.start([sys.executable, BENCH, "--steps", "50", "--hooks", "int8"], log, harness.base_env())
+    assert harness.wait_for(lambda: _bench_namespaces(p.pid), 60, poll=0.2), "the benchmark never created its namespaces"
     time.sleep(2)
     inside = [int(pid) for ns in _bench_namespaces(p.pid)
               for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
     assert inside, "no process runs in the namespaces"
     p.send_signal(signal.SIGTERM)
-    p.communicate(timeout=60)
+    (interrupted,) = harness.finish([p], [log], timeout=60)
+    assert not interrupted.hung, interrupted.output[-3000:]
     assert _bench_namespaces(p.pid) == []
     time.sleep(1)
     alive = [pid for pid in inside if os.path.exists(f"/proc/{pid}") and "zombie" not in

@@ -3,10 +3,11 @@ one launch, two rounds; the figures themselves are noise at this size)."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import harness
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                      "bench_trainer_overhead.py")
@@ -17,10 +18,10 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["--skip-launch", "--noise-floor"])
 def test_interleaved_comparison_reports_its_ratios(mode, tmp_path):
-    proc = subprocess.run([sys.executable, BENCH, mode, "--interleaved-launches", "1", "--rounds", "2", "--json"],
-                          capture_output=True, text=True, timeout=200, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
+    code, out, err = harness.run([sys.executable, BENCH, mode, "--interleaved-launches", "1", "--rounds", "2",
+                                  "--json"], timeout=200, cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    result = json.loads(out)
     assert result["noise_floor"] == (mode == "--noise-floor")
     assert "launch" not in result  # both modes skip the separate launches
     r = result["interleaved"]
@@ -40,10 +41,10 @@ def test_interleaved_comparison_reports_its_ratios(mode, tmp_path):
 
 @pytest.mark.slow
 def test_a_bad_override_is_one_line_before_anything_launches(tmp_path):
-    proc = subprocess.run([sys.executable, BENCH, "--skip-launch", "trainer.epoch=3"],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert proc.returncode == 1
-    assert proc.stderr.strip() == ("bench_trainer_overhead: unknown key 'trainer.epoch' in section 'trainer'; "
+    code, _, err = harness.run([sys.executable, BENCH, "--skip-launch", "trainer.epoch=3"], timeout=60,
+                               cwd=tmp_path)
+    assert code == 1
+    assert err.strip() == ("bench_trainer_overhead: unknown key 'trainer.epoch' in section 'trainer'; "
                                    "did you mean 'trainer.epochs'?")
     assert not any(tmp_path.iterdir())  # no run started
 
@@ -83,9 +84,9 @@ def test_count_worker_runs_the_asked_epochs_of_one_loop(loop, epochs, tmp_path):
     bench = import_bench()
     env = bench.worker_env(**bench.one_rank_env())
     out = tmp_path / "count.json"
-    proc = subprocess.run([sys.executable, BENCH, "--count-worker", loop, "--epochs", str(epochs), "--out", str(out),
-                           "logging.progress=false"], capture_output=True, text=True, timeout=200, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = harness.run([sys.executable, BENCH, "--count-worker", loop, "--epochs", str(epochs), "--out",
+                                str(out), "logging.progress=false"], timeout=200, cwd=tmp_path, env=env)
+    assert code == 0, err[-3000:]
     assert json.loads(out.read_text()) == {"steps": 45 * epochs}  # 1437 digits, batches of 32, one rank
 
 

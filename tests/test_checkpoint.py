@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import harness
 from ddpx.rank.checkpoint_files import (
     LATEST,
     AsyncCheckpointWriter,
@@ -71,13 +72,10 @@ def test_sigkill_during_write_keeps_previous_checkpoint(tmp_path):
     )
     proc = subprocess.Popen([sys.executable, "-c", script])
     try:
-        deadline = time.monotonic() + 60
-        while not started.exists():
-            assert proc.poll() is None, "writer exited before the kill"
-            assert time.monotonic() < deadline, "writer never started"
-            time.sleep(0.05)
+        assert harness.wait_for(lambda: started.exists() or proc.poll() is not None, 60), "writer never started"
+        assert proc.poll() is None, "writer exited before the kill"
         proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert harness.wait_for(lambda: proc.poll() is not None, 30) and proc.returncode == -signal.SIGKILL
     finally:
         proc.kill()
     assert _leftover_temp_files(tmp_path)  # the half-written temp file is really there
@@ -270,16 +268,18 @@ def test_ranks_agree_to_stop_at_the_same_step_with_intervals_from_the_slowest_ra
     assert r0 == r1, (r0, r1)
     assert r0["checks"][0] == 10  # the first interval, before any step time is known
     gaps = [b - a for a, b in zip(r0["checks"], r0["checks"][1:])]
-    assert gaps and all(2 <= gap <= 10 for gap in gaps), gaps  # about 0.05 s / 5 ms: the slower rank's pace
+    # about 0.05 s / 5 ms: the slower rank's pace (rank 1's would be 50); fewer where a busy
+    # machine stretches the sleeps
+    assert gaps and all(1 <= gap <= 10 for gap in gaps), gaps
     # the signal (step 25) is voted at the next check and acted on at the one after
     voted = next(step for step in r0["checks"] if step >= 25)
-    assert r0["checks"][-1] == voted and 2 <= r0["stopped_at"] - voted <= 10, r0
+    assert r0["checks"][-1] == voted and 1 <= r0["stopped_at"] - voted <= 10, r0
 
 
 def test_stop_watchdog_waits_while_steps_advance_and_gives_up_once_they_stop():
     stops, trainer = _stop_agreement(stop_timeout_s=0.5)
     gave_up = []
-    stops.give_up = lambda signum: gave_up.append((signum, time.monotonic()))
+    stops.give_up = lambda signum: gave_up.append((signum, time.monotonic(), harness.clock()))
     stops.signal_received = signal.SIGTERM
     stops.arm_stop_deadline()
     start = time.monotonic()
@@ -287,11 +287,10 @@ def test_stop_watchdog_waits_while_steps_advance_and_gives_up_once_they_stop():
         trainer.global_step += 1
         time.sleep(0.05)
     assert not gave_up
-    stalled = time.monotonic()
-    while not gave_up and time.monotonic() < stalled + 5:
-        time.sleep(0.01)
-    assert gave_up and gave_up[0][0] == signal.SIGTERM
-    assert 0.4 <= gave_up[0][1] - stalled <= 1.5  # the timeout after the last step, give or take a poll
+    stalled, stalled_on_clock = time.monotonic(), harness.clock()
+    assert harness.wait_for(lambda: gave_up, 5, poll=0.01) and gave_up[0][0] == signal.SIGTERM
+    # the timeout after the last step (the watchdog counts wall seconds), give or take a poll
+    assert gave_up[0][1] - stalled >= 0.4 and gave_up[0][2] - stalled_on_clock <= 1.5, gave_up
 
     gave_up.clear()
     stops.arm_stop_deadline()

@@ -5,7 +5,6 @@ in this process, over gloo."""
 
 import gc
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx.comm_hooks
+import harness
 from ddpx.rank import process_group
 from ddpx.comm_hooks import executor
 
@@ -34,9 +34,7 @@ def ddpx_threads() -> list[str]:
 
 
 def wait_for_no_ddpx_threads(seconds: float) -> list[str]:
-    deadline = time.monotonic() + seconds
-    while ddpx_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    harness.wait_for(lambda: not ddpx_threads(), seconds)
     return ddpx_threads()
 
 

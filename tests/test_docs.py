@@ -251,3 +251,35 @@ def test_the_bench_comm_note_on_a_step_below_compute_is_quoted_as_printed():
     note = below_compute_note(m, ["powersgd"])
     assert note in format_report(m, recommend(m)).splitlines()
     assert f"    {note}\n" in open(os.path.join(DOCS, "cluster.md")).read()
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readmes_build_lines_are_what_the_build_prints():
+    """README.md's examples of the set-up's lines: the k-th compiled file is the k-th of the CPU
+    build's sources as ninja's build file lists them (sorted: torch writes it so; ninja starts
+    them in that order), the file count is theirs, and each line has the form the set-up prints."""
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    csrc = pathlib.Path(ROOT, "csrc")
+    sources = sorted(str(p.relative_to(ROOT)) for p in csrc.rglob("*.cpp") if "cuda" not in p.relative_to(csrc).parts)
+    step = re.search(r"`ddpx\._C: \[(\d+)/(\d+)\] compiled (\S+)`", readme)
+    assert step, "README.md: no example of a compiled file's line"
+    k, total, named = int(step[1]), int(step[2]), step[3]
+    assert (total, named) == (len(sources), sources[k - 1]), (step[0], sources)
+    progress = _script("pip_progress").Progress(ROOT)
+    ninja_line = f"[{k}/{total}] c++ -MMD -MF x.o.d -c -c {os.path.join(ROOT, named)} -o x.o -O3"
+    assert f"`{progress.feed(ninja_line)}`" == step[0]
+    beat = re.search(r"`ddpx\._C: compiling (\S+), (\S+) \(0 of (\d+) done, [\d a-z]+\)`", readme)
+    assert beat and [beat[1], beat[2]] == sources[:2] and int(beat[3]) == len(sources), beat and beat[0]
+    still = re.search(r"`setup\.sh: still installing (\d+) packages \((\d+) s\)`", readme)
+    assert still, "README.md: no example of what set-up says while pip installs"
+    now = [0.0]
+    progress = _script("pip_progress").Progress(ROOT, clock=lambda: now[0])
+    progress.feed("Installing collected packages: " + ", ".join(f"p{i}" for i in range(int(still[1]))))
+    now[0] = float(still[2])
+    assert f"`{progress.heartbeat()}`" == still[0]

@@ -222,8 +222,7 @@ def test_shard_metadata_that_names_other_globals_is_refused_unrun(tmp_path):
 COMMON = {
     "model": {"target": "ddpx.models.DigitsMLP", "args": {"hidden": 16}},
     # 359 evaluation samples: rank 0 gets 180 (2 batches of 179), rank 1 179 (1): fsdp pads rank 1's forwards
-    "trainer": {"batch_size": 64, "eval_batch_size": 179, "backend": "gloo", "device": "cpu", "timeout_s": 60,
-                "first_timeout_s": 60},
+    "trainer": {"batch_size": 64, "eval_batch_size": 179, "backend": "gloo", "device": "cpu"},
     "logging": {"progress": False, "every_steps": 4},
     "comm_monitor": {"enabled": False},
 }

@@ -567,13 +567,14 @@ def test_bench_kernels_several_sizes_and_check_exit(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA, reason="needs a machine without CUDA")
 def test_bench_kernels_script_bad_device_is_one_line():
-    import subprocess
     import sys
 
+    import harness
+
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_kernels.py")
-    proc = subprocess.run([sys.executable, script, "--device", "cuda"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == "bench_kernels: error: --device cuda but torch sees no CUDA device; run with --device cpu"
+    code, _, err = harness.run([sys.executable, script, "--device", "cuda"], timeout=120)
+    assert code == 2
+    assert err.strip() == "bench_kernels: error: --device cuda but torch sees no CUDA device; run with --device cpu"
 
 
 # ----------------------------------------------------------------- low-rank (PowerSGD) passes

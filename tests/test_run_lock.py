@@ -5,10 +5,12 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 
+import harness
 from ddpx.errors import DdpxError
 from ddpx.rank.run_lock import LOCK_NAME, RunLock, read_holder
 from ddpx.train.trainer import Trainer
@@ -89,23 +91,34 @@ def test_two_concurrent_runs_on_one_run_dir(ranks, tmp_path):
     run_dir = tmp_path / "run"
     config = tmp_path / "c.yaml"
     config.write_text(f"run_dir: {run_dir}\ntrainer: {{epochs: 3}}\nlogging: {{progress: false}}\n"
-                      "launch: {nproc_per_node: 1}\n")
-    cmd = [sys.executable, "-m", "ddpx", "train", str(config)]
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      "launch: {nproc_per_node: 1}\nplugins: {enable: [gate]}\n")
+    # the first run waits after its first epoch until the second has been refused: on a busy
+    # machine its 3 epochs would otherwise end before the second starts
+    (tmp_path / "gate.py").write_text(textwrap.dedent(f"""
+        import os, time
+        from ddpx import hookimpl
+
+        @hookimpl
+        def ddpx_epoch_end(trainer, epoch, metrics):
+            deadline = time.monotonic() + 300
+            while epoch == 0 and not os.path.exists({str(tmp_path / "go")!r}) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    """))
+    log = tmp_path / "first.log"
+    first = harness.start([sys.executable, "-m", "ddpx", "train", str(config)], log, harness.base_env(), cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while read_holder(run_dir) is None:
-            assert first.poll() is None, first.communicate()
-            assert time.monotonic() < deadline, "the first run never took the lock"
-            time.sleep(0.1)
-        code, out, err = ranks.cli(["train", str(config)], timeout=120)
+        assert harness.wait_for(lambda: read_holder(run_dir) is not None or first.poll() is not None, 120, poll=0.1), \
+            "the first run never took the lock"
+        assert first.poll() is None, log.read_text()
+        code, out, err = ranks.cli(["train", str(config)], timeout=120, cwd=tmp_path)
         assert code == 2 and "is in use by another run" in err and "Traceback" not in err, err
         assert f"pid {read_holder(run_dir)['pid']}" in err
-        _, first_err = first.communicate(timeout=300)
-        assert first.returncode == 0, first_err
-    finally:
-        if first.poll() is None:
-            first.kill()
+        (tmp_path / "go").touch()
+    except BaseException:
+        harness.finish([first], [log], timeout=0)
+        raise
+    (ended,) = harness.finish([first], [log], timeout=300)
+    assert ended.returncode == 0, ended.output[-3000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines if '"epoch"' in line][-1] == 2
     assert read_holder(run_dir) is None

@@ -4,6 +4,7 @@ from, setup.py's reuse of it, the progress lines setup.sh shows)."""
 
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import time
@@ -72,34 +73,115 @@ def test_a_recorded_build_is_current_until_an_input_changes(checkout, monkeypatc
     assert eb.stale_because(so, record) == "not built yet"
 
 
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pip_progress = _script("pip_progress")
+
+
 def test_progress_shows_pip_its_build_lines_and_one_line_per_compiled_file():
-    root = "/src/ddpx"
     pip_verbose = [
         "Using pip 24.0 from /v/lib/python3.11/site-packages/pip (python 3.11)",
         "Collecting pytest (from ddpx==0.1.0)",
         "  Found link https://files/pytest-8.tar.gz, version: 8",
+        "  Downloading pytest-8.0-py3-none-any.whl (334 kB)",
         "  running build_ext",
         "  ddpx._C: compiling 14 files (not built yet; MAX_JOBS=2)",
         "  Emitting ninja build file /tmp/b/build.ninja...",
-        # as torch's BuildExtension writes them (ninja -v), "-c -c" included
+        "  ddpx._C: compiling csrc/comm_hooks/allreduce.cpp, csrc/comm_hooks/bindings.cpp (0 of 14 done, 8 s)",
+        # as torch's BuildExtension writes them (ninja -v, a step once it is done), "-c -c" included
         "  [1/14] c++ -MMD -MF /tmp/b/module.o.d -fPIC -I/src/ddpx/csrc -I/v/include/python3.11 -c -c "
         "/src/ddpx/csrc/module.cpp -o /tmp/b/module.o -O3 -std=c++17 -DTORCH_EXTENSION_NAME=_C",
         "  In file included from /src/ddpx/csrc/module.cpp:1:",
         "  [14/14] /usr/local/cuda/bin/nvcc -I/src/ddpx/csrc -c /src/ddpx/csrc/ops/cuda/int8_kernel.cu -o /tmp/b/k.o",
-        "  ddpx._C: built in 301 s",
+        "  ddpx._C: built in 5 min 1 s",
         "Installing collected packages: pytest, ddpx",
         "Successfully installed ddpx-0.1.0 pytest-8.0",
     ]
-    shown = [line for line in (eb.progress_line(line, root) for line in pip_verbose) if line]
+    progress = pip_progress.Progress("/src/ddpx")
+    shown = [line for line in map(progress.feed, pip_verbose) if line]
     assert shown == [
         "Collecting pytest (from ddpx==0.1.0)",
+        "  Downloading pytest-8.0-py3-none-any.whl (334 kB)",
         "ddpx._C: compiling 14 files (not built yet; MAX_JOBS=2)",
-        "ddpx._C: [1/14] compiling csrc/module.cpp",
-        "ddpx._C: [14/14] compiling csrc/ops/cuda/int8_kernel.cu",
-        "ddpx._C: built in 301 s",
+        "ddpx._C: compiling csrc/comm_hooks/allreduce.cpp, csrc/comm_hooks/bindings.cpp (0 of 14 done, 8 s)",
+        "ddpx._C: [1/14] compiled csrc/module.cpp",
+        "ddpx._C: [14/14] compiled csrc/ops/cuda/int8_kernel.cu",
+        "ddpx._C: built in 5 min 1 s",
         "Installing collected packages: pytest, ddpx",
         "Successfully installed ddpx-0.1.0 pytest-8.0",
     ]
+
+
+def test_progress_says_what_pip_is_still_doing_after_9_quiet_seconds():
+    now = [0.0]
+    progress = pip_progress.Progress("/src/ddpx", clock=lambda: now[0])
+    assert progress.quiet_for() == 9
+    assert progress.feed("  Found link https://files/six-1.tar.gz, version: 1") is None  # not said without -v
+    now[0] = 9.0
+    assert progress.quiet_for() == 0 and progress.heartbeat() == "setup.sh: still starting pip (9 s)"
+    assert progress.quiet_for() == 9  # the heartbeat spoke
+    progress.feed("  Downloading https://files/torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl (899.7 MB)")
+    now[0] = 84.0
+    assert progress.heartbeat() == \
+        "setup.sh: still downloading torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl (899.7 MB) (1 min 15 s)"
+    progress.feed("Installing collected packages: mlflow, wandb, tensorboard")
+    now[0] = 225.0
+    assert progress.heartbeat() == "setup.sh: still installing 3 packages (2 min 21 s)"
+    progress.feed("  running build_ext")  # a line it does not show: the silence goes on
+    now[0] = 234.0
+    assert progress.quiet_for() == 0 and progress.heartbeat() == "setup.sh: still building ddpx._C (9 s)"
+
+
+def test_the_progress_filter_speaks_while_its_input_is_silent(monkeypatch, capsys):
+    """pip_progress.py's loop: each line as it comes, and a heartbeat whenever the input is
+    quiet for HEARTBEAT_S (here 0.2 s)."""
+    import io
+    import threading
+
+    monkeypatch.setattr(pip_progress, "HEARTBEAT_S", 0.2)
+    read_end, write_end = os.pipe()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.FileIO(read_end)))
+    filtered = threading.Thread(target=pip_progress.main)
+    filtered.start()
+    with open(write_end, "w") as pip:
+        pip.write("Installing collected packages: six\n")
+        pip.flush()
+        time.sleep(0.5)
+        pip.write("Successfully installed six-1.17.0\n")
+    filtered.join(timeout=10)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "Installing collected packages: six" and lines[-1] == "Successfully installed six-1.17.0"
+    assert lines[1:-1] and all(line == "setup.sh: still installing 1 package (0 s)" for line in lines[1:-1]), lines
+
+
+def test_the_compile_heartbeat_names_the_files_a_compiler_has_open(tmp_path):
+    """setup.py's line every 8 s while it compiles: the sources of this checkout in the
+    compilers' command lines (another checkout's are not ours) and the objects written since."""
+    root, objects, proc = tmp_path / "src", tmp_path / "build", tmp_path / "proc"
+    for pid, args in ((11, ["cc1plus", "-quiet", "-c", f"{root}/csrc/comm_hooks/bindings.cpp"]),
+                      (12, ["c++", "-MMD", "-c", "-c", f"{root}/csrc/comm_hooks/allreduce.cpp", "-o", "x.o"]),
+                      (13, ["c++", "-c", "/elsewhere/csrc/comm_hooks/int8.cpp"]),
+                      (14, ["python", f"{root}/csrc/module.cpp"])):  # no -c: not a compile
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cmdline").write_bytes("\0".join(args).encode() + b"\0")
+    assert eb.compiling_now(str(root), proc=str(proc)) == ["csrc/comm_hooks/allreduce.cpp",
+                                                           "csrc/comm_hooks/bindings.cpp"]
+    heartbeat = eb.CompileHeartbeat(str(root), str(objects), total=19, proc=str(proc))
+    heartbeat.start = time.time() - 125
+    (objects / "csrc" / "ops").mkdir(parents=True)
+    (objects / "csrc" / "ops" / "cast.o").write_bytes(b"")  # written since the start
+    (objects / "csrc" / "ops" / "int8.o").write_bytes(b"")
+    os.utime(objects / "csrc" / "ops" / "int8.o", (heartbeat.start - 60, heartbeat.start - 60))  # an earlier build's
+    assert heartbeat.line() == ("ddpx._C: compiling csrc/comm_hooks/allreduce.cpp, csrc/comm_hooks/bindings.cpp "
+                                "(1 of 19 done, 2 min 5 s)")
+    linking = eb.CompileHeartbeat(str(root), str(objects), total=1, proc=str(tmp_path / "none"))
+    linking.start = heartbeat.start  # every file compiled, no compiler running: the link
+    assert linking.line() == "ddpx._C: linking (1 of 1 done, 2 min 5 s)"
 
 
 def _copy_checkout(dest):
@@ -143,15 +225,22 @@ def test_setup_py_reuses_a_current_extension_and_compiles_a_stale_one(tmp_path):
 
     with open(tmp_path / "csrc" / "module.cpp", "a") as f:
         f.write("\n// edited\n")
-    # stopped once it says it compiles (or after 40 s: far too little to compile 14 files)
+    # stopped at its first heartbeat, 8 s into the compile (or after 40 s: far too little to
+    # compile 19 files)
     log = tmp_path / "stale.log"
     proc = harness.start(cmd, log, harness.base_env(), cwd=tmp_path)
-    deadline = time.monotonic() + 40
-    while proc.poll() is None and "ddpx._C: compiling" not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    heartbeat = re.compile(r"^ddpx\._C: compiling (csrc/\S+\.cpp(?:, csrc/\S+\.cpp)*) \((\d+) of (\d+) done, \d+ s\)$",
+                           re.M)
+    harness.wait_for(lambda: proc.poll() is not None or heartbeat.search(log.read_text()), 40, poll=0.1)
     (edited,) = harness.finish([proc], [log], timeout=0)
-    assert "ddpx._C: compiling" in edited.output and "(csrc/ or setup.py changed since the build;" in edited.output, \
-        edited.output[-3000:]
+    compiling = re.search(r"ddpx\._C: compiling (\d+) files \(csrc/ or setup.py changed since the build;", edited.output)
+    beat = heartbeat.search(edited.output)
+    assert compiling and beat, edited.output[-3000:]
+    # the files in the compilers' command lines, this copy's CPU sources
+    sources = {os.path.relpath(path, tmp_path) for path in glob.glob(str(tmp_path / "csrc" / "**" / "*.cpp"),
+                                                                     recursive=True) if "/cuda/" not in path}
+    assert beat[3] == compiling[1] == str(len(sources)) and int(beat[2]) < len(sources), beat[0]
+    assert set(beat[1].split(", ")) <= sources, beat[0]
 
 
 @pytest.mark.slow
@@ -202,25 +291,67 @@ def test_setup_sh_train_runs_ddpx_train_in_the_venv_it_made(tmp_path):
 def test_setup_sh_makes_a_venv_on_an_externally_managed_python(tmp_path):
     """scripts/setup.sh with a stand-in interpreter that is externally managed: it must create
     the venv and install there (the stand-ins log what they are asked)."""
-    import subprocess
-
     venv = tmp_path / "venv"
     system, log = _stand_in_pythons(tmp_path)
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "test"], capture_output=True, text=True,
-                            env={**os.environ, "PYTHON": str(system), "DDPX_VENV": str(venv)}, timeout=60)
-    assert result.returncode == 0, result.stderr
+    code, out, err = harness.run(["bash", str(ROOT / "scripts" / "setup.sh"), "test"], timeout=60,
+                                 env={"PYTHON": str(system), "DDPX_VENV": str(venv)})
+    assert code == 0, err
     calls = log.read_text()
     assert "pip on the system python" not in calls and "system -m venv" in calls
     assert "venv -m pip install -v --no-build-isolation -e .[test]" in calls
-    assert f". {venv}/bin/activate" in result.stdout
+    assert f". {venv}/bin/activate" in out
+
+
+def _python_with_torch(tmp_path, real):
+    """A stand-in python that is not externally managed and has torch: it logs what pip is
+    asked, and ``real`` says where it installs."""
+    log, python = tmp_path / "log", tmp_path / "python3"
+    python.write_text(f"""#!/bin/bash
+case "$1" in
+  -c) case "$2" in
+        *EXTERNALLY-MANAGED*) exit 1 ;;
+        *purelib*) exec {real} -c "$2" ;;
+        *) exit 0 ;;
+      esac ;;
+  -m) echo "$*" >> {log}; exit 0 ;;
+  *) cat > /dev/null; exit 0 ;;
+esac
+""")
+    python.chmod(0o755)
+    return python, log
+
+
+@pytest.mark.slow
+def test_setup_sh_says_where_it_installs_before_it_installs(tmp_path):
+    """Into a virtual environment, or into a global interpreter's site-packages (a pyenv or
+    conda python): said, with the folder, before the first pip install."""
+    import sysconfig
+
+    base = getattr(sys, "_base_executable", sys.executable)
+    interpreters = [(sys.executable, f"setup.sh: installing into the virtual environment {sys.prefix} "
+                                     f"({sysconfig.get_paths()['purelib']})")] if sys.prefix != sys.base_prefix else []
+    if base != sys.executable or sys.prefix == sys.base_prefix:  # this python's own interpreter, without the venv
+        interpreters.append((base, f"setup.sh: installing into {base}, not a virtual environment: its packages in "))
+    for real, said in interpreters:
+        python, log = _python_with_torch(tmp_path, real)
+        code, out, err = harness.run(["bash", str(ROOT / "scripts" / "setup.sh")], timeout=60,
+                                     env={"PYTHON": str(python)})
+        assert code == 0, err
+        lines = out.splitlines()
+        where = next(i for i, line in enumerate(lines) if line.startswith("setup.sh: installing into "))
+        assert lines[where].startswith(said), lines[where]
+        assert where < lines.index("setup.sh: checking for an installed torch")
+        assert log.read_text().splitlines() == ["-m pip install -v setuptools wheel ninja pybind11",
+                                                "-m pip install -v --no-build-isolation -e ."]
+        log.unlink()
+    assert "get torch and ddpx (to keep them apart, activate a venv or set PYTHON=/path/to/venv/bin/python " \
+           "first)" in lines[where]
 
 
 @pytest.mark.slow
 def test_setup_sh_says_which_torch_wheel_it_installs(tmp_path):
     """The README said set-up installs "the CPU wheel this project's CI uses"; from PyPI alone
     `pip install torch==2.13.0` is the multi-GB CUDA build. setup.sh must say so when it installs torch."""
-    import subprocess
-
     log = tmp_path / "log"
     python = tmp_path / "python3"  # not externally managed, no torch; logs what pip is asked
     python.write_text(f"""#!/bin/bash
@@ -231,9 +362,9 @@ case "$1" in
 esac
 """)
     python.chmod(0o755)
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True,
-                            env={**os.environ, "PYTHON": str(python)}, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert "-m pip install torch==2.13.0" in log.read_text()
+    code, out, err = harness.run(["bash", str(ROOT / "scripts" / "setup.sh")], timeout=60,
+                                 env={"PYTHON": str(python)})
+    assert code == 0, err
+    assert "-m pip install -v torch==2.13.0" in log.read_text()
     assert ("setup.sh: installing torch==2.13.0 (a CPU wheel where pip sees one; from PyPI alone, on Linux, "
-            "the CUDA build: several GB)") in result.stdout
+            "the CUDA build: several GB)") in out

@@ -7,7 +7,6 @@ import os
 import pathlib
 import shutil
 import site
-import subprocess
 import sys
 import textwrap
 
@@ -79,22 +78,25 @@ def test_installed_plugin_is_discovered_and_called(ranks, tmp_path):
                 package / "ddpx_hello_sgd.py")
     venv = tmp_path / "venv"
     # --without-pip: this interpreter's pip (seen through its site-packages) installs into the venv.
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True, timeout=60)
+    code, _, err = ranks.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                             timeout=60)
+    assert code == 0, err
     python = str(venv / "bin" / "python")
     # torch, ddpx, pip and setuptools come from this interpreter's site-packages (no
     # network). When this interpreter is itself a venv, --system-site-packages shows
     # the base interpreter's packages instead, so a .pth file adds ours (their own
     # .pth files, e.g. an editable ddpx, processed too), ahead of the base's.
-    site_dir = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    code, site_dir, err = ranks.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                    timeout=60)
+    assert code == 0, err
+    site_dir = site_dir.strip()
     outer = [d for d in site.getsitepackages() if os.path.isdir(d)]
     (pathlib.Path(site_dir) / "outer_env.pth").write_text(
         "".join(f"import site; site.addsitedir({d!r})\n" for d in outer))
-    install = subprocess.run(
+    code, _, err = ranks.run(
         [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--quiet", str(package)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert install.returncode == 0, install.stderr
+        timeout=120)
+    assert code == 0, err
 
     rc, out, err = ranks.cli(["plugins"], python=python, timeout=60)
     assert rc == 0, err

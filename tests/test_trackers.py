@@ -5,9 +5,7 @@ tracker run."""
 
 import json
 import os
-import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -300,25 +298,23 @@ def mlflow_server(tmp_path):
                           "--default-artifact-root", (root / "artifacts").as_uri(), "--workers", "1"],
                          log, harness.base_env(), cwd=root)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
+
+    def healthy():
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
     try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"mlflow server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        if not harness.wait_for(lambda: proc.poll() is not None or healthy(), 90, poll=0.5) or not healthy():
+            raise AssertionError(f"mlflow server did not start:\n{log.read_text()[-3000:]}")
         yield url
     finally:
         os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
+        if not harness.wait_for(lambda: proc.poll() is not None, 20):
             os.killpg(proc.pid, 9)
+            proc.wait()
 
 
 @pytest.mark.slow

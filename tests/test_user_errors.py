@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import types
 from pathlib import Path
 
@@ -389,11 +388,9 @@ def test_ctrl_c_through_tee_saves_the_stop_says_how_to_resume_and_resumes_exactl
     pipeline = f"{ddpx} train cfg.yaml trainer.epochs=500 2>&1 | tee train.log; echo ${{PIPESTATUS[@]}} > status"
     proc = harness.start(["bash", "-c", pipeline], project / "terminal.log", harness.base_env(), cwd=project)
     try:
-        deadline = time.monotonic() + 120
-        while not glob.glob(str(project / "runs" / "*" / "checkpoints" / "*.pt")) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        harness.wait_for(lambda: glob.glob(str(project / "runs" / "*" / "checkpoints" / "*.pt")), 120, poll=0.2)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the launcher and tee get SIGINT
-        proc.wait(timeout=90)
+        harness.wait_for(lambda: proc.poll() is not None, 90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
