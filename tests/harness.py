@@ -176,6 +176,8 @@ def start(cmd, log: Path, env: dict, cwd=None, split_stderr: bool = False) -> su
 
 def _no_core_files() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the SIGABRT of a hang's stack dump writes none
+    for signum in (signal.SIGINT, signal.SIGHUP):  # as in a terminal, also where the suite itself runs
+        signal.signal(signum, signal.SIG_DFL)  # in the background or under nohup (both ignored there)
 
 
 def process_tree(pid: int) -> list[int]:
