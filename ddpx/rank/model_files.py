@@ -18,6 +18,7 @@ and writes into one directory:
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 
 import torch
@@ -31,16 +32,20 @@ TORCH_WEIGHTS = "model_weights.pt"  # the fallback where safetensors cannot hold
 HF_CONFIG = "config.json"
 
 
+def names_by_tensor(named) -> list:
+    """The names of ``named`` (``(name, tensor)`` pairs, a tensor under several names included)
+    grouped by tensor, each group and the groups in the order of first appearance."""
+    groups: dict = {}
+    for name, tensor in named:
+        groups.setdefault(id(tensor), []).append(name)
+    return list(groups.values())
+
+
 def tied_names(model: nn.Module) -> dict:
     """``{name: the name it is tied to}`` for every parameter or buffer name of ``model`` that
     names a tensor another, earlier name (in ``named_parameters`` order) names too."""
-    first, tied = {}, {}
-    for named in (model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
-        for name, tensor in named:
-            kept = first.setdefault(id(tensor), name)
-            if kept != name:
-                tied[name] = kept
-    return tied
+    named = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    return {name: group[0] for group in names_by_tensor(named) for name in group[1:]}
 
 
 def model_class(model: nn.Module) -> type:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..data.stream import has_length
 from ..errors import DdpxError
+from ..rank.model_files import names_by_tensor
 from . import shards
 from .base import PartReduction, Strategy
 
@@ -92,14 +93,12 @@ def unit_modules(model: nn.Module, units, min_params: int) -> Units:
 def shared_parameters(model: nn.Module):
     """A function of a submodule's name: the names, outside that submodule, of the parameters it
     shares with other modules of ``model`` (tied weights, a module used in two places); [] if none."""
-    names = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+    groups = names_by_tensor(model.named_parameters(remove_duplicate=False))
 
     def shared(prefix: str) -> list:
         def inside(n):
             return n.startswith(prefix + ".")
-        return sorted(n for group in names.values() if any(map(inside, group)) for n in group if not inside(n))
+        return sorted(n for group in groups if any(map(inside, group)) for n in group if not inside(n))
 
     return shared
 
