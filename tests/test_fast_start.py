@@ -56,7 +56,7 @@ def test_the_plugins_listing_imports_no_torch(capsys):
                                                          "checkpoint", "comm_monitor", "early_stopping", "ema",
                                                          "profiler", "trainer"]
     assert "ddpx_forward" in lines[-2]
-    assert lines[-1].startswith("strategy: ddp (ddpx.strategies.ddp.DDPStrategy); built in: ddp, fsdp")
+    assert lines[-1].startswith("strategy: ddp (ddpx.strategies.ddp.DDPStrategy); built in: ddp, fsdp, pipeline, tensor")
 
 
 @pytest.mark.parametrize("override, message", [

@@ -178,7 +178,7 @@ def test_units_by_class_name_and_a_name_the_model_lacks():
     (["fsdp.units=blocks"], "config key 'fsdp.units' must be auto or a list of module class names"),
     (["trainer.strategy=fsdp", "comm_hook.name=powersgd"], "comm_hook.name=powersgd does not "
                                                            "apply under trainer.strategy=fsdp"),
-    (["trainer.strategy=zero"], "unknown trainer.strategy 'zero'; choose one of ddp, fsdp, or give an import path"),
+    (["trainer.strategy=zero"], "unknown trainer.strategy 'zero'; choose one of ddp, fsdp, pipeline, tensor, or give an import path"),
     (["fsdp.shard_size=nodes"], "config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1"),
     (["fsdp.shard_size=0"], "config key 'fsdp.shard_size' must be all, node or a number of ranks >= 1"),
 ])

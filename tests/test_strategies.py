@@ -86,7 +86,7 @@ def test_built_in_names_and_import_paths_resolve(make_config):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("fdsp", r"^unknown trainer.strategy 'fdsp'; did you mean 'fsdp'\?; choose one of ddp, fsdp, or give an "
+    ("fdsp", r"^unknown trainer.strategy 'fdsp'; did you mean 'fsdp'\?; choose one of ddp, fsdp, pipeline, tensor, or give an "
              r"import path package.module:Class$"),
     ("torch.nn.Linear", r"^trainer.strategy 'torch.nn.Linear' is <class 'torch.nn.modules.linear.Linear'>, not a "
                         r"strategy: subclass ddpx.strategies.Strategy \(docs/strategies.md\)$"),
@@ -108,7 +108,7 @@ def test_an_installed_package_registers_a_strategy_by_entry_point(tmp_path, monk
     monkeypatch.syspath_prepend(str(tmp_path))
     config = load_config(None, ["trainer.strategy=mine"])
     assert type(make(config)).__name__ == "Mine"
-    with pytest.raises(DdpxError, match="choose one of ddp, fsdp, mine, or give an import path"):
+    with pytest.raises(DdpxError, match="choose one of ddp, fsdp, pipeline, tensor, mine, or give an import path"):
         load_config(None, ["trainer.strategy=other"])
 
 

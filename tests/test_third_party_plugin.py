@@ -102,7 +102,7 @@ def test_installed_plugin_is_discovered_and_called(ranks, tmp_path):
     assert rc == 0, err
     row = next(line for line in out.splitlines() if line.startswith("hello "))
     assert row.split() == ["hello", "ddpx-hello-plugin", "0.3.1", "ddpx_config_defaults,", "ddpx_epoch_end,", "ddpx_train_end,", "ddpx_train_start"]
-    assert out.splitlines()[-1] == ("strategy: ddp (ddpx.strategies.ddp.DDPStrategy); built in: ddp, fsdp; "
+    assert out.splitlines()[-1] == ("strategy: ddp (ddpx.strategies.ddp.DDPStrategy); built in: ddp, fsdp, pipeline, tensor; "
                                     "installed: hello_local_sgd (ddpx-hello-plugin 0.3.1)")
 
     run_dir = tmp_path / "run"

@@ -50,6 +50,7 @@ DEFAULTS: dict = {
     },
     "fsdp": {"units": "auto", "min_unit_params": 100_000, "reshard_after_forward": True, "reduce_dtype": "fp32",
              "param_dtype": "amp", "shard_size": "all", "offload": "none"},
+    "pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 4, "stages_per_rank": 1, "split": "auto"},
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
 }
@@ -75,6 +76,7 @@ TYPES: dict = {
     "trainer.strategy": (str,),
     "fsdp.units": (str, list),
     "fsdp.shard_size": (str, int),
+    "pipeline.split": (str, list),
 }
 CHOICES: dict = {
     "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
@@ -83,6 +85,7 @@ CHOICES: dict = {
     "fsdp.reduce_dtype": ("fp32", "bf16", "fp16"),
     "fsdp.param_dtype": ("amp", "fp32"),
     "fsdp.offload": ("none", "cpu"),
+    "pipeline.schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
 }
 # Sections built from an import path; their ``args`` are free-form keyword arguments that
 # belong to their target: where a target is given (in the file over the defaults, on the
@@ -106,6 +109,9 @@ RANGES: dict = {
     "trainer.first_timeout_s": (0, False, "seconds"),
     "trainer.stall_s": (0, False, "seconds a rank may wait in one collective before the ranks compare notes"),
     "launch.max_restarts": (0, True, "0 for none"),
+    "pipeline.stages": (1, True, "ranks per pipeline, one stage each"),
+    "pipeline.microbatches": (1, True, "micro-batches each batch is split into"),
+    "pipeline.stages_per_rank": (1, True, "stages each rank holds (interleaved_1f1b: 2 or more)"),
     "fsdp.min_unit_params": (1, True, "parameters a module needs to become an FSDP unit under fsdp.units=auto"),
 }
 

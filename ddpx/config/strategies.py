@@ -16,7 +16,9 @@ import importlib.metadata
 from ..errors import DdpxError, did_you_mean
 from ..imports import resolve
 
-BUILTIN_STRATEGIES = {"ddp": "ddpx.strategies.ddp:DDPStrategy", "fsdp": "ddpx.strategies.fsdp:FSDPStrategy"}
+BUILTIN_STRATEGIES = {"ddp": "ddpx.strategies.ddp:DDPStrategy", "fsdp": "ddpx.strategies.fsdp:FSDPStrategy",
+                      "pipeline": "ddpx.strategies.pipeline:PipelineStrategy",
+                      "tensor": "ddpx.strategies.tensor:TensorStrategy"}
 ENTRY_POINT_GROUP = "ddpx.strategies"
 BASE = ("ddpx.strategies.base", "Strategy")
 
@@ -30,7 +32,7 @@ def check_strategy_name(name) -> None:
     """A one-line error for a ``trainer.strategy`` that names no strategy, without importing one
     (nor torch): a misspelt name fails before anything heavy loads."""
     if not isinstance(name, str) or not name:
-        raise DdpxError(f"config key 'trainer.strategy' must name a strategy (ddp, fsdp, an installed one or an "
+        raise DdpxError(f"config key 'trainer.strategy' must name a strategy (ddp, fsdp, pipeline, tensor, an installed one or an "
                         f"import path package.module:Class), got {name!r}")
     if name in BUILTIN_STRATEGIES or "." in name or ":" in name:  # no scan of the installed distributions for these
         return

@@ -11,15 +11,20 @@ the launcher, every rank     can this config work (:meth:`Strategy.check_config`
 the trainer's default wrap   wrap the model (:meth:`Strategy.wrap`)
 the comm_hook plugin         use a compression method (:meth:`Strategy.use_compression`, before
                              the wrap) and install it (:meth:`Strategy.install_compression`)
-the trainer                  training starts (:meth:`Strategy.start`); the context that skips
-                             synchronisation in an accumulation window (:meth:`Strategy.no_sync`);
+the trainer                  training starts (:meth:`Strategy.start`); one micro-batch's forward
+                             and backward (:meth:`Strategy.forward_backward`); the context that
+                             skips synchronisation in an accumulation window (:meth:`Strategy.no_sync`);
                              what must agree across ranks at an epoch's end
                              (:meth:`Strategy.replica_checks`); the model's and optimizer's state
                              (:meth:`Strategy.model_state`, :meth:`Strategy.load_model_state`)
 the gradient norm            which gradients each rank holds a part of, and how their squares are
                              summed (:meth:`Strategy.part_reduction`)
 the default evaluation       forwards every rank must run, and the clean-up after
-                             (:meth:`Strategy.evaluating`)
+                             (:meth:`Strategy.evaluating`); one batch's loss (:meth:`Strategy.eval_loss`)
+the sampler, seeding         which data-parallel replica this rank belongs to
+                             (:meth:`Strategy.data_parallel`)
+the loss means               whether this rank's losses count (:meth:`Strategy.counts_loss`)
+failure lines                where this rank sits in the model (:meth:`Strategy.describe_rank`)
 the checkpoint plugin        which state entries are each rank's own part, written by every rank
                              (:meth:`Strategy.sharded_entries`, :meth:`Strategy.save_shards`,
                              :meth:`Strategy.read_shards`); the whole model as one state dict
@@ -121,7 +126,34 @@ class Strategy:
         """Training starts (a checkpoint was restored): schedule periodic work here with
         ``trainer.call_at_step``."""
 
+    # --- the data and the ranks ------------------------------------------------------------
+
+    def data_parallel(self, trainer: "Trainer") -> tuple[int, int]:
+        """``(replica, replicas)``: the data-parallel replica this rank belongs to and how many there
+        are. Data is sharded over the replicas, and a replica's ranks (a pipeline's stages, a tensor
+        group) see the same batches and share their random stream. Default: every rank a replica."""
+        return trainer.rank, trainer.world_size
+
+    def counts_loss(self, trainer: "Trainer") -> bool:
+        """Whether this rank's losses and evaluation sums count in the means over the ranks: one rank
+        per replica must (a pipeline's last stage; one rank of a tensor group, whose ranks repeat the
+        same loss). Default: every rank."""
+        return True
+
+    def describe_rank(self, trainer: "Trainer") -> str:
+        """Where this rank sits, for failure lines ("stage 1 of 2, replica 0"); empty: nothing to add."""
+        return ""
+
     # --- the step ------------------------------------------------------------------------
+
+    def forward_backward(self, trainer: "Trainer", batch, window: float) -> torch.Tensor:
+        """Forward (``ddpx_forward``, in ``autocast``) and backward of one micro-batch (on the
+        device); returns its loss, detached. The back-propagated loss is divided by ``window``
+        (see :meth:`ddpx.train.trainer.Trainer.forward_backward`)."""
+        with trainer.autocast:
+            loss = trainer.hook.ddpx_forward(trainer=trainer, batch=batch)
+        trainer.backward(loss / window if window > 1 else loss)
+        return loss.detach()
 
     def no_sync(self, model: nn.Module) -> Optional[Callable[[], ContextManager]]:
         """A factory of the context the backward passes of an accumulation window run in, all but
@@ -152,6 +184,14 @@ class Strategy:
         beyond its batches (repeating its last one, results not counted) so that the ranks
         stay in step where every forward is collective."""
         yield 0
+
+    def eval_loss(self, trainer: "Trainer", model: nn.Module, batch) -> tuple:
+        """``(loss, outputs, targets)`` of one evaluation batch (on the device, under ``no_grad``):
+        :func:`~ddpx.train.batches.model_loss`. A rank whose loss does not count
+        (:meth:`counts_loss`) may return anything."""
+        from ..train.batches import model_loss
+
+        return model_loss(model, trainer.loss_fn, batch)
 
     # --- state -----------------------------------------------------------------------------
 

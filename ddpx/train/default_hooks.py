@@ -87,7 +87,7 @@ class DefaultHooks:
         import torch
         import torch.distributed as dist
 
-        from .batches import batch_size, model_loss, to_device
+        from .batches import batch_size, to_device
 
         model = trainer.module
         name = trainer.config.trainer.eval_metric
@@ -100,7 +100,7 @@ class DefaultHooks:
         with trainer.strategy.evaluating(trainer, loader) as padding, torch.no_grad():
             for batch in loader:
                 batch = to_device(batch, trainer.device)
-                loss, outputs, targets = model_loss(model, trainer.loss_fn, batch)
+                loss, outputs, targets = trainer.strategy.eval_loss(trainer, model, batch)
                 n = batch_size(batch, targets)
                 sums[0] += loss.double() * n
                 sums[2] += n
@@ -113,8 +113,11 @@ class DefaultHooks:
                     sums[3] += 1
                     sums[1] += (outputs.argmax(dim=1) == targets).sum()
             for _ in range(padding):  # forwards whose results are not counted: see Strategy.evaluating
-                model_loss(model, trainer.loss_fn, batch)
+                trainer.strategy.eval_loss(trainer, model, batch)
         model.train(was_training)
+        if not trainer.strategy.counts_loss(trainer):  # another rank of this replica counts its batches
+            sums.zero_()
+            metric_sums = {key: value * 0 for key, value in metric_sums.items()}
         if metric is not None:
             # A rank may have had no batch to learn the names from: agree on them first.
             names: list = [None] * trainer.world_size

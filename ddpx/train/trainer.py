@@ -171,7 +171,8 @@ class Trainer:
         self._plugins_before = set(self.plugin_manager.get_plugins())
         self._signals.install()
         self._build()
-        seed_rank(self.config.seed, self.rank)  # built alike everywhere; from here one stream per rank
+        # built alike everywhere; from here one stream per data-parallel replica (a rank under ddp)
+        seed_rank(self.config.seed, self.strategy.data_parallel(self)[0])
         self.hook.ddpx_train_start(trainer=self)  # checkpoint restore may move epoch/global_step
         self.strategy.start(self)
 
@@ -439,10 +440,7 @@ class Trainer:
         (``math.inf``: no gradient, a padding pass of :mod:`~ddpx.train.stream_end`)."""
         if self._batch_device is not None:
             batch = to_device(batch, self._batch_device)
-        with self.autocast:
-            loss = self.hook.ddpx_forward(trainer=self, batch=batch)
-        self.backward(loss / window if window > 1 else loss)
-        return loss.detach()
+        return self.strategy.forward_backward(self, batch, window)  # a pipeline runs its schedule here
 
     def batch_loss(self, batch) -> torch.Tensor:
         """The default ``ddpx_forward``: :func:`~ddpx.train.batches.model_loss`'s loss of one micro-batch."""
@@ -456,8 +454,8 @@ class Trainer:
         """``{"loss": mean micro-batch loss of the epoch over all ranks}`` (empty if
         no rank trained a batch): one all_reduce per epoch."""
         loss_sum, batches = self._losses.epoch_total()
-        if loss_sum is None:
-            loss_sum = torch.zeros((), dtype=torch.float64)
+        if loss_sum is None or not self.strategy.counts_loss(self):
+            loss_sum, batches = torch.zeros((), dtype=torch.float64), 0
         totals = torch.stack([loss_sum.to(self.device), torch.tensor(float(batches), dtype=torch.float64,
                                                                       device=self.device)])
         dist.all_reduce(totals)

@@ -43,16 +43,17 @@ def _stream_loader(trainer, train_set, loader_options, generator):
                                   check_worker_split, has_length)
 
     settings, target = trainer.config.trainer, trainer.config.data.target
+    replica, replicas = trainer.strategy.data_parallel(trainer)
     workers = max(1, settings.num_workers)
     check_worker_split(train_set, target, workers)
     itself = bool(getattr(train_set, "ddpx_shards_itself", False))
-    if not itself and trainer.world_size * workers > 1 and trainer.rank == 0:
+    if not itself and replicas * workers > 1 and trainer.rank == 0:
         trainer.log.info(f"streaming data: {type(train_set).__name__} of data.target {target} does not shard itself, "
-                         f"so each of {trainer.world_size} ranks x {workers} workers reads the whole stream and keeps "
-                         f"1 sample in {trainer.world_size * workers}; to read only its part, let it shard itself "
+                         f"so each of {replicas} {'ranks' if replicas == trainer.world_size else 'replicas'} x {workers} workers reads the whole stream and keeps "
+                         f"1 sample in {replicas * workers}; to read only its part, let it shard itself "
                          "(ddpx_shards_itself = True, ddpx.data.stream.stream_shard(): docs/config.md, Streaming "
                          "data)")
-    stream = ShardedStream(train_set, trainer.rank, trainer.world_size, trainer.config.seed,
+    stream = ShardedStream(train_set, replica, replicas, trainer.config.seed,
                            settings.seed_per_sample)
     loader = DataLoader(stream, batch_size=settings.batch_size, generator=generator, **loader_options)
     if not has_length(train_set):
@@ -62,11 +63,11 @@ def _stream_loader(trainer, train_set, loader_options, generator):
                              "trains until stopped)")
         return StreamLoader(loader, stream, workers)
     samples = len(train_set)
-    steps = min(batches_per_rank(samples, r, trainer.world_size, workers, settings.batch_size, itself)
-                for r in range(trainer.world_size))
+    steps = min(batches_per_rank(samples, r, replicas, workers, settings.batch_size, itself)
+                for r in range(replicas))
     if steps == 0:
         raise DdpxError(f"zero steps per epoch: the stream of data.target {target} has {samples} samples, not one "
-                        f"for each of {trainer.world_size} ranks; use more data or fewer ranks")
+                        f"for each of {replicas} data-parallel replicas; use more data or fewer ranks")
     return CountedStreamLoader(loader, stream, workers, steps)
 
 
@@ -105,6 +106,9 @@ class SamplerPlugin:
 
         cfg = trainer.config.section("sampler")
         settings = trainer.config.trainer
+        # Data is sharded over the data-parallel replicas: the ranks of one replica (a pipeline's
+        # stages, a tensor group) see the same batches.
+        replica, replicas = trainer.strategy.data_parallel(trainer)
         self.generator = torch.Generator()  # reseeded every epoch in ddpx_epoch_start
         loader_options = {
             "num_workers": settings.num_workers,
@@ -121,8 +125,8 @@ class SamplerPlugin:
             batch_sampler = ResumableDistributedBatchSampler(
                 len(train_set),
                 settings.batch_size,
-                trainer.rank,
-                trainer.world_size,
+                replica,
+                replicas,
                 shuffle=cfg["shuffle"],
                 seed=trainer.config.seed,
                 drop_last=cfg["drop_last"],
@@ -130,11 +134,11 @@ class SamplerPlugin:
             )
             if len(batch_sampler) == 0:  # every epoch would end at once: exit 0 with nothing done
                 raise DdpxError(f"zero steps per epoch: {len(train_set)} training samples do not fill one batch of "
-                                f"trainer.batch_size={settings.batch_size} on each of {trainer.world_size} ranks"
+                                f"trainer.batch_size={settings.batch_size} on each of {replicas} data-parallel replicas"
                                 + (" with sampler.drop_last=true; set sampler.drop_last=false or lower "
                                    "trainer.batch_size" if cfg["drop_last"] else "; use more data or fewer ranks"))
             # Seeds per worker and epoch, or per sample (ddpx/rank/seeding.py): the keys carry the epoch.
-            seeded = SeededDataset(train_set, trainer.config.seed, trainer.rank, settings.seed_per_sample)
+            seeded = SeededDataset(train_set, trainer.config.seed, replica, settings.seed_per_sample)
             # The loader draws its workers' base seed from its own generator, not from the rank's
             # stream: a resumed run's new iterator must not shift the stream the checkpoint restored.
             train_loader = DataLoader(seeded, batch_sampler=batch_sampler, generator=self.generator,
@@ -142,7 +146,7 @@ class SamplerPlugin:
         eval_loader = None
         if eval_set is not None:
             sampler = None if isinstance(eval_set, IterableDataset) else \
-                ShardSampler(len(eval_set), trainer.rank, trainer.world_size)
+                ShardSampler(len(eval_set), replica, replicas)
             eval_loader = DataLoader(eval_set, batch_size=settings.eval_batch_size, sampler=sampler, **loader_options)
         return train_loader, eval_loader
 
@@ -155,7 +159,7 @@ class SamplerPlugin:
         from ddpx.rank.seeding import derive_seed
 
         if self.generator is not None:
-            self.generator.manual_seed(derive_seed(trainer.config.seed, trainer.rank, epoch))
+            self.generator.manual_seed(derive_seed(trainer.config.seed, trainer.strategy.data_parallel(trainer)[0], epoch))
         stream = _stream(trainer)
         if stream is not None:
             stream.set_epoch(epoch)
