@@ -207,17 +207,16 @@ def _signature(batch):
 
 class StageModule(nn.Module):
     """One pipeline stage: the user's model (``view``, holding this stage's blocks) run on the
-    micro-batches :meth:`feed` gives, in order (every schedule runs a stage's forwards in
-    micro-batch order). Its forward takes what the schedule passes (the previous stage's
+    micro-batches :meth:`feed` gives. Its forward takes what the schedule passes (the previous stage's
     activation, or a placeholder on the first stage) and returns the activation for the next
-    stage, or on the last stage the loss divided by the accumulation window."""
+    stage, or on the last stage the loss divided by the micro-batches of the whole window."""
 
     def __init__(self, view: nn.Module, blocks: list, first: bool, last: bool, loss_fn, autocast):
         super().__init__()
         self.view = view
         self.first, self.last = first, last
         self.loss_fn, self.autocast = loss_fn, autocast
-        self.chunks, self.next, self.window, self.keep_outputs = [], 0, 1.0, False
+        self.chunks, self.next, self.window, self.keep_outputs, self.inferring = [], 0, 1.0, False, False
         self.results: list = []  # last stage: (loss, outputs, targets) per micro-batch, detached
         self.incoming: Optional[torch.Tensor] = None
         if not first:
@@ -225,8 +224,8 @@ class StageModule(nn.Module):
         if not last:
             blocks[-1].register_forward_hook(self._stop)
 
-    def feed(self, chunks: list, window: float, keep_outputs: bool = False) -> None:
-        self.chunks, self.next, self.window, self.keep_outputs = chunks, 0, window, keep_outputs
+    def feed(self, chunks: list, window: float, keep_outputs: bool, inferring: bool) -> None:
+        self.chunks, self.next, self.window, self.keep_outputs, self.inferring = chunks, 0, window, keep_outputs, inferring
         self.results = []
 
     def _swap_input(self, module, args, kwargs):
@@ -240,8 +239,16 @@ class StageModule(nn.Module):
         raise StageOutput(output[0] if isinstance(output, (tuple, list)) else output)
 
     def forward(self, *args):
-        batch = self.chunks[self.next]
-        self.next += 1
+        # args: a placeholder on the first stage, the previous stage's activation after it. A new
+        # schedule's first step runs one forward of each stage of its own to learn the shapes
+        # (torch.distributed.pipelining's dynamic metadata): that one takes micro-batch 0 and
+        # counts for nothing.
+        learning = self.inferring
+        if learning:
+            self.inferring, batch = False, self.chunks[0]
+        else:
+            batch = self.chunks[self.next]
+            self.next += 1
         self.incoming = None if self.first else args[0]
         try:
             with self.autocast:
@@ -250,7 +257,8 @@ class StageModule(nn.Module):
             return out.value
         finally:
             self.incoming = None
-        self.results.append((loss.detach(), outputs if self.keep_outputs else None, targets))
+        if not learning:
+            self.results.append((loss.detach(), outputs if self.keep_outputs else None, targets))
         return loss / self.window if self.window > 1 else loss
 
 
@@ -275,9 +283,6 @@ class PipelineStrategy(DDPStrategy):
         if schedule == "interleaved_1f1b" and per_rank < 2:
             raise DdpxError("pipeline.schedule=interleaved_1f1b gives each rank several stages: set "
                             "pipeline.stages_per_rank=2 (or more), or pipeline.schedule=1f1b")
-        if schedule == "interleaved_1f1b" and micro % stages:
-            raise DdpxError(f"pipeline.schedule=interleaved_1f1b runs the micro-batches in rounds of pipeline.stages="
-                            f"{stages}: set pipeline.microbatches to a multiple of {stages} (now {micro})")
         batch = trainer.get("batch_size", 1)
         if batch % micro:
             raise DdpxError(f"trainer.batch_size={batch} does not split into pipeline.microbatches={micro} equal "
@@ -356,30 +361,25 @@ class PipelineStrategy(DDPStrategy):
                          f"{sum(param_count(m) for _, m in mine)} block parameters)", )
         return wrapped[0]
 
-    def _schedule(self, batch):
+    def _schedule(self, batch, train: bool):
         """The schedule for batches shaped as ``batch`` (a stage learns its activations' shapes at its
-        first step, so each batch shape, a tail batch's too, has its own) and its micro-batch count:
+        first step, so each batch shape, a tail batch's too, and each of training and evaluation
+        has its own) and its micro-batch count:
         ``pipeline.microbatches``, or for a batch it does not divide the largest divisor below it."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        key = _signature(batch)
+        key = (_signature(batch), train)
         if key not in self.schedules:
             cfg = self.trainer.config.pipeline
             rows = _batch_rows(batch)
             micro = max(m for m in range(1, min(cfg.microbatches, max(rows, 1)) + 1) if rows % m == 0 or rows == 0)
-            if cfg.schedule == "interleaved_1f1b":
-                while micro % cfg.stages:  # rounds of `stages` micro-batches; a tail batch may fall back to fewer
-                    micro -= 1
-                micro = max(micro, 1)
             stages = self.pipeline_stages()
             loss_fn = self._scaled_loss
-            if cfg.schedule == "interleaved_1f1b" and micro >= cfg.stages:
-                schedule = ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn)
-            elif cfg.schedule == "interleaved_1f1b":
-                schedule = None  # a tail batch smaller than a round: see forward_backward
+            if cfg.schedule == "interleaved_1f1b":
+                schedule = ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn, scale_grads=False)
             else:
                 kind = ScheduleGPipe if cfg.schedule == "gpipe" or micro < cfg.stages else Schedule1F1B
-                schedule = kind(stages[0], micro, loss_fn=loss_fn)
+                schedule = kind(stages[0], micro, loss_fn=loss_fn, scale_grads=False)
             self.schedules[key] = (schedule, micro)
         return self.schedules[key]
 
@@ -400,14 +400,13 @@ class PipelineStrategy(DDPStrategy):
         return f"pipeline {stages} of {self.num_stages}, replica {self.dp_rank} of {self.dp_size}"
 
     def _run(self, batch, window, train: bool):
-        schedule, micro = self._schedule(batch)
-        if schedule is None:
-            raise DdpxError(f"a batch of {_batch_rows(batch)} samples is smaller than one round of the interleaved "
-                            f"schedule ({self.trainer.config.pipeline.stages} micro-batches); set sampler.drop_last=true "
-                            "or a trainer.batch_size the data set divides")
+        schedule, micro = self._schedule(batch, train)
         chunks = split_batch(batch, micro)
+        fresh = not getattr(schedule, "_stage_forward_initialized", getattr(schedule, "_stages_forward_initialized", True))
         for stage in self.stage_modules:
-            stage.feed(chunks, window, keep_outputs=not train)
+            # the loss back-propagated is divided by the micro-batches here, not by the schedule's
+            # scale_grads, which would divide what earlier batches of an accumulation window left too
+            stage.feed(chunks, window * micro, keep_outputs=not train, inferring=fresh)
         device = self.trainer.device
         args = (torch.zeros(micro, 1, device=device),) if self.stage_ids[0] == 0 else ()
         target = torch.zeros(micro, device=device) if self.holds_last else None
