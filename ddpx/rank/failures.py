@@ -57,19 +57,20 @@ def short_timeout(store):
         store.set_timeout(before)
 
 
-def record_first_failure(store, rank: int, exc: BaseException) -> None:
-    """File this rank's error as the run's first failure, unless another rank's came first."""
+def record_first_failure(store, rank: int, exc: BaseException, where: str = "") -> None:
+    """File this rank's error as the run's first failure, unless another rank's came first;
+    ``where``: the rank's place in the model (a pipeline stage), shown after its number."""
     if store is None:
         return
     try:
         with short_timeout(store):
-            store.compare_set(FIRST_FAILURE, "", f"{rank}\t{summary(exc)}")
+            store.compare_set(FIRST_FAILURE, "", f"{rank}\t{where}\t{summary(exc)}")
     except Exception:  # the store is gone: the launcher still names the first rank to exit
         pass
 
 
-def first_failure(store, wait_s: float = STORE_WAIT_S) -> Optional[tuple[int, str]]:
-    """``(rank, error)`` of the first rank that failed on its own, or None when none said so in time."""
+def first_failure(store, wait_s: float = STORE_WAIT_S) -> Optional[tuple[int, str, str]]:
+    """``(rank, its place in the model or "", error)`` of the first rank that failed on its own, or None when none said so in time."""
     if store is None:
         return None
     deadline = time.monotonic() + wait_s
@@ -77,8 +78,8 @@ def first_failure(store, wait_s: float = STORE_WAIT_S) -> Optional[tuple[int, st
         with short_timeout(store):
             while True:
                 if store.check([FIRST_FAILURE]):
-                    rank, _, text = store.get(FIRST_FAILURE).decode().partition("\t")
-                    return int(rank), text
+                    rank, where, text = store.get(FIRST_FAILURE).decode().split("\t", 2)
+                    return int(rank), where, text
                 if time.monotonic() >= deadline:
                     return None
                 time.sleep(0.1)
@@ -90,7 +91,8 @@ def peer_failure_line(exc: BaseException, store, step: int) -> str:
     """What a rank whose collective broke prints instead of a traceback."""
     first = first_failure(store)
     if first is not None:
-        return f"stopped at step {step}: rank {first[0]} failed first: {first[1]}"
+        rank, where, error = first
+        return f"stopped at step {step}: rank {rank}{f' ({where})' if where else ''} failed first: {error}"
     found = PEER_ADDRESS.search(str(exc))
     why = f"the connection to {found.group(1)} broke" if found else summary(exc, limit=100)
     return (f"stopped at step {step}: another rank failed, hung or lost its host ({why}); "

@@ -288,6 +288,11 @@ class PipelineStrategy(DDPStrategy):
             raise DdpxError(f"trainer.batch_size={batch} does not split into pipeline.microbatches={micro} equal "
                             f"micro-batches; set trainer.batch_size to a multiple of {micro}, or pipeline.microbatches to "
                             f"a divisor of {batch}")
+        amp = values.get("amp", {})
+        if amp.get("enabled") and amp.get("dtype") == "fp16":
+            raise DdpxError("amp.dtype=fp16 does not apply under trainer.strategy=pipeline: each stage's GradScaler would "
+                            "skip overflowing steps on its own and the stages would part; use amp.dtype=bf16 (no "
+                            "loss scaling), or amp.enabled=false")
         if values.get("trainer", {}).get("compile"):
             raise DdpxError("trainer.compile does not apply under trainer.strategy=pipeline (the stages run the model "
                             "piece by piece); set trainer.compile=false")

@@ -245,7 +245,7 @@ class Trainer:
             # Another rank failed, died or hung: the plugin whose collective broke is not to blame.
             self.peer_failure = failures.peer_failure_line(exc, store, self.global_step)
         elif not isinstance(exc, (TrainingStopped, KeyboardInterrupt)):
-            failures.record_first_failure(store, self.rank, exc)
+            failures.record_first_failure(store, self.rank, exc, self._describe_rank())
         where = raised_by(self.plugin_manager, exc)  # before the run's plugins are detached
         if where is not None and self.peer_failure is None \
                 and not isinstance(exc, (DdpxError, TrainingStopped, KeyboardInterrupt)):
@@ -256,6 +256,12 @@ class Trainer:
             self.hook.ddpx_exception(trainer=self, exc=exc)
         except Exception as hook_exc:  # never hide the original error
             self.log.error(f"a ddpx_exception hook failed too: {type(hook_exc).__name__}: {hook_exc}")
+
+    def _describe_rank(self) -> str:
+        try:
+            return self.strategy.describe_rank(self)
+        except Exception:  # a failure before the wrap: nothing placed yet
+            return ""
 
     def agree_on_stops(self, every_steps: int, every_s: float, timeout_s: float, timeout_key: str,
                        what: str) -> StopAgreement:
