@@ -510,7 +510,16 @@ class PipelineStrategy(DDPStrategy):
             set_optimizer_state_dict(module, optimizer, {"state": optimizer_state["state"], "param_groups": groups})
 
     def sharded_entries(self, state):
-        return tuple(k for k in state if k in ("model", "optimizer"))
+        """The model, the optimizer, and any plugin entry holding tensors by this rank's parameter
+        names (the ema plugin's average): each stage writes its own, DCP keeps one copy of what
+        several ranks hold (the trunk, the replicas)."""
+        names = {name for name, _ in self.trainer.module.named_parameters()}
+
+        def by_name(value):
+            params = value.get("params") if isinstance(value, dict) else None
+            return isinstance(params, dict) and bool(params) and set(params) <= names
+
+        return tuple(k for k, v in state.items() if k in ("model", "optimizer") or by_name(v))
 
     def full_state_dict(self, module):
         """Every stage's part gathered on the first replica's rank 0 (the stages of every replica
