@@ -305,6 +305,15 @@ class PipelineStrategy(DDPStrategy):
                             f"{config.pipeline.stages_per_rank}: an interleaved pipeline runs without data-parallel "
                             "replicas here; set pipeline.stages_per_rank=1 (schedule 1f1b or gpipe)")
 
+    def install_compression(self, trainer, model):
+        if self.compression is not None and self.dp_size == 1:
+            if trainer.rank == 0:
+                trainer.log.info(f"comm_hook.name={self.compression[0].name} has nothing to compress: {trainer.world_size} "
+                                 f"ranks make one pipeline of {self.trainer.config.pipeline.stages} stages, with no "
+                                 "data-parallel replicas to exchange gradients with (it compresses across pipelines)")
+            return None
+        return super().install_compression(trainer, model)
+
     # --- building ------------------------------------------------------------------------
 
     def wrap(self, trainer, module):
