@@ -363,6 +363,7 @@ def _save(trainer, session, at_epoch_end, metrics=None, announce=False):
     checkpoint = {
         "step": step,
         "world_size": trainer.world_size,
+        "replicas": trainer.strategy.data_parallel(trainer)[1],  # what shards the data: ranks, or pipelines
         "strategy": trainer.strategy.name,
         "replicated": {k: v for k, v in state.items() if k in TRAINER_STATE and k not in sharded},
         "ranks": gathered,

@@ -21,7 +21,10 @@ def resume(trainer, session) -> None:
         return
     checkpoint, shards = _read_everywhere(trainer, path, checkpoint)
     old_world, ranks = checkpoint["world_size"], checkpoint["ranks"]
-    same_world = old_world == trainer.world_size
+    old_replicas = checkpoint.get("replicas", old_world)
+    replicas = trainer.strategy.data_parallel(trainer)[1]
+    # the same ranks holding the same data shards (a layout change at one world size re-divides too)
+    same_world = old_world == trainer.world_size and old_replicas == replicas
     mine = ranks[trainer.rank] if same_world else ranks[0]
     replicated = {**checkpoint["replicated"], **_read_shards(trainer, path, shards, checkpoint.get("strategy"))}
     _load(trainer, {**replicated, **mine["plugins"]}, path)
@@ -33,7 +36,7 @@ def resume(trainer, session) -> None:
 
         set_rng_state(mine["rng"], trainer.device)
     else:
-        _resize(trainer, session, old_world)
+        _resize(trainer, session, old_world, old_replicas, replicas)
     trainer.log.info(f"resumed from {path} (epoch {trainer.epoch}, step {trainer.global_step})")
 
 
@@ -100,26 +103,32 @@ def _load(trainer, state, path) -> None:
                         ) from None
 
 
-def _resize(trainer, session, old_world) -> None:
-    """Resumed at another world size: reseed, say what changed (rank 0), scale the learning rate."""
+def _resize(trainer, session, old_world, old_replicas, replicas) -> None:
+    """Resumed at another world size or layout: reseed, say what changed (rank 0), scale the
+    learning rate by the data-parallel replicas (the global batch grows with them, not with a
+    pipeline's stages)."""
     from ddpx.rank.seeding import seed_rank
 
-    seed_rank(trainer.config.seed, trainer.rank, trainer.global_step)  # not the fresh start's stream again
+    seed_rank(trainer.config.seed, trainer.strategy.data_parallel(trainer)[0], trainer.global_step)  # not the fresh start's stream again; one per replica
     if trainer.rank == 0:
         batch, accumulation = trainer.config.trainer.batch_size, accumulation_steps(trainer)
         sampler = getattr(trainer.train_loader, "batch_sampler", None)
         redivided = f"the rest of epoch {trainer.epoch} is re-divided, " if hasattr(sampler, "epoch_batches") \
             else ""  # a stream says itself what it does
+        ranks = "ranks" if replicas == trainer.world_size and old_replicas == old_world else "data-parallel replicas"
+        what = f"{trainer.world_size} ranks from a checkpoint of {old_world}" if ranks == "ranks" else \
+            f"{replicas} data-parallel replicas ({trainer.world_size} ranks) from a checkpoint of {old_replicas} " \
+            f"({old_world} ranks)"
         trainer.log.warning(
-            f"resuming with {trainer.world_size} ranks from a checkpoint of {old_world}: {redivided}"
-            f"the global batch is now {trainer.world_size} ranks x "
-            f"{batch} x {accumulation} accumulation steps = {trainer.world_size * batch * accumulation} "
+            f"resuming with {what}: {redivided}"
+            f"the global batch is now {replicas} {ranks} x "
+            f"{batch} x {accumulation} accumulation steps = {replicas * batch * accumulation} "
             "samples, RNG states are seeded from (seed, rank, step), the learning rate is "
-            + ("scaled linearly" if session.cfg["lr_scaling"] == "linear" else "unchanged")
+            + ("scaled linearly" if session.cfg["lr_scaling"] == "linear" and replicas != old_replicas else "unchanged")
         )
         warn_scheduler_horizon(trainer)
     if session.cfg["lr_scaling"] == "linear":
-        scale_lr(trainer, trainer.world_size / old_world)
+        scale_lr(trainer, replicas / old_replicas)
 
 
 def _read_shards(trainer, path, shards, saved_strategy) -> dict:
