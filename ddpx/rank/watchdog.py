@@ -386,13 +386,15 @@ def where_ranks_are(answers: list[dict], world_size: int, stall_s: float, shown:
             lines.append(f"  rank {rank}: did not answer (its Python is blocked, or it is gone)")
             continue
         history = {seq: (signature, who) for seq, signature, who in a["history"]}
+        place = a["progress"].get("place")
+        name = f"rank {rank} ({place})" if place else f"rank {rank}"
         if a["in_flight"] is not None and a["in_flight"] in history:
             signature, who = history[a["in_flight"]]
-            lines.append(f"  rank {rank}: waits {a['waited_s']:g} s in collective {a['in_flight']}, "
+            lines.append(f"  {name}: waits {a['waited_s']:g} s in collective {a['in_flight']}, "
                          f"{signature} {who}")
         else:
             done = max(history) if history else 0
-            lines.append(f"  rank {rank}: {a['where']}, at step {a['progress']['step']}, after collective {done}")
+            lines.append(f"  {name}: {a['where']}, at step {a['progress']['step']}, after collective {done}")
     if world_size > shown:
         lines.append(f"  ... and {world_size - shown} more ranks")
     stacks = next((a["stacks"] for a in answers if a.get("stacks")), None)

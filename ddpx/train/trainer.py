@@ -319,7 +319,7 @@ class Trainer:
     def _progress(self) -> dict:
         """Where training is (read by the collectives' watchdog thread)."""
         return {"step": self.global_step, "epoch": self.epoch, "batch": self.epoch_batches,
-                "batches": self.num_batches}
+                "batches": self.num_batches, "place": self._describe_rank()}
 
     def _propose_run_dir(self) -> str:
         if self.config.run_dir:
