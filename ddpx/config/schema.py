@@ -50,7 +50,8 @@ DEFAULTS: dict = {
     },
     "fsdp": {"units": "auto", "min_unit_params": 100_000, "reshard_after_forward": True, "reduce_dtype": "fp32",
              "param_dtype": "amp", "shard_size": "all", "offload": "none"},
-    "pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 4, "stages_per_rank": 1, "split": "auto"},
+    "pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 4, "stages_per_rank": 1, "split": "auto",
+                 "data_parallel": "ddp"},
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
 }
@@ -86,6 +87,7 @@ CHOICES: dict = {
     "fsdp.param_dtype": ("amp", "fp32"),
     "fsdp.offload": ("none", "cpu"),
     "pipeline.schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
+    "pipeline.data_parallel": ("ddp", "fsdp"),
 }
 # Sections built from an import path; their ``args`` are free-form keyword arguments that
 # belong to their target: where a target is given (in the file over the defaults, on the

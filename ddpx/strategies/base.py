@@ -62,11 +62,14 @@ class PartReduction:
     """How a strategy whose ranks hold parts of some gradients sums over them: ``holds_part(p)``
     says whether parameter ``p``'s gradient is split over ranks, ``reduce(tensor, op)``
     all-reduces ``tensor`` in place over the ranks holding the parts (every rank calls it), on
-    ``device`` (where the strategy's collectives run)."""
+    ``device`` (where the strategy's collectives run). ``share(p)``: the weight of ``p``'s part
+    in that sum, for a part that several of those ranks hold alike (a pipeline's trunk, sharded
+    over the replicas and the same on every stage: 1/stages); None: every part counts once."""
 
     holds_part: Callable[[torch.Tensor], bool]
     reduce: Callable[[torch.Tensor, object], None]
     device: torch.device
+    share: Optional[Callable[[torch.Tensor], float]] = None
 
 
 class Strategy:

@@ -18,7 +18,9 @@ data-parallel replica loads the same batches.
 
 The mesh is ``(dp, pp)`` (ddpx/strategies/mesh.py): a pipeline's stages are consecutive ranks
 (inside a node); with more ranks than stages, the replicas of each stage are one
-``DistributedDataParallel`` group, where ddpx's comm hooks compress the gradients.
+``DistributedDataParallel`` group (``pipeline.data_parallel: ddp``, where every ddpx comm hook
+compresses the gradients) or one FSDP2 mesh (``fsdp``: the stage sharded over its replicas,
+the comm hooks with a sharded reduce-scatter).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ..train.batches import model_loss
 from . import shards
 from .base import PartReduction
 from .ddp import DDPStrategy
-from .fsdp import block_modules, param_count
+from .fsdp import FSDPStrategy, block_modules, mixed_precision, padded_forwards, param_count, reshard
 from .mesh import model_parallel_mesh
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
@@ -299,13 +301,16 @@ class PipelineStrategy(DDPStrategy):
 
     @classmethod
     def check_compression(cls, config, method, options):
-        super().check_compression(config, method, options)
+        if config.pipeline.data_parallel == "fsdp":
+            FSDPStrategy.check_compression(config, method, options)
+        else:
+            super().check_compression(config, method, options)
         if config.pipeline.stages_per_rank > 1:
             raise DdpxError(f"comm_hook.name={method.name} does not apply with pipeline.stages_per_rank="
                             f"{config.pipeline.stages_per_rank}: an interleaved pipeline runs without data-parallel "
                             "replicas here; set pipeline.stages_per_rank=1 (schedule 1f1b or gpipe)")
 
-    def install_compression(self, trainer, model):
+    def _install_ddp_compression(self, trainer, model):
         if self.compression is not None and self.dp_size == 1:
             if trainer.rank == 0:
                 trainer.log.info(f"comm_hook.name={self.compression[0].name} has nothing to compress: {trainer.world_size} "
@@ -357,7 +362,24 @@ class PipelineStrategy(DDPStrategy):
         self.syncing = True
         self.trainer = trainer
         wrapped = self.stage_modules
-        if self.dp_size > 1:
+        self.sharded = self.dp_size > 1 and cfg.data_parallel == "fsdp"
+        if self.sharded:
+            # FSDP2 over the replicas, each block a unit, the stage the root. The parameters are
+            # gathered by a step's first forward and kept until its last backward (ZeRO-2): the
+            # replicas' tail batches may split into different numbers of micro-batches, and the
+            # first forward of a new batch shape runs once more (see StageModule), so a gather per
+            # forward would not line up across replicas.
+            from torch.distributed.fsdp import fully_shard
+
+            dp_mesh, policy = self.mesh["dp"], mixed_precision(trainer.config)
+            for _, child in mine:
+                if param_count(child) > 0:
+                    fully_shard(child, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+            fully_shard(self.stage_modules[0], mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+            # FSDP replaced the parameters by DTensors: the block/trunk split by identity again
+            self.block_params = {id(p) for _, m in mine for p in m.parameters()}
+            self.trunk = [p for p in module.parameters() if id(p) not in self.block_params]
+        elif self.dp_size > 1:
             preferred = self.compression[0].ddp_options() if self.compression else {}
             from .ddp import ddp_kwargs
 
@@ -445,14 +467,23 @@ class PipelineStrategy(DDPStrategy):
         anything tied between them. One all_reduce."""
         if not self.trunk:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.trunk]
+        # under fsdp replicas each holds its shard of a trunk gradient, laid out alike on every stage
+        grads = [shards.local(p.grad) if p.grad is not None else torch.zeros_like(shards.local(p)) for p in self.trunk]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.pp_group)
         offset = 0
         for p, g in zip(self.trunk, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(g).clone() if p.grad is None else \
-                p.grad.copy_(flat[offset:offset + g.numel()].view_as(g))
+            part = flat[offset:offset + g.numel()].view_as(g)
+            if p.grad is None:
+                p.grad = shards.shard_like(part.clone(), p)
+            else:
+                g.copy_(part)
             offset += g.numel()
+
+    def install_compression(self, trainer, model):
+        if self.compression is not None and self.sharded:
+            return FSDPStrategy.install_compression(self, trainer, model)
+        return self._install_ddp_compression(trainer, model)
 
     def no_sync(self, model):
         """An accumulation window's backward passes but the last: the stages run on the unwrapped
@@ -477,14 +508,28 @@ class PipelineStrategy(DDPStrategy):
     def part_reduction(self, module):
         """A block's gradient lives on one stage: the squares are summed over the stages; the trunk's
         is the same on every stage after :meth:`_reduce_trunk` and counted once."""
-        group, blocks = self.pp_group, self.block_params
+        blocks, stages = self.block_params, self.trainer.config.pipeline.stages
+        if self.sharded:  # every gradient a part (sharded over the replicas); the trunk's the same on every stage
+            group, holds, share = None, (lambda p: True), (lambda p: 1.0 if id(p) in blocks else 1.0 / stages)
+        else:
+            group, holds, share = self.pp_group, (lambda p: id(p) in blocks), None
 
         def reduce(tensor, op):
             dist.all_reduce(tensor, op=op, group=group)
 
-        return PartReduction(holds_part=lambda p: id(p) in blocks, reduce=reduce, device=self.trainer.device)
+        return PartReduction(holds_part=holds, reduce=reduce, device=self.trainer.device, share=share)
 
     # --- evaluation ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def evaluating(self, trainer, loader):
+        """Under fsdp replicas the first forward gathers the parameters across them, so every
+        replica needs an evaluation batch (fsdp's check); afterwards they are freed."""
+        if not self.sharded:
+            yield 0
+            return
+        yield padded_forwards(trainer, loader)
+        reshard(self.stage_modules[0])
 
     def eval_loss(self, trainer, model, batch):
         results = self._run(batch, 1.0, train=False)
@@ -533,7 +578,8 @@ class PipelineStrategy(DDPStrategy):
     def full_state_dict(self, module):
         """Every stage's part gathered on the first replica's rank 0 (the stages of every replica
         take part), as plain CPU tensors, in the model's own order."""
-        part = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+        part = {k: (v.full_tensor() if shards.is_shard(v) else v).detach().to("cpu", copy=True)
+                for k, v in module.state_dict().items()}  # fsdp replicas gather (the same keys on each)
         parts = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(parts, part if self.dp_rank == 0 else {}, group=self.pp_group)
         if dist.get_rank() != 0:

@@ -52,10 +52,10 @@ class GradientNorms:
         order = tuple(i for group in groups.values() for i, _ in group)
         norms = torch.cat([torch.stack(torch._foreach_norm([g for _, g in group])).to(device, torch.float32)
                            for group in groups.values()]) if groups else torch.zeros(0, device=device)
-        positions, part_mask = self._positions(order, device)
+        positions, part_mask, shares = self._positions(order, device)
         if self.collective:  # the local parts' squares, summed over the ranks; whole gradients counted once
             squares = norms.square()
-            total_sq = squares[part_mask].sum()
+            total_sq = (squares * shares)[part_mask].sum() if shares is not None else squares[part_mask].sum()
             self.parts.reduce(total_sq, dist.ReduceOp.SUM)
             total = (total_sq + squares[~part_mask].sum()).sqrt()
         else:
@@ -71,7 +71,10 @@ class GradientNorms:
             positions = torch.tensor(order, dtype=torch.int64, device=device)
             mask = torch.tensor([self.collective and self.parts.holds_part(self.named[i][1]) for i in order],
                                 dtype=torch.bool, device=device)
-            cached = self.positions[order] = (positions, mask)
+            share = self.parts.share if self.collective else None
+            shares = None if share is None else \
+                torch.tensor([share(self.named[i][1]) for i in order], dtype=torch.float32, device=device)
+            cached = self.positions[order] = (positions, mask, shares)
         return cached
 
     def first_nonfinite(self) -> Optional[tuple]:
