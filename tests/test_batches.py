@@ -12,7 +12,7 @@ from ddpx.data import digits_split
 from ddpx.errors import DdpxError
 from ddpx.models import DigitsMLP
 from ddpx.plugin.manager import make_plugin_manager
-from ddpx.train.batches import batch_size, model_loss
+from ddpx.data.batches import batch_size, model_loss
 from ddpx.train.trainer import Trainer
 
 HERE = "tests.test_batches"

@@ -315,7 +315,7 @@ def _step_fn(ddp, loss_fn, batch, accumulation: int, communicate: bool):
     """One optimizer step's forward/backward (no optimizer: parameters stay put)."""
     import contextlib
 
-    from ..train.batches import model_loss
+    from ..data.batches import model_loss
 
     def step():
         ddp.zero_grad(set_to_none=True)
@@ -332,7 +332,7 @@ def measure(trainer, hook_names: Optional[Sequence[str]] = None, steps: int = 3,
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..net import measure_allreduce_seconds
-    from ..train.batches import to_device
+    from ..data.batches import to_device
     from ..strategies.ddp import ddp_kwargs
 
     device, world = trainer.device, trainer.world_size

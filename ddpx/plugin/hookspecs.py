@@ -253,7 +253,7 @@ def ddpx_step_window(trainer: "Trainer", batch_index: int, num_batches: int) -> 
 def ddpx_forward(trainer: "Trainer", batch: Any) -> "torch.Tensor":
     """Compute the loss of one micro-batch (runs inside ``trainer.autocast``).
 
-    The trainer implements the body: :func:`ddpx.train.batches.model_loss` (tuple or dict
+    The trainer implements the body: :func:`ddpx.data.batches.model_loss` (tuple or dict
     batches; the loss function, or the model's own loss with ``loss.target: null``).
     A plugin may provide the loss instead, or wrap the body
     (``@hookimpl(wrapper=True)``) to change it.

@@ -144,7 +144,8 @@ class Strategy:
         return True
 
     def describe_rank(self, trainer: "Trainer") -> str:
-        """Where this rank sits, for failure lines ("stage 1 of 2, replica 0"); empty: nothing to add."""
+        """Where this rank sits, for failure lines ("stage 1 of 2, replica 0"); empty: nothing to add
+        (also before :meth:`wrap` placed it: a failure may come first)."""
         return ""
 
     # --- the step ------------------------------------------------------------------------
@@ -190,9 +191,9 @@ class Strategy:
 
     def eval_loss(self, trainer: "Trainer", model: nn.Module, batch) -> tuple:
         """``(loss, outputs, targets)`` of one evaluation batch (on the device, under ``no_grad``):
-        :func:`~ddpx.train.batches.model_loss`. A rank whose loss does not count
+        :func:`~ddpx.data.batches.model_loss`. A rank whose loss does not count
         (:meth:`counts_loss`) may return anything."""
-        from ..train.batches import model_loss
+        from ..data.batches import model_loss
 
         return model_loss(model, trainer.loss_fn, batch)
 

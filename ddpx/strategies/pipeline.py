@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import DdpxError
-from ..train.batches import model_loss
+from ..data.batches import model_loss
 from . import shards
 from .base import PartReduction
 from .ddp import DDPStrategy
@@ -431,6 +431,8 @@ class PipelineStrategy(DDPStrategy):
         return self.holds_last
 
     def describe_rank(self, trainer):
+        if not hasattr(self, "stage_ids"):  # not wrapped yet
+            return ""
         stages = "stages " + ", ".join(map(str, self.stage_ids)) if len(self.stage_ids) > 1 else \
             f"stage {self.stage_ids[0]}"
         return f"pipeline {stages} of {self.num_stages}, replica {self.dp_rank} of {self.dp_size}"

@@ -87,7 +87,7 @@ class DefaultHooks:
         import torch
         import torch.distributed as dist
 
-        from .batches import batch_size, to_device
+        from ..data.batches import batch_size, to_device
 
         model = trainer.module
         name = trainer.config.trainer.eval_metric

@@ -43,7 +43,7 @@ from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
 from .. import strategies
-from .batches import model_loss, to_device
+from ..data.batches import model_loss, to_device
 from .compile import compile_model
 from .grad_norms import GradientNorms
 from .losses import EpochLosses, LossWindow
@@ -245,7 +245,7 @@ class Trainer:
             # Another rank failed, died or hung: the plugin whose collective broke is not to blame.
             self.peer_failure = failures.peer_failure_line(exc, store, self.global_step)
         elif not isinstance(exc, (TrainingStopped, KeyboardInterrupt)):
-            failures.record_first_failure(store, self.rank, exc, self._describe_rank())
+            failures.record_first_failure(store, self.rank, exc, self.strategy.describe_rank(self))
         where = raised_by(self.plugin_manager, exc)  # before the run's plugins are detached
         if where is not None and self.peer_failure is None \
                 and not isinstance(exc, (DdpxError, TrainingStopped, KeyboardInterrupt)):
@@ -256,12 +256,6 @@ class Trainer:
             self.hook.ddpx_exception(trainer=self, exc=exc)
         except Exception as hook_exc:  # never hide the original error
             self.log.error(f"a ddpx_exception hook failed too: {type(hook_exc).__name__}: {hook_exc}")
-
-    def _describe_rank(self) -> str:
-        try:
-            return self.strategy.describe_rank(self)
-        except Exception:  # a failure before the wrap: nothing placed yet
-            return ""
 
     def agree_on_stops(self, every_steps: int, every_s: float, timeout_s: float, timeout_key: str,
                        what: str) -> StopAgreement:
@@ -319,7 +313,7 @@ class Trainer:
     def _progress(self) -> dict:
         """Where training is (read by the collectives' watchdog thread)."""
         return {"step": self.global_step, "epoch": self.epoch, "batch": self.epoch_batches,
-                "batches": self.num_batches, "place": self._describe_rank()}
+                "batches": self.num_batches, "place": self.strategy.describe_rank(self)}
 
     def _propose_run_dir(self) -> str:
         if self.config.run_dir:
@@ -449,7 +443,7 @@ class Trainer:
         return self.strategy.forward_backward(self, batch, window)  # a pipeline runs its schedule here
 
     def batch_loss(self, batch) -> torch.Tensor:
-        """The default ``ddpx_forward``: :func:`~ddpx.train.batches.model_loss`'s loss of one micro-batch."""
+        """The default ``ddpx_forward``: :func:`~ddpx.data.batches.model_loss`'s loss of one micro-batch."""
         return model_loss(self.model, self.loss_fn, batch)[0]
 
     def backward(self, loss: torch.Tensor) -> None:
