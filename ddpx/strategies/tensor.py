@@ -233,6 +233,25 @@ def is_split(tensor) -> bool:
     return shards.is_shard(tensor) and any(p.is_shard() for p in tensor.placements)
 
 
+def share_random_state(group, src: int, device: torch.device) -> None:
+    """Python's, numpy's and torch's (CPU and ``device``'s) random states of global rank ``src``
+    on every rank of ``group``."""
+    import random
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    state = [(random.getstate(), numpy.random.get_state() if numpy else None, torch.get_rng_state(),
+              torch.cuda.get_rng_state(device) if device.type == "cuda" else None)]
+    dist.broadcast_object_list(state, src=src, group=group)
+    python, np_state, cpu, cuda = state[0]
+    random.setstate(python)
+    if numpy is not None and np_state is not None:
+        numpy.random.set_state(np_state)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
 class TensorStrategy(Strategy):
     """The model's Linear pairs split over ``tensor.size`` ranks; replicas of that group average
     their gradients."""
@@ -293,6 +312,12 @@ class TensorStrategy(Strategy):
                          f"not split (whole on every rank): {_listing(unmatched, 8)}")
         return module
 
+    def start(self, trainer):
+        """The ranks of a tensor group take their first rank's random streams (a resume may have
+        restored each rank's own): dropout on the replicated activations must agree."""
+        if self.size > 1:
+            share_random_state(self.tp_group, self.mesh["tp"].mesh[0].item(), trainer.device)
+
     # --- the data and the ranks ------------------------------------------------------------
 
     def data_parallel(self, trainer):
@@ -339,6 +364,16 @@ class TensorStrategy(Strategy):
                 self.syncing = True
 
         return unsynced
+
+    def replica_checks(self, module):
+        """The layers left whole are the same on every rank (of the tensor group and of every replica)."""
+        whole = [shards.local(p).detach().sum(dtype=torch.float64) for p in module.parameters() if not is_split(p)]
+        if not whole:
+            return {}
+        return {"sum of the whole (not split) weights": (
+            torch.stack(whole).sum(), ": the ranks drifted apart, so some rank applied another update (a tensor "
+                                      "group's ranks must draw the same random numbers: dropout on the whole "
+                                      "activations; a plugin may change weights on some ranks only)")}
 
     def part_reduction(self, module):
         """A split gradient's parts are summed over the tensor group; a whole one (replicated, the

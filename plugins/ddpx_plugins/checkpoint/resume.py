@@ -104,17 +104,22 @@ def _resize(trainer, session, old_world) -> None:
     """Resumed at another world size: reseed, say what changed (rank 0), scale the learning rate."""
     from ddpx.rank.seeding import seed_rank
 
-    seed_rank(trainer.config.seed, trainer.rank, trainer.global_step)  # not the fresh start's stream again
+    # not the fresh start's stream again; one stream per data-parallel replica (a rank under ddp)
+    replica, replicas = trainer.strategy.data_parallel(trainer)
+    seed_rank(trainer.config.seed, replica, trainer.global_step)
     if trainer.rank == 0:
         batch, accumulation = trainer.config.trainer.batch_size, accumulation_steps(trainer)
+        world = trainer.world_size
+        group, seeded = (f"{world} ranks", "rank") if replicas == world else \
+            (f"{replicas} replica{'s' if replicas > 1 else ''} ({world} ranks)", "replica")
         sampler = getattr(trainer.train_loader, "batch_sampler", None)
         redivided = f"the rest of epoch {trainer.epoch} is re-divided, " if hasattr(sampler, "epoch_batches") \
             else ""  # a stream says itself what it does
         trainer.log.warning(
             f"resuming with {trainer.world_size} ranks from a checkpoint of {old_world}: {redivided}"
-            f"the global batch is now {trainer.world_size} ranks x "
-            f"{batch} x {accumulation} accumulation steps = {trainer.world_size * batch * accumulation} "
-            "samples, RNG states are seeded from (seed, rank, step), the learning rate is "
+            f"the global batch is now {group} x "
+            f"{batch} x {accumulation} accumulation steps = {replicas * batch * accumulation} "
+            f"samples, RNG states are seeded from (seed, {seeded}, step), the learning rate is "
             + ("scaled linearly" if session.cfg["lr_scaling"] == "linear" else "unchanged")
         )
         warn_scheduler_horizon(trainer)
