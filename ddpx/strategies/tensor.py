@@ -131,16 +131,6 @@ def check_split(model: nn.Module, split: dict, size: int) -> list:
     """Refuse in one line what ``size`` does not divide (a split layer's features, a head count of a
     module owning split attention projections); returns ``[(module, attribute, value)]`` of the head
     counts and widths to divide by ``size``."""
-    for name, style in split.items():
-        layer = model.get_submodule(name)
-        features, what = (layer.in_features, "input features") if style == "rowwise" else \
-            (layer.out_features, "output features")
-        parts = 3 * size if style == "qkv" else size
-        if features % parts:
-            raise DdpxError(f"tensor.size={size} does not divide {name} ({style}, {features} {what}"
-                            f"{', 3 fused parts' if style == 'qkv' else ''}) evenly; set tensor.size to a divisor "
-                            f"of {features // 3 if style == 'qkv' else features}, or leave {name} whole "
-                            f"(tensor.plan={{{name}: none}})")
     owners = {name.rpartition(".")[0] for name, style in split.items() if style != "rowwise"}
     changes = []
     for owner in sorted(owners):
@@ -157,6 +147,15 @@ def check_split(model: nn.Module, split: dict, size: int) -> list:
                 raise DdpxError(f"tensor.size={size} does not divide {owner}.{attr}={value}; set tensor.size to a "
                                 f"divisor of {value}")
         changes += [(module, attr, value) for attr, value in heads + widths]
+    for name, style in split.items():
+        layer = model.get_submodule(name)
+        features, what = (layer.in_features, "input features") if style == "rowwise" else \
+            (layer.out_features, "output features")
+        parts = 3 * size if style == "qkv" else size
+        if features % parts:
+            raise DdpxError(f"tensor.size={size} does not divide {name} ({style}, {features} {what}"
+                            f"{', 3 fused parts' if style == 'qkv' else ''}) evenly; set tensor.size to a divisor "
+                            f"of {features // 3 if style == 'qkv' else features}")
     return changes
 
 
