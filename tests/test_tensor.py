@@ -192,8 +192,8 @@ def gap(a, b, key):
 
 @pytest.mark.slow
 def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_path):
-    """10 AdamW steps, a clip that acts: tensor 2 and tensor 2 x 2 replicas (batch 8 each: the same
-    global batch as ddp's 1 rank) give ddp's losses, gradient norms and evaluation within 1e-5; a rank holds
+    """10 AdamW steps, a clip that acts: tensor 2, and tensor 2 x 2 replicas with 2 micro-batches a step
+    (the replicas' average waits for the window's last: the same 16 samples a step), give ddp's losses, gradient norms and evaluation within 1e-5; a rank holds
     what the split divides by 2 of ddp's parameters and optimizer state; run_dir/model loads strictly
     into the user's unsplit class (tied head and all) and holds ddp's weights."""
     from safetensors.torch import load_file, load_model
@@ -202,7 +202,8 @@ def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_p
     memory = {"plugins": {"enable": ["benchmarks.shard_memory"]}}
     ddp1 = train(ranks, tmp_path, "ddp1", 1, **memory)
     tp2 = train(ranks, tmp_path, "tp2", 2, trainer={"strategy": "tensor"}, **memory)
-    tp2x2 = train(ranks, tmp_path, "tp2x2", 4, trainer={"strategy": "tensor", "batch_size": 8})  # ddp1's batches
+    tp2x2 = train(ranks, tmp_path, "tp2x2", 4, trainer={"strategy": "tensor", "batch_size": 4},
+                  accumulation={"steps": 2})  # 2 replicas x 4 x 2 micro-batches: ddp1's 16 samples a step
     log = (tmp_path / "rank0.log").read_text()
     assert "tensor: 8 Linear layers split over 2 ranks x 2 replicas (qkv blocks.0.qkv, blocks.1.qkv; colwise " \
            "blocks.0.mlp.0, blocks.1.mlp.0; rowwise blocks.0.proj, blocks.0.mlp.2, blocks.1.proj, blocks.1.mlp.2); " \
@@ -234,8 +235,9 @@ def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_p
 @pytest.mark.slow
 def test_tensor_resumes_exactly_and_at_another_tensor_size(ranks, tmp_path):
     """Each rank writes its parts (a fused qkv as its q, k, v: the user's layout); a run stopped at step
-    5 and resumed equals the uninterrupted one at step 10, the EMA too; resumed at tensor.size 4 on 4
-    ranks instead, it trains to step 10 as the uninterrupted run did (within 1e-5)."""
+    5 and resumed equals the uninterrupted one at step 10, the EMA too, and ``ddpx export`` of its last
+    checkpoint writes the weights the run wrote; resumed at tensor.size 4 on 4 ranks instead, it trains
+    to step 10 as the uninterrupted run did (within 1e-5)."""
     example(tmp_path)
     common = dict(checkpoint={"enabled": True}, ema={"decay": 0.8})
     whole = train(ranks, tmp_path, "whole", 2, trainer={"strategy": "tensor"}, **common)
@@ -252,6 +254,15 @@ def test_tensor_resumes_exactly_and_at_another_tensor_size(ranks, tmp_path):
     shutil.copytree(tmp_path / "cut", tmp_path / "four")
     resumed = train(ranks, tmp_path, "cut", 2, trainer={"strategy": "tensor"}, **common)
     assert numbers(resumed)[-5:] == numbers(whole)[5:]
+    # ddpx export reads the step-10 parts into the unsplit model: the weights the run wrote at its end
+    from safetensors.torch import load_file
+
+    from ddpx.cli import main
+
+    assert main(["export", str(tmp_path / "cut"), "--config", str(tmp_path / "cut.yaml"), "--out",
+                 str(tmp_path / "out")]) == 0
+    written, exported = (load_file(tmp_path / d / "model.safetensors") for d in ("cut/model", "out"))
+    assert written.keys() == exported.keys() and all(torch.equal(written[k], exported[k]) for k in written)
     for key in ("eval_loss", "ema_eval_loss"):
         assert last_eval(resumed)[key] == last_eval(whole)[key], key
     four = train(ranks, tmp_path, "four", 4, trainer={"strategy": "tensor"}, tensor={"size": 4}, **common)

@@ -251,6 +251,13 @@ def share_random_state(group, src: int, device: torch.device) -> None:
         torch.cuda.set_rng_state(cuda, device)
 
 
+def _collapse(read, original):
+    """``original`` (a template entry) where ``read`` holds it expanded into {q, k, v} parts."""
+    if isinstance(original, dict) and isinstance(read, dict):
+        return {k: _collapse(read[k], v) if k in read else v for k, v in original.items()}
+    return original if torch.is_tensor(original) and is_fused_entry(read) else read
+
+
 class TensorStrategy(Strategy):
     """The model's Linear pairs split over ``tensor.size`` ranks; replicas of that group average
     their gradients."""
@@ -429,6 +436,31 @@ class TensorStrategy(Strategy):
         if id(like) in getattr(self, "fused_ids", ()):
             return split_fused(part, like)
         return shards.shard_like(part, like)
+
+    def read_shards(self, template, directory):
+        """:func:`~ddpx.strategies.shards.read_shards`; a plain tensor of ``template`` that the directory holds
+        as a fused parameter's ``{q, k, v}`` (``ddpx export`` reads into the unsplit model) is read from its
+        three parts."""
+        stored = shards._reader_classes()[0](str(directory)).read_metadata().state_dict_metadata
+        joins = []
+
+        def expand(value, prefix):
+            if isinstance(value, dict):
+                return {k: expand(v, f"{prefix}.{k}") for k, v in value.items()}
+            if torch.is_tensor(value) and not shards.is_shard(value) and prefix not in stored and \
+                    all(f"{prefix}.{key}" in stored for key in "qkv") and value.shape[0] % 3 == 0:
+                parts = dict(zip("qkv", value.chunk(3, dim=0)))  # views: the load fills ``value``
+                joins.append((value, parts))
+                return parts
+            return value
+
+        expanded = {k: expand(v, k) for k, v in template.items()}
+        read = shards.read_shards(expanded, directory)
+        for value, parts in joins:  # contiguous row blocks: filled in place already; copied in case DCP replaced them
+            value.copy_(torch.cat([parts[key] for key in "qkv"], dim=0))
+        for key in read:
+            template[key] = _collapse(read[key], template[key])
+        return {k: template[k] for k in read}
 
     def full_state_dict(self, module):
         """The whole model on rank 0 (every rank takes part: each split tensor is gathered over its
