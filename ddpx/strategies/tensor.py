@@ -61,7 +61,7 @@ AUTO_PLAN = (
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads",
               "num_kv_heads", "n_kv_head")
 # ... and that hold its heads' total width (divided where the module has a head count too).
-WIDTH_ATTRS = ("embed_dim", "hidden_size", "split_size", "all_head_size")
+WIDTH_ATTRS = ("embed_dim", "hidden_size", "split_size", "all_head_size", "n_embd")
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -263,7 +263,8 @@ class TensorStrategy(Strategy):
     their gradients."""
 
     replicated = False
-    compression_advice = "use tensor.size within a node; the data-parallel gradients are one fp32 all_reduce per step"
+    compression_advice = ("the replicas' gradients travel uncompressed under trainer.strategy=tensor (comm_hook.name is "
+                          "refused); a larger tensor.size makes fewer replicas")
 
     @classmethod
     def check_config(cls, values: Mapping) -> None:
