@@ -27,14 +27,23 @@ def char_gpt(**kwargs):
                          "dropout": 0.0, **kwargs})
 
 
-class Attention(nn.Module):  # Llama's names, grouped-query attention
+class Attention(nn.Module):  # Llama's names and reshapes, grouped-query attention
     def __init__(self, width=16, heads=4, kv_heads=2):
         super().__init__()
         self.num_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, width // heads
-        self.q_proj = nn.Linear(width, width)
-        self.k_proj = nn.Linear(width, kv_heads * self.head_dim)
-        self.v_proj = nn.Linear(width, kv_heads * self.head_dim)
-        self.o_proj = nn.Linear(width, width)
+        self.q_proj = nn.Linear(width, width, bias=False)
+        self.k_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj,
+                                                                                     self.v_proj))
+        groups = self.num_heads // self.num_key_value_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Mlp(nn.Module):
@@ -42,19 +51,33 @@ class Mlp(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = nn.Linear(width, 32), nn.Linear(width, 32), nn.Linear(32, width)
 
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
 
 class Layer(nn.Module):
     def __init__(self):
         super().__init__()
-        self.self_attn, self.mlp = Attention(), Mlp()
+        self.norm1, self.self_attn, self.norm2, self.mlp = nn.LayerNorm(16), Attention(), nn.LayerNorm(16), Mlp()
+
+    def forward(self, x):
+        x = x + self.self_attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
 
 
 class Llama(nn.Module):
     def __init__(self):
         super().__init__()
+        self.embed = nn.Embedding(32, 16)
         self.layers = nn.ModuleList(Layer() for _ in range(2))
         self.fc1 = nn.Linear(16, 16)  # a lone up projection: no partner beside it, left whole
         self.lm_head = nn.Linear(16, 32)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(self.fc1(h))
 
 
 def test_the_auto_plan_splits_the_usual_transformer_pairs_and_a_user_plan_overrides_it():
@@ -79,6 +102,47 @@ def test_the_auto_plan_splits_the_usual_transformer_pairs_and_a_user_plan_overri
     assert {(type(m).__name__, a, v) for m, a, v in changes} == {
         ("Attention", "num_heads", 4), ("Attention", "num_key_value_heads", 2)}
     assert len(changes) == 4  # two layers
+
+
+def split_llama(rank, world):
+    """On ``world`` ranks: the Llama-shaped model split by the auto plan against an unsplit copy: the
+    output, a split gradient and the gathered state dict."""
+    import copy
+    import logging
+    import types
+
+    torch.manual_seed(0)
+    model = Llama()
+    whole = copy.deepcopy(model)
+    config = types.SimpleNamespace(tensor=types.SimpleNamespace(size=world, plan="auto"),
+                                   trainer=types.SimpleNamespace(strategy="tensor"))
+    trainer = types.SimpleNamespace(config=config, world_size=world, device=torch.device("cpu"),
+                                    log=logging.getLogger("test_tensor"))
+    strategy = tensor.TensorStrategy(config)
+    strategy.wrap(trainer, model)
+    x = torch.randint(32, (3, 5), generator=torch.Generator().manual_seed(1))
+    out, expected = model(x), whole(x)
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    grad = model.layers[0].self_attn.k_proj.weight.grad.full_tensor()
+    state = strategy.full_state_dict(model)
+    return {"output": (out - expected).abs().max().item(),
+            "grad": (grad - whole.layers[0].self_attn.k_proj.weight.grad).abs().max().item(),
+            "heads": (model.layers[0].self_attn.num_heads, model.layers[0].self_attn.num_key_value_heads),
+            "held": tuple(model.layers[0].self_attn.k_proj.weight.to_local().shape),
+            "state": max(((state[k] - v).abs().max().item() for k, v in whole.state_dict().items()), default=None)
+            if state else None}
+
+
+@pytest.mark.slow
+def test_a_llama_shaped_model_with_grouped_query_attention_splits_as_the_plan_says(ranks):
+    """Llama's names, 4 heads and 2 key-value heads on 2 ranks: each rank computes 2 heads and 1
+    key-value head, the output and gradients are the unsplit model's, rank 0 gathers its state dict."""
+    results = ranks.call(split_llama, 2, timeout=60)
+    for rank, result in enumerate(results):
+        assert result["heads"] == (2, 1) and result["held"] == (4, 16)  # 1 key-value head of width 4
+        assert result["output"] < 1e-6 and result["grad"] < 1e-6, result
+    assert results[0]["state"] == 0.0 and results[1]["state"] is None
 
 
 def test_what_the_plan_and_the_size_cannot_split_is_one_line():

@@ -314,7 +314,8 @@ class TensorStrategy(Strategy):
         kinds = {style: [n for n, s in split.items() if s == style] for style in ("qkv", "colwise", "rowwise")}
         listed = "; ".join(f"{style} {_listing(names, 4)}" for style, names in kinds.items() if names)
         heads = sorted({f"{type(m).__name__}.{a} {v} -> {v // size}" for m, a, v in changes})
-        trainer.log.info(f"tensor: {len(split)} Linear layers split over {size} ranks x {self.dp_size} replicas "
+        replicas = f"{self.dp_size} replica{'s' if self.dp_size != 1 else ''}"
+        trainer.log.info(f"tensor: {len(split)} Linear layers split over {size} ranks x {replicas} "
                          f"({listed}){'; per rank: ' + ', '.join(heads) if heads else ''}; "
                          f"not split (whole on every rank): {_listing(unmatched, 8)}")
         return module
