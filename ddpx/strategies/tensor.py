@@ -263,8 +263,7 @@ class TensorStrategy(Strategy):
     their gradients."""
 
     replicated = False
-    compression_advice = ("the replicas' gradients travel uncompressed under trainer.strategy=tensor (comm_hook.name is "
-                          "refused); a larger tensor.size makes fewer replicas")
+    compression_advice = "compress the replicas' gradient average with comm_hook.name=int8 (or bf16, fp16, onebit, powersgd)"
 
     @classmethod
     def check_config(cls, values: Mapping) -> None:
@@ -281,10 +280,15 @@ class TensorStrategy(Strategy):
 
     @classmethod
     def check_compression(cls, config, method, options):
-        raise DdpxError(f"comm_hook.name={method.name} does not apply under trainer.strategy=tensor: its replicas "
-                        "average their gradients with one fp32 all_reduce of their own (DDP, whose buckets the comm "
-                        "hooks compress, cannot hold a tensor-parallel model); remove comm_hook.name (or set it to "
-                        "allreduce)")
+        """A method that averages by itself (not ``onebit_adam``, whose optimizer sends the update
+        through DDP) compresses the replicas' gradient average; its options are checked here."""
+        if method.optimizer is not None:
+            from ..comm_hooks import available
+
+            raise DdpxError(f"comm_hook.name={method.name} does not apply under trainer.strategy=tensor (its "
+                            "optimizer sends its update through DDP, which cannot hold a tensor-parallel model); set "
+                            f"comm_hook.name to one of {', '.join(available())}")
+        method.check_options(options)
 
     # --- building ------------------------------------------------------------------------
 
@@ -309,6 +313,7 @@ class TensorStrategy(Strategy):
                       for p, _ in module.get_submodule(name).named_parameters()}
         self.fused_ids = {id(p) for name, p in module.named_parameters() if name in self.fused}
         self.params = list(module.parameters())
+        self.comm_state = None
         self.syncing = True
         self.trainer = trainer
         kinds = {style: [n for n, s in split.items() if s == style] for style in ("qkv", "colwise", "rowwise")}
@@ -319,6 +324,25 @@ class TensorStrategy(Strategy):
                          f"({listed}){'; per rank: ' + ', '.join(heads) if heads else ''}; "
                          f"not split (whole on every rank): {_listing(unmatched, 8)}")
         return module
+
+    def install_compression(self, trainer, model):
+        """The replicas' average through ``comm_hook.name``'s own per-bucket code (``ddpx.fused_allreduce``
+        on fused buckets of the rank's gradient parts, over the data-parallel group)."""
+        if self.compression is None:
+            return None
+        method, options, _ = self.compression
+        if self.dp_size == 1:
+            trainer.log.warning("comm_hook.name=%s ignored: %d ranks make 1 replica of tensor.size=%d, so no "
+                                "gradient is averaged between replicas", method.name, trainer.world_size, self.size)
+            return None
+        from ..comm_hooks import make
+
+        self.comm_state, _ = make(method.name, self.dp_group, **options)
+        self.comm_buffers = [torch.zeros_like(shards.local(p)) for p in self.params if p.requires_grad]
+        opts = "".join(f", {k} {v}" for k, v in self.comm_state.opts.items())
+        trainer.log.info("comm hook %s installed on the gradient average of %d replicas (fused buckets of each rank's "
+                         "parts%s)", method.name, self.dp_size, opts)
+        return self.comm_state
 
     def start(self, trainer):
         """The ranks of a tensor group take their first rank's random streams (a resume may have
@@ -346,12 +370,21 @@ class TensorStrategy(Strategy):
         return loss
 
     def _average_replicas(self) -> None:
-        """Average every gradient (this rank's parts) over the replicas: one all_reduce of them all."""
+        """Average every gradient (this rank's parts) over the replicas: one all_reduce of them all, or the
+        comm hook's compressed exchange over fused buckets."""
         for p in self.params:
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        grads = [shards.local(p.grad) for p in self.params if p.grad is not None]
+        grads = [shards.local(p.grad) for p in self.params if p.requires_grad]
         if not grads:
+            return
+        if self.comm_state is not None:  # the same tensors every step: a hook's memory is keyed by them
+            from ..fused_allreduce import fused_allreduce
+
+            torch._foreach_copy_(self.comm_buffers, grads)
+            fused_allreduce(self.comm_buffers, op="avg", compression=self.comm_state, process_group=self.dp_group,
+                            async_op=False)
+            torch._foreach_copy_(grads, self.comm_buffers)
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
