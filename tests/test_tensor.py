@@ -271,7 +271,8 @@ def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_p
     ddp1 = train(ranks, tmp_path, "ddp1", 1, **memory)
     tp2 = train(ranks, tmp_path, "tp2", 2, trainer={"strategy": "tensor"}, **memory)
     int8 = train(ranks, tmp_path, "int8", 4, trainer={"strategy": "tensor", "batch_size": 8}, comm_hook={"name": "int8"})
-    assert "comm hook int8 installed on the gradient average of 2 replicas (fused buckets of each rank's parts" in \
+    assert "comm hook int8 installed on the gradient average of 2 replicas (fused buckets of each rank's parts, the " \
+           "whole layers' apart" in \
         (tmp_path / "rank0.log").read_text()
     tp2x2 = train(ranks, tmp_path, "tp2x2", 4, trainer={"strategy": "tensor", "batch_size": 4},
                   accumulation={"steps": 2})  # 2 replicas x 4 x 2 micro-batches: ddp1's 16 samples a step

@@ -258,6 +258,55 @@ def _collapse(read, original):
     return original if torch.is_tensor(original) and is_fused_entry(read) else read
 
 
+class ReplicaCompression:
+    """``comm_hook.name`` on a tensor strategy's replica average, as the comm_hook plugin and the
+    loggers see one hook state: one state codes the split layers' parts, another the whole layers'
+    gradients, in calls of their own: a whole layer's gradient is the same on every rank of a
+    tensor group and must be coded alike on each, whatever the rank's own parts beside it in a
+    bucket are. (ddpx's methods code each tensor on its own, so a mixed bucket kept them equal too
+    when tried with int8, onebit, powersgd and bf16 on 2 x 2 ranks; apart, a method need not.)
+    Each state gets the same tensors every step (its memory is keyed by them)."""
+
+    def __init__(self, name, options, group, parts, whole):
+        from ..comm_hooks import make
+
+        self.lists = [(make(name, group, **options)[0], [torch.zeros_like(t) for t in tensors])
+                      for tensors in (parts, whole) if tensors]
+        self.name, self.opts = name, self.lists[0][0].opts
+        self.group = group
+
+    def reduce(self, parts, whole) -> None:
+        from ..fused_allreduce import fused_allreduce
+
+        for (state, buffers), grads in zip(self.lists, [g for g in (parts, whole) if g]):
+            torch._foreach_copy_(buffers, grads)
+            fused_allreduce(buffers, op="avg", compression=state, process_group=self.group, async_op=False)
+            torch._foreach_copy_(grads, buffers)
+
+    def pair(self, optimizer) -> None:
+        for state, _ in self.lists:
+            state.pair(optimizer)
+
+    def stats(self) -> dict:
+        each = [state.stats() for state, _ in self.lists]
+        total = {key: sum(s[key] or 0 for s in each) for key in ("raw_bytes", "wire_bytes", "fp32_wire_bytes",
+                                                                  "buckets")}
+        total.update(name=self.name, steps=max(s["steps"] for s in each),
+                     compression=total["raw_bytes"] / total["wire_bytes"] if total["wire_bytes"] else None)
+        return total
+
+    def state_dict(self) -> dict:
+        return {"states": [state.state_dict() for state, _ in self.lists]}
+
+    def load_state_dict(self, saved) -> None:
+        states = saved.get("states", []) if isinstance(saved, dict) else []
+        if len(states) != len(self.lists):
+            raise DdpxError("the checkpoint's comm hook state is not a tensor strategy's of this model; set "
+                            "checkpoint.resume=false or the comm_hook.name it was written with")
+        for (state, _), sd in zip(self.lists, states):
+            state.load_state_dict(sd)
+
+
 class TensorStrategy(Strategy):
     """The model's Linear pairs split over ``tensor.size`` ranks; replicas of that group average
     their gradients."""
@@ -335,13 +384,13 @@ class TensorStrategy(Strategy):
             trainer.log.warning("comm_hook.name=%s ignored: %d ranks make 1 replica of tensor.size=%d, so no "
                                 "gradient is averaged between replicas", method.name, trainer.world_size, self.size)
             return None
-        from ..comm_hooks import make
-
-        self.comm_state, _ = make(method.name, self.dp_group, **options)
-        self.comm_buffers = [torch.zeros_like(shards.local(p)) for p in self.params if p.requires_grad]
+        trained = [p for p in self.params if p.requires_grad]
+        self.comm_state = ReplicaCompression(method.name, options, self.dp_group,
+                                             [shards.local(p) for p in trained if is_split(p)],
+                                             [shards.local(p) for p in trained if not is_split(p)])
         opts = "".join(f", {k} {v}" for k, v in self.comm_state.opts.items())
         trainer.log.info("comm hook %s installed on the gradient average of %d replicas (fused buckets of each rank's "
-                         "parts%s)", method.name, self.dp_size, opts)
+                         "parts, the whole layers' apart%s)", method.name, self.dp_size, opts)
         return self.comm_state
 
     def start(self, trainer):
@@ -378,13 +427,10 @@ class TensorStrategy(Strategy):
         grads = [shards.local(p.grad) for p in self.params if p.requires_grad]
         if not grads:
             return
-        if self.comm_state is not None:  # the same tensors every step: a hook's memory is keyed by them
-            from ..fused_allreduce import fused_allreduce
-
-            torch._foreach_copy_(self.comm_buffers, grads)
-            fused_allreduce(self.comm_buffers, op="avg", compression=self.comm_state, process_group=self.dp_group,
-                            async_op=False)
-            torch._foreach_copy_(grads, self.comm_buffers)
+        if self.comm_state is not None:
+            trained = [p for p in self.params if p.requires_grad]
+            self.comm_state.reduce([g for p, g in zip(trained, grads) if is_split(p)],
+                                   [g for p, g in zip(trained, grads) if not is_split(p)])
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)

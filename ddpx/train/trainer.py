@@ -43,7 +43,7 @@ from ..rank.logger import default_log_handler, logger_settings, restore_logger
 from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
 from .. import strategies
-from ..strategies.shards import is_shard
+from ..strategies.shards import shards_apart
 from .batches import model_loss, to_device
 from .compile import compile_model
 from .grad_norms import GradientNorms
@@ -504,15 +504,9 @@ class Trainer:
         self.grad_norm, self.grad_norm_step = norm, step
         if step >= self._grad_norm_due:
             self._grad_norm_due = NEVER  # done: the logger asks for its next one
-        if max_norm:
-            # DTensor and plain gradients apart: one foreach call refuses a mix of them (a tensor-parallel
-            # model holds both: its split layers' and its replicated ones')
-            params = list(self.module.parameters())
-            split = [is_shard(p) for p in params]
-            for kind in (True, False):
-                group = [p for p, s in zip(params, split) if s is kind]
-                if group:
-                    torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+        if max_norm:  # DTensors apart from plain tensors (tensor parallelism holds both): foreach refuses a mix
+            for group in shards_apart(self.module.parameters()):
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm
 
     def watch_grad_norm(self, step: int) -> None:
