@@ -104,45 +104,80 @@ def test_the_auto_plan_splits_the_usual_transformer_pairs_and_a_user_plan_overri
     assert len(changes) == 4  # two layers
 
 
-def split_llama(rank, world):
-    """On ``world`` ranks: the Llama-shaped model split by the auto plan against an unsplit copy: the
-    output, a split gradient and the gathered state dict."""
+BERT_PLAN = {"*.attention.self.query": "colwise", "*.attention.self.key": "colwise", "*.attention.self.value": "colwise",
+             "*.attention.output.dense": "rowwise", "*.intermediate.dense": "colwise", "*.output.dense": "rowwise"}
+
+
+def hf_models():
+    """HuggingFace's Llama (auto plan) and BERT (a user plan: its output projection is not beside
+    q, k and v), tiny and random; {} without transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return {}
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=16)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **small))
+    bert = transformers.BertModel(transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                          **small))
+    return {"hf_llama": (llama, "auto"), "hf_bert": (bert, BERT_PLAN)}
+
+
+def split_models(rank, world):
+    """On ``world`` ranks, each model split by its plan against an unsplit copy: the output, a split
+    gradient (the Llama's), the head counts and the gathered state dict."""
     import copy
     import logging
     import types
 
     torch.manual_seed(0)
-    model = Llama()
-    whole = copy.deepcopy(model)
-    config = types.SimpleNamespace(tensor=types.SimpleNamespace(size=world, plan="auto"),
-                                   trainer=types.SimpleNamespace(strategy="tensor"))
-    trainer = types.SimpleNamespace(config=config, world_size=world, device=torch.device("cpu"),
-                                    log=logging.getLogger("test_tensor"))
-    strategy = tensor.TensorStrategy(config)
-    strategy.wrap(trainer, model)
-    x = torch.randint(32, (3, 5), generator=torch.Generator().manual_seed(1))
-    out, expected = model(x), whole(x)
-    out.square().mean().backward()
-    expected.square().mean().backward()
-    grad = model.layers[0].self_attn.k_proj.weight.grad.full_tensor()
-    state = strategy.full_state_dict(model)
-    return {"output": (out - expected).abs().max().item(),
-            "grad": (grad - whole.layers[0].self_attn.k_proj.weight.grad).abs().max().item(),
-            "heads": (model.layers[0].self_attn.num_heads, model.layers[0].self_attn.num_key_value_heads),
-            "held": tuple(model.layers[0].self_attn.k_proj.weight.to_local().shape),
-            "state": max(((state[k] - v).abs().max().item() for k, v in whole.state_dict().items()), default=None)
-            if state else None}
+    results = {}
+    for kind, (model, plan) in {"llama": (Llama(), "auto"), **hf_models()}.items():
+        model.eval()  # BERT's dropout is 0; the same path everywhere
+        whole = copy.deepcopy(model)
+        config = types.SimpleNamespace(tensor=types.SimpleNamespace(size=world, plan=plan),
+                                       trainer=types.SimpleNamespace(strategy="tensor"))
+        trainer = types.SimpleNamespace(config=config, world_size=world, device=torch.device("cpu"),
+                                        log=logging.getLogger("test_tensor"))
+        strategy = tensor.TensorStrategy(config)
+        strategy.wrap(trainer, model)
+        x = torch.randint(32, (3, 5), generator=torch.Generator().manual_seed(1))
+        out, expected = (m(x) if kind == "llama" else m(x)[0] for m in (model, whole))
+        result = {"output": (out - expected).abs().max().item()}
+        if kind == "llama":
+            out.square().mean().backward()
+            expected.square().mean().backward()
+            grad = model.layers[0].self_attn.k_proj.weight.grad.full_tensor()
+            result.update(grad=(grad - whole.layers[0].self_attn.k_proj.weight.grad).abs().max().item(),
+                          heads=(model.layers[0].self_attn.num_heads, model.layers[0].self_attn.num_key_value_heads),
+                          held=tuple(model.layers[0].self_attn.k_proj.weight.to_local().shape))
+        if kind == "hf_bert":
+            attention = model.encoder.layer[0].attention.self
+            result["heads"] = (attention.num_attention_heads, attention.all_head_size)
+        state = strategy.full_state_dict(model)
+        result["state"] = max((state[k] - v).abs().max().item() for k, v in whole.state_dict().items()) if state \
+            else None
+        results[kind] = result
+    return results
 
 
 @pytest.mark.slow
-def test_a_llama_shaped_model_with_grouped_query_attention_splits_as_the_plan_says(ranks):
-    """Llama's names, 4 heads and 2 key-value heads on 2 ranks: each rank computes 2 heads and 1
-    key-value head, the output and gradients are the unsplit model's, rank 0 gathers its state dict."""
-    results = ranks.call(split_llama, 2, timeout=60)
-    for rank, result in enumerate(results):
-        assert result["heads"] == (2, 1) and result["held"] == (4, 16)  # 1 key-value head of width 4
-        assert result["output"] < 1e-6 and result["grad"] < 1e-6, result
-    assert results[0]["state"] == 0.0 and results[1]["state"] is None
+def test_llama_and_bert_shaped_models_split_as_their_plans_say(ranks):
+    """On 2 ranks: a Llama-shaped model with grouped-query attention (4 heads, 2 key-value heads) under
+    the auto plan computes 2 heads and 1 key-value head per rank with the unsplit model's output and
+    gradients; HuggingFace's Llama (auto plan, reshapes with -1) and BERT (a plan of the user's, its
+    head count and width divided) give their unsplit outputs; rank 0 gathers each state dict."""
+    results = ranks.call(split_models, 2, timeout=90)
+    for result in results:
+        llama = result["llama"]
+        assert llama["heads"] == (2, 1) and llama["held"] == (4, 16)  # 1 key-value head of width 4
+        assert llama["output"] < 1e-6 and llama["grad"] < 1e-6, llama
+        for kind in ("hf_llama", "hf_bert"):
+            if kind in result:
+                assert result[kind]["output"] < 1e-5, (kind, result[kind])
+        if "hf_bert" in result:
+            assert result["hf_bert"]["heads"] == (2, 8)
+    assert all(r["state"] == 0.0 for r in results[0].values()) and all(r["state"] is None for r in results[1].values())
 
 
 def test_what_the_plan_and_the_size_cannot_split_is_one_line():
