@@ -104,8 +104,9 @@ def test_the_auto_plan_splits_the_usual_transformer_pairs_and_a_user_plan_overri
     assert len(changes) == 4  # two layers
 
 
-BERT_PLAN = {"*.attention.self.query": "colwise", "*.attention.self.key": "colwise", "*.attention.self.value": "colwise",
-             "*.attention.output.dense": "rowwise", "*.intermediate.dense": "colwise", "*.output.dense": "rowwise"}
+BERT_PLAN = {"*.attention.self.query": "colwise", "*.attention.self.key": "colwise",
+             "*.attention.self.value": "colwise", "*.attention.output.dense": "rowwise",
+             "*.intermediate.dense": "colwise", "*.output.dense": "rowwise"}
 
 
 def hf_models():
@@ -295,17 +296,19 @@ def gap(a, b, key):
 @pytest.mark.slow
 def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_path):
     """10 AdamW steps, a clip that acts: tensor 2, and tensor 2 x 2 replicas with 2 micro-batches a step
-    (the replicas' average waits for the window's last: the same 16 samples a step), give ddp's losses, gradient norms and evaluation within 1e-5; a rank holds
-    what the split divides by 2 of ddp's parameters and optimizer state; run_dir/model loads strictly
-    into the user's unsplit class (tied head and all) and holds ddp's weights. comm_hook.name=int8
-    compresses the replicas' average and trains as fp32 does, within 0.1 %."""
+    (the replicas' average waits for the window's last: the same 16 samples a step), give ddp's
+    losses, gradient norms and evaluation within 1e-5; a rank holds what the split divides by 2 of
+    ddp's parameters and optimizer state; run_dir/model loads strictly into the user's unsplit class
+    (tied head and all) and holds ddp's weights. comm_hook.name=int8 compresses the replicas'
+    average and trains as fp32 does, within 0.1 %."""
     from safetensors.torch import load_file, load_model
 
     example(tmp_path)
     memory = {"plugins": {"enable": ["benchmarks.shard_memory"]}}
     ddp1 = train(ranks, tmp_path, "ddp1", 1, **memory)
     tp2 = train(ranks, tmp_path, "tp2", 2, trainer={"strategy": "tensor"}, **memory)
-    int8 = train(ranks, tmp_path, "int8", 4, trainer={"strategy": "tensor", "batch_size": 8}, comm_hook={"name": "int8"})
+    int8 = train(ranks, tmp_path, "int8", 4, trainer={"strategy": "tensor", "batch_size": 8},
+                 comm_hook={"name": "int8"})
     assert "comm hook int8 installed on the gradient average of 2 replicas (fused buckets of each rank's parts, the " \
            "whole layers' apart" in \
         (tmp_path / "rank0.log").read_text()

@@ -141,7 +141,8 @@ def check_split(model: nn.Module, split: dict, size: int) -> list:
                 raise DdpxError(f"tensor.size={size} does not divide the {value} heads of {owner or 'the model'} "
                                 f"({type(module).__name__}.{attr}): each rank computes whole heads; set tensor.size to "
                                 f"a divisor of {value}")
-        widths = [(a, getattr(module, a)) for a in WIDTH_ATTRS if type(getattr(module, a, None)) is int] if heads else []
+        widths = [(a, getattr(module, a)) for a in WIDTH_ATTRS if type(getattr(module, a, None)) is int] \
+            if heads else []
         for attr, value in widths:
             if value % size:
                 raise DdpxError(f"tensor.size={size} does not divide {owner}.{attr}={value}; set tensor.size to a "
@@ -312,7 +313,8 @@ class TensorStrategy(Strategy):
     their gradients."""
 
     replicated = False
-    compression_advice = "compress the replicas' gradient average with comm_hook.name=int8 (or bf16, fp16, onebit, powersgd)"
+    compression_advice = ("compress the replicas' gradient average with comm_hook.name=int8 (or bf16, fp16, onebit, "
+                          "powersgd)")
 
     @classmethod
     def check_config(cls, values: Mapping) -> None:
