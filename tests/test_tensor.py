@@ -196,6 +196,12 @@ def test_what_the_plan_and_the_size_cannot_split_is_one_line():
     with pytest.raises(DdpxError, match=r"^tensor.size=3 does not divide the 4 heads of blocks.0 \(Block.n_head\): "
                                         r"each rank computes whole heads; set tensor.size to a divisor of 4$"):
         tensor.check_split(model, split, 3)
+    gqa = Attention()  # a fused projection of grouped-query attention: its thirds are not equal
+    gqa.qkv = nn.Linear(16, 32)
+    with pytest.raises(DdpxError, match=r"^qkv is split as a fused \[q; k; v\] of equal thirds \(style qkv\), but the "
+                                        r"model has grouped-query attention \(Attention.num_key_value_heads=2, 4 query "
+                                        r"heads\); leave it whole"):
+        tensor.check_split(gqa, {"qkv": "qkv", "o_proj": "rowwise"}, 2)
     with pytest.raises(DdpxError, match=r"^tensor.size=4 does not divide 0 \(colwise, 6 output features\) evenly"):
         tensor.check_split(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4)), {"0": "colwise", "1": "rowwise"}, 4)
 

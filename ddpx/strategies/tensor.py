@@ -51,7 +51,7 @@ STYLES = ("colwise", "rowwise", "qkv", "none")
 # colwise or qkv layer and a rowwise one): a rowwise layer takes a split input, a colwise layer
 # gives one.
 AUTO_PLAN = (
-    *((name, "qkv") for name in ("qkv", "c_attn", "Wqkv", "qkv_proj", "in_proj")),
+    *((name, "qkv") for name in ("qkv", "c_attn", "Wqkv")),
     *((name, "colwise") for name in ("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv")),
     *((name, "colwise") for name in ("fc1", "up_proj", "gate_proj", "w1", "w3", "c_fc", "mlp.0", "ffn.0")),
     *((name, "rowwise") for name in ("o_proj", "out_proj", "wo", "proj", "c_proj", "fc2", "down_proj", "w2",
@@ -59,7 +59,8 @@ AUTO_PLAN = (
 )
 # Attributes of a module owning split attention projections that count its heads ...
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads",
-              "num_kv_heads", "n_kv_head")
+              "num_kv_heads", "n_kv_head", "kv_n_heads")
+KV_HEAD_ATTRS = HEAD_ATTRS[4:]  # grouped-query attention's key-value heads
 # ... and that hold its heads' total width (divided where the module has a head count too).
 WIDTH_ATTRS = ("embed_dim", "hidden_size", "split_size", "all_head_size", "n_embd")
 
@@ -147,6 +148,14 @@ def check_split(model: nn.Module, split: dict, size: int) -> list:
             if value % size:
                 raise DdpxError(f"tensor.size={size} does not divide {owner}.{attr}={value}; set tensor.size to a "
                                 f"divisor of {value}")
+        fused = [name for name, style in split.items() if style == "qkv" and name.rpartition(".")[0] == owner]
+        counts = {value for attr, value in heads}
+        if fused and len(counts) > 1:
+            kv = next(f"{attr}={value}" for attr, value in heads if attr in KV_HEAD_ATTRS)
+            raise DdpxError(f"{fused[0]} is split as a fused [q; k; v] of equal thirds (style qkv), but "
+                            f"{owner or 'the model'} has grouped-query attention ({type(module).__name__}.{kv}, "
+                            f"{max(counts)} query heads); leave it whole (tensor.plan={{{fused[0]}: none}} and its "
+                            "output projection too), or project q, k and v apart and split them colwise")
         changes += [(module, attr, value) for attr, value in heads + widths]
     for name, style in split.items():
         layer = model.get_submodule(name)
