@@ -52,6 +52,7 @@ DEFAULTS: dict = {
              "param_dtype": "amp", "shard_size": "all", "offload": "none"},
     "pipeline": {"stages": 2, "schedule": "1f1b", "microbatches": 4, "stages_per_rank": 1, "split": "auto",
                  "data_parallel": "ddp"},
+    "tensor": {"size": 2, "plan": "auto"},
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
     "plugins": {"enable": [], "block": [], "trace": False},
 }
@@ -78,6 +79,7 @@ TYPES: dict = {
     "fsdp.units": (str, list),
     "fsdp.shard_size": (str, int),
     "pipeline.split": (str, list),
+    "tensor.plan": (str, dict),
 }
 CHOICES: dict = {
     "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
@@ -114,6 +116,7 @@ RANGES: dict = {
     "pipeline.stages": (1, True, "ranks per pipeline, one stage each"),
     "pipeline.microbatches": (1, True, "micro-batches each batch is split into"),
     "pipeline.stages_per_rank": (1, True, "stages each rank holds (interleaved_1f1b: 2 or more)"),
+    "tensor.size": (1, True, "ranks each layer is split over"),
     "fsdp.min_unit_params": (1, True, "parameters a module needs to become an FSDP unit under fsdp.units=auto"),
 }
 

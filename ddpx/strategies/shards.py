@@ -6,6 +6,7 @@ the same for every such strategy:
 
 * :func:`is_shard`, :func:`local`, :func:`holds_shards`, :func:`shard_like`: a DTensor,
   this rank's part of it, whether a state entry holds one, a tensor laid out as one;
+  :func:`shards_apart`: DTensors and plain tensors in separate lists (for foreach calls);
 * :func:`save_shards` / :func:`read_shards` (``torch.distributed.checkpoint``): each rank
   writes its own part of the sharded entries; read back, at any world size, through
   :class:`SafeShardReader`, which runs nothing stored in the files;
@@ -28,6 +29,14 @@ def is_shard(tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def shards_apart(tensors) -> list[list]:
+    """``tensors`` as [DTensors, plain tensors], empty groups left out: a ``torch._foreach_*`` call
+    (clipping's, the optimizers') refuses a list that mixes them."""
+    tensors = list(tensors)
+    groups = [[t for t in tensors if is_shard(t)], [t for t in tensors if not is_shard(t)]]
+    return [g for g in groups if g]
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
 from .. import strategies
 from ..data.batches import model_loss, to_device
+from ..strategies.shards import shards_apart
 from .compile import compile_model
 from .grad_norms import GradientNorms
 from .losses import EpochLosses, LossWindow
@@ -503,8 +504,9 @@ class Trainer:
         self.grad_norm, self.grad_norm_step = norm, step
         if step >= self._grad_norm_due:
             self._grad_norm_due = NEVER  # done: the logger asks for its next one
-        if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), max_norm, norm)
+        if max_norm:  # DTensors apart from plain tensors (tensor parallelism holds both): foreach refuses a mix
+            for group in shards_apart(self.module.parameters()):
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm
 
     def watch_grad_norm(self, step: int) -> None:

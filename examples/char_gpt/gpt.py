@@ -23,12 +23,13 @@ class Block(nn.Module):
                                  nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # chunk(3) and views with -1: under trainer.strategy=tensor a rank holds n_head / tensor.size heads
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.ln2(x))
 
 

@@ -106,25 +106,28 @@ def _load(trainer, state, path) -> None:
 def _resize(trainer, session, old_world, old_replicas, replicas) -> None:
     """Resumed at another world size or layout: reseed, say what changed (rank 0), scale the
     learning rate by the data-parallel replicas (the global batch grows with them, not with a
-    pipeline's stages)."""
+    pipeline's stages or a tensor group)."""
     from ddpx.rank.seeding import seed_rank
 
-    seed_rank(trainer.config.seed, trainer.strategy.data_parallel(trainer)[0], trainer.global_step)  # not the fresh start's stream again; one per replica
+    # not the fresh start's stream again; one stream per data-parallel replica (a rank under ddp)
+    seed_rank(trainer.config.seed, trainer.strategy.data_parallel(trainer)[0], trainer.global_step)
     if trainer.rank == 0:
         batch, accumulation = trainer.config.trainer.batch_size, accumulation_steps(trainer)
         sampler = getattr(trainer.train_loader, "batch_sampler", None)
         redivided = f"the rest of epoch {trainer.epoch} is re-divided, " if hasattr(sampler, "epoch_batches") \
             else ""  # a stream says itself what it does
-        ranks = "ranks" if replicas == trainer.world_size and old_replicas == old_world else "data-parallel replicas"
-        what = f"{trainer.world_size} ranks from a checkpoint of {old_world}" if ranks == "ranks" else \
-            f"{replicas} data-parallel replicas ({trainer.world_size} ranks) from a checkpoint of {old_replicas} " \
-            f"({old_world} ranks)"
+        by_rank = replicas == trainer.world_size and old_replicas == old_world
+        what = f"{trainer.world_size} ranks from a checkpoint of {old_world}" if by_rank else \
+            f"{replicas} data-parallel replica{'s' if replicas > 1 else ''} ({trainer.world_size} ranks) from a " \
+            f"checkpoint of {old_replicas} ({old_world} ranks)"
+        group = f"{replicas} ranks" if by_rank else f"{replicas} replica{'s' if replicas > 1 else ''}"
         trainer.log.warning(
             f"resuming with {what}: {redivided}"
-            f"the global batch is now {replicas} {ranks} x "
+            f"the global batch is now {group} x "
             f"{batch} x {accumulation} accumulation steps = {replicas * batch * accumulation} "
-            "samples, RNG states are seeded from (seed, rank, step), the learning rate is "
-            + ("scaled linearly" if session.cfg["lr_scaling"] == "linear" and replicas != old_replicas else "unchanged")
+            f"samples, RNG states are seeded from (seed, {'rank' if by_rank else 'replica'}, step), the learning "
+            "rate is " + ("scaled linearly" if session.cfg["lr_scaling"] == "linear" and replicas != old_replicas
+                          else "unchanged")
         )
         warn_scheduler_horizon(trainer)
     if session.cfg["lr_scaling"] == "linear":

@@ -1,0 +1,569 @@
+"""``trainer.strategy: tensor``: each Linear layer of a pair split over ``tensor.size`` consecutive ranks
+(Megatron-style tensor parallelism on ``torch.distributed.tensor.parallel``).
+
+The plan (:func:`resolve_plan`): which of the model's ``nn.Linear`` modules are split, and how.
+``colwise`` splits a layer's outputs (its weight's rows: a rank computes ``out / size`` features,
+an attention projection ``n_heads / size`` heads), ``rowwise`` its inputs (a rank takes its slice of
+the features and the partial outputs are summed over the ranks: one all_reduce), ``qkv`` is a
+colwise split of a fused ``[q; k; v]`` projection in which each rank holds the rows
+``[q_r; k_r; v_r]`` of its heads (:class:`FusedQKV`). A colwise layer followed by a rowwise one
+(attention's projections, an MLP's up and down) communicates once forward and once backward.
+``tensor.plan: auto`` uses :data:`AUTO_PLAN` (the usual transformer names); a dict
+``{pattern: colwise|rowwise|qkv|none}`` adds to it and overrides it. Everything else (embeddings,
+norms, an output head) stays whole on every rank.
+
+A module that owns split attention projections computes fewer heads: its head counts
+(:data:`HEAD_ATTRS`) and head widths (:data:`WIDTH_ATTRS`) are divided by the size, so a model
+whose attention reshapes with those attributes, or with ``-1``, runs unchanged.
+
+The mesh is ``(dp, tp)`` (ddpx/strategies/mesh.py): a tensor group's ranks are consecutive (inside a
+node, where the per-layer all_reduces stay); with more ranks than ``tensor.size`` the replicas'
+gradients are averaged over the ``dp`` group by one all_reduce per step (:meth:`TensorStrategy.
+forward_backward`: DDP cannot hold DTensor parameters). Every rank of a replica loads the same
+batches and draws from the same random stream, so dropout on the replicated activations agrees.
+
+State: the split parameters are DTensors; checkpoints hold each rank's parts through
+``torch.distributed.checkpoint``, keyed by the user's names, so another ``tensor.size`` (or world
+size) can resume them. A fused qkv parameter is stored as its three parts ``{q, k, v}``, each a
+DTensor of the user's layout (:func:`split_fused`), and ``run_dir/model/`` holds the whole model in
+the user's layout (:meth:`TensorStrategy.full_state_dict`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import DdpxError
+from . import shards
+from .base import PartReduction, Strategy
+from .mesh import model_parallel_mesh
+
+STYLES = ("colwise", "rowwise", "qkv", "none")
+# tensor.plan: auto. A pattern matches a Linear module's name relative to the model (fnmatch, case
+# sensitive) or the tail of it after a dot ("proj" matches "blocks.0.proj"); the first match wins.
+# A built-in match is kept only where the module's parent also has a match of the other kind (a
+# colwise or qkv layer and a rowwise one): a rowwise layer takes a split input, a colwise layer
+# gives one.
+AUTO_PLAN = (
+    *((name, "qkv") for name in ("qkv", "c_attn", "Wqkv")),
+    *((name, "colwise") for name in ("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv")),
+    *((name, "colwise") for name in ("fc1", "up_proj", "gate_proj", "w1", "w3", "c_fc", "mlp.0", "ffn.0")),
+    *((name, "rowwise") for name in ("o_proj", "out_proj", "wo", "proj", "c_proj", "fc2", "down_proj", "w2",
+                                     "mlp.2", "ffn.2")),
+)
+# Attributes of a module owning split attention projections that count its heads ...
+HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads",
+              "num_kv_heads", "n_kv_head", "kv_n_heads")
+KV_HEAD_ATTRS = HEAD_ATTRS[4:]  # grouped-query attention's key-value heads
+# ... and that hold its heads' total width (divided where the module has a head count too).
+WIDTH_ATTRS = ("embed_dim", "hidden_size", "split_size", "all_head_size", "n_embd")
+
+
+def matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
+def linear_modules(model: nn.Module) -> list:
+    return [(name, m) for name, m in model.named_modules() if name and isinstance(m, nn.Linear)]
+
+
+def _listing(names: list, most: int = 12) -> str:
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "") if names else "none"
+
+
+def check_plan(plan) -> None:
+    """A one-line error for a ``tensor.plan`` that is neither ``auto`` nor ``{pattern: style}``."""
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise DdpxError(f"config key 'tensor.plan' must be auto or a mapping {{pattern: style}} (styles: "
+                            f"{', '.join(STYLES)}), got {plan!r}")
+        return
+    for pattern, style in dict(plan).items():
+        if style not in STYLES:
+            raise DdpxError(f"tensor.plan gives {pattern!r} the style {style!r}; a style is one of "
+                            f"{', '.join(STYLES)}")
+
+
+def resolve_plan(model: nn.Module, plan) -> tuple[dict, list]:
+    """``({name: style}, unmatched)``: the style of each Linear module the plan splits (``none`` left
+    out) and the names of the Linear modules it leaves whole. The user's patterns (``tensor.plan``
+    a dict) come before :data:`AUTO_PLAN`; a pattern of the user's that matches no Linear module, or
+    a plan that splits nothing, is a one-line error."""
+    user = {} if plan == "auto" else dict(plan)
+    linears = linear_modules(model)
+    unused = [p for p in user if not any(matches(name, p) for name, _ in linears)]
+    if unused:
+        raise DdpxError(f"tensor.plan names {', '.join(map(repr, unused))}, which matches no nn.Linear module of "
+                        f"{type(model).__name__} (its Linear modules: {_listing([n for n, _ in linears])})")
+    chosen, builtin = {}, {}
+    for name, _ in linears:
+        style = next((s for p, s in user.items() if matches(name, p)), None)
+        if style is not None:
+            chosen[name] = style
+            continue
+        style = next((s for p, s in AUTO_PLAN if matches(name, p)), None)
+        if style is not None:
+            builtin[name] = style
+    # a built-in match needs its partner beside it: a colwise/qkv and a rowwise layer under one parent
+    by_parent: dict = {}
+    for name, style in builtin.items():
+        by_parent.setdefault(name.rpartition(".")[0], set()).add("rowwise" if style == "rowwise" else "colwise")
+    for name, style in builtin.items():
+        if by_parent[name.rpartition(".")[0]] == {"colwise", "rowwise"}:
+            chosen[name] = style
+    split = {name: style for name, style in chosen.items() if style != "none"}
+    unmatched = [name for name, _ in linears if name not in split]
+    if not split:
+        raise DdpxError(
+            f"tensor.plan={'auto' if plan == 'auto' else dict(plan)} splits none of {type(model).__name__}'s Linear "
+            f"modules ({_listing([n for n, _ in linears])}); name them in tensor.plan, a colwise layer followed by a "
+            "rowwise one, e.g. tensor.plan={\"*.up\": colwise, \"*.down\": rowwise} (qkv: a fused [q; k; v] "
+            "projection), or use trainer.strategy=ddp or fsdp")
+    return split, unmatched
+
+
+def check_split(model: nn.Module, split: dict, size: int) -> list:
+    """Refuse in one line what ``size`` does not divide (a split layer's features, a head count of a
+    module owning split attention projections); returns ``[(module, attribute, value)]`` of the head
+    counts and widths to divide by ``size``."""
+    owners = {name.rpartition(".")[0] for name, style in split.items() if style != "rowwise"}
+    changes = []
+    for owner in sorted(owners):
+        module = model.get_submodule(owner) if owner else model
+        heads = [(a, getattr(module, a)) for a in HEAD_ATTRS if type(getattr(module, a, None)) is int]
+        for attr, value in heads:
+            if value % size:
+                raise DdpxError(f"tensor.size={size} does not divide the {value} heads of {owner or 'the model'} "
+                                f"({type(module).__name__}.{attr}): each rank computes whole heads; set tensor.size to "
+                                f"a divisor of {value}")
+        widths = [(a, getattr(module, a)) for a in WIDTH_ATTRS if type(getattr(module, a, None)) is int] \
+            if heads else []
+        for attr, value in widths:
+            if value % size:
+                raise DdpxError(f"tensor.size={size} does not divide {owner}.{attr}={value}; set tensor.size to a "
+                                f"divisor of {value}")
+        fused = [name for name, style in split.items() if style == "qkv" and name.rpartition(".")[0] == owner]
+        counts = {value for attr, value in heads}
+        if fused and len(counts) > 1:
+            kv = next(f"{attr}={value}" for attr, value in heads if attr in KV_HEAD_ATTRS)
+            raise DdpxError(f"{fused[0]} is split as a fused [q; k; v] of equal thirds (style qkv), but "
+                            f"{owner or 'the model'} has grouped-query attention ({type(module).__name__}.{kv}, "
+                            f"{max(counts)} query heads); leave it whole (tensor.plan={{{fused[0]}: none}} and its "
+                            "output projection too), or project q, k and v apart and split them colwise")
+        changes += [(module, attr, value) for attr, value in heads + widths]
+    for name, style in split.items():
+        layer = model.get_submodule(name)
+        features, what = (layer.in_features, "input features") if style == "rowwise" else \
+            (layer.out_features, "output features")
+        parts = 3 * size if style == "qkv" else size
+        if features % parts:
+            raise DdpxError(f"tensor.size={size} does not divide {name} ({style}, {features} {what}"
+                            f"{', 3 fused parts' if style == 'qkv' else ''}) evenly; set tensor.size to a divisor "
+                            f"of {features // 3 if style == 'qkv' else features}")
+    return changes
+
+
+def permute_fused(full: torch.Tensor, size: int) -> torch.Tensor:
+    """``[q; k; v]`` rows as ``[q_0; k_0; v_0; q_1; ...]``: rank r's contiguous rows are its heads'."""
+    rows = full.shape[0] // 3
+    return full.reshape(3, size, rows // size, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+
+
+def unpermute_fused(permuted: torch.Tensor, size: int) -> torch.Tensor:
+    """The inverse of :func:`permute_fused`: the user's ``[q; k; v]`` layout."""
+    rows = permuted.shape[0] // 3
+    return permuted.reshape(size, 3, rows // size, *permuted.shape[1:]).transpose(0, 1).reshape(permuted.shape)
+
+
+def _colwise():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class FusedQKV(ColwiseParallel):
+        """ColwiseParallel of a fused ``[q; k; v]`` Linear: the rows are permuted first, so each
+        rank's shard is ``[q_r; k_r; v_r]`` and ``chunk(3)`` of its output gives its heads' q, k, v."""
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            size = device_mesh.size()
+            for pname, param in list(module.named_parameters()):
+                permuted = permute_fused(param.detach(), size)
+                module.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(permuted, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                    requires_grad=param.requires_grad))
+
+    return ColwiseParallel, FusedQKV
+
+
+def parallel_styles(split: dict) -> dict:
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    colwise, fused = _colwise()
+    kinds = {"colwise": colwise, "rowwise": RowwiseParallel, "qkv": fused}
+    return {name: kinds[style]() for name, style in split.items()}
+
+
+def split_fused(tensor, like=None):
+    """A fused parameter's DTensor (or this rank's part of one, laid out as ``like``) as ``{q, k, v}``:
+    three DTensors of the user's layout, each sharded on dim 0, views of the rank's rows."""
+    from torch.distributed.tensor import DTensor
+
+    like = tensor if like is None else like
+    local = shards.local(tensor)
+    shape = (like.shape[0] // 3, *like.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return {key: DTensor.from_local(part, like.device_mesh, like.placements, run_check=False, shape=shape,
+                                    stride=stride)
+            for key, part in zip("qkv", local.chunk(3, dim=0))}
+
+
+def is_fused_entry(value) -> bool:
+    return isinstance(value, dict) and sorted(value) == ["k", "q", "v"]
+
+
+def join_fused(parts: dict, like) -> torch.Tensor:
+    """:func:`split_fused`'s inverse: the rank's rows ``[q_r; k_r; v_r]`` as a DTensor laid out as ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    local = torch.cat([shards.local(parts[key]) for key in "qkv"], dim=0)
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def is_split(tensor) -> bool:
+    """Whether ``tensor`` is a DTensor sharded over the tensor group (a split layer's weight, a
+    colwise bias), not a replicated one (a rowwise layer's bias)."""
+    return shards.is_shard(tensor) and any(p.is_shard() for p in tensor.placements)
+
+
+def share_random_state(group, src: int, device: torch.device) -> None:
+    """Python's, numpy's and torch's (CPU and ``device``'s) random states of global rank ``src``
+    on every rank of ``group``."""
+    import random
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    state = [(random.getstate(), numpy.random.get_state() if numpy else None, torch.get_rng_state(),
+              torch.cuda.get_rng_state(device) if device.type == "cuda" else None)]
+    dist.broadcast_object_list(state, src=src, group=group)
+    python, np_state, cpu, cuda = state[0]
+    random.setstate(python)
+    if numpy is not None and np_state is not None:
+        numpy.random.set_state(np_state)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def _collapse(read, original):
+    """``original`` (a template entry) where ``read`` holds it expanded into {q, k, v} parts."""
+    if isinstance(original, dict) and isinstance(read, dict):
+        return {k: _collapse(read[k], v) if k in read else v for k, v in original.items()}
+    return original if torch.is_tensor(original) and is_fused_entry(read) else read
+
+
+class ReplicaCompression:
+    """``comm_hook.name`` on a tensor strategy's replica average, as the comm_hook plugin and the
+    loggers see one hook state: one state codes the split layers' parts, another the whole layers'
+    gradients, in calls of their own: a whole layer's gradient is the same on every rank of a
+    tensor group and must be coded alike on each, whatever the rank's own parts beside it in a
+    bucket are. (ddpx's methods code each tensor on its own, so a mixed bucket kept them equal too
+    when tried with int8, onebit, powersgd and bf16 on 2 x 2 ranks; apart, a method need not.)
+    Each state gets the same tensors every step (its memory is keyed by them)."""
+
+    def __init__(self, name, options, group, parts, whole):
+        from ..comm_hooks import make
+
+        self.lists = [(make(name, group, **options)[0], [torch.zeros_like(t) for t in tensors])
+                      for tensors in (parts, whole) if tensors]
+        self.name, self.opts = name, self.lists[0][0].opts
+        self.group = group
+
+    def reduce(self, parts, whole) -> None:
+        from ..fused_allreduce import fused_allreduce
+
+        for (state, buffers), grads in zip(self.lists, [g for g in (parts, whole) if g]):
+            torch._foreach_copy_(buffers, grads)
+            fused_allreduce(buffers, op="avg", compression=state, process_group=self.group, async_op=False)
+            torch._foreach_copy_(grads, buffers)
+
+    def pair(self, optimizer) -> None:
+        for state, _ in self.lists:
+            state.pair(optimizer)
+
+    def stats(self) -> dict:
+        each = [state.stats() for state, _ in self.lists]
+        total = {key: sum(s[key] or 0 for s in each) for key in ("raw_bytes", "wire_bytes", "fp32_wire_bytes",
+                                                                  "buckets")}
+        total.update(name=self.name, steps=max(s["steps"] for s in each),
+                     compression=total["raw_bytes"] / total["wire_bytes"] if total["wire_bytes"] else None)
+        return total
+
+    def state_dict(self) -> dict:
+        return {"states": [state.state_dict() for state, _ in self.lists]}
+
+    def load_state_dict(self, saved) -> None:
+        states = saved.get("states", []) if isinstance(saved, dict) else []
+        if len(states) != len(self.lists):
+            raise DdpxError("the checkpoint's comm hook state is not a tensor strategy's of this model; set "
+                            "checkpoint.resume=false or the comm_hook.name it was written with")
+        for (state, _), sd in zip(self.lists, states):
+            state.load_state_dict(sd)
+
+
+class TensorStrategy(Strategy):
+    """The model's Linear pairs split over ``tensor.size`` ranks; replicas of that group average
+    their gradients."""
+
+    replicated = False
+    compression_advice = ("compress the replicas' gradient average with comm_hook.name=int8 (or bf16, fp16, onebit, "
+                          "powersgd)")
+
+    @classmethod
+    def check_config(cls, values: Mapping) -> None:
+        tensor = values.get("tensor", {})
+        check_plan(tensor.get("plan", "auto"))
+        trainer = values.get("trainer", {})
+        if trainer.get("compile"):
+            raise DdpxError("trainer.compile does not apply under trainer.strategy=tensor (its split layers run as "
+                            "DTensors, which ddpx does not compile); set trainer.compile=false")
+        amp = values.get("amp") or {}
+        if amp.get("enabled") and amp.get("dtype") == "fp16":
+            raise DdpxError("amp.dtype=fp16 does not apply under trainer.strategy=tensor (the fp16 GradScaler "
+                            "cannot unscale a mix of DTensor and plain gradients); set amp.dtype=bf16")
+
+    @classmethod
+    def check_compression(cls, config, method, options):
+        """A method that averages by itself (not ``onebit_adam``, whose optimizer sends the update
+        through DDP) compresses the replicas' gradient average; its options are checked here."""
+        if method.optimizer is not None:
+            from ..comm_hooks import available
+
+            raise DdpxError(f"comm_hook.name={method.name} does not apply under trainer.strategy=tensor (its "
+                            "optimizer sends its update through DDP, which cannot hold a tensor-parallel model); set "
+                            f"comm_hook.name to one of {', '.join(available())}")
+        method.check_options(options)
+
+    # --- building ------------------------------------------------------------------------
+
+    def wrap(self, trainer, module):
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        cfg = trainer.config.tensor
+        size = cfg.size
+        plan = cfg.plan if isinstance(cfg.plan, str) else dict(cfg.plan)
+        split, unmatched = resolve_plan(module, plan)
+        changes = check_split(module, split, size)
+        self.key_order = list(module.state_dict())
+        self.mesh = model_parallel_mesh(trainer, size, "tp", "tensor.size")
+        self.tp_mesh = self.mesh["tp"]
+        self.tp_group, self.dp_group = self.mesh.get_group("tp"), self.mesh.get_group("dp")
+        self.tp_rank, self.dp_rank = self.mesh.get_local_rank("tp"), self.mesh.get_local_rank("dp")
+        self.size, self.dp_size = size, self.mesh.size(0)
+        for owner, attr, value in changes:
+            setattr(owner, attr, value // size)
+        parallelize_module(module, self.tp_mesh, parallel_styles(split))
+        self.fused = {f"{name}.{p}" for name, style in split.items() if style == "qkv"
+                      for p, _ in module.get_submodule(name).named_parameters()}
+        self.fused_ids = {id(p) for name, p in module.named_parameters() if name in self.fused}
+        self.params = list(module.parameters())
+        self.comm_state = None
+        self.syncing = True
+        self.trainer = trainer
+        kinds = {style: [n for n, s in split.items() if s == style] for style in ("qkv", "colwise", "rowwise")}
+        listed = "; ".join(f"{style} {_listing(names, 4)}" for style, names in kinds.items() if names)
+        heads = sorted({f"{type(m).__name__}.{a} {v} -> {v // size}" for m, a, v in changes})
+        replicas = f"{self.dp_size} replica{'s' if self.dp_size != 1 else ''}"
+        trainer.log.info(f"tensor: {len(split)} Linear layers split over {size} ranks x {replicas} "
+                         f"({listed}){'; per rank: ' + ', '.join(heads) if heads else ''}; "
+                         f"not split (whole on every rank): {_listing(unmatched, 8)}")
+        return module
+
+    def install_compression(self, trainer, model):
+        """The replicas' average through ``comm_hook.name``'s own per-bucket code (``ddpx.fused_allreduce``
+        on fused buckets of the rank's gradient parts, over the data-parallel group)."""
+        if self.compression is None:
+            return None
+        method, options, _ = self.compression
+        if self.dp_size == 1:
+            trainer.log.warning("comm_hook.name=%s ignored: %d ranks make 1 replica of tensor.size=%d, so no "
+                                "gradient is averaged between replicas", method.name, trainer.world_size, self.size)
+            return None
+        trained = [p for p in self.params if p.requires_grad]
+        self.comm_state = ReplicaCompression(method.name, options, self.dp_group,
+                                             [shards.local(p) for p in trained if is_split(p)],
+                                             [shards.local(p) for p in trained if not is_split(p)])
+        opts = "".join(f", {k} {v}" for k, v in self.comm_state.opts.items())
+        trainer.log.info("comm hook %s installed on the gradient average of %d replicas (fused buckets of each rank's "
+                         "parts, the whole layers' apart%s)", method.name, self.dp_size, opts)
+        return self.comm_state
+
+    def start(self, trainer):
+        """The ranks of a tensor group take their first rank's random streams (a resume may have
+        restored each rank's own): dropout on the replicated activations must agree."""
+        if self.size > 1:
+            share_random_state(self.tp_group, self.mesh["tp"].mesh[0].item(), trainer.device)
+
+    # --- the data and the ranks ------------------------------------------------------------
+
+    def data_parallel(self, trainer):
+        return self.dp_rank, self.dp_size
+
+    def counts_loss(self, trainer):
+        return self.tp_rank == 0
+
+    def describe_rank(self, trainer):
+        return f"tensor rank {self.tp_rank} of {self.size}, replica {self.dp_rank} of {self.dp_size}"
+
+    # --- the step ------------------------------------------------------------------------
+
+    def forward_backward(self, trainer, batch, window):
+        loss = super().forward_backward(trainer, batch, window)
+        if self.syncing and self.dp_size > 1:
+            self._average_replicas()
+        return loss
+
+    def _average_replicas(self) -> None:
+        """Average every gradient (this rank's parts) over the replicas: one all_reduce of them all, or the
+        comm hook's compressed exchange over fused buckets."""
+        for p in self.params:
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        grads = [shards.local(p.grad) for p in self.params if p.requires_grad]
+        if not grads:
+            return
+        if self.comm_state is not None:
+            trained = [p for p in self.params if p.requires_grad]
+            self.comm_state.reduce([g for p, g in zip(trained, grads) if is_split(p)],
+                                   [g for p, g in zip(trained, grads) if not is_split(p)])
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def no_sync(self, model):
+        """An accumulation window's backward passes but the last: the replicas' average waits."""
+        @contextlib.contextmanager
+        def unsynced():
+            self.syncing = False
+            try:
+                yield
+            finally:
+                self.syncing = True
+
+        return unsynced
+
+    def replica_checks(self, module):
+        """The layers left whole are the same on every rank (of the tensor group and of every replica)."""
+        whole = [shards.local(p).detach().sum(dtype=torch.float64) for p in module.parameters() if not is_split(p)]
+        if not whole:
+            return {}
+        return {"sum of the whole (not split) weights": (
+            torch.stack(whole).sum(), ": the ranks drifted apart, so some rank applied another update (a tensor "
+                                      "group's ranks must draw the same random numbers: dropout on the whole "
+                                      "activations; a plugin may change weights on some ranks only)")}
+
+    def part_reduction(self, module):
+        """A split gradient's parts are summed over the tensor group; a whole one (replicated, the
+        same on every rank of the group) is counted once."""
+        group = self.tp_group
+
+        def reduce(tensor, op):
+            dist.all_reduce(tensor, op=op, group=group)
+
+        return PartReduction(holds_part=is_split, reduce=reduce, device=self.trainer.device)
+
+    # --- state -----------------------------------------------------------------------------
+
+    def _split_state(self, state: dict, name: str, like) -> dict:
+        """An optimizer state entry of fused parameter ``name``: its tensors shaped as the parameter as {q, k, v}."""
+        return {k: split_fused(v) if shards.is_shard(v) and v.shape == like.shape else v for k, v in state.items()}
+
+    def model_state(self, module, optimizer):
+        """Each rank's parts keyed by the user's names (DTensors; the whole layers plain); a fused
+        parameter and its optimizer state as {q, k, v} (another tensor.size reads them back)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(module, optimizer)
+        params = dict(module.named_parameters())
+        for name in self.fused:
+            if name in model_state:
+                model_state[name] = split_fused(model_state[name])
+            if name in optimizer_state.get("state", {}):
+                optimizer_state["state"][name] = self._split_state(optimizer_state["state"][name], name, params[name])
+        return model_state, optimizer_state
+
+    def load_model_state(self, module, optimizer, model_state, optimizer_state):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        params = dict(module.named_parameters())
+        if model_state is not None:
+            model_state = {k: join_fused(v, params[k]) if is_fused_entry(v) else v for k, v in model_state.items()}
+            set_model_state_dict(module, model_state)
+        if optimizer_state is not None:
+            state = {name: {k: join_fused(v, params[name]) if is_fused_entry(v) else v for k, v in entry.items()}
+                     for name, entry in optimizer_state["state"].items()}
+            set_optimizer_state_dict(module, optimizer, {**optimizer_state, "state": state})
+
+    def sharded_entries(self, state):
+        """The model, the optimizer and any plugin entry with DTensors in it (the ema plugin's average)."""
+        return tuple(k for k, v in state.items() if k in ("model", "optimizer") or shards.holds_shards(v))
+
+    def local(self, tensor):
+        if is_fused_entry(tensor):  # a fused parameter's {q, k, v} (the ema plugin's, read back)
+            return torch.cat([shards.local(tensor[key]) for key in "qkv"], dim=0)
+        return shards.local(tensor)
+
+    def shard_like(self, part, like):
+        if id(like) in getattr(self, "fused_ids", ()):
+            return split_fused(part, like)
+        return shards.shard_like(part, like)
+
+    def read_shards(self, template, directory):
+        """:func:`~ddpx.strategies.shards.read_shards`; a plain tensor of ``template`` that the directory holds
+        as a fused parameter's ``{q, k, v}`` (``ddpx export`` reads into the unsplit model) is read from its
+        three parts."""
+        stored = shards._reader_classes()[0](str(directory)).read_metadata().state_dict_metadata
+        joins = []
+
+        def expand(value, prefix):
+            if isinstance(value, dict):
+                return {k: expand(v, f"{prefix}.{k}") for k, v in value.items()}
+            if torch.is_tensor(value) and not shards.is_shard(value) and prefix not in stored and \
+                    all(f"{prefix}.{key}" in stored for key in "qkv") and value.shape[0] % 3 == 0:
+                parts = dict(zip("qkv", value.chunk(3, dim=0)))  # views: the load fills ``value``
+                joins.append((value, parts))
+                return parts
+            return value
+
+        expanded = {k: expand(v, k) for k, v in template.items()}
+        read = shards.read_shards(expanded, directory)
+        for value, parts in joins:  # contiguous row blocks: filled in place already; copied in case DCP replaced them
+            value.copy_(torch.cat([parts[key] for key in "qkv"], dim=0))
+        for key in read:
+            template[key] = _collapse(read[key], template[key])
+        return {k: template[k] for k in read}
+
+    def full_state_dict(self, module):
+        """The whole model on rank 0 (every rank takes part: each split tensor is gathered over its
+        tensor group), as plain CPU tensors in the user's layout (fused parameters un-permuted) and order."""
+        rank0 = dist.get_rank() == 0
+        whole = {}
+        for key, value in module.state_dict().items():
+            if shards.is_shard(value):
+                value = value.full_tensor()
+                if key in self.fused:
+                    value = unpermute_fused(value, self.size)
+            if rank0:
+                whole[key] = value.detach().to("cpu", copy=True)
+        return {k: whole[k] for k in self.key_order if k in whole} if rank0 else {}
