@@ -13,7 +13,7 @@ from torch import nn
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
 from ddpx.strategies import tensor
-from tests.test_examples import EXAMPLES
+from test_examples import EXAMPLES
 
 
 def char_gpt(**kwargs):

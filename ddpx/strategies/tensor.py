@@ -419,6 +419,8 @@ class TensorStrategy(Strategy):
         return self.tp_rank == 0
 
     def describe_rank(self, trainer):
+        if not hasattr(self, "dp_size"):  # not wrapped yet
+            return ""
         return f"tensor rank {self.tp_rank} of {self.size}, replica {self.dp_rank} of {self.dp_size}"
 
     # --- the step ------------------------------------------------------------------------
