@@ -25,6 +25,10 @@ micro-batch count (``--microbatches``). Per cell, from the ``stage_timing`` plug
   in the schedule's point-to-point waits, ``sync``: after the schedule (those two
   collectives, their own transfer included), ``other``: the rest (the schedule's own
   bookkeeping, splitting the batch);
+* ``on_cpu``: the ranks' main-thread CPU time (``time.thread_time``) over ``forward_backward``'s
+  wall time, and per stage ``preempted``: the share of it the stage was computing by the
+  wall clock but not on a core (other processes had it): on a busy machine both say how
+  much of the step is the machine's, not the pipeline's;
 * ``ideal_bubble``: the schedule's idle fraction with equal stages, free transfers and
   backward = 2 forwards, the same for every stage: (p-1)/(m+p-1) for 1F1B and GPipe
   (p stages, m micro-batches), (p-1)/(v m+p-1) interleaved (p ranks, v stages per rank);
@@ -127,8 +131,13 @@ def stage_figures(record: dict, warmup: int) -> dict:
     deltas = [{k: b[k] - a[k] for k in b} for a, b in zip(steps, steps[1:])]
     med = lambda key: statistics.median(d[key] for d in deltas)  # noqa: E731
     out = {"ms_per_step": 1e3 * med("step_end_s"), "forward_backward_ms": 1e3 * med("forward_backward_s")}
+    if "forward_backward_cpu_s" in deltas[0]:  # the main thread on a core, over forward_backward's wall time
+        out["on_cpu"] = statistics.median(d["forward_backward_cpu_s"] / d["forward_backward_s"] for d in deltas)
     if record["strategy"] == "pipeline":
         fractions = {"idle": [], "p2p": [], "sync": [], "other": []}
+        if "compute_cpu_s" in deltas[0]:  # computing by the wall clock, but not on a core: other processes ran
+            out["preempted"] = statistics.median((d["compute_s"] - d["compute_cpu_s"]) / d["forward_backward_s"]
+                                                 for d in deltas)
         for d in deltas:
             fb = d["forward_backward_s"]
             fractions["idle"].append((fb - d["compute_s"]) / fb)
@@ -152,7 +161,7 @@ def run_timing_cell(cell: dict, args, workdir: Path) -> dict:
     if code != 0 or not all(f.exists() for f in files):
         return failure(code, workdir, args.timeout)
     ranks = [stage_figures(json.loads(f.read_text()), args.warmup) for f in files]
-    return {"ms_per_step": ranks[0]["ms_per_step"], "ranks": ranks}
+    return {"ms_per_step": ranks[0]["ms_per_step"], "ranks": ranks, "load_average": os.getloadavg()[0]}
 
 
 def timing_cells(args) -> dict:
@@ -173,11 +182,14 @@ def summarize_timing(rounds: list[dict], cells: dict, args) -> dict:
         ratios = [r[name]["ms_per_step"] / r["ddp"]["ms_per_step"] for r in rounds
                   if "ms_per_step" in r.get(name, {}) and "ms_per_step" in r.get("ddp", {})]
         s = {**cell, "ms_per_step": ms, "vs_ddp": statistics.median(ratios) if ratios else None,
-             "sequences_per_s": args.batch / ms * 1e3}
+             "sequences_per_s": args.batch / ms * 1e3, "load_average": [r.get("load_average") for r in runs]}
+        if all("on_cpu" in rank for r in runs for rank in r["ranks"]):
+            s["on_cpu"] = statistics.median(statistics.mean(rank["on_cpu"] for rank in r["ranks"]) for r in runs)
         if cell["strategy"] == "pipeline":
             s["ideal_bubble"] = ideal_bubble(cell["schedule"], args.ranks, cell["microbatches"])
             s["stages"] = [{k: statistics.median(r["ranks"][i][k] for r in runs) for k in
-                            ("idle", "p2p", "sync", "other", "compute_ms", "forward_backward_ms")}
+                            ("idle", "p2p", "sync", "other", "compute_ms", "forward_backward_ms", "on_cpu", "preempted")
+                            if all(k in r["ranks"][i] for r in runs)}
                            | {"stages": runs[0]["ranks"][i]["stages"]} for i in range(args.ranks)]
             s["idle_mean"] = statistics.mean(st["idle"] for st in s["stages"])
         summary[name] = s
@@ -191,22 +203,27 @@ def timing_table(section: dict) -> str:
             f"fp32, median of {a['steps']} steps x {a['rounds']} round(s); load average {section['load_average'][0]:.1f} "
             f"-> {section['load_average'][1]:.1f} on {os.cpu_count()} cores")
     ranks = a["ranks"]
-    rows = [("cell", "ms/step", "x ddp", "seq/s", "ideal", *[f"idle s{i}" for i in range(ranks)],
-             *[f"p2p s{i}" for i in range(ranks)], *[f"sync s{i}" for i in range(ranks)])]
+    rows = [("cell", "ms/step", "x ddp", "seq/s", "on cpu", "ideal", *[f"idle s{i}" for i in range(ranks)],
+             *[f"p2p s{i}" for i in range(ranks)], *[f"sync s{i}" for i in range(ranks)],
+             *[f"preempt s{i}" for i in range(ranks)])]
     for name, s in section["summary"].items():
-        row = [name, f"{s['ms_per_step']:.0f}", f"{s['vs_ddp']:.2f}" if s["vs_ddp"] else "", f"{s['sequences_per_s']:.0f}"]
+        row = [name, f"{s['ms_per_step']:.0f}", f"{s['vs_ddp']:.2f}" if s["vs_ddp"] else "", f"{s['sequences_per_s']:.0f}",
+               f"{s['on_cpu']:.2f}" if "on_cpu" in s else ""]
         if "stages" in s:
             row += [f"{s['ideal_bubble']:.2f}", *[f"{st['idle']:.2f}" for st in s["stages"]],
-                    *[f"{st['p2p']:.2f}" for st in s["stages"]], *[f"{st['sync']:.2f}" for st in s["stages"]]]
+                    *[f"{st['p2p']:.2f}" for st in s["stages"]], *[f"{st['sync']:.2f}" for st in s["stages"]],
+                    *[f"{st['preempted']:.2f}" if "preempted" in st else "" for st in s["stages"]]]
         else:
-            row += [""] * (1 + 3 * ranks)
+            row += [""] * (1 + 4 * ranks)
         rows.append(tuple(row))
     notes = [f"{name}: FAILED in round {i}: {e['error']}" for i, r in enumerate(section["rounds_raw"])
              for name, e in r.items() if "error" in e]
     notes.append("idle sN: the fraction of stage N's forward+backward wall time not spent in its own compute; p2p: of "
                  "it, blocked in the schedule's point-to-point waits; sync: after the schedule (loss broadcast, sum of "
                  "the non-block gradients: waiting for the other stages to finish); ideal: (p-1)/(m+p-1), interleaved "
-                 "(p-1)/(v m+p-1)")
+                 "(p-1)/(v m+p-1); on cpu: the ranks' main-thread CPU time over forward+backward wall time (mean over "
+                 "ranks); preempt sN: stage N computing by the wall clock but not on a core (other processes ran), a "
+                 "share of its forward+backward that counts as compute, not idle")
     return _columns(head, rows, notes)
 
 

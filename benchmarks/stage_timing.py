@@ -8,6 +8,9 @@ benchmarks/bench_model_parallel.py): per optimizer step, cumulative seconds
   activation or the next stage's gradient, and completing sends), the stage's idle time;
 * ``compute_s``: of that, in the stages' ``forward_one_chunk``, ``backward_one_chunk`` and
   ``backward_weight_one_chunk`` (the model's own work);
+* ``compute_cpu_s``, ``forward_backward_cpu_s``: the CPU time of the rank's main thread
+  (``time.thread_time``) in the stages' compute and in ``forward_backward``: where the wall
+  time is well above it, the rank was ready to run but other processes had the cores;
 * ``forward_backward_s``: the whole of ``Strategy.forward_backward`` (the schedule, then the
   loss broadcast and the sum of the non-block gradients over the stages; under ddp: the forward
   and backward with DDP's all-reduce);
@@ -24,40 +27,43 @@ import time
 
 from ddpx import hookimpl
 
-totals = {"schedule_s": 0.0, "wait_s": 0.0, "compute_s": 0.0, "forward_backward_s": 0.0}
+totals = {"schedule_s": 0.0, "wait_s": 0.0, "compute_s": 0.0, "compute_cpu_s": 0.0, "forward_backward_s": 0.0,
+          "forward_backward_cpu_s": 0.0}
 steps: list = []
 
 
-def _timed(fn, key):
+def _timed(fn, key, cpu_key=None):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
             totals[key] += time.perf_counter() - start
+            if cpu_key:
+                totals[cpu_key] += time.thread_time() - cpu
 
     wrapper.__timed__ = True
     return wrapper
 
 
-def _patch(owner, name, key):
+def _patch(owner, name, key, cpu_key=None):
     fn = getattr(owner, name, None)
     if fn is not None and not getattr(fn, "__timed__", False):
-        setattr(owner, name, _timed(fn, key))
+        setattr(owner, name, _timed(fn, key, cpu_key))
 
 
 @hookimpl
 def ddpx_train_start(trainer):
     strategy = trainer.strategy
-    strategy.forward_backward = _timed(strategy.forward_backward, "forward_backward_s")
+    strategy.forward_backward = _timed(strategy.forward_backward, "forward_backward_s", "forward_backward_cpu_s")
     if trainer.config.trainer.strategy != "pipeline":
         return
     from torch.distributed.pipelining import schedules, stage
 
     _patch(schedules, "_wait_batch_p2p", "wait_s")  # looked up as a module global by every schedule
     for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-        _patch(stage._PipelineStageBase, name, "compute_s")
+        _patch(stage._PipelineStageBase, name, "compute_s", "compute_cpu_s")
     strategy._run = _timed(strategy._run, "schedule_s")
 
 
