@@ -29,8 +29,8 @@ micro-batch count (``--microbatches``). Per cell, from the ``stage_timing`` plug
   wall time, and per stage ``preempted``: the share of it the stage was computing by the
   wall clock but not on a core (other processes had it): on a busy machine both say how
   much of the step is the machine's, not the pipeline's;
-* ``ideal_bubble``: the schedule's idle fraction with equal stages, free transfers and
-  backward = 2 forwards, the same for every stage: (p-1)/(m+p-1) for 1F1B and GPipe
+* ``ideal_bubble``: the schedule's idle fraction with equal stages and free transfers,
+  the same for every stage: (p-1)/(m+p-1) for 1F1B and GPipe
   (p stages, m micro-batches), (p-1)/(v m+p-1) interleaved (p ranks, v stages per rank);
   ``idle - ideal_bubble`` is what the stages' imbalance (the first stage holds the
   embeddings, the last the head and the loss), the transfers and the machine add.
