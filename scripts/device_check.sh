@@ -10,7 +10,7 @@
 # is skipped, and says so): build the CUDA extension in place against the machine's
 # torch; the CUDA tests (kernels, every hook over NCCL, compile); trainer.strategy=fsdp
 # through `ddpx train` (world 1 over NCCL, 2 ranks over gloo on the one GPU, with and without
-# the int8 reduce-scatter); the char GPT's
+# the int8 reduce-scatter); trainer.strategy=pipeline (against ddp) and tensor on the char GPT; the char GPT's
 # steps/s and peak memory for no hook, int8, powersgd and compile, each against a
 # hand-written DDP loop (benchmarks/bench_char_gpt.py, TORCH_LOGS=recompiles for the
 # compile runs); every hook across 2 ranks over gloo with CUDA tensors
@@ -92,6 +92,33 @@ step fsdp_gloo_2ranks 45 150 bash -c "$FSDP --nproc-per-node 2 trainer.backend=g
 # the int8 reduce-scatter (comm_hook.name=int8 under fsdp: ddpx's CUDA kernels, one all_to_all)
 step fsdp_int8_2ranks 25 90 bash -c "$FSDP --nproc-per-node 2 trainer.backend=gloo comm_hook.name=int8 trainer.epochs=2 \
     run_dir=$RUNS/int8 && tail -n 1 $RUNS/int8/metrics.jsonl"
+# Model parallelism on the device: the char GPT example as a 2-stage pipeline (2 ranks on the
+# one GPU over gloo: NCCL refuses two ranks on one device; gloo's point-to-point transfers of
+# CUDA activations are part of what this checks), fp32 and 8 steps, its losses against ddp on
+# 1 rank (they matched to 1.2e-7 on the CPU); the interleaved schedule with bf16 AMP (the
+# example's); and trainer.strategy=tensor with tensor.size=2 (ddpx/strategies/tensor.py).
+# Each writes the whole model to model/. Without a GPU the same runs on the CPU.
+MP="$PY -m ddpx train examples/char_gpt/config.yaml comm_hook.name=allreduce comm_hook.options={} model.args.dropout=0.0 \
+trainer.max_steps=8 scheduler.args.total_steps=8 accumulation.steps=1 logging.progress=false logging.every_steps=1 \
+trainer.device=$DEV trainer.backend=gloo"
+same_loss() {  # same_loss RUN_A RUN_B: their last logged step losses agree to 1e-3 (relative)
+    "$PY" - "$1" "$2" <<'EOF'
+import json, sys
+last = lambda run: [r for r in map(json.loads, open(run + "/metrics.jsonl")) if r.get("kind") == "step"][-1]
+a, b = last(sys.argv[1]), last(sys.argv[2])
+print(f"step {a['step']} loss: {sys.argv[1]} {a['loss']}, step {b['step']}: {sys.argv[2]} {b['loss']}, difference {abs(a['loss'] - b['loss']):.3g}")
+sys.exit(int(a["step"] != b["step"] or abs(a["loss"] - b["loss"]) > 1e-3 * abs(a["loss"])))
+EOF
+}
+export -f same_loss; export PY
+step pipeline_vs_ddp 50 120 bash -c "$MP amp.enabled=false --nproc-per-node 1 run_dir=$RUNS/mp_ddp \
+    && $MP amp.enabled=false trainer.strategy=pipeline pipeline.stages=2 --nproc-per-node 2 run_dir=$RUNS/mp_pipeline \
+    && test -s $RUNS/mp_pipeline/model/model.safetensors && same_loss $RUNS/mp_ddp $RUNS/mp_pipeline"
+step pipeline_interleaved 25 90 bash -c "$MP trainer.strategy=pipeline pipeline.schedule=interleaved_1f1b pipeline.stages_per_rank=2 \
+    --nproc-per-node 2 run_dir=$RUNS/mp_interleaved && test -s $RUNS/mp_interleaved/model/model.safetensors \
+    && tail -n 1 $RUNS/mp_interleaved/metrics.jsonl"
+step tensor_2ranks 25 90 bash -c "$MP trainer.strategy=tensor tensor.size=2 --nproc-per-node 2 run_dir=$RUNS/mp_tensor \
+    && test -s $RUNS/mp_tensor/model/model.safetensors && tail -n 1 $RUNS/mp_tensor/metrics.jsonl"
 if [ "$GPU" = 1 ]; then
     step char_gpt 200 260 "$PY" benchmarks/bench_char_gpt.py --device cuda --warmup 100 --steps 400 --timeout 120 \
         --variants none,int8,powersgd,compile,compile_int8 --logdir "$OUT" --out "$OUT/bench_char_gpt.json"
@@ -140,6 +167,12 @@ for name in ("world1", "gloo2", "int8"):
         fsdp_runs[name] = [json.loads(l) for l in open(os.path.join(runs, name, "metrics.jsonl"))][-1]
     except (OSError, ValueError, IndexError):
         fsdp_runs[name] = None
+model_parallel = {}  # each model-parallel run's last line
+for name in ("mp_ddp", "mp_pipeline", "mp_interleaved", "mp_tensor"):
+    try:
+        model_parallel[name] = [json.loads(l) for l in open(os.path.join(runs, name, "metrics.jsonl"))][-1]
+    except (OSError, ValueError, IndexError):
+        model_parallel[name] = None
 report = {
     "device_check": "gpu" if gpu == "1" else "dry-run (no GPU: GPU steps skipped, benchmark scripts run short on the CPU)",
     "seconds": int(seconds), "exit": int(status), "steps": steps,
@@ -147,6 +180,7 @@ report = {
     "hooks_2ranks": hooks and {"ok": hooks.get("ok"), "verdicts": hooks.get("verdicts"), "results": hooks.get("results")},
     "recompiles": recompiles,
     "fsdp": fsdp_runs,
+    "model_parallel": model_parallel,
     "orthogonalize": load("bench_orthogonalize.json"),
     "bench_kernels_cuda": "written" if load("bench_kernels_cuda.json") is not None else None,
 }
