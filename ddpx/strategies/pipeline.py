@@ -334,7 +334,7 @@ class PipelineStrategy(DDPStrategy):
         for v in self.stage_ids:
             named = children[ranges[v][0]:ranges[v][1]]
             view = module if per_rank == 1 else _with_container(module, path, _part(container, named))
-            blocks = [m for name, m in named if param_count(m) > 0]
+            blocks = [m for name, m in named]  # the stage ends after its last child (an activation too)
             self.stage_modules.append(StageModule(view, blocks, v == 0, v == total - 1, trainer.loss_fn,
                                                   _Reentrant(lambda: trainer.autocast)))
         self.holds_last = self.stage_ids[-1] == total - 1
