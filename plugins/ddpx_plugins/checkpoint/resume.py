@@ -104,17 +104,20 @@ def _resize(trainer, session, old_world) -> None:
     """Resumed at another world size: reseed, say what changed (rank 0), scale the learning rate."""
     from ddpx.rank.seeding import seed_rank
 
-    seed_rank(trainer.config.seed, trainer.rank, trainer.global_step)  # not the fresh start's stream again
+    # one stream per data-parallel replica, as at a fresh start (a pipeline's stages share theirs)
+    replica, replicas = trainer.strategy.data_parallel(trainer)
+    seed_rank(trainer.config.seed, replica, trainer.global_step)  # not the fresh start's stream again
     if trainer.rank == 0:
         batch, accumulation = trainer.config.trainer.batch_size, accumulation_steps(trainer)
         sampler = getattr(trainer.train_loader, "batch_sampler", None)
         redivided = f"the rest of epoch {trainer.epoch} is re-divided, " if hasattr(sampler, "epoch_batches") \
             else ""  # a stream says itself what it does
+        who = "rank" if replicas == trainer.world_size else "replica"
         trainer.log.warning(
             f"resuming with {trainer.world_size} ranks from a checkpoint of {old_world}: {redivided}"
-            f"the global batch is now {trainer.world_size} ranks x "
-            f"{batch} x {accumulation} accumulation steps = {trainer.world_size * batch * accumulation} "
-            "samples, RNG states are seeded from (seed, rank, step), the learning rate is "
+            f"the global batch is now {replicas} {who}s x "
+            f"{batch} x {accumulation} accumulation steps = {replicas * batch * accumulation} "
+            f"samples, RNG states are seeded from (seed, {who}, step), the learning rate is "
             + ("scaled linearly" if session.cfg["lr_scaling"] == "linear" else "unchanged")
         )
         warn_scheduler_horizon(trainer)
