@@ -5,6 +5,7 @@ at another layout, ``ddpx export`` reads them, a user's own transformer pipeline
 the strategy refuses is one line with exit code 2 before anything trains."""
 
 import json
+import re
 import shutil
 import sys
 import textwrap
@@ -173,6 +174,9 @@ def test_a_pipeline_checkpoint_resumes_on_two_replicas_and_exports(ranks, halfwa
                                timeout=240)
     assert "pipeline: 2 stages over 2 ranks x 2 replicas" in console
     assert f"resumed from {run_dir / 'checkpoints' / 'step-000000003.pt'} (epoch 0, step 3)" in console
+    assert "resuming with 4 ranks from a checkpoint of 2: the rest of epoch 0 is re-divided, the global batch is now " \
+           "2 replicas x 8 x 2 accumulation steps = 32 samples, RNG states are seeded from (seed, replica, step)" \
+           in console
     halfway_loss = json.loads((halfway / "metrics.jsonl").read_text().splitlines()[-1])["eval_loss"]
     assert epochs[-1]["step"] == STEPS and epochs[-1]["eval_loss"] < halfway_loss
 
@@ -230,22 +234,18 @@ def test_what_the_pipeline_refuses_of_a_model_is_one_line():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, line", [
-    (["pipeline.stages=1"], "ddpx: error: pipeline.stages=1: a pipeline needs at least 2 stages; with 1 every rank "
-                            "holds the whole model: set trainer.strategy=ddp"),  # the launcher's config check
-    (["pipeline.stages=3"], "ddpx: error: [rank0] pipeline.stages=3 does not divide the 2 ranks into groups of 3; set "
-                            "pipeline.stages to one of 1, 2, or start a multiple of 3 ranks (launch.nproc_per_node x "
-                            "launch.nnodes)"),  # the mesh, at wrap, on every rank
-    (["model.args.n_layer=2", "pipeline.schedule=interleaved_1f1b", "pipeline.stages_per_rank=2"],
-     "pipeline.stages x pipeline.stages_per_rank = 4 stages, but GPT has 2 blocks in blocks to cut; use at most 2 "
-     "stages"),  # the model, at wrap
-])
+    (["pipeline.stages=1"], "pipeline.stages=1: a pipeline needs at least 2 stages; with 1 every rank holds the whole "
+                            "model: set trainer.strategy=ddp"),  # the launcher's config check, before any rank starts
+    (["pipeline.stages=3"], "[rank?] pipeline.stages=3 does not divide the 2 ranks into groups of 3; set pipeline.stages "
+                            "to one of 1, 2, or start a multiple of 3 ranks (launch.nproc_per_node x launch.nnodes)"),
+])  # the second at wrap (the mesh), raised on every rank: the first rank's line, as the model's refusals at wrap
 def test_a_refused_pipeline_is_one_line_exit_2_and_trains_nothing(ranks, tmp_path, overrides, line):
     run_dir = tmp_path / "run"
     rc, out, err = ranks.cli(["train", str(EXAMPLE / "config.yaml"), *SMALL, "trainer.strategy=pipeline", *overrides,
                               "launch.nproc_per_node=2", f"run_dir={run_dir}"], timeout=90)
     assert rc == 2, f"{out[-3000:]}\n{err[-3000:]}"
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ddpx: error: ") and lines[0].endswith(line), err[-3000:]
+    assert len(lines) == 1 and re.fullmatch(re.escape(f"ddpx: error: {line}").replace(r"\?", "[01]"), lines[0]), err
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "model").exists()
 
 
@@ -285,8 +285,13 @@ class Classifier(nn.Module):
         return self.out(self.norm(h).mean(dim=1))
 
 
-def loss(logits, labels):
-    return nn.functional.cross_entropy(logits, labels)
+class Loss(nn.Module):
+    def __init__(self, smoothing=0.0):
+        super().__init__()
+        self.smoothing = smoothing
+
+    def forward(self, logits, labels):
+        return nn.functional.cross_entropy(logits, labels, label_smoothing=self.smoothing)
 
 
 def data(n=330, vocab=16, length=8):
@@ -300,7 +305,7 @@ PROJECT_CONFIG = '''
 seed: 1
 model: {target: tinyformer.Classifier, args: {}}
 data: {target: tinyformer.data}
-loss: {target: tinyformer.loss}
+loss: {target: tinyformer.Loss, args: {smoothing: 0.05}}
 optimizer: {target: torch.optim.AdamW, args: {lr: 0.003, weight_decay: 0.01}}
 trainer: {epochs: 2, batch_size: 16, eval_batch_size: 32}
 accumulation: {steps: 1}
@@ -314,7 +319,8 @@ checkpoint: {enabled: false}
 def test_a_users_own_transformer_pipelines_as_ddp(ranks, tmp_path):
     """A project's model (its own Block in a ModuleList, attention through nn.MultiheadAttention), its own
     loss on (inputs, labels) batches, AdamW: 2 stages of 2 micro-batches give ddp's losses, accuracy and
-    weights on 1 rank over 2 epochs (16 steps, evaluations on a tail batch of 32 rows split 2 ways)."""
+    weights on 1 rank over 2 epochs of 16 steps (each evaluation ends on a tail batch of 10 rows; the comm
+    monitor's measurement at step 30 takes its allreduce on both stages)."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "tinyformer.py").write_text(textwrap.dedent(PROJECT))
@@ -332,5 +338,10 @@ def test_a_users_own_transformer_pipelines_as_ddp(ranks, tmp_path):
     assert [e["step"] for e in piped] == [e["step"] for e in ddp] == [16, 32]
     for key in ("loss", "eval_loss", "accuracy"):
         assert all(abs(a[key] - b[key]) < TOLERANCE for a, b in zip(piped, ddp)), key
+    # but the attention's key bias: softmax ignores it, its gradient is rounding noise, which AdamW turns into
+    # steps of about lr: another order of the sums (micro-batches) moves it by ~1e-3
+    for weight in (weights, ddp_weights):
+        for i in range(3):
+            weight[f"layers.{i}.attention.in_proj_bias"][32:64] = 0
     assert largest_difference(weights, ddp_weights) < TOLERANCE
     assert piped[-1]["eval_loss"] < piped[0]["eval_loss"]
