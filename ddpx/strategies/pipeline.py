@@ -326,14 +326,16 @@ class PipelineStrategy(DDPStrategy):
         if path:
             parent, _, leaf = path.rpartition(".")
             setattr(module.get_submodule(parent) if parent else module, leaf, union)
-        else:
-            module = union
+        else:  # the model is the container (a Sequential): it keeps this rank's blocks in place, for it is
+            module._modules.clear()  # trainer.module, whose state dict, optimizer and model/ are this rank's part
+            module._modules.update(union._modules)
         self.block_params = {id(p) for _, m in mine for p in m.parameters()}
         self.trunk = [p for p in module.parameters() if id(p) not in self.block_params]
         self.stage_modules = []
         for v in self.stage_ids:
             named = children[ranges[v][0]:ranges[v][1]]
-            view = module if per_rank == 1 else _with_container(module, path, _part(container, named))
+            view = module if per_rank == 1 else \
+                _with_container(module, path, _part(container, named)) if path else _part(container, named)
             blocks = [m for name, m in named]  # the stage ends after its last child (an activation too)
             self.stage_modules.append(StageModule(view, blocks, v == 0, v == total - 1, trainer.loss_fn,
                                                   _Reentrant(lambda: trainer.autocast)))
