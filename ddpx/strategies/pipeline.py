@@ -317,7 +317,7 @@ class PipelineStrategy(DDPStrategy):
                             f"here, but {trainer.world_size} ranks make {self.dp_size} pipelines of {stages} stages; "
                             f"start {stages} ranks, or set pipeline.stages_per_rank=1")
         total = stages * per_rank
-        split = cfg.split if cfg.split == "auto" else list(cfg.split)
+        split = cfg.split if cfg.split == "auto" else [str(name) for name in cfg.split]  # [2, 4]: a Sequential's
         path, container, children, ranges = stage_ranges(module, total, split)
         self.stage_ids = [self.pp_rank + stages * k for k in range(per_rank)]  # interleaved: round robin
         self.num_stages = total
