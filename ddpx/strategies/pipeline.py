@@ -507,7 +507,11 @@ class PipelineStrategy(DDPStrategy):
             set_optimizer_state_dict(module, optimizer, {"state": optimizer_state["state"], "param_groups": groups})
 
     def sharded_entries(self, state):
-        return tuple(k for k in state if k in ("model", "optimizer"))
+        """The model, the optimizer and any entry keyed by this rank's parameter names (the ema plugin's
+        average of its stages): read back by name, at any layout. Per rank, a resume on other ranks would
+        hand every rank rank 0's stages."""
+        names = {name for name, _ in self.trainer.module.named_parameters()}
+        return tuple(k for k, v in state.items() if k in ("model", "optimizer") or _keyed_by(v, names))
 
     def full_state_dict(self, module):
         """Every stage's part gathered on the first replica's rank 0 (the stages of every replica
@@ -519,6 +523,16 @@ class PipelineStrategy(DDPStrategy):
             return {}
         whole = {k: v for p in parts for k, v in p.items()}
         return {k: whole[k] for k in self.key_order if k in whole}
+
+
+def _keyed_by(value, names: set) -> bool:
+    """Whether ``value`` (a state entry: nested dicts) holds a dict of tensors keyed by ``names``."""
+    if not isinstance(value, dict):
+        return False
+    tensors = [v for v in value.values() if isinstance(v, torch.Tensor)]
+    if tensors and len(tensors) == len(value) and set(value) <= names:
+        return True
+    return any(_keyed_by(v, names) for v in value.values())
 
 
 def _stages_of(schedule) -> list:
