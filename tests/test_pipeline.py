@@ -24,7 +24,8 @@ EXAMPLE = ROOT / "examples" / "char_gpt"
 # the char GPT made small; fp32, no dropout: the pipeline's numbers are ddp's up to rounding
 SMALL = ["model.args.n_layer=4", "model.args.n_embd=64", "model.args.block_size=32", "data.args.block_size=32",
          "model.args.dropout=0.0", "amp.enabled=false", "comm_hook.name=allreduce", "trainer.batch_size=8",
-         "accumulation.steps=2", "trainer.eval_batch_size=40", "logging.progress=false", "checkpoint.enabled=false"]
+         "accumulation.steps=2", "trainer.eval_batch_size=40", "logging.progress=false", "checkpoint.enabled=false",
+         "ema.decay=0.8", "logging.every_steps=1"]  # the example's grad_clip 1.0 clips every step (norms ~2-4)
 STEPS = 6
 TOLERANCE = 1e-5  # runs differ by about 2e-7; a wrong gradient, a skipped layer or a lost micro-batch by far more
 
@@ -38,12 +39,15 @@ def train(ranks, run_dir, *overrides, nproc=2, config=EXAMPLE / "config.yaml", t
 
 
 def finished(run_dir):
-    """``(metrics.jsonl's evaluated lines, console.log, model/model.safetensors's tensors, run_dir)``."""
+    """``(metrics.jsonl's lines, console.log, model/model.safetensors's tensors, run_dir)``."""
     from safetensors.torch import load_file
 
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return ([line for line in lines if "eval_loss" in line], (run_dir / "console.log").read_text(),
-            load_file(run_dir / "model" / "model.safetensors"), run_dir)
+    return lines, (run_dir / "console.log").read_text(), load_file(run_dir / "model" / "model.safetensors"), run_dir
+
+
+def evaluated(lines):
+    return [line for line in lines if "eval_loss" in line]
 
 
 def largest_difference(a: dict, b: dict) -> float:
@@ -51,11 +55,26 @@ def largest_difference(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def assert_same_end(lines, weights, reference, tolerance):
+    """The eval loss, the EMA's eval loss and the weights of ``reference``'s end."""
+    end, ref_end = evaluated(lines)[-1], evaluated(reference[0])[-1]
+    assert end["step"] == ref_end["step"] == STEPS
+    for key in ("eval_loss", "ema_eval_loss"):
+        assert abs(end[key] - ref_end[key]) < tolerance, (key, end[key], ref_end[key])
+    assert largest_difference(weights, reference[2]) < tolerance
+
+
 def assert_trains_as(run, reference, tolerance=TOLERANCE):
-    (epochs, _, weights, _), (ref_epochs, _, ref_weights, _) = run, reference
+    """The same eval loss, EMA eval loss, weights and (clipped: the norm over every stage) gradient norms."""
+    (lines, _, weights, _), (ref_lines, _, ref_weights, _) = run, reference
+    epochs, ref_epochs = evaluated(lines), evaluated(ref_lines)
     assert [e["step"] for e in epochs] == [e["step"] for e in ref_epochs] == [STEPS]
-    assert abs(epochs[-1]["eval_loss"] - ref_epochs[-1]["eval_loss"]) < tolerance
+    for key in ("eval_loss", "ema_eval_loss"):
+        assert abs(epochs[-1][key] - ref_epochs[-1][key]) < tolerance, key
     assert largest_difference(weights, ref_weights) < tolerance
+    norms = [[line["grad_norm"] for line in run if "grad_norm" in line] for run in (lines, ref_lines)]
+    assert len(norms[1]) == STEPS and min(norms[1]) > 1.0  # clipped at every step
+    assert all(abs(a - b) < tolerance * b for a, b in zip(*norms)) and len(norms[0]) == STEPS, norms
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +99,7 @@ def gpt(**args):
 
 @pytest.mark.slow
 def test_two_stages_train_as_ddp_on_one_rank(one_f_one_b, ddp_reference):
-    """1f1b, 2 accumulation steps of 4 micro-batches each: the eval loss and every weight are ddp's;
+    """1f1b, 2 accumulation steps of 4 micro-batches each: ddp's numbers (:func:`assert_trains_as`);
     model/model.safetensors holds the user's model, every key (the tied head through the tie)."""
     from safetensors.torch import load_model
 
@@ -88,7 +107,7 @@ def test_two_stages_train_as_ddp_on_one_rank(one_f_one_b, ddp_reference):
     epochs, console, weights, _ = one_f_one_b
     assert "[rank0] pipeline: 2 stages over 2 ranks x 1 replicas, 1f1b with 4 micro-batches; this rank: stage 0 " \
            "(blocks.0..blocks.1, 99968 block parameters)" in console
-    assert epochs[-1]["eval_loss"] < 4.7  # it learned (4.85 = log(128) at the start)
+    assert evaluated(epochs)[-1]["eval_loss"] < 4.7  # it learned (4.85 = log(128) at the start)
     model = gpt()
     load_model(model, one_f_one_b[3] / "model" / "model.safetensors")  # strict; tok.weight written once, tied
     assert model.head.weight is model.tok.weight
@@ -120,8 +139,7 @@ def test_two_replicas_of_two_stages_compress_their_gradients_with_int8(ranks, dd
     assert "[rank0] comm hook int8 installed (native C++ hook, DDP buckets of 4 MB, gradients as bucket views); " \
            "10 of 28 parameters compressed" in console
     assert re.search(r"comm \d+ kB/step, 3\.\d\dx less than fp32 allreduce", console), console
-    assert abs(epochs[-1]["eval_loss"] - ddp_reference[0][-1]["eval_loss"]) < 0.01
-    assert largest_difference(weights, ddp_reference[2]) < 0.01
+    assert_same_end(epochs, weights, ddp_reference, 0.01)
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +163,7 @@ def test_a_pipeline_checkpoint_resumes_exactly(ranks, halfway, one_f_one_b, tmp_
     shutil.copytree(halfway, run_dir)
     epochs, console, weights, _ = train(ranks, run_dir, "trainer.strategy=pipeline", "checkpoint.enabled=true")
     assert f"resumed from {run_dir / 'checkpoints' / 'step-000000003.pt'} (epoch 0, step 3)" in console
-    assert largest_difference(weights, one_f_one_b[2]) < 1e-6
-    assert abs(epochs[-1]["eval_loss"] - one_f_one_b[0][-1]["eval_loss"]) < 1e-6
+    assert_same_end(epochs, weights, one_f_one_b, 1e-6)  # the EMA's average resumed too
 
 
 @pytest.mark.slow
@@ -176,8 +193,7 @@ def test_a_pipeline_checkpoint_resumes_on_two_replicas_and_exports(ranks, halfwa
     assert "resuming with 4 ranks from a checkpoint of 2: the rest of epoch 0 is re-divided, the global batch is now " \
            "2 replicas x 4 x 2 accumulation steps = 16 samples, RNG states are seeded from (seed, replica, step)" \
            in console
-    assert abs(epochs[-1]["eval_loss"] - one_f_one_b[0][-1]["eval_loss"]) < TOLERANCE
-    assert largest_difference(weights, one_f_one_b[2]) < TOLERANCE
+    assert_same_end(epochs, weights, one_f_one_b, TOLERANCE)  # the EMA's too, each stage's read by name
 
 
 # --- refusals ---------------------------------------------------------------------------------
@@ -344,3 +360,34 @@ def test_a_users_own_transformer_pipelines_as_ddp(ranks, tmp_path):
             weight[f"layers.{i}.attention.in_proj_bias"][32:64] = 0
     assert largest_difference(weights, ddp_weights) < TOLERANCE
     assert piped[-1]["eval_loss"] < piped[0]["eval_loss"]
+
+
+# --- a model that is itself the container of its blocks ------------------------------------------
+
+def sequential(hidden: int = 32) -> nn.Sequential:
+    """The digits MLP as a bare Sequential of 4 Linear blocks with a ReLU after each of the first 3."""
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+@pytest.mark.slow
+def test_a_bare_sequential_pipelines_as_ddp(ranks, tmp_path):
+    """The model is the container: each rank keeps its blocks in it (what it writes and saves are its own
+    blocks, trained), 4 interleaved stages begin where pipeline.split names (numbers, a Sequential's names),
+    and the ReLU after a stage's last block runs on that stage: ddp's numbers on the digits."""
+    common = ["model.target=tests.test_pipeline.sequential", "trainer.max_steps=6", "trainer.batch_size=16",
+              "logging.progress=false", "amp.enabled=false", "comm_hook.name=allreduce", "checkpoint.enabled=false"]
+    runs = {}
+    for strategy, nproc, extra in (("ddp", 1, []), ("pipeline", 2, ["pipeline.schedule=interleaved_1f1b",
+                                                                      "pipeline.stages_per_rank=2",
+                                                                      "pipeline.split=[2,4,6]"])):
+        rc, out, err = ranks.cli(["train", *common, f"trainer.strategy={strategy}", *extra,
+                                  f"launch.nproc_per_node={nproc}", f"run_dir={tmp_path / strategy}"], timeout=120)
+        assert rc == 0, f"{out[-3000:]}\n{err[-3000:]}"
+        runs[strategy] = finished(tmp_path / strategy)
+    (ddp, _, ddp_weights, _), (piped, console, weights, _) = runs["ddp"], runs["pipeline"]
+    assert "pipeline: 4 stages over 2 ranks x 1 replicas, interleaved_1f1b with 4 micro-batches; this rank: stages " \
+           "0, 2 (0..5, " in console
+    for key in ("eval_loss", "accuracy"):
+        assert abs(evaluated(piped)[-1][key] - evaluated(ddp)[-1][key]) < TOLERANCE, key
+    assert largest_difference(weights, ddp_weights) < TOLERANCE
