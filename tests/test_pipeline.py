@@ -10,6 +10,7 @@ import shutil
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from torch import nn
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
 from ddpx.strategies import pipeline
-from harness import ROOT
 
+ROOT = Path(__file__).resolve().parent.parent  # not harness's: ranks import this module (model.target)
 EXAMPLE = ROOT / "examples" / "char_gpt"
 # the char GPT made small; fp32, no dropout: the pipeline's numbers are ddp's up to rounding
 SMALL = ["model.args.n_layer=4", "model.args.n_embd=64", "model.args.block_size=32", "data.args.block_size=32",
