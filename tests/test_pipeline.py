@@ -252,8 +252,9 @@ def test_what_the_pipeline_refuses_of_a_model_is_one_line():
 @pytest.mark.parametrize("overrides, line", [
     (["pipeline.stages=1"], "pipeline.stages=1: a pipeline needs at least 2 stages; with 1 every rank holds the whole "
                             "model: set trainer.strategy=ddp"),  # the launcher's config check, before any rank starts
-    (["pipeline.stages=3"], "[rank?] pipeline.stages=3 does not divide the 2 ranks into groups of 3; set pipeline.stages "
-                            "to one of 1, 2, or start a multiple of 3 ranks (launch.nproc_per_node x launch.nnodes)"),
+    (["pipeline.stages=3"], "[rank?] pipeline.stages=3 does not divide the 2 ranks into groups of 3; set "
+                            "pipeline.stages to one of 1, 2, or start a multiple of 3 ranks (launch.nproc_per_node x "
+                            "launch.nnodes)"),
 ])  # the second at wrap (the mesh), raised on every rank: the first rank's line, as the model's refusals at wrap
 def test_a_refused_pipeline_is_one_line_exit_2_and_trains_nothing(ranks, tmp_path, overrides, line):
     run_dir = tmp_path / "run"
