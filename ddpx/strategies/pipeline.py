@@ -298,7 +298,8 @@ class PipelineStrategy(DDPStrategy):
         if config.pipeline.stages_per_rank > 1:
             raise DdpxError(f"comm_hook.name={method.name} does not apply with pipeline.stages_per_rank="
                             f"{config.pipeline.stages_per_rank}: an interleaved pipeline runs without data-parallel "
-                            "replicas here; set pipeline.stages_per_rank=1 (schedule 1f1b or gpipe)")
+                            "replicas here, so there is nothing to compress; set comm_hook.name=allreduce, or "
+                            "pipeline.stages_per_rank=1 (schedule 1f1b or gpipe)")
 
     # --- building ------------------------------------------------------------------------
 
