@@ -211,6 +211,10 @@ def test_a_pipeline_checkpoint_resumes_on_two_replicas_and_exports(ranks, halfwa
                                              "pipeline.stages_per_rank=2 (or more), or pipeline.schedule=1f1b"),
     (["trainer.compile=true"], "trainer.compile does not apply under trainer.strategy=pipeline (the stages run the "
                                "model piece by piece); set trainer.compile=false"),
+    (["pipeline.schedule=interleaved_1f1b", "pipeline.stages_per_rank=2", "comm_hook.name=powersgd"],
+     "comm_hook.name=powersgd does not apply with pipeline.stages_per_rank=2: an interleaved pipeline runs without "
+     "data-parallel replicas here, so there is nothing to compress; set comm_hook.name=allreduce, or "
+     "pipeline.stages_per_rank=1 (schedule 1f1b or gpipe)"),  # the char GPT example's comm hook
 ])
 def test_what_the_pipeline_config_refuses_is_one_line(overrides, message):
     with pytest.raises(DdpxError) as refused:
