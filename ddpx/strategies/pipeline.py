@@ -389,6 +389,17 @@ class PipelineStrategy(DDPStrategy):
     def _scaled_loss(self, output, target):
         return self.trainer.scaler.scale(output)
 
+    def install_compression(self, trainer, model):
+        if self.compression is not None and self.dp_size == 1:  # one line, not "not wrapped in DDP" from every rank
+            if trainer.is_main:
+                stages, name = trainer.config.pipeline.stages, self.compression[0].name
+                trainer.log.warning(f"comm_hook.name={name} ignored: the pipeline's stages have one replica each, "
+                                    "so no gradients are averaged over data-parallel ranks; start "
+                                    f"{2 * stages}, {3 * stages}, ... ranks (replicas of each stage) to compress "
+                                    "theirs, or set comm_hook.name=allreduce")
+            return None
+        return super().install_compression(trainer, model)
+
     # --- the step ------------------------------------------------------------------------
 
     def data_parallel(self, trainer):
