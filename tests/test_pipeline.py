@@ -119,14 +119,21 @@ def test_two_stages_train_as_ddp_on_one_rank(one_f_one_b, ddp_reference):
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
 def test_gpipe_and_interleaved_train_as_ddp(ranks, ddp_reference, tmp_path, schedule):
     """gpipe, and interleaved_1f1b with 2 stages per rank (4 stages of one block each, rank 0
-    holding stages 0 and 2): ddp's numbers."""
-    extra = ["pipeline.stages_per_rank=2"] if schedule == "interleaved_1f1b" else []
+    holding stages 0 and 2): ddp's numbers. gpipe's with the example's powersgd, which a pipeline
+    without replicas has no gradients for: one line says so."""
+    interleaved = schedule == "interleaved_1f1b"
+    extra = ["pipeline.stages_per_rank=2"] if interleaved else ["comm_hook.name=powersgd"]
     run = train(ranks, tmp_path / "run", "trainer.strategy=pipeline", f"pipeline.schedule={schedule}", *extra)
     assert_trains_as(run, ddp_reference)
     line = ("4 stages over 2 ranks x 1 replicas, interleaved_1f1b with 4 micro-batches; this rank: stages 0, 2 "
-            "(blocks.0..blocks.2, 99968 block parameters)") if extra else \
+            "(blocks.0..blocks.2, 99968 block parameters)") if interleaved else \
         "2 stages over 2 ranks x 1 replicas, gpipe with 4 micro-batches"
     assert f"[rank0] pipeline: {line}" in run[1]
+    ignored = [line for line in run[1].splitlines() if "ignored" in line]
+    assert ignored == ([] if interleaved else [
+        "[rank0] comm_hook.name=powersgd ignored: the pipeline's stages have one replica each, so no gradients are "
+        "averaged over data-parallel ranks; start 4, 6, ... ranks (replicas of each stage) to compress theirs, or set "
+        "comm_hook.name=allreduce"])
 
 
 @pytest.mark.slow
