@@ -308,7 +308,8 @@ class PipelineStrategy(DDPStrategy):
         if config.pipeline.stages_per_rank > 1:
             raise DdpxError(f"comm_hook.name={method.name} does not apply with pipeline.stages_per_rank="
                             f"{config.pipeline.stages_per_rank}: an interleaved pipeline runs without data-parallel "
-                            "replicas here; set pipeline.stages_per_rank=1 (schedule 1f1b or gpipe)")
+                            "replicas here, so there is nothing to compress; set comm_hook.name=allreduce, or "
+                            "pipeline.stages_per_rank=1 (schedule 1f1b or gpipe)")
 
     def _install_ddp_compression(self, trainer, model):
         if self.compression is not None and self.dp_size == 1:
@@ -336,7 +337,7 @@ class PipelineStrategy(DDPStrategy):
                             f"here, but {trainer.world_size} ranks make {self.dp_size} pipelines of {stages} stages; "
                             f"start {stages} ranks, or set pipeline.stages_per_rank=1")
         total = stages * per_rank
-        split = cfg.split if cfg.split == "auto" else list(cfg.split)
+        split = cfg.split if cfg.split == "auto" else [str(name) for name in cfg.split]  # [2, 4]: a Sequential's
         path, container, children, ranges = stage_ranges(module, total, split)
         self.stage_ids = [self.pp_rank + stages * k for k in range(per_rank)]  # interleaved: round robin
         self.num_stages = total
@@ -345,15 +346,17 @@ class PipelineStrategy(DDPStrategy):
         if path:
             parent, _, leaf = path.rpartition(".")
             setattr(module.get_submodule(parent) if parent else module, leaf, union)
-        else:
-            module = union
+        else:  # the model is the container (a Sequential): it keeps this rank's blocks in place, for it is
+            module._modules.clear()  # trainer.module, whose state dict, optimizer and model/ are this rank's part
+            module._modules.update(union._modules)
         self.block_params = {id(p) for _, m in mine for p in m.parameters()}
         self.trunk = [p for p in module.parameters() if id(p) not in self.block_params]
         self.stage_modules = []
         for v in self.stage_ids:
             named = children[ranges[v][0]:ranges[v][1]]
-            view = module if per_rank == 1 else _with_container(module, path, _part(container, named))
-            blocks = [m for name, m in named if param_count(m) > 0]
+            view = module if per_rank == 1 else \
+                _with_container(module, path, _part(container, named)) if path else _part(container, named)
+            blocks = [m for name, m in named]  # the stage ends after its last child (an activation too)
             self.stage_modules.append(StageModule(view, blocks, v == 0, v == total - 1, trainer.loss_fn,
                                                   _Reentrant(lambda: trainer.autocast)))
         self.holds_last = self.stage_ids[-1] == total - 1
@@ -391,7 +394,7 @@ class PipelineStrategy(DDPStrategy):
                                         for m, v in zip(wrapped, self.stage_ids)]
         first, last = ranges[self.stage_ids[0]], ranges[self.stage_ids[-1]]
         names = [f"{path + '.' if path else ''}{children[i][0]}" for i in (first[0], last[1] - 1)]
-        trainer.log.info(f"pipeline: {total} stages over {stages} ranks x {self.dp_size} replicas, "
+        trainer.log.info(f"pipeline: {total} stages over {stages} ranks x {self.dp_size} replica{'s' if self.dp_size > 1 else ''}, "
                          f"{cfg.schedule} with {cfg.microbatches} micro-batches; this rank: stage"
                          f"{'s' if per_rank > 1 else ''} {', '.join(map(str, self.stage_ids))} ({names[0]}..{names[1]}, "
                          f"{sum(param_count(m) for _, m in mine)} block parameters)", )
@@ -421,6 +424,17 @@ class PipelineStrategy(DDPStrategy):
 
     def _scaled_loss(self, output, target):
         return self.trainer.scaler.scale(output)
+
+    def install_compression(self, trainer, model):
+        if self.compression is not None and self.dp_size == 1:  # one line, not "not wrapped in DDP" from every rank
+            if trainer.is_main:
+                stages, name = trainer.config.pipeline.stages, self.compression[0].name
+                trainer.log.warning(f"comm_hook.name={name} ignored: the pipeline's stages have one replica each, "
+                                    "so no gradients are averaged over data-parallel ranks; start "
+                                    f"{2 * stages}, {3 * stages}, ... ranks (replicas of each stage) to compress "
+                                    "theirs, or set comm_hook.name=allreduce")
+            return None
+        return super().install_compression(trainer, model)
 
     # --- the step ------------------------------------------------------------------------
 
@@ -566,16 +580,11 @@ class PipelineStrategy(DDPStrategy):
             set_optimizer_state_dict(module, optimizer, {"state": optimizer_state["state"], "param_groups": groups})
 
     def sharded_entries(self, state):
-        """The model, the optimizer, and any plugin entry holding tensors by this rank's parameter
-        names (the ema plugin's average): each stage writes its own, DCP keeps one copy of what
-        several ranks hold (the trunk, the replicas)."""
+        """The model, the optimizer and any entry keyed by this rank's parameter names (the ema plugin's
+        average of its stages): read back by name, at any layout. Per rank, a resume on other ranks would
+        hand every rank rank 0's stages."""
         names = {name for name, _ in self.trainer.module.named_parameters()}
-
-        def by_name(value):
-            params = value.get("params") if isinstance(value, dict) else None
-            return isinstance(params, dict) and bool(params) and set(params) <= names
-
-        return tuple(k for k, v in state.items() if k in ("model", "optimizer") or by_name(v))
+        return tuple(k for k, v in state.items() if k in ("model", "optimizer") or _keyed_by(v, names))
 
     def full_state_dict(self, module):
         """Every stage's part gathered on the first replica's rank 0 (the stages of every replica
@@ -588,6 +597,16 @@ class PipelineStrategy(DDPStrategy):
             return {}
         whole = {k: v for p in parts for k, v in p.items()}
         return {k: whole[k] for k in self.key_order if k in whole}
+
+
+def _keyed_by(value, names: set) -> bool:
+    """Whether ``value`` (a state entry: nested dicts) holds a dict of tensors keyed by ``names``."""
+    if not isinstance(value, dict):
+        return False
+    tensors = [v for v in value.values() if isinstance(v, torch.Tensor)]
+    if tensors and len(tensors) == len(value) and set(value) <= names:
+        return True
+    return any(_keyed_by(v, names) for v in value.values())
 
 
 def _stages_of(schedule) -> list:

@@ -100,6 +100,8 @@ class CommMonitorPlugin:
 def measure_share(trainer, step_s, measure_allreduce_seconds):
     """(share of a step, communication seconds, gradient bytes): every rank, same collectives."""
     grad_bytes = sum(p.numel() * p.element_size() for p in trainer.module.parameters() if p.requires_grad)
+    if not trainer.strategy.replicated:  # ranks hold different parts (a pipeline's stages): one size for all,
+        grad_bytes = _largest(grad_bytes, trainer.device)  # or the timed allreduce's buffers do not match
     # the fastest of 3: what the link needs, without another process's burst on a shared CPU
     comm_s = measure_allreduce_seconds(grad_bytes, iters=3, device=trainer.device, fastest=True)
     hook = trainer.shared.get(COMM_HOOK)
@@ -107,6 +109,15 @@ def measure_share(trainer, step_s, measure_allreduce_seconds):
     if stats and stats.get("wire_bytes") and stats.get("fp32_wire_bytes"):
         comm_s *= min(1.0, stats["wire_bytes"] / stats["fp32_wire_bytes"])  # what the hook sends of fp32's bytes
     return min(1.0, comm_s / step_s) if step_s > 0 else 0.0, comm_s, grad_bytes
+
+
+def _largest(value: int, device) -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def warning_text(trainer, share, comm_s, step_s, grad_bytes):
