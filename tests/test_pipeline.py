@@ -18,7 +18,7 @@ from torch import nn
 
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
-from ddpx.strategies import pipeline
+from ddpx.strategies import pipeline, stages
 
 ROOT = Path(__file__).resolve().parent.parent  # not harness's: ranks import this module (model.target)
 EXAMPLE = ROOT / "examples" / "char_gpt"
@@ -240,23 +240,23 @@ class Flat(nn.Module):
 def test_what_the_pipeline_refuses_of_a_model_is_one_line():
     with pytest.raises(DdpxError, match=r"^pipeline.stages x pipeline.stages_per_rank = 4 stages, but GPT has 2 "
                                         r"blocks in blocks to cut; use at most 2 stages$"):
-        pipeline.stage_ranges(gpt(n_layer=2), 4, "auto")
+        stages.stage_ranges(gpt(n_layer=2), 4, "auto")
     with pytest.raises(DdpxError, match=r"^trainer.strategy=pipeline cuts a model's repeated blocks .* but Flat has no "
                                         r"container of repeated blocks; its modules: embed, norm, head; "):
-        pipeline.stage_ranges(Flat(), 2, "auto")
+        stages.stage_ranges(Flat(), 2, "auto")
     with pytest.raises(DdpxError, match=r"^pipeline.split names ln, which is not a block of GPT; stages begin at "
                                         r"blocks: blocks.0, blocks.1, blocks.2, blocks.3$"):
-        pipeline.stage_ranges(gpt(), 2, ["ln"])
+        stages.stage_ranges(gpt(), 2, ["ln"])
     with pytest.raises(DdpxError, match=r"^pipeline.split names 2 blocks, but 2 stages need 1 distinct blocks"):
-        pipeline.stage_ranges(gpt(), 2, ["blocks.1", "blocks.2"])
+        stages.stage_ranges(gpt(), 2, ["blocks.1", "blocks.2"])
     with pytest.raises(DdpxError, match=r"^pipeline.stages=3 does not divide the 2 ranks into groups of 3; set "
                                         r"pipeline.stages to one of 1, 2, or start a multiple of 3 ranks"):
         pipeline.model_parallel_mesh(types.SimpleNamespace(world_size=2), 3, "pp", "pipeline.stages")
     # what it cuts: balanced by parameters, a named split, an activation between blocks goes with the block before
-    assert pipeline.stage_ranges(gpt(), 2, "auto")[3] == [(0, 2), (2, 4)]
-    assert pipeline.stage_ranges(gpt(), 2, ["blocks.1"])[3] == [(0, 1), (1, 4)]
+    assert stages.stage_ranges(gpt(), 2, "auto")[3] == [(0, 2), (2, 4)]
+    assert stages.stage_ranges(gpt(), 2, ["blocks.1"])[3] == [(0, 1), (1, 4)]
     digits = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
-    assert pipeline.stage_ranges(digits, 2, "auto")[3] == [(0, 2), (2, 5)]
+    assert stages.stage_ranges(digits, 2, "auto")[3] == [(0, 2), (2, 5)]
 
 
 @pytest.mark.slow
