@@ -69,8 +69,28 @@ def matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """HuggingFace's ``Conv1D`` (GPT-2's layers; transformers is not imported): a Linear whose weight is
+    ``[in, out]``, the transpose of ``nn.Linear``'s."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and torch.is_tensor(weight) \
+        and weight.dim() == 2
+
+
+def output_dim(module: nn.Module) -> int:
+    """The weight's dimension of the output features: 0 for ``nn.Linear`` (``[out, in]``), 1 for a Conv1D."""
+    return 1 if is_conv1d(module) else 0
+
+
+def features(module: nn.Module) -> tuple:
+    """``(in, out)`` features of a Linear or Conv1D layer."""
+    dim = output_dim(module)
+    return module.weight.shape[1 - dim], module.weight.shape[dim]
+
+
 def linear_modules(model: nn.Module) -> list:
-    return [(name, m) for name, m in model.named_modules() if name and isinstance(m, nn.Linear)]
+    """The layers a plan may split: ``nn.Linear`` modules and HuggingFace's Conv1D (GPT-2)."""
+    return [(name, m) for name, m in model.named_modules() if name and (isinstance(m, nn.Linear) or is_conv1d(m))]
 
 
 def _listing(names: list, most: int = 12) -> str:
@@ -159,68 +179,107 @@ def check_split(model: nn.Module, split: dict, size: int) -> list:
         changes += [(module, attr, value) for attr, value in heads + widths]
     for name, style in split.items():
         layer = model.get_submodule(name)
-        features, what = (layer.in_features, "input features") if style == "rowwise" else \
-            (layer.out_features, "output features")
+        inputs, outputs = features(layer)
+        features_, what = (inputs, "input features") if style == "rowwise" else (outputs, "output features")
         parts = 3 * size if style == "qkv" else size
-        if features % parts:
-            raise DdpxError(f"tensor.size={size} does not divide {name} ({style}, {features} {what}"
+        if features_ % parts:
+            raise DdpxError(f"tensor.size={size} does not divide {name} ({style}, {features_} {what}"
                             f"{', 3 fused parts' if style == 'qkv' else ''}) evenly; set tensor.size to a divisor "
-                            f"of {features // 3 if style == 'qkv' else features}")
+                            f"of {features_ // 3 if style == 'qkv' else features_}")
     return changes
 
 
-def permute_fused(full: torch.Tensor, size: int) -> torch.Tensor:
-    """``[q; k; v]`` rows as ``[q_0; k_0; v_0; q_1; ...]``: rank r's contiguous rows are its heads'."""
-    rows = full.shape[0] // 3
-    return full.reshape(3, size, rows // size, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+def permute_fused(full: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:
+    """``[q; k; v]`` along ``dim`` (a Linear's rows, a Conv1D's columns) as ``[q_0; k_0; v_0; q_1; ...]``:
+    rank r's contiguous slice is its heads'."""
+    moved = full.movedim(dim, 0)
+    rows = moved.shape[0] // 3
+    return moved.reshape(3, size, rows // size, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape).movedim(0, dim)
 
 
-def unpermute_fused(permuted: torch.Tensor, size: int) -> torch.Tensor:
+def unpermute_fused(permuted: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:
     """The inverse of :func:`permute_fused`: the user's ``[q; k; v]`` layout."""
-    rows = permuted.shape[0] // 3
-    return permuted.reshape(size, 3, rows // size, *permuted.shape[1:]).transpose(0, 1).reshape(permuted.shape)
+    moved = permuted.movedim(dim, 0)
+    rows = moved.shape[0] // 3
+    return moved.reshape(size, 3, rows // size, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape).movedim(0, dim)
 
 
-def _colwise():
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    class FusedQKV(ColwiseParallel):
-        """ColwiseParallel of a fused ``[q; k; v]`` Linear: the rows are permuted first, so each
-        rank's shard is ``[q_r; k_r; v_r]`` and ``chunk(3)`` of its output gives its heads' q, k, v."""
-
-        def _partition_linear_fn(self, name, module, device_mesh):
-            from torch.distributed.tensor import Shard, distribute_tensor
-
-            size = device_mesh.size()
-            for pname, param in list(module.named_parameters()):
-                permuted = permute_fused(param.detach(), size)
-                module.register_parameter(pname, nn.Parameter(
-                    distribute_tensor(permuted, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
-                    requires_grad=param.requires_grad))
-
-    return ColwiseParallel, FusedQKV
+def shard_dim(tensor) -> int:
+    """The dimension a split DTensor is sharded on (a fused parameter's: its output features)."""
+    return next(p.dim for p in tensor.placements if p.is_shard())
 
 
 def parallel_styles(split: dict) -> dict:
-    from torch.distributed.tensor.parallel import RowwiseParallel
+    """``{name: style}`` as torch's ColwiseParallel / RowwiseParallel, for ``nn.Linear`` and Conv1D alike:
+    a parameter is split on its weight's output dimension (:func:`output_dim`; a bias on its only one),
+    or for rowwise on the weight's input dimension with the bias whole. A ``qkv`` layer is colwise with
+    its fused outputs permuted first (:func:`permute_fused`), so each rank's shard is ``[q_r; k_r; v_r]``
+    and ``chunk(3)`` (or a split by the divided width) of its output gives its heads' q, k, v."""
+    from functools import partial
 
-    colwise, fused = _colwise()
-    kinds = {"colwise": colwise, "rowwise": RowwiseParallel, "qkv": fused}
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def place(style, module, mesh, placements):
+        """Each parameter of ``module`` distributed as ``placements(parameter)`` says."""
+        for pname, param in list(module.named_parameters()):
+            placement, value = placements(param)
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(value, mesh, [placement], src_data_rank=style.src_data_rank),
+                requires_grad=param.requires_grad))
+
+    def apply(style, module, mesh):
+        return distribute_module(module, mesh, style._partition_linear_fn,
+                                 partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+                                 partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+
+    class Colwise(ColwiseParallel):
+        fused = False
+
+        def _partition_linear_fn(self, name, module, mesh):
+            out = output_dim(module)
+
+            def placements(param):
+                dim = out if param.dim() == 2 else 0
+                value = permute_fused(param.detach(), mesh.size(), dim) if self.fused else param
+                return Shard(dim), value
+
+            place(self, module, mesh, placements)
+
+        def _apply(self, module, mesh):
+            return apply(self, module, mesh)
+
+    class FusedQKV(Colwise):
+        fused = True
+
+    class Rowwise(RowwiseParallel):
+        def _partition_linear_fn(self, name, module, mesh):
+            inputs = 1 - output_dim(module)
+            place(self, module, mesh, lambda param: (Shard(inputs) if param.dim() == 2 else Replicate(), param))
+
+        def _apply(self, module, mesh):
+            self.desired_input_layouts = (Shard(-1),)
+            return apply(self, module, mesh)
+
+    kinds = {"colwise": Colwise, "rowwise": Rowwise, "qkv": FusedQKV}
     return {name: kinds[style]() for name, style in split.items()}
 
 
 def split_fused(tensor, like=None):
     """A fused parameter's DTensor (or this rank's part of one, laid out as ``like``) as ``{q, k, v}``:
-    three DTensors of the user's layout, each sharded on dim 0, views of the rank's rows."""
+    three DTensors of the user's layout, each sharded as ``like`` (on its output features), views of
+    the rank's slice."""
     from torch.distributed.tensor import DTensor
 
     like = tensor if like is None else like
+    dim = shard_dim(like)
     local = shards.local(tensor)
-    shape = (like.shape[0] // 3, *like.shape[1:])
+    shape = list(like.shape)
+    shape[dim] //= 3
     stride = torch.empty(shape, device="meta").stride()
-    return {key: DTensor.from_local(part, like.device_mesh, like.placements, run_check=False, shape=shape,
+    return {key: DTensor.from_local(part, like.device_mesh, like.placements, run_check=False, shape=torch.Size(shape),
                                     stride=stride)
-            for key, part in zip("qkv", local.chunk(3, dim=0))}
+            for key, part in zip("qkv", local.chunk(3, dim=dim))}
 
 
 def is_fused_entry(value) -> bool:
@@ -228,10 +287,10 @@ def is_fused_entry(value) -> bool:
 
 
 def join_fused(parts: dict, like) -> torch.Tensor:
-    """:func:`split_fused`'s inverse: the rank's rows ``[q_r; k_r; v_r]`` as a DTensor laid out as ``like``."""
+    """:func:`split_fused`'s inverse: the rank's slice ``[q_r; k_r; v_r]`` as a DTensor laid out as ``like``."""
     from torch.distributed.tensor import DTensor
 
-    local = torch.cat([shards.local(parts[key]) for key in "qkv"], dim=0)
+    local = torch.cat([shards.local(parts[key]) for key in "qkv"], dim=shard_dim(like))
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
                               stride=like.stride())
 
@@ -523,7 +582,8 @@ class TensorStrategy(Strategy):
 
     def local(self, tensor):
         if is_fused_entry(tensor):  # a fused parameter's {q, k, v} (the ema plugin's, read back)
-            return torch.cat([shards.local(tensor[key]) for key in "qkv"], dim=0)
+            dim = shard_dim(tensor["q"]) if shards.is_shard(tensor["q"]) else 0
+            return torch.cat([shards.local(tensor[key]) for key in "qkv"], dim=dim)
         return shards.local(tensor)
 
     def shard_like(self, part, like):
@@ -542,16 +602,20 @@ class TensorStrategy(Strategy):
             if isinstance(value, dict):
                 return {k: expand(v, f"{prefix}.{k}") for k, v in value.items()}
             if torch.is_tensor(value) and not shards.is_shard(value) and prefix not in stored and \
-                    all(f"{prefix}.{key}" in stored for key in "qkv") and value.shape[0] % 3 == 0:
-                parts = dict(zip("qkv", value.chunk(3, dim=0)))  # views: the load fills ``value``
-                joins.append((value, parts))
-                return parts
+                    all(f"{prefix}.{key}" in stored for key in "qkv"):
+                part = tuple(stored[f"{prefix}.q"].size)  # a third of the output features (a Conv1D's dim 1)
+                dim = next((d for d, n in enumerate(value.shape) if len(part) == value.dim() and n == 3 * part[d]
+                            and value.shape[:d] + value.shape[d + 1:] == part[:d] + part[d + 1:]), None)
+                if dim is not None:
+                    parts = dict(zip("qkv", value.chunk(3, dim=dim)))  # views: the load fills ``value``
+                    joins.append((value, parts, dim))
+                    return parts
             return value
 
         expanded = {k: expand(v, k) for k, v in template.items()}
         read = shards.read_shards(expanded, directory)
-        for value, parts in joins:  # contiguous row blocks: filled in place already; copied in case DCP replaced them
-            value.copy_(torch.cat([parts[key] for key in "qkv"], dim=0))
+        for value, parts, dim in joins:  # views: filled in place already; copied in case DCP replaced them
+            value.copy_(torch.cat([parts[key] for key in "qkv"], dim=dim))
         for key in read:
             template[key] = _collapse(read[key], template[key])
         return {k: template[k] for k in read}
@@ -563,9 +627,10 @@ class TensorStrategy(Strategy):
         whole = {}
         for key, value in module.state_dict().items():
             if shards.is_shard(value):
+                dim = shard_dim(value) if key in self.fused else None
                 value = value.full_tensor()
-                if key in self.fused:
-                    value = unpermute_fused(value, self.size)
+                if dim is not None:
+                    value = unpermute_fused(value, self.size, dim)
             if rank0:
                 whole[key] = value.detach().to("cpu", copy=True)
         return {k: whole[k] for k in self.key_order if k in whole} if rank0 else {}
