@@ -415,3 +415,75 @@ def test_bad_tensor_setups_are_one_line_and_exit_2(ranks, tmp_path):
         errors = [line for line in err.splitlines() if line.startswith("ddpx: error:")]
         assert rc == 2 and len(errors) == 1, err[-2000:]
         assert message in errors[0], errors[0]
+
+
+GPT2_MODEL = '''from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def gpt2(**args):
+    return GPT2LMHeadModel(GPT2Config(bos_token_id=0, eos_token_id=0, **args))
+'''
+GPT2_DATA = '''from torch.utils.data import Dataset
+
+from text import splits
+
+
+class Causal(Dataset):  # HuggingFace's batch: the model shifts the labels itself
+    def __init__(self, windows):
+        self.windows = windows
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, i):
+        x = self.windows[i]["idx"]
+        return {"input_ids": x, "labels": x}
+
+
+def causal_splits(**args):
+    return tuple(map(Causal, splits(**args)))
+'''
+
+
+@pytest.mark.slow
+def test_hf_gpt2_conv1d_layers_split_and_train_as_ddp(ranks, tmp_path):
+    """HuggingFace's GPT-2 (Conv1D layers: weights [in, out], a fused c_attn split by width) under the
+    auto plan on 2 ranks: 6 AdamW steps give ddp's evaluation within 1e-5; run_dir/model loads with
+    GPT2LMHeadModel.from_pretrained (the head still tied) and holds ddp's weights; the checkpoint holds
+    c_attn as q, k, v parts of the user's layout and ``ddpx export`` writes the weights the run wrote."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from ddpx.cli import main
+    from ddpx.strategies.shards import _reader_classes
+
+    example(tmp_path)
+    (tmp_path / "gpt2_model.py").write_text(GPT2_MODEL)
+    (tmp_path / "gpt2_data.py").write_text(GPT2_DATA)
+    args = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                attn_pdrop=0.0, tie_word_embeddings=True)
+    common = dict(model={"target": "gpt2_model.gpt2", "args": args}, data={"target": "gpt2_data.causal_splits"})
+    ddp1 = train(ranks, tmp_path, "ddp1", 1, trainer={"max_steps": 6}, **common)
+    tp2 = train(ranks, tmp_path, "tp2", 2, trainer={"strategy": "tensor", "max_steps": 6},
+                checkpoint={"enabled": True}, **common)
+    assert "tensor: 8 Linear layers split over 2 ranks x 1 replica (qkv transformer.h.0.attn.c_attn, " \
+           "transformer.h.1.attn.c_attn; colwise transformer.h.0.mlp.c_fc, transformer.h.1.mlp.c_fc; rowwise " \
+           "transformer.h.0.attn.c_proj, transformer.h.0.mlp.c_proj, transformer.h.1.attn.c_proj, " \
+           "transformer.h.1.mlp.c_proj); per rank: GPT2Attention.embed_dim 64 -> 32, GPT2Attention.num_heads 4 -> 2, " \
+           "GPT2Attention.split_size 64 -> 32; not split (whole on every rank): lm_head" in (tmp_path / "rank0.log").read_text()
+    assert len(steps(tp2)) == 6 and gap(steps(tp2), steps(ddp1), "loss") < 1e-5
+    for key in ("loss", "eval_loss"):
+        assert abs(last_eval(tp2)[key] - last_eval(ddp1)[key]) < 1e-5, key
+    models = {name: transformers.GPT2LMHeadModel.from_pretrained(tmp_path / name / "model") for name in ("ddp1", "tp2")}
+    assert models["tp2"].lm_head.weight is models["tp2"].transformer.wte.weight
+    whole = {name: model.state_dict() for name, model in models.items()}
+    assert max((whole["tp2"][k] - v).abs().max().item() for k, v in whole["ddp1"].items()) < 2e-5
+    shards = next((tmp_path / "tp2" / "checkpoints").glob("*.shards"))
+    stored = _reader_classes()[0](str(shards)).read_metadata().state_dict_metadata
+    assert {k: tuple(m.size) for k, m in stored.items() if k.startswith("model.transformer.h.0.attn.c_attn")} == {
+        f"model.transformer.h.0.attn.c_attn.{p}.{part}": size for p, size in (("weight", (64, 64)), ("bias", (64,)))
+        for part in "qkv"}
+    assert main(["export", str(tmp_path / "tp2"), "--config", str(tmp_path / "tp2.yaml"), "--out",
+                 str(tmp_path / "out")]) == 0
+    written, exported = (load_file(tmp_path / d / "model.safetensors") for d in ("tp2/model", "out"))
+    assert written.keys() == exported.keys() and all(torch.equal(written[k], exported[k]) for k in written)
