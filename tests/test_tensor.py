@@ -448,7 +448,8 @@ def causal_splits(**args):
 @pytest.mark.slow
 def test_hf_gpt2_conv1d_layers_split_and_train_as_ddp(ranks, tmp_path):
     """HuggingFace's GPT-2 (Conv1D layers: weights [in, out], a fused c_attn split by width) under the
-    auto plan on 2 ranks: 6 AdamW steps give ddp's evaluation within 1e-5; run_dir/model loads with
+    auto plan on 2 ranks: 6 AdamW steps (stopped at 3 and resumed) give ddp's losses and evaluation within
+    1e-5; run_dir/model loads with
     GPT2LMHeadModel.from_pretrained (the head still tied) and holds ddp's weights; the checkpoint holds
     c_attn as q, k, v parts of the user's layout and ``ddpx export`` writes the weights the run wrote."""
     transformers = pytest.importorskip("transformers")
@@ -464,21 +465,24 @@ def test_hf_gpt2_conv1d_layers_split_and_train_as_ddp(ranks, tmp_path):
                 attn_pdrop=0.0, tie_word_embeddings=True)
     common = dict(model={"target": "gpt2_model.gpt2", "args": args}, data={"target": "gpt2_data.causal_splits"})
     ddp1 = train(ranks, tmp_path, "ddp1", 1, trainer={"max_steps": 6}, **common)
+    train(ranks, tmp_path, "tp2", 2, trainer={"strategy": "tensor", "max_steps": 3}, checkpoint={"enabled": True},
+          **common)
+    log = (tmp_path / "rank0.log").read_text()
     tp2 = train(ranks, tmp_path, "tp2", 2, trainer={"strategy": "tensor", "max_steps": 6},
-                checkpoint={"enabled": True}, **common)
+                checkpoint={"enabled": True}, **common)  # resumed at step 3
+    assert "resum" in (tmp_path / "rank0.log").read_text()
     assert "tensor: 8 Linear layers split over 2 ranks x 1 replica (qkv transformer.h.0.attn.c_attn, " \
            "transformer.h.1.attn.c_attn; colwise transformer.h.0.mlp.c_fc, transformer.h.1.mlp.c_fc; rowwise " \
            "transformer.h.0.attn.c_proj, transformer.h.0.mlp.c_proj, transformer.h.1.attn.c_proj, " \
            "transformer.h.1.mlp.c_proj); per rank: GPT2Attention.embed_dim 64 -> 32, GPT2Attention.num_heads 4 -> 2, " \
-           "GPT2Attention.split_size 64 -> 32; not split (whole on every rank): lm_head" in (tmp_path / "rank0.log").read_text()
-    assert len(steps(tp2)) == 6 and gap(steps(tp2), steps(ddp1), "loss") < 1e-5
-    for key in ("loss", "eval_loss"):
-        assert abs(last_eval(tp2)[key] - last_eval(ddp1)[key]) < 1e-5, key
+           "GPT2Attention.split_size 64 -> 32; not split (whole on every rank): lm_head" in log
+    assert [s["step"] for s in steps(tp2)] == list(range(1, 7)) and gap(steps(tp2), steps(ddp1), "loss") < 1e-5
+    assert abs(last_eval(tp2)["eval_loss"] - last_eval(ddp1)["eval_loss"]) < 1e-5  # (its epoch loss: steps 4-6)
     models = {name: transformers.GPT2LMHeadModel.from_pretrained(tmp_path / name / "model") for name in ("ddp1", "tp2")}
     assert models["tp2"].lm_head.weight is models["tp2"].transformer.wte.weight
     whole = {name: model.state_dict() for name, model in models.items()}
     assert max((whole["tp2"][k] - v).abs().max().item() for k, v in whole["ddp1"].items()) < 2e-5
-    shards = next((tmp_path / "tp2" / "checkpoints").glob("*.shards"))
+    shards = tmp_path / "tp2" / "checkpoints" / "step-000000006.shards"
     stored = _reader_classes()[0](str(shards)).read_metadata().state_dict_metadata
     assert {k: tuple(m.size) for k, m in stored.items() if k.startswith("model.transformer.h.0.attn.c_attn")} == {
         f"model.transformer.h.0.attn.c_attn.{p}.{part}": size for p, size in (("weight", (64, 64)), ("bias", (64,)))
