@@ -80,6 +80,22 @@ class Llama(nn.Module):
         return self.lm_head(self.fc1(h))
 
 
+class Conv1D(nn.Module):  # transformers.pytorch_utils.Conv1D's shape: a Linear with its weight transposed
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.weight, self.bias = nf, nn.Parameter(torch.randn(nx, nf)), nn.Parameter(torch.zeros(nf))
+
+
+def Gpt2Names():
+    block = nn.Module()
+    block.attn, block.mlp = nn.Module(), nn.Module()
+    block.attn.c_attn, block.attn.c_proj = Conv1D(48, 16), Conv1D(16, 16)
+    block.mlp.c_fc, block.mlp.c_proj = Conv1D(64, 16), Conv1D(16, 64)
+    model = nn.Module()
+    model.h, model.lm_head = nn.ModuleList([block]), nn.Linear(16, 32)
+    return model
+
+
 def test_the_auto_plan_splits_the_usual_transformer_pairs_and_a_user_plan_overrides_it():
     split, unmatched = tensor.resolve_plan(char_gpt(), "auto")
     assert split == {"blocks.0.qkv": "qkv", "blocks.0.proj": "rowwise", "blocks.0.mlp.0": "colwise",
@@ -92,6 +108,11 @@ def test_the_auto_plan_splits_the_usual_transformer_pairs_and_a_user_plan_overri
         "layers.0.self_attn.v_proj": "colwise", "layers.0.self_attn.o_proj": "rowwise",
         "layers.0.mlp.gate_proj": "colwise", "layers.0.mlp.up_proj": "colwise", "layers.0.mlp.down_proj": "rowwise"}
     assert len(split) == 14 and unmatched == ["fc1", "lm_head"]
+    # GPT-2's names and Conv1D layers (weights [in, out]; found by class name, transformers not imported)
+    split, unmatched = tensor.resolve_plan(Gpt2Names(), "auto")
+    assert split == {"h.0.attn.c_attn": "qkv", "h.0.attn.c_proj": "rowwise", "h.0.mlp.c_fc": "colwise",
+                     "h.0.mlp.c_proj": "rowwise"}
+    assert unmatched == ["lm_head"] and tensor.features(Gpt2Names().h[0].attn.c_attn) == (16, 48)
     # the user's patterns come first: the MLPs left whole, the last layer's attention too
     split, unmatched = tensor.resolve_plan(Llama(), {"mlp.*": "none", "layers.1.self_attn.*": "none"})
     assert sorted(split) == ["layers.0.self_attn.k_proj", "layers.0.self_attn.o_proj", "layers.0.self_attn.q_proj",
@@ -110,8 +131,8 @@ BERT_PLAN = {"*.attention.self.query": "colwise", "*.attention.self.key": "colwi
 
 
 def hf_models():
-    """HuggingFace's Llama (auto plan) and BERT (a user plan: its output projection is not beside
-    q, k and v), tiny and random; {} without transformers."""
+    """HuggingFace's Llama (auto plan), BERT (a user plan: its output projection is not beside
+    q, k and v) and GPT-2 (auto plan, Conv1D layers), tiny and random; {} without transformers."""
     try:
         import transformers
     except ImportError:
@@ -121,7 +142,9 @@ def hf_models():
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **small))
     bert = transformers.BertModel(transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                                           **small))
-    return {"hf_llama": (llama, "auto"), "hf_bert": (bert, BERT_PLAN)}
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(  # Conv1D layers
+        vocab_size=32, n_embd=16, n_layer=2, n_head=4, n_positions=16, bos_token_id=0, eos_token_id=0))
+    return {"hf_llama": (llama, "auto"), "hf_bert": (bert, BERT_PLAN), "hf_gpt2": (gpt2, "auto")}
 
 
 def split_models(rank, world):
@@ -155,6 +178,10 @@ def split_models(rank, world):
         if kind == "hf_bert":
             attention = model.encoder.layer[0].attention.self
             result["heads"] = (attention.num_attention_heads, attention.all_head_size)
+        if kind == "hf_gpt2":
+            attention = model.transformer.h[0].attn
+            result["heads"] = (attention.num_heads, attention.split_size, attention.head_dim)
+            result["held"] = tuple(attention.c_attn.weight.to_local().shape)
         state = strategy.full_state_dict(model)
         result["state"] = max((state[k] - v).abs().max().item() for k, v in whole.state_dict().items()) if state \
             else None
@@ -166,18 +193,21 @@ def split_models(rank, world):
 def test_llama_and_bert_shaped_models_split_as_their_plans_say(ranks):
     """On 2 ranks: a Llama-shaped model with grouped-query attention (4 heads, 2 key-value heads) under
     the auto plan computes 2 heads and 1 key-value head per rank with the unsplit model's output and
-    gradients; HuggingFace's Llama (auto plan, reshapes with -1) and BERT (a plan of the user's, its
-    head count and width divided) give their unsplit outputs; rank 0 gathers each state dict."""
+    gradients; HuggingFace's Llama (auto plan, reshapes with -1), BERT (a plan of the user's, its
+    head count and width divided) and GPT-2 (auto plan, Conv1D layers, its c_attn split by columns)
+    give their unsplit outputs; rank 0 gathers each state dict."""
     results = ranks.call(split_models, 2, timeout=90)
     for result in results:
         llama = result["llama"]
         assert llama["heads"] == (2, 1) and llama["held"] == (4, 16)  # 1 key-value head of width 4
         assert llama["output"] < 1e-6 and llama["grad"] < 1e-6, llama
-        for kind in ("hf_llama", "hf_bert"):
+        for kind in ("hf_llama", "hf_bert", "hf_gpt2"):
             if kind in result:
                 assert result[kind]["output"] < 1e-5, (kind, result[kind])
         if "hf_bert" in result:
             assert result["hf_bert"]["heads"] == (2, 8)
+        if "hf_gpt2" in result:  # 2 heads of width 4 per rank: c_attn's weight [16, 3 x 16] split on its columns
+            assert result["hf_gpt2"]["heads"] == (2, 8, 4) and result["hf_gpt2"]["held"] == (16, 24)
     assert all(r["state"] == 0.0 for r in results[0].values()) and all(r["state"] is None for r in results[1].values())
 
 
@@ -246,6 +276,9 @@ def test_a_fused_qkv_rank_holds_its_heads_rows_and_the_layout_round_trips():
     assert permuted[6:, 0].tolist() == [2, 3, 6, 7, 10, 11]
     assert torch.equal(tensor.unpermute_fused(permuted, 2), rows)
     assert torch.equal(tensor.permute_fused(rows, 1), rows)
+    columns = rows.T.contiguous()  # a Conv1D's weight [in, 3 x out]: the fused parts are its columns
+    assert torch.equal(tensor.permute_fused(columns, 2, dim=1), permuted.T)
+    assert torch.equal(tensor.unpermute_fused(permuted.T, 2, dim=1), columns)
 
 
 # --- gloo ranks: the char GPT example -----------------------------------------------------------
