@@ -8,6 +8,8 @@ the features and the partial outputs are summed over the ranks: one all_reduce),
 colwise split of a fused ``[q; k; v]`` projection in which each rank holds the rows
 ``[q_r; k_r; v_r]`` of its heads (:class:`FusedQKV`). A colwise layer followed by a rowwise one
 (attention's projections, an MLP's up and down) communicates once forward and once backward.
+HuggingFace's ``Conv1D`` (GPT-2's layers, weights ``[in, out]``) takes the same styles on its
+weight's output dimension (:func:`output_dim`: 1, where a Linear's is 0).
 ``tensor.plan: auto`` uses :data:`AUTO_PLAN` (the usual transformer names); a dict
 ``{pattern: colwise|rowwise|qkv|none}`` adds to it and overrides it. Everything else (embeddings,
 norms, an output head) stays whole on every rank.
