@@ -503,7 +503,8 @@ def test_hf_gpt2_conv1d_layers_split_and_train_as_ddp(ranks, tmp_path):
     log = (tmp_path / "rank0.log").read_text()
     tp2 = train(ranks, tmp_path, "tp2", 2, trainer={"strategy": "tensor", "max_steps": 6},
                 checkpoint={"enabled": True}, **common)  # resumed at step 3
-    assert "resum" in (tmp_path / "rank0.log").read_text()
+    assert "resumed from " in (tmp_path / "rank0.log").read_text() and "step-000000003.pt (epoch 0, step 3)" in \
+        (tmp_path / "rank0.log").read_text()
     assert "tensor: 8 Linear layers split over 2 ranks x 1 replica (qkv transformer.h.0.attn.c_attn, " \
            "transformer.h.1.attn.c_attn; colwise transformer.h.0.mlp.c_fc, transformer.h.1.mlp.c_fc; rowwise " \
            "transformer.h.0.attn.c_proj, transformer.h.0.mlp.c_proj, transformer.h.1.attn.c_proj, " \
