@@ -12,7 +12,7 @@ from torch import nn
 
 from ddpx.config import load_config
 from ddpx.errors import DdpxError
-from ddpx.strategies import tensor
+from ddpx.strategies import tensor, tensor_plan
 from test_examples import EXAMPLES
 
 
@@ -97,29 +97,29 @@ def Gpt2Names():
 
 
 def test_the_auto_plan_splits_the_usual_transformer_pairs_and_a_user_plan_overrides_it():
-    split, unmatched = tensor.resolve_plan(char_gpt(), "auto")
+    split, unmatched = tensor_plan.resolve_plan(char_gpt(), "auto")
     assert split == {"blocks.0.qkv": "qkv", "blocks.0.proj": "rowwise", "blocks.0.mlp.0": "colwise",
                      "blocks.0.mlp.2": "rowwise", "blocks.1.qkv": "qkv", "blocks.1.proj": "rowwise",
                      "blocks.1.mlp.0": "colwise", "blocks.1.mlp.2": "rowwise"}
     assert unmatched == ["head"]
-    split, unmatched = tensor.resolve_plan(Llama(), "auto")
+    split, unmatched = tensor_plan.resolve_plan(Llama(), "auto")
     assert {n: s for n, s in split.items() if n.startswith("layers.0.")} == {
         "layers.0.self_attn.q_proj": "colwise", "layers.0.self_attn.k_proj": "colwise",
         "layers.0.self_attn.v_proj": "colwise", "layers.0.self_attn.o_proj": "rowwise",
         "layers.0.mlp.gate_proj": "colwise", "layers.0.mlp.up_proj": "colwise", "layers.0.mlp.down_proj": "rowwise"}
     assert len(split) == 14 and unmatched == ["fc1", "lm_head"]
     # GPT-2's names and Conv1D layers (weights [in, out]; found by class name, transformers not imported)
-    split, unmatched = tensor.resolve_plan(Gpt2Names(), "auto")
+    split, unmatched = tensor_plan.resolve_plan(Gpt2Names(), "auto")
     assert split == {"h.0.attn.c_attn": "qkv", "h.0.attn.c_proj": "rowwise", "h.0.mlp.c_fc": "colwise",
                      "h.0.mlp.c_proj": "rowwise"}
-    assert unmatched == ["lm_head"] and tensor.features(Gpt2Names().h[0].attn.c_attn) == (16, 48)
+    assert unmatched == ["lm_head"] and tensor_plan.features(Gpt2Names().h[0].attn.c_attn) == (16, 48)
     # the user's patterns come first: the MLPs left whole, the last layer's attention too
-    split, unmatched = tensor.resolve_plan(Llama(), {"mlp.*": "none", "layers.1.self_attn.*": "none"})
+    split, unmatched = tensor_plan.resolve_plan(Llama(), {"mlp.*": "none", "layers.1.self_attn.*": "none"})
     assert sorted(split) == ["layers.0.self_attn.k_proj", "layers.0.self_attn.o_proj", "layers.0.self_attn.q_proj",
                              "layers.0.self_attn.v_proj"]
     # head counts of the modules owning split attention projections are divided (not the head width)
     model = Llama()
-    changes = tensor.check_split(model, tensor.resolve_plan(model, "auto")[0], 2)
+    changes = tensor_plan.check_split(model, tensor_plan.resolve_plan(model, "auto")[0], 2)
     assert {(type(m).__name__, a, v) for m, a, v in changes} == {
         ("Attention", "num_heads", 4), ("Attention", "num_key_value_heads", 2)}
     assert len(changes) == 4  # two layers
@@ -216,24 +216,24 @@ def test_what_the_plan_and_the_size_cannot_split_is_one_line():
     with pytest.raises(DdpxError, match=r"^tensor.plan=auto splits none of Sequential's Linear modules \(0, 2\); name "
                                         r"them in tensor.plan, a colwise layer followed by a rowwise one, e\.g\. "
                                         r"tensor.plan=\{\"\*\.up\": colwise, \"\*\.down\": rowwise\}"):
-        tensor.resolve_plan(mlp, "auto")
-    assert tensor.resolve_plan(mlp, {"0": "colwise", "2": "rowwise"})[0] == {"0": "colwise", "2": "rowwise"}
+        tensor_plan.resolve_plan(mlp, "auto")
+    assert tensor_plan.resolve_plan(mlp, {"0": "colwise", "2": "rowwise"})[0] == {"0": "colwise", "2": "rowwise"}
     with pytest.raises(DdpxError, match=r"^tensor.plan names 'up', which matches no nn.Linear module of Sequential "
                                         r"\(its Linear modules: 0, 2\)$"):
-        tensor.resolve_plan(mlp, {"up": "colwise"})
+        tensor_plan.resolve_plan(mlp, {"up": "colwise"})
     model = char_gpt()
-    split = tensor.resolve_plan(model, "auto")[0]
+    split = tensor_plan.resolve_plan(model, "auto")[0]
     with pytest.raises(DdpxError, match=r"^tensor.size=3 does not divide the 4 heads of blocks.0 \(Block.n_head\): "
                                         r"each rank computes whole heads; set tensor.size to a divisor of 4$"):
-        tensor.check_split(model, split, 3)
+        tensor_plan.check_split(model, split, 3)
     gqa = Attention()  # a fused projection of grouped-query attention: its thirds are not equal
     gqa.qkv = nn.Linear(16, 32)
     with pytest.raises(DdpxError, match=r"^qkv is split as a fused \[q; k; v\] of equal thirds \(style qkv\), but the "
                                         r"model has grouped-query attention \(Attention.num_key_value_heads=2, 4 query "
                                         r"heads\); leave it whole"):
-        tensor.check_split(gqa, {"qkv": "qkv", "o_proj": "rowwise"}, 2)
+        tensor_plan.check_split(gqa, {"qkv": "qkv", "o_proj": "rowwise"}, 2)
     with pytest.raises(DdpxError, match=r"^tensor.size=4 does not divide 0 \(colwise, 6 output features\) evenly"):
-        tensor.check_split(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4)), {"0": "colwise", "1": "rowwise"}, 4)
+        tensor_plan.check_split(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4)), {"0": "colwise", "1": "rowwise"}, 4)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -367,7 +367,7 @@ def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_p
     assert abs(last_eval(int8)["eval_loss"] - last_eval(ddp1)["eval_loss"]) < 1e-3 * last_eval(ddp1)["eval_loss"]
     held = {name: json.loads((tmp_path / name / "shard_memory_rank0.json").read_text()) for name in ("ddp1", "tp2")}
     model = char_gpt(vocab_size=128, block_size=32, n_embd=64)
-    split = tensor.resolve_plan(model, "auto")[0]
+    split = tensor_plan.resolve_plan(model, "auto")[0]
     split_params = sum(p.numel() for name in split for pn, p in model.get_submodule(name).named_parameters()
                        if not (split[name] == "rowwise" and pn == "bias"))  # a rowwise bias stays whole
     whole = sum(p.numel() for p in model.parameters())
