@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import DdpxError
+from ..fused_allreduce import fused_allreduce
 from . import shards
 from .base import PartReduction
 from .ddp import DDPStrategy
@@ -236,21 +237,15 @@ class PipelineStrategy(DDPStrategy):
     def _reduce_trunk(self) -> None:
         """Sum the non-block parameters' gradients over the stages (a stage that does not use one
         adds zero): every stage then holds the whole gradient of the embeddings, the head and
-        anything tied between them. One all_reduce."""
+        anything tied between them (fused into buckets: ``ddpx.fused_allreduce``)."""
         if not self.trunk:
             return
         # under fsdp replicas each holds its shard of a trunk gradient, laid out alike on every stage
-        grads = [shards.local(p.grad) if p.grad is not None else torch.zeros_like(shards.local(p)) for p in self.trunk]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.pp_group)
-        offset = 0
-        for p, g in zip(self.trunk, grads):
-            part = flat[offset:offset + g.numel()].view_as(g)
+        for p in self.trunk:
             if p.grad is None:
-                p.grad = shards.shard_like(part.clone(), p)
-            else:
-                g.copy_(part)
-            offset += g.numel()
+                p.grad = shards.shard_like(torch.zeros_like(shards.local(p)), p)
+        fused_allreduce([shards.local(p.grad) for p in self.trunk], op="sum", process_group=self.pp_group,
+                        async_op=False)
 
     def no_sync(self, model):
         """An accumulation window's backward passes but the last: the stages run on the unwrapped

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import DdpxError
+from ..fused_allreduce import fused_allreduce
 from . import shards
 from .base import PartReduction, Strategy
 from .mesh import model_parallel_mesh
@@ -202,8 +203,6 @@ class ReplicaCompression:
         self.group = group
 
     def reduce(self, parts, whole) -> None:
-        from ..fused_allreduce import fused_allreduce
-
         for (state, buffers), grads in zip(self.lists, [g for g in (parts, whole) if g]):
             torch._foreach_copy_(buffers, grads)
             fused_allreduce(buffers, op="avg", compression=state, process_group=self.group, async_op=False)
@@ -348,7 +347,7 @@ class TensorStrategy(Strategy):
         return loss
 
     def _average_replicas(self) -> None:
-        """Average every gradient (this rank's parts) over the replicas: one all_reduce of them all, or the
+        """Average every gradient (this rank's parts) over the replicas: fused all_reduces of them all, or the
         comm hook's compressed exchange over fused buckets."""
         for p in self.params:
             if p.grad is None and p.requires_grad:
@@ -361,13 +360,7 @@ class TensorStrategy(Strategy):
             self.comm_state.reduce([g for p, g in zip(trained, grads) if is_split(p)],
                                    [g for p, g in zip(trained, grads) if not is_split(p)])
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp_size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        fused_allreduce(grads, op="avg", process_group=self.dp_group, async_op=False)
 
     def no_sync(self, model):
         """An accumulation window's backward passes but the last: the replicas' average waits."""
