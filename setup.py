@@ -159,8 +159,12 @@ setup(
         "tensorboard": ["tensorboard"],  # logging.tensorboard: true
         "wandb": ["wandb"],  # logging.wandb.project
         "mlflow": ["mlflow"],  # logging.mlflow.experiment (the full package: the tests start `mlflow server`)
+        # elastic.recovery: live. The nightly of 2026-10-26: 0.2.0 (PyPI's release) crashes the survivor
+        # when a peer dies inside an allreduce (docs/recovery.md).
+        "ft": ["torchft-nightly==2026.10.26"],
         "examples": ["pillow"],  # examples/resnet_images without torchvision
-        "test": ["pytest", "pytest-timeout", "hypothesis", "pillow", "tensorboard", "wandb", "mlflow"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "pillow", "tensorboard", "wandb", "mlflow",
+                 "torchft-nightly==2026.10.26"],
     },
     # Third-party plugins join through the entry-point group "ddpx"; the built-in ones are
     # listed in ddpx/plugin/builtin.py.

@@ -54,6 +54,10 @@ DEFAULTS: dict = {
                  "data_parallel": "ddp"},
     "tensor": {"size": 2, "plan": "auto"},
     "launch": {"nproc_per_node": "auto", "nnodes": "1", "max_restarts": 0},
+    # restart: a failure restarts every worker from the last checkpoint (torchrun). live: each node
+    # is a replica group that the others train on without (torchft, ddpx/recovery/).
+    "elastic": {"recovery": "restart", "lighthouse": None, "min_groups": 1, "timeout_s": 30.0,
+                "quorum_timeout_s": 60.0, "lighthouse_retries": 30},
     "plugins": {"enable": [], "block": [], "trace": False},
 }
 
@@ -80,6 +84,9 @@ TYPES: dict = {
     "fsdp.shard_size": (str, int),
     "pipeline.split": (str, list),
     "tensor.plan": (str, dict),
+    "elastic.lighthouse": (str, type(None)),
+    "elastic.timeout_s": (float,),
+    "elastic.quorum_timeout_s": (float,),
 }
 CHOICES: dict = {
     "trainer.backend": ("auto", "gloo", "nccl", "mpi", "ucc"),
@@ -90,6 +97,7 @@ CHOICES: dict = {
     "fsdp.offload": ("none", "cpu"),
     "pipeline.schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
     "pipeline.data_parallel": ("ddp", "fsdp"),
+    "elastic.recovery": ("restart", "live"),
 }
 # Sections built from an import path; their ``args`` are free-form keyword arguments that
 # belong to their target: where a target is given (in the file over the defaults, on the
@@ -117,6 +125,10 @@ RANGES: dict = {
     "pipeline.microbatches": (1, True, "micro-batches each batch is split into"),
     "pipeline.stages_per_rank": (1, True, "stages each rank holds (interleaved_1f1b: 2 or more)"),
     "tensor.size": (1, True, "ranks each layer is split over"),
+    "elastic.min_groups": (1, True, "replica groups a step needs to commit"),
+    "elastic.timeout_s": (0, False, "seconds a collective across replica groups may take"),
+    "elastic.quorum_timeout_s": (0, False, "seconds a step waits for the Lighthouse's quorum"),
+    "elastic.lighthouse_retries": (0, True, "quorum attempts while the Lighthouse is away"),
     "fsdp.min_unit_params": (1, True, "parameters a module needs to become an FSDP unit under fsdp.units=auto"),
 }
 
