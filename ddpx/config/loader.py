@@ -27,7 +27,7 @@ from ..imports import resolve
 from ..plugin.manager import blocked_sections, make_plugin_manager
 from .paths import add_user_module_dirs
 from .schema import CHOICES, DEFAULTS, FREE_FORM, TARGET_SECTIONS, TYPES, check_ranges
-from .strategies import check_strategy_name, strategy_class, strategy_sections
+from .strategies import check_strategy_name, run_strategy_class, strategy_sections
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "default.yaml")
 
@@ -313,7 +313,7 @@ def load_config(path: Union[str, Mapping, None] = None, overrides: Iterable[str]
         resolve(config.data.collate, "data.collate")
     if config.trainer.eval_metric is not None:
         resolve(config.trainer.eval_metric, "trainer.eval_metric")
-    strategy_class(config.trainer.strategy).check_config(config.to_dict())
+    run_strategy_class(config).check_config(config.to_dict())
     config.plugin_manager.hook.ddpx_configure(config=config)
     return config
 

@@ -58,6 +58,21 @@ def strategy_import_path(name: str) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+LIVE_STRATEGIES = {"ddp": "ddpx.strategies.live:LiveDDPStrategy"}  # elastic.recovery: live
+
+
+def run_strategy_class(config) -> type:
+    """The strategy class of a run: ``trainer.strategy``'s, or under ``elastic.recovery: live`` its
+    live form (ddp only, so far)."""
+    name = config.trainer.strategy
+    if config.elastic.recovery != "live":
+        return strategy_class(name)
+    if name not in LIVE_STRATEGIES:
+        raise DdpxError(f"elastic.recovery=live supports trainer.strategy={', '.join(LIVE_STRATEGIES)}, not {name}; "
+                        "use elastic.recovery=restart with it (a failure restarts every rank from the last checkpoint)")
+    return resolve(LIVE_STRATEGIES[name], "elastic.recovery=live")
+
+
 def strategy_class(name: str) -> type:
     """The strategy class ``trainer.strategy`` names (see the module docstring)."""
     check_strategy_name(name)

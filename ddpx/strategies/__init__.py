@@ -14,12 +14,13 @@ them (:mod:`.base` lists the questions); none asks which strategy runs.
 
 from __future__ import annotations
 
-from ..config.strategies import strategy_class
+from ..config.strategies import run_strategy_class
 from .base import PartReduction, Strategy
 
 __all__ = ["Strategy", "PartReduction", "make"]
 
 
 def make(config) -> Strategy:
-    """The run's strategy, as ``config``'s ``trainer.strategy`` names it."""
-    return strategy_class(config.trainer.strategy)(config)
+    """The run's strategy, as ``config``'s ``trainer.strategy`` names it (its live form under
+    ``elastic.recovery: live``)."""
+    return run_strategy_class(config)(config)

@@ -11,7 +11,9 @@ the launcher, every rank     can this config work (:meth:`Strategy.check_config`
 the trainer's default wrap   wrap the model (:meth:`Strategy.wrap`)
 the comm_hook plugin         use a compression method (:meth:`Strategy.use_compression`, before
                              the wrap) and install it (:meth:`Strategy.install_compression`)
-the trainer                  training starts (:meth:`Strategy.start`); one micro-batch's forward
+the trainer                  a step begins (:meth:`Strategy.begin_step`) and whether it counts
+                             (:meth:`Strategy.commit_step`): live recovery's quorum and commit;
+                             training starts (:meth:`Strategy.start`); one micro-batch's forward
                              and backward (:meth:`Strategy.forward_backward`); the context that
                              skips synchronisation in an accumulation window (:meth:`Strategy.no_sync`);
                              what must agree across ranks at an epoch's end
@@ -22,7 +24,8 @@ the gradient norm            which gradients each rank holds a part of, and how 
 the default evaluation       forwards every rank must run, and the clean-up after
                              (:meth:`Strategy.evaluating`); one batch's loss (:meth:`Strategy.eval_loss`)
 the sampler, seeding         which data-parallel replica this rank belongs to
-                             (:meth:`Strategy.data_parallel`)
+                             (:meth:`Strategy.data_parallel`); the training sampler's class
+                             (:meth:`Strategy.batch_sampler_class`)
 the loss means               whether this rank's losses count (:meth:`Strategy.counts_loss`)
 failure lines                where this rank sits in the model (:meth:`Strategy.describe_rank`)
 the checkpoint plugin        which state entries are each rank's own part, written by every rank
@@ -70,6 +73,11 @@ class PartReduction:
     reduce: Callable[[torch.Tensor, object], None]
     device: torch.device
     share: Optional[Callable[[torch.Tensor], float]] = None
+
+
+class EpochMoved(Exception):
+    """Raised by :meth:`Strategy.begin_step` when the run's state was replaced by one in another
+    epoch (live recovery healed this group from a peer): the trainer's loop starts that epoch."""
 
 
 class Strategy:
@@ -137,6 +145,13 @@ class Strategy:
         group) see the same batches and share their random stream. Default: every rank a replica."""
         return trainer.rank, trainer.world_size
 
+    def batch_sampler_class(self) -> type:
+        """The class of the training loader's batch sampler (the sampler plugin builds it with the
+        replica and the replicas of :meth:`data_parallel`)."""
+        from ..data.sampler import ResumableDistributedBatchSampler
+
+        return ResumableDistributedBatchSampler
+
     def counts_loss(self, trainer: "Trainer") -> bool:
         """Whether this rank's losses and evaluation sums count in the means over the ranks: one rank
         per replica must (a pipeline's last stage; one rank of a tensor group, whose ranks repeat the
@@ -149,6 +164,17 @@ class Strategy:
         return ""
 
     # --- the step ------------------------------------------------------------------------
+
+    def begin_step(self, trainer: "Trainer") -> None:
+        """Before a step draws its batches. Live recovery takes the quorum here; it may replace the
+        whole state (a heal: then :meth:`~ddpx.train.trainer.Trainer.restart_batches`, or
+        :class:`EpochMoved`). Default: nothing."""
+
+    def commit_step(self, trainer: "Trainer", micro_batches: int) -> bool:
+        """After the backward passes of a step of ``micro_batches``, before the optimizer step:
+        whether the step counts. False (live recovery: another replica group failed during it): the
+        trainer drops its gradients and does not count it. Default: True."""
+        return True
 
     def forward_backward(self, trainer: "Trainer", batch, window: float) -> torch.Tensor:
         """Forward (``ddpx_forward``, in ``autocast``) and backward of one micro-batch (on the

@@ -44,6 +44,7 @@ from ..rank.run_lock import hold_run_dir
 from ..rank.seeding import seed_rank
 from .. import strategies
 from ..data.batches import model_loss, to_device
+from ..strategies.base import EpochMoved
 from ..strategies.shards import shards_apart
 from .compile import compile_model
 from .grad_norms import GradientNorms
@@ -185,7 +186,11 @@ class Trainer:
         epochs = self.config.trainer.epochs
         try:
             while self.epoch < epochs and self.global_step < self._stop_step(until_step) and self.end_reason is None:
-                self.train_epoch(self.epoch, until_step)
+                try:
+                    self.train_epoch(self.epoch, until_step)
+                except EpochMoved:  # live recovery healed this group into another epoch: train that one
+                    self._batches = None
+                    continue
                 if not self._epoch_finished:
                     break  # cut short by max_steps or until_step: a later run or call continues this epoch
                 self.epoch += 1
@@ -355,6 +360,9 @@ class Trainer:
         stop_at = self._stop_step(until_step)
         self.module.train()
         while self.epoch_batches < self.num_batches and self.global_step < stop_at:
+            self.strategy.begin_step(self)  # live recovery: the quorum (it may lay the epoch out anew)
+            if self.epoch_batches >= self.num_batches:
+                break
             first = self.epoch_batches
             window = self.hook.ddpx_step_window(trainer=self, batch_index=first, num_batches=self.num_batches)
             if window is None:
@@ -383,6 +391,12 @@ class Trainer:
             return None  # paused by until_step: no epoch end yet
         self._batches = None
         return self._end_epoch(epoch)
+
+    def restart_batches(self) -> None:
+        """Draw the rest of the running epoch's batches anew from the sampler's position (live
+        recovery: the replica groups changed, a step was dropped, or the state was healed)."""
+        self._batches = iter(self.train_loader)
+        self.num_batches = self.epoch_batches + _batches_in(self.train_loader)
 
     def _end_epoch(self, epoch: int) -> dict:
         """The epoch's all-reduced loss, the evaluation when due, then ``ddpx_epoch_end``."""
@@ -419,10 +433,15 @@ class Trainer:
             else:
                 loss = self.forward_backward(batch, window=window)
             self.epoch_batches += 1
-            self._losses.append(loss)  # summed when read: no host sync per step
             losses.append(loss)
         if padding:
             self._stream_end.pad(padding)
+        if not self.strategy.commit_step(self, len(batches)):  # live recovery: another replica group failed
+            self.optimizer.zero_grad(set_to_none=True)
+            self.epoch_batches -= len(batches)
+            return [], False
+        for loss in losses:
+            self._losses.append(loss)  # summed when read: no host sync per step
         if losses:
             self.last_loss = losses[-1]
         applied = self.hook.ddpx_optimizer_step(trainer=self) is not False

@@ -45,7 +45,7 @@ this module: listing the plugins and checking the config's keys need no torch.
 
 
 from ddpx import hookimpl
-from ddpx.config.strategies import strategy_class
+from ddpx.config.strategies import run_strategy_class
 from ddpx.errors import DdpxError
 from ddpx.imports import resolve
 from ddpx.plugin.shared import COMM_HOOK
@@ -95,7 +95,7 @@ class CommHookPlugin:
 
         name = hook_name(config)
         if name != BUILTIN:  # bad options, or a method the strategy cannot use, fail here, before any worker starts
-            strategy_class(config.trainer.strategy).check_compression(
+            run_strategy_class(config).check_compression(
                 config, comm_hooks.method(name), config.section("comm_hook")["options"])
 
     @hookimpl

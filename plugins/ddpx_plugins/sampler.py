@@ -101,7 +101,7 @@ class SamplerPlugin:
         import torch
         from torch.utils.data import DataLoader, IterableDataset
 
-        from ddpx.data.sampler import ResumableDistributedBatchSampler, ShardSampler
+        from ddpx.data.sampler import ShardSampler
         from ddpx.data.seeded import SeededDataset
 
         cfg = trainer.config.section("sampler")
@@ -122,7 +122,7 @@ class SamplerPlugin:
             if len(train_set) == 0:
                 raise DdpxError(f"the training set of data.target {trainer.config.data.target} is empty: nothing to "
                                 "train on; check data.args")
-            batch_sampler = ResumableDistributedBatchSampler(
+            batch_sampler = trainer.strategy.batch_sampler_class()(
                 len(train_set),
                 settings.batch_size,
                 replica,

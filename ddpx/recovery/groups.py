@@ -1,0 +1,187 @@
+"""One replica group's side of a live run: torchft's ``Manager`` around the trainer's steps.
+
+Every step starts with a quorum (:meth:`ReplicaGroups.begin_step`): the Lighthouse says which
+groups train this step. A group that is behind (one that just started, or missed a commit) heals
+first: it receives everything a checkpoint holds (:meth:`~ddpx.train.trainer.Trainer.state_dict`:
+model, optimizer, scheduler, progress, sampler position, comm-hook memory, EMA, plugin state) from
+a group that is up to date, over HTTP, rank by rank. After the backward passes,
+:meth:`ReplicaGroups.commit_step` averages the gradients across the groups
+(:mod:`ddpx.recovery.codecs`) and asks the manager whether the step counts: only when every
+collective of it succeeded, in every group of the quorum. A step that does not count is dropped
+(the trainer then neither steps the optimizer nor counts it, so no plugin acts on it), and the
+next quorum goes on without the group that failed.
+
+The quorum is taken synchronously, before the step's batches are drawn, because which samples a
+rank trains depends on the groups that train (:mod:`ddpx.recovery.sampler`). It costs one round trip
+to this group's manager server, 1-3 ms on loopback.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import os
+import socket
+import warnings
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from ..errors import DdpxError
+from ..rank import process_group
+from .codecs import Across, Codec
+from .sampler import LiveBatchSampler
+from .torchft_import import require_torchft
+
+STORE_PORT_KEY = "ddpx/live/manager_store_port"
+GROUP_ENV = "DDPX_REPLICA_GROUP"  # the launcher names each group (its address and store port)
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+class EpochMoved(Exception):
+    """A heal moved this group into another epoch: the trainer's loop starts that epoch."""
+
+
+class ReplicaGroups:
+    """This rank's manager, its process group across the replica groups and the step protocol."""
+
+    def __init__(self, trainer, codec: Codec):
+        os.environ.setdefault("RUST_LOG", "error")  # before torchft's Rust logger starts: see _quiet_torchft
+        require_torchft("elastic.recovery=live")
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        cfg = trainer.config.elastic
+        self.trainer, self.codec = trainer, codec
+        self.name = os.environ.get(GROUP_ENV) or f"{socket.gethostname()}:{os.getpid()}"
+        lighthouse = os.environ.get(LIGHTHOUSE_ENV) or (f"http://{cfg.lighthouse}" if cfg.lighthouse else None)
+        self.lighthouse = lighthouse
+        if not lighthouse:
+            raise DdpxError("elastic.recovery=live needs the Lighthouse's address: start `ddpx lighthouse` on one "
+                            "host and give every node `--lighthouse HOST:PORT` (or elastic.lighthouse)")
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # the launcher's: this node's address toward the Lighthouse
+        _quiet_torchft()
+        _advertise(host)
+        self.timeout = timedelta(seconds=cfg.timeout_s)
+        pg = ProcessGroupNCCL(timeout=self.timeout) if trainer.device.type == "cuda" else \
+            ProcessGroupGloo(timeout=self.timeout)
+        self._healed = False
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._heal, state_dict=self._state, min_replica_size=cfg.min_groups,
+            use_async_quorum=False, timeout=self.timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=self.timeout, rank=trainer.rank, world_size=trainer.world_size, store_addr=host,
+            store_port=_manager_store(host, trainer.rank), lighthouse_addr=lighthouse, replica_id=self.name,
+            hostname=host, init_sync=False, quorum_retries=int(cfg.lighthouse_retries))
+        self.across = Across(self.manager, self.timeout)
+        self.groups: Optional[int] = None  # in the last quorum
+        self.fresh = True  # no step was drawn since the layout was set: the loader need not restart
+        self.dropped = 0  # steps the groups did not commit, this run
+
+    # --- the trainer's state, for a group that heals ------------------------------------------
+
+    def _state(self) -> dict:
+        return self.trainer.state_dict()
+
+    def _heal(self, state: dict) -> None:
+        self.trainer.load_state_dict(state)
+        self._healed = True
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def begin_step(self, sampler: Optional[LiveBatchSampler]) -> bool:
+        """The quorum of the coming step; lays out the epoch over the groups in it. Returns whether
+        the trainer's batch iterator must start again (another layout, a dropped step or a heal)."""
+        trainer = self.trainer
+        epoch_before = trainer.epoch
+        self._healed = False
+        self.manager.start_quorum()  # blocks for the quorum; a group behind heals here (applied in _heal)
+        if self.manager.errored() is not None and not self._healed:
+            pass  # a failed heal or reconfigure: the step will not commit, the next quorum retries
+        groups = self.manager.num_participants()
+        rank = self.manager.participating_rank() or 0
+        if groups != self.groups:
+            self._membership_line(self.groups, groups)
+            self.groups = groups
+        restart = self._healed or not self.fresh
+        if sampler is not None:
+            restart |= sampler.place(rank * trainer.world_size + trainer.rank, max(groups, 1) * trainer.world_size)
+        if self._healed:
+            trainer.log.info(f"replica group {self.name}: healed from a peer at step {trainer.global_step} "
+                             f"(epoch {trainer.epoch})")
+            if trainer.epoch != epoch_before:
+                raise EpochMoved()
+        self.fresh = not restart
+        return restart
+
+    def commit_step(self) -> bool:
+        """Average the gradients across the groups, then whether every group may step."""
+        from .. import ops
+
+        grads = _grads([p for p in self.trainer.module.parameters() if p.requires_grad])
+        flat = ops.flatten(grads)
+        if self.codec.exchange(flat, self.across):
+            ops.unflatten_(flat, grads)
+        committed = self.manager.should_commit()
+        self.fresh = committed
+        if not committed:
+            self.dropped += 1
+        return committed
+
+    def _membership_line(self, before: Optional[int], now: int) -> None:
+        trainer = self.trainer
+        if not trainer.is_main:
+            return
+        if before is None:
+            trainer.log.info(f"replica group {self.name}: training with {now} replica group(s) (Lighthouse "
+                             f"{self.lighthouse.removeprefix('http://')}) from step {trainer.global_step}")
+        else:
+            trainer.log.warning(f"replica group {self.name}: {before} -> {now} replica groups at step "
+                                f"{trainer.global_step}")
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _grads(params) -> list:
+    """The gradients to average, in parameter order (the same in every group): a parameter this
+    step did not reach gets a zero gradient, so every group sends the same layout."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+def _manager_store(host: str, rank: int) -> int:
+    """The port of a store for the manager's keys, served by this group's rank 0 for this attempt
+    (torchrun's store keeps a previous attempt's manager address after a restart)."""
+    from torch.distributed import TCPStore
+
+    store = process_group.run_store()
+    if rank == 0:
+        served = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        _KEEP.append(served)
+        store.set(STORE_PORT_KEY, str(served.port))
+        return served.port
+    return int(store.get(STORE_PORT_KEY).decode())
+
+
+_KEEP: list = []  # the served store lives as long as the process
+
+
+def _advertise(host: str) -> None:
+    """torchft tells its peers where to reach this process by ``socket.gethostname()`` (its
+    process group's store, its checkpoint server). Where the hostname does not resolve to an
+    address the other hosts reach (Debian's 127.0.1.1 line, containers, network namespaces) that
+    fails, so this process answers with the address the launcher chose."""
+    socket.gethostname = lambda: host
+
+
+def _quiet_torchft() -> None:
+    """torchft logs several lines per step (its Rust manager at INFO, every checkpoint request);
+    ddpx prints one line per membership change instead (RUST_LOG=info shows them again)."""
+    # a heal's tensors arrive in a read-only buffer; they are copied into the model at once
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    http.server.BaseHTTPRequestHandler.log_message = lambda *args, **kwargs: None
