@@ -22,6 +22,7 @@ import http.server
 import logging
 import os
 import socket
+import time
 import warnings
 from datetime import timedelta
 from typing import Optional
@@ -30,6 +31,7 @@ import torch
 
 from ..errors import DdpxError
 from ..rank import process_group
+from ..strategies.base import EpochMoved
 from .codecs import Across, Codec
 from .sampler import LiveBatchSampler
 from .torchft_import import require_torchft
@@ -37,10 +39,6 @@ from .torchft_import import require_torchft
 STORE_PORT_KEY = "ddpx/live/manager_store_port"
 GROUP_ENV = "DDPX_REPLICA_GROUP"  # the launcher names each group (its address and store port)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-
-
-class EpochMoved(Exception):
-    """A heal moved this group into another epoch: the trainer's loop starts that epoch."""
 
 
 class ReplicaGroups:
@@ -77,6 +75,8 @@ class ReplicaGroups:
         self.groups: Optional[int] = None  # in the last quorum
         self.fresh = True  # no step was drawn since the layout was set: the loader need not restart
         self.dropped = 0  # steps the groups did not commit, this run
+        self._dropped_since = 0  # since the last membership line
+        self._last_commit = time.monotonic()
 
     # --- the trainer's state, for a group that heals ------------------------------------------
 
@@ -124,8 +124,11 @@ class ReplicaGroups:
             ops.unflatten_(flat, grads)
         committed = self.manager.should_commit()
         self.fresh = committed
-        if not committed:
+        if committed:
+            self._last_commit = time.monotonic()
+        else:
             self.dropped += 1
+            self._dropped_since += 1
         return committed
 
     def _membership_line(self, before: Optional[int], now: int) -> None:
@@ -136,8 +139,10 @@ class ReplicaGroups:
             trainer.log.info(f"replica group {self.name}: training with {now} replica group(s) (Lighthouse "
                              f"{self.lighthouse.removeprefix('http://')}) from step {trainer.global_step}")
         else:
+            dropped, self._dropped_since = self._dropped_since, 0
             trainer.log.warning(f"replica group {self.name}: {before} -> {now} replica groups at step "
-                                f"{trainer.global_step}")
+                                f"{trainer.global_step} ({time.monotonic() - self._last_commit:.1f} s since the last "
+                                f"committed step; {dropped} step(s) dropped)")
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)

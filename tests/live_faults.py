@@ -1,0 +1,124 @@
+"""Test plugin for live recovery (``plugins.enable: [live_faults]``, tests/ on PYTHONPATH): records
+every committed step and kills this replica group at a chosen point, as torchft's EventInjector.
+
+Config section ``faults``: ``record_dir``, ``label`` (this group's), ``point`` and ``at_step``:
+SIGKILL the torchrun agent and this worker (a host dying) at optimizer step ``at_step`` (the step
+being trained, ``global_step + 1``), at one of
+
+* ``before_exchange``  after the backward passes, before the gradients cross the groups;
+* ``in_collective``    inside the exchange, with its collective in flight;
+* ``after_exchange``   after the exchange, before the groups decide on the commit;
+* ``checkpoint``       while the checkpoint after that step is being written;
+* ``heal_send``        while this group's state is read for a group that heals from it;
+* ``heal_receive``     while this group loads the state it healed from.
+
+``step_sleep_s`` slows every step (so a run lasts until a restarted group is back).
+
+Files: ``<record_dir>/<label>-<pid>.jsonl``, one ``{"epoch", "step", "before", "after", "groups",
+"indices"}`` line per committed step: the sampler's position before and after it (the global
+batches it consumed) and the training samples this rank trained in it.
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from ddpx import hookimpl
+
+_state = {}
+
+
+@hookimpl
+def ddpx_config_defaults():
+    return {"faults": {"record_dir": "", "label": "group", "point": "none", "at_step": -1, "step_sleep_s": 0.0}}
+
+
+def _die(point, step=None):
+    cfg = _state["cfg"]
+    step = _state["trainer"].global_step + 1 if step is None else step
+    if cfg["point"] == point and step == cfg["at_step"]:
+        os.kill(os.getppid(), signal.SIGKILL)  # the agent first: nothing restarts this group
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@hookimpl
+def ddpx_setup(trainer):
+    cfg = trainer.config.section("faults")
+    path = Path(cfg["record_dir"]) / f"{cfg['label']}-{os.getpid()}.jsonl"
+    _state.update(cfg=cfg, trainer=trainer, file=open(path, "a", buffering=1), pending=[], before=None)
+
+
+@hookimpl
+def ddpx_train_start(trainer):
+    features = trainer.train_set.tensors[0]
+    _state["index"] = {row.numpy().tobytes(): i for i, row in enumerate(features)}
+    groups = trainer.strategy.groups
+    codec, across, manager = groups.codec, groups.across, groups.manager
+
+    exchange = codec.exchange
+
+    def faulty_exchange(flat, across):
+        _die("before_exchange")
+        ok = exchange(flat, across)
+        _die("after_exchange")
+        return ok
+
+    codec.exchange = faulty_exchange
+    run = across._run
+
+    def faulty_run(start):
+        def started():
+            work = start()
+            _die("in_collective")
+            return work
+        return run(started)
+
+    across._run = faulty_run
+    send, load = manager._user_state_dicts["default"], manager._load_state_dict_fns["default"]
+
+    def faulty_send():
+        state = send()
+        _die("heal_send")
+        return state
+
+    def faulty_load(state):
+        _die("heal_receive")
+        load(state)
+
+    manager._user_state_dicts["default"], manager._load_state_dict_fns["default"] = faulty_send, faulty_load
+
+
+@hookimpl(wrapper=True)
+def ddpx_step_window(trainer, batch_index, num_batches):
+    _state["pending"] = []  # a dropped step's samples were not trained
+    _state["before"] = trainer.train_loader.batch_sampler.consumed
+    return (yield)
+
+
+@hookimpl(wrapper=True)
+def ddpx_forward(trainer, batch):
+    index = _state["index"]
+    _state["pending"].extend(index[row.cpu().numpy().tobytes()] for row in batch[0])
+    return (yield)
+
+
+@hookimpl
+def ddpx_batch_end(trainer, batch_index, loss, stepped):
+    if not stepped:
+        return
+    sampler = trainer.train_loader.batch_sampler
+    record = {"epoch": trainer.epoch, "step": trainer.global_step, "before": _state["before"],
+              "after": sampler.consumed, "groups": trainer.strategy.groups.groups, "indices": _state["pending"],
+              "time": time.time()}
+    _state["file"].write(json.dumps(record) + "\n")
+    _state["file"].flush()
+    os.fsync(_state["file"].fileno())
+    time.sleep(_state["cfg"]["step_sleep_s"])
+
+
+@hookimpl
+def ddpx_state_dict(trainer):
+    _die("checkpoint", trainer.global_step)  # after the step: the checkpoint of step ``at_step``
+    return None

@@ -1,0 +1,161 @@
+"""Live recovery end to end (``elastic.recovery: live``): a Lighthouse and 2-3 replica groups of
+one rank each, ``ddpx train`` through torchrun on loopback, gloo, hard timeouts.
+
+The fault plugin (tests/live_faults.py) kills a group (its agent and worker, as a host dying) at a
+named point of a step and records every committed step. What must hold whatever the fault:
+
+* the survivors never exit until training ends, and each says "N -> M replica groups" once per
+  membership change;
+* the committed steps of an epoch tile it: their sampler positions run from 0 to the epoch's end
+  without a gap or an overlap, and the samples the groups trained in a step are exactly those of
+  the step's global batches (nothing repeated, nothing skipped);
+* a group that comes back heals (one line) and ends with the survivors' weights.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import harness
+
+pytest.importorskip("torchft", reason="elastic.recovery=live needs torchft (pip install 'ddpx[ft]')")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+TESTS = Path(__file__).resolve().parent
+NUM_TRAIN = 1437  # digits_split(test_fraction=0.2)
+
+
+def start_lighthouse(tmp_path, port, name="lighthouse"):
+    return harness.start([sys.executable, "-m", "ddpx", "lighthouse", f"--port={port}", "--heartbeat-timeout-s=1"],
+                         tmp_path / f"{name}.log", harness.base_env())
+
+
+def start_group(tmp_path, port, label, *extra, epochs=3, sleep=0.1, log=None):
+    records = tmp_path / "records"
+    records.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "ddpx", "train", "--nproc-per-node=1", f"run_dir={tmp_path / (log or label)}",
+           f"--lighthouse=127.0.0.1:{port}", f"trainer.epochs={epochs}", "logging.progress=false",
+           "plugins.enable=[live_faults]", f"faults.record_dir={records}", f"faults.label={label}",
+           f"faults.step_sleep_s={sleep}", *extra]
+    env = harness.base_env({"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
+    return harness.start(cmd, tmp_path / f"{log or label}.log", env)
+
+
+def records(tmp_path, label):
+    """Every committed step this group's processes recorded, in order."""
+    found = []
+    for path in sorted((tmp_path / "records").glob(f"{label}-*.jsonl"), key=lambda p: p.stat().st_mtime):
+        found += [json.loads(line) for line in path.read_text().splitlines()]
+    return found
+
+
+def check_epochs_tiled(tmp_path, survivor, labels, epochs):
+    """The survivor's committed steps tile every epoch, and in each step the groups that trained it
+    trained exactly the samples of its global batches."""
+    from ddpx.data.sampler import ResumableDistributedBatchSampler
+
+    steps = records(tmp_path, survivor)
+    trained = {}
+    for label in labels:
+        for r in records(tmp_path, label):
+            trained.setdefault((r["epoch"], r["step"]), []).extend(r["indices"])
+    for epoch in range(epochs):
+        mine = [r for r in steps if r["epoch"] == epoch]
+        assert mine, f"{survivor} committed no step in epoch {epoch}"
+        assert mine[0]["before"] == 0 and mine[-1]["after"] == NUM_TRAIN, (mine[0], mine[-1])
+        order = ResumableDistributedBatchSampler(NUM_TRAIN, 32, 0, 1, seed=0)
+        order.set_epoch(epoch)
+        order = order.epoch_order().tolist()
+        for prev, r in zip(mine, mine[1:]):
+            assert r["before"] == prev["after"], f"epoch {epoch}: a gap or overlap between {prev} and {r}"
+        for r in mine:
+            samples = sorted(trained[(epoch, r["step"])])
+            assert samples == sorted(order[r["before"]:r["after"]]), \
+                f"epoch {epoch} step {r['step']}: the groups trained other samples than the step's global batches"
+
+
+def final_weights(tmp_path, label):
+    from safetensors.torch import load_file
+
+    return load_file(str(tmp_path / label / "model" / "model.safetensors"))
+
+
+def lines(log, text):
+    return [line for line in log.splitlines() if text in line]
+
+
+def wait_for_exit(proc, seconds=120):
+    assert harness.wait_for(lambda: proc.poll() is not None, seconds), "the group the fault kills did not die"
+
+
+def test_a_group_killed_inside_the_exchange_is_dropped_and_heals_when_restarted(tmp_path):
+    port = harness.free_port()
+    lighthouse = start_lighthouse(tmp_path, port)
+    try:
+        a = start_group(tmp_path, port, "A", "comm_hook.name=int8")
+        b = start_group(tmp_path, port, "B", "comm_hook.name=int8", "faults.point=in_collective",
+                        "faults.at_step=12")
+        wait_for_exit(b)
+        b2 = start_group(tmp_path, port, "B", "comm_hook.name=int8", log="B2")
+        ended = harness.finish([a, b2], [tmp_path / "A.log", tmp_path / "B2.log"], timeout=180)
+    finally:
+        harness.finish([lighthouse], [tmp_path / "lighthouse.log"], timeout=0)
+    (a_end, b2_end) = ended
+    assert a_end.returncode == 0, a_end.output[-3000:]
+    assert b2_end.returncode == 0, b2_end.output[-3000:]
+    assert len(lines(a_end.output, "2 -> 1 replica groups")) == 1, a_end.output[-3000:]
+    assert len(lines(a_end.output, "1 -> 2 replica groups")) == 2  # B's first join and B2's
+    assert len(lines(b2_end.output, "healed from a peer")) == 1
+    check_epochs_tiled(tmp_path, "A", ["A", "B"], epochs=3)
+    a_w, b_w = final_weights(tmp_path, "A"), final_weights(tmp_path, "B2")
+    assert all(torch.equal(a_w[k], b_w[k]) for k in a_w)
+    accuracy = float(lines(a_end.output, "finished after")[0].split("accuracy ")[1].split(";")[0])
+    assert accuracy > 0.9
+
+
+def test_groups_killed_before_the_exchange_and_in_a_checkpoint_leave_the_survivor_training(tmp_path):
+    port = harness.free_port()
+    lighthouse = start_lighthouse(tmp_path, port)
+    common = ("checkpoint.every_steps=4",)
+    try:
+        procs = [start_group(tmp_path, port, "A", *common, epochs=2, sleep=0.05),
+                 start_group(tmp_path, port, "B", *common, "faults.point=before_exchange", "faults.at_step=6",
+                             epochs=2, sleep=0.05),
+                 start_group(tmp_path, port, "C", *common, "faults.point=checkpoint", "faults.at_step=12",
+                             epochs=2, sleep=0.05)]
+        ended = harness.finish(procs, [tmp_path / f"{x}.log" for x in "ABC"], timeout=180)
+    finally:
+        harness.finish([lighthouse], [tmp_path / "lighthouse.log"], timeout=0)
+    a_end, b_end, c_end = ended
+    assert a_end.returncode == 0, a_end.output[-3000:]
+    assert b_end.returncode != 0 and c_end.returncode != 0
+    assert records(tmp_path, "B")[-1]["step"] == 5  # died in step 6, before its exchange
+    assert records(tmp_path, "C")[-1]["step"] == 12  # died writing the checkpoint after step 12
+    assert len(lines(a_end.output, "-> 1 replica groups")) >= 1, a_end.output[-3000:]
+    check_epochs_tiled(tmp_path, "A", ["A", "B", "C"], epochs=2)
+
+
+def test_a_group_that_dies_while_healing_comes_back_and_heals(tmp_path):
+    port = harness.free_port()
+    lighthouse = start_lighthouse(tmp_path, port)
+    try:
+        a = start_group(tmp_path, port, "A", sleep=0.1)
+        assert harness.wait_for(lambda: records(tmp_path, "A") and records(tmp_path, "A")[-1]["step"] >= 10, 120)
+        b = start_group(tmp_path, port, "B", "faults.point=heal_receive", "faults.at_step=1")
+        wait_for_exit(b)
+        b2 = start_group(tmp_path, port, "B", log="B2")
+        ended = harness.finish([a, b2], [tmp_path / "A.log", tmp_path / "B2.log"], timeout=180)
+    finally:
+        harness.finish([lighthouse], [tmp_path / "lighthouse.log"], timeout=0)
+    a_end, b2_end = ended
+    assert a_end.returncode == 0, a_end.output[-3000:]
+    assert b2_end.returncode == 0, b2_end.output[-3000:]
+    assert not records(tmp_path, "B") or all(r["step"] > 10 for r in records(tmp_path, "B"))
+    assert len(lines(b2_end.output, "healed from a peer")) == 1
+    check_epochs_tiled(tmp_path, "A", ["A", "B"], epochs=3)
+    a_w, b_w = final_weights(tmp_path, "A"), final_weights(tmp_path, "B2")
+    assert all(torch.equal(a_w[k], b_w[k]) for k in a_w)
