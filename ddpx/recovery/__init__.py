@@ -1,0 +1,1 @@
+"""Live recovery across replica groups on torchft (elastic.recovery: live)."""
