@@ -4,7 +4,8 @@ Bottom to top: the leaves (errors, import paths, sockets, kernels, models); the 
 machinery; the config; the per-rank plumbing that does not know the trainer (``rank/``);
 the public comm hooks and data; fused_allreduce and the optimizers built on the hooks; the
 strategies (``strategies/``: what each parallelism means for the run, asked by the trainer);
-the trainer (``train/``); the launcher (``launch/``,
+the trainer (``train/``); live recovery on torchft (``recovery/``: below the launcher, which checks
+torchft and whose ``ddpx lighthouse`` serves it); the launcher (``launch/``,
 what runs before and around torchrun); and the programs built from them (the worker, the
 doctor, the smoke run, the benchmarks, the CLI). The README's layout section lists them.
 
@@ -31,6 +32,7 @@ LAYERS = [
     ["fused_allreduce", "optim"],
     ["strategies"],
     ["train"],
+    ["recovery"],
     ["launch"],
     ["worker", "doctor"],
     ["smoke", "bench"],

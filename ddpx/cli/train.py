@@ -6,7 +6,7 @@ import sys
 from ..config import split_config_and_overrides
 from ..errors import DdpxError
 from ..launch.launcher import launch
-from ..launch.options import add_launch_arguments, check_options, options_from_args
+from ..launch.options import add_launch_arguments, check_options, live_overrides, options_from_args
 from ..launch.resume import newest_run
 
 
@@ -23,7 +23,7 @@ def register(subparsers):
     p.add_argument("config", nargs="?", default=None,
                    help="YAML config file (omit for the built-in digits run; KEY=VALUE may follow directly)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    add_launch_arguments(p)
+    add_launch_arguments(p, live=True)
     p.add_argument("--smoke", action="store_true",
                    help="smoke run: a few steps, one evaluation, a checkpoint save and resume on a small data "
                         "slice with every configured plugin; prints a PASS/FAIL table (ddpx/smoke/)")
@@ -36,6 +36,7 @@ def run(args):
     config, overrides = split_config_and_overrides(args.config, args.overrides)
     opts = options_from_args(args)
     check_options(opts)
+    overrides = [*overrides, *live_overrides(opts)]  # --lighthouse: elastic.recovery=live, elastic.lighthouse
     if args.resume is not None:
         if "=" in args.resume:  # `--resume KEY=VALUE`: argparse took the override for RUN_DIR
             overrides, args.resume = [*overrides, args.resume], "newest"

@@ -36,7 +36,8 @@ def launch(config_path: Optional[str], overrides: Sequence[str], opts: LaunchOpt
     trace = None  # what run_dir held before the workers started
     try:
         check_run_dir(run_dir, config)
-        argv = torchrun_argv(opts, config.launch, config_path, overrides)  # checks ports, nothing created yet
+        # checks ports (and, under elastic.recovery=live, torchft and the Lighthouse); nothing created yet
+        argv = torchrun_argv(opts, config.launch, config_path, overrides, config.elastic)
         warn_if_oversubscribed(nproc_per_node(from_environment(opts), config.launch), config.trainer)
         trace = LaunchTrace.before(run_dir, config)
         record_launch(run_dir, config_path, overrides)

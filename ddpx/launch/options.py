@@ -29,10 +29,12 @@ class LaunchOptions:
     max_restarts: Optional[int] = None
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
+    lighthouse: Optional[str] = None  # HOST:PORT: elastic.recovery=live with elastic.lighthouse=HOST:PORT (not torchrun's)
 
 
-def add_launch_arguments(p, restarts: bool = True) -> None:
-    """``ddpx train``'s launch options (also ``ddpx bench comm`` and ``ddpx doctor``)."""
+def add_launch_arguments(p, restarts: bool = True, live: bool = False) -> None:
+    """``ddpx train``'s launch options (also ``ddpx bench comm`` and ``ddpx doctor``); ``live``:
+    also ``--lighthouse`` (``ddpx train`` only)."""
     p.add_argument("--nproc-per-node", default=None,
                    help="workers on this node (default: launch.nproc_per_node = auto: one per GPU, 2 on CPU)")
     p.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX for elastic runs (default: launch.nnodes)")
@@ -47,7 +49,10 @@ def add_launch_arguments(p, restarts: bool = True) -> None:
     p.add_argument("--master-addr", default=None,
                    help="address of the store: one node (default: 127.0.0.1), or node 0 with the static rendezvous")
     p.add_argument("--master-port", type=int, default=None, help="port of that store (default: a free port; 29500 across nodes)")
-
+    if live:
+        p.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
+                       help="live recovery: this node is its own replica group of the run whose `ddpx lighthouse` "
+                            "listens at HOST:PORT (elastic.recovery=live elastic.lighthouse=HOST:PORT; docs/recovery.md)")
 
 
 def options_from_args(args) -> LaunchOptions:
@@ -66,6 +71,25 @@ def default_nproc(word: str = "auto") -> int:
         raise DdpxError("nproc-per-node gpu (from --nproc-per-node, PET_NPROC_PER_NODE or launch.nproc_per_node) "
                         "needs a CUDA GPU, and none is visible; use a number of processes or auto")
     return gpus or 2
+
+
+def parse_lighthouse(value: str, where: str = "--lighthouse") -> tuple[str, int]:
+    """``HOST:PORT`` of a Lighthouse (``http://`` in front, as in TORCHFT_LIGHTHOUSE, is fine)."""
+    text = str(value).strip()
+    text = text[len("http://"):] if text.startswith("http://") else text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or "/" in text:
+        raise DdpxError(f"{where} '{value}' must be HOST:PORT of the `ddpx lighthouse` of the run, e.g. 10.0.0.1:29510")
+    check_port(int(port), f"{where} {value}: the port")
+    return host.strip("[]"), int(port)
+
+
+def live_overrides(opts: LaunchOptions) -> list[str]:
+    """The config overrides ``--lighthouse HOST:PORT`` stands for (none without it)."""
+    if opts.lighthouse is None:
+        return []
+    host, port = parse_lighthouse(opts.lighthouse)
+    return ["elastic.recovery=live", f"elastic.lighthouse={host}:{port}"]  # no [] around IPv6: a YAML list
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -91,6 +115,8 @@ def check_options(opts: LaunchOptions, env: Mapping[str, str] = os.environ) -> N
         raise DdpxError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
     if opts.node_rank is not None and opts.node_rank < 0:
         raise DdpxError(f"--node-rank must be >= 0, got {opts.node_rank}")
+    if opts.lighthouse is not None:
+        parse_lighthouse(opts.lighthouse)
     if opts.nnodes is not None and not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", str(opts.nnodes)):
         raise DdpxError(f"{named('nnodes', opts.nnodes, env)} must be a number of nodes >= 1 or MIN:MAX, "
                         f"got {opts.nnodes!r}")
@@ -109,6 +135,8 @@ def from_environment(opts: LaunchOptions, env: Mapping[str, str] = os.environ) -
     (how a Kubeflow PyTorchJob configures torchrun), else from SLURM. Flags win."""
     values = vars(opts).copy()
     for name, value in values.items():
+        if name in _NOT_TORCHRUN:
+            continue
         raw = env.get(f"PET_{name.upper()}")
         if value is None and raw:
             if name in _INT_OPTIONS:
@@ -126,3 +154,4 @@ def from_environment(opts: LaunchOptions, env: Mapping[str, str] = os.environ) -
 
 
 _INT_OPTIONS = ("node_rank", "max_restarts", "master_port")
+_NOT_TORCHRUN = ("lighthouse",)  # ddpx's own: no PET_* variable stands for it

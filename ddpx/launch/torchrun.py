@@ -25,7 +25,7 @@ from ..config import user_module_dirs
 from ..config.schema import NPROC_WORDS
 from ..errors import DdpxError, TrainingDiverged
 from ..rank.launcher_contract import DONE_DIR_ENV, LAUNCHER_PID_ENV
-from . import rendezvous
+from . import live, rendezvous
 from .options import LaunchOptions, default_nproc, from_environment
 
 WORKER_MODULE = "ddpx.worker"
@@ -33,13 +33,17 @@ SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # torchrun's agent: the signals it stops the workers on
 
 
-def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], overrides: Sequence[str]) -> list[str]:
+def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], overrides: Sequence[str],
+                  elastic=None) -> list[str]:
     """The torchrun command line (without the program name) for these options.
 
     Precedence: command-line option > torchrun's PET_* variables > SLURM > ``launch`` config section.
     Also checks ports and the rendezvous endpoint, and picks this node's network
-    interface, before anything starts.
+    interface, before anything starts. ``elastic``: the config's ``elastic`` section; under
+    ``recovery: live`` this node is a replica group of its own (:mod:`.live`).
     """
+    if live.is_live(elastic):
+        return _live_torchrun_argv(opts, launch_cfg, config_path, overrides, elastic)
     opts = from_environment(opts)
     nproc = nproc_per_node(opts, launch_cfg)
     nnodes = str(opts.nnodes if opts.nnodes is not None else launch_cfg["nnodes"])
@@ -86,6 +90,23 @@ def torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], o
         if opts.node_rank is None:
             argv.append("--node-rank=0")
 
+    return _with_worker(argv, nproc, config_path, overrides)
+
+
+def _live_torchrun_argv(opts: LaunchOptions, launch_cfg, config_path: Optional[str], overrides: Sequence[str],
+                        elastic) -> list[str]:
+    """:func:`torchrun_argv` under ``elastic.recovery: live``: a single-node job on a static
+    rendezvous at this node's address towards the Lighthouse (:mod:`.live`)."""
+    opts = live.live_options(opts)
+    lighthouse = live.check_live_options(opts, launch_cfg, elastic)
+    nproc = nproc_per_node(opts, launch_cfg)
+    max_restarts = opts.max_restarts if opts.max_restarts is not None else launch_cfg["max_restarts"]
+    argv = [f"--nproc-per-node={nproc}", *live.live_argv(opts, lighthouse, elastic), f"--max-restarts={max_restarts}"]
+    return _with_worker(argv, nproc, config_path, overrides)
+
+
+def _with_worker(argv: list[str], nproc, config_path: Optional[str], overrides: Sequence[str]) -> list[str]:
+    """``argv`` and the worker to start, its config and overrides; the environment it inherits."""
     if str(nproc) != "1":
         # What torchrun would do anyway, minus its four-line warning banner.
         os.environ.setdefault("OMP_NUM_THREADS", "1")

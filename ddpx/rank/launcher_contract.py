@@ -1,5 +1,6 @@
 """What a rank started by ``ddpx train`` shares with its launcher: two environment
-variables, a done marker, and stopping when the launcher dies.
+variables, a done marker, and stopping when the launcher dies; under ``elastic.recovery: live``
+three more (the Lighthouse, its retries, and the replica group's name).
 
 Workers started by a user's own torchrun, srun or mpirun find neither variable and
 are left alone."""
@@ -17,6 +18,10 @@ from ..console import silence
 
 DONE_DIR_ENV = "DDPX_DONE_DIR"  # each worker that finishes training writes a marker file here
 LAUNCHER_PID_ENV = "DDPX_LAUNCHER_PID"  # the workers stop when this process dies
+# elastic.recovery: live (ddpx/launch/live.py sets them for every worker of this node's replica group):
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # http://HOST:PORT of the run's `ddpx lighthouse` (torchft's Manager reads it)
+QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"  # elastic.lighthouse_retries (torchft's Manager reads it)
+REPLICA_GROUP_ENV = "DDPX_REPLICA_GROUP"  # MASTER_ADDR:MASTER_PORT of this group: its name, unique in the run
 
 
 def stop_with_the_launcher(rank: str, poll_s: float = 1.0) -> None:

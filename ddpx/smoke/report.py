@@ -95,7 +95,8 @@ def launch_smoke(config_path: Optional[str], overrides: Sequence[str], opts) -> 
     run_dir = smoke_run_dir(config)
     overrides = [*overrides, f"run_dir={run_dir}"]
     # no restarts: a failing stage must be reported, not retried
-    argv = torchrun.torchrun_argv(dataclasses.replace(opts, max_restarts=0), config.launch, config_path, overrides)
+    argv = torchrun.torchrun_argv(dataclasses.replace(opts, max_restarts=0), config.launch, config_path, overrides,
+                                  config.elastic)
     module_at = argv.index("--module") + 1
     argv[module_at] = SMOKE_MODULE
     start = time.perf_counter()
