@@ -221,8 +221,8 @@ def test_ddpx_lighthouse_listens_says_how_to_reach_it_and_stops_on_a_signal(rank
     proc = harness.start([sys.executable, "-m", "ddpx", "lighthouse", "--port", port, "--heartbeat-timeout-s", "1"],
                          log, harness.base_env())
     try:
-        assert harness.wait_for(lambda: "listening" in log.read_text() or proc.poll() is not None, 60), \
-            log.read_text()
+        listening = lambda: "ddpx lighthouse: listening" in log.read_text() or proc.poll() is not None  # noqa: E731
+        assert harness.wait_for(listening, 60), log.read_text()
         assert proc.poll() is None, log.read_text()
         (line,) = [line for line in log.read_text().splitlines() if line.startswith("ddpx lighthouse:")]
         assert line.startswith(f"ddpx lighthouse: listening on 0.0.0.0:{port} (a quorum needs 1 replica group, ")
