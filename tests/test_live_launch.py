@@ -3,6 +3,7 @@ command line and the workers' variables for a node that is its replica group of 
 options that cannot go with it, a missing torchft, a Lighthouse that does not answer; and
 ``ddpx lighthouse`` itself (slow: it starts the server)."""
 
+import json
 import os
 import signal
 import socket
@@ -221,8 +222,8 @@ def test_ddpx_lighthouse_listens_says_how_to_reach_it_and_stops_on_a_signal(rank
     proc = harness.start([sys.executable, "-m", "ddpx", "lighthouse", "--port", port, "--heartbeat-timeout-s", "1"],
                          log, harness.base_env())
     try:
-        assert harness.wait_for(lambda: "listening" in log.read_text() or proc.poll() is not None, 60), \
-            log.read_text()
+        listening = lambda: "ddpx lighthouse: listening" in log.read_text() or proc.poll() is not None  # noqa: E731
+        assert harness.wait_for(listening, 60), log.read_text()
         assert proc.poll() is None, log.read_text()
         (line,) = [line for line in log.read_text().splitlines() if line.startswith("ddpx lighthouse:")]
         assert line.startswith(f"ddpx lighthouse: listening on 0.0.0.0:{port} (a quorum needs 1 replica group, ")
@@ -240,3 +241,41 @@ def test_ddpx_lighthouse_listens_says_how_to_reach_it_and_stops_on_a_signal(rank
     assert proc.returncode == code, log.read_text()
     assert f"ddpx lighthouse: stopped ({signal.Signals(signum).name})" in log.read_text()
     assert net.connect_probe("127.0.0.1", port, timeout=1.0) == "refused"
+
+
+@pytest.mark.slow
+def test_two_groups_on_one_machine_start_their_workers_with_the_live_variables(ranks, tmp_path):
+    """Two `ddpx train --lighthouse` on one machine: two single-node jobs, whose workers see the
+    Lighthouse, the retries and their own group's name (its store, MASTER_ADDR:MASTER_PORT)."""
+    pytest.importorskip("torchft")
+    (tmp_path / "seen.py").write_text(
+        "import json, os\n"
+        "from ddpx import hookimpl\n\n"
+        "@hookimpl\n"
+        "def ddpx_setup(trainer):\n"
+        "    names = ('TORCHFT_LIGHTHOUSE', 'TORCHFT_QUORUM_RETRIES', 'DDPX_REPLICA_GROUP', 'MASTER_ADDR', 'MASTER_PORT',\n"
+        "             'WORLD_SIZE')\n"
+        "    with open(os.path.join(trainer.config.run_dir, 'seen.json'), 'w') as f:\n"
+        "        json.dump({n: os.environ.get(n) for n in names}, f)\n")
+    port = harness.free_port("0.0.0.0")
+    log = tmp_path / "lighthouse.log"
+    lh = harness.start([sys.executable, "-m", "ddpx", "lighthouse", "--port", port], log, harness.base_env())
+    try:
+        cmds = [[sys.executable, "-m", "ddpx", "train", "--nproc-per-node", "1", "--lighthouse", f"127.0.0.1:{port}",
+                 f"run_dir={tmp_path / name}", "trainer.epochs=1", "trainer.max_steps=2", "trainer.eval_every_epochs=0",
+                 "logging.progress=false", "model.args.hidden=16", "plugins.enable=[seen]",
+                 "elastic.lighthouse_retries=5"] for name in ("a", "b")]
+        ended = ranks.commands(cmds, tmp_path, timeout=240, cwd=tmp_path, names=["a", "b"])
+    finally:
+        harness.finish([lh], [log], timeout=0)
+    seen = []
+    for name, end in zip("ab", ended):
+        assert end.returncode == 0, end.output[-3000:]
+        group = json.loads((tmp_path / name / "seen.json").read_text())
+        assert f"ddpx: replica group {group['DDPX_REPLICA_GROUP']} of the live run at Lighthouse 127.0.0.1:{port}" \
+            in end.output
+        assert group == {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "TORCHFT_QUORUM_RETRIES": "5",
+                         "DDPX_REPLICA_GROUP": f"127.0.0.1:{group['MASTER_PORT']}", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": group["MASTER_PORT"], "WORLD_SIZE": "1"}
+        seen.append(group["DDPX_REPLICA_GROUP"])
+    assert seen[0] != seen[1]

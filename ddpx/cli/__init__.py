@@ -1,4 +1,4 @@
-"""The ``ddpx`` command line: ``ddpx train``, ``ddpx doctor``, ``ddpx plugins``, ``ddpx bench``.
+"""The ``ddpx`` command line: ``ddpx train``, ``ddpx doctor``, ``ddpx plugins``, ``ddpx bench``, ``ddpx lighthouse``.
 
 One module per subcommand in this package. Each defines ``register(subparsers)``, which
 adds its parser and sets ``func`` (called with the parsed args; returns the exit code).

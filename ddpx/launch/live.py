@@ -56,7 +56,8 @@ def _given(option: str, value, env: Mapping[str, str]) -> str:
     return f"{source}={value}" if source.startswith("PET_") else f"{source} {value}"
 
 
-def check_live_options(opts: LaunchOptions, launch_cfg, elastic, env: Mapping[str, str] = os.environ) -> tuple[str, int]:
+def check_live_options(opts: LaunchOptions, launch_cfg, elastic,
+                       env: Mapping[str, str] = os.environ) -> tuple[str, int]:
     """One-line errors for what cannot go with live recovery, before anything is probed or
     started: a multi-node option, no Lighthouse, no torchft. The Lighthouse's ``(host, port)``."""
     conflicts = []
@@ -146,5 +147,6 @@ def wait_for_lighthouse(address: str, port: int, shown: str, group: str, wait_s:
         if probe == "open":
             return
     waited = f" after {wait_s:g} s" if wait_s > 0 else ""
+    host = shown.rpartition(":")[0].strip("[]")
     raise DdpxError(f"the Lighthouse at {shown} does not answer ({probe}){waited}; start `ddpx lighthouse --port "
-                    f"{port}` on {shown.rpartition(':')[0].strip('[]')} first (wait longer with {LIGHTHOUSE_WAIT_ENV}=SECONDS)")
+                    f"{port}` on {host} first (wait longer with {LIGHTHOUSE_WAIT_ENV}=SECONDS)")

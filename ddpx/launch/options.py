@@ -29,7 +29,7 @@ class LaunchOptions:
     max_restarts: Optional[int] = None
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
-    lighthouse: Optional[str] = None  # HOST:PORT: elastic.recovery=live with elastic.lighthouse=HOST:PORT (not torchrun's)
+    lighthouse: Optional[str] = None  # ddpx's, not torchrun's: elastic.recovery=live, elastic.lighthouse=HOST:PORT
 
 
 def add_launch_arguments(p, restarts: bool = True, live: bool = False) -> None:
@@ -51,8 +51,9 @@ def add_launch_arguments(p, restarts: bool = True, live: bool = False) -> None:
     p.add_argument("--master-port", type=int, default=None, help="port of that store (default: a free port; 29500 across nodes)")
     if live:
         p.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
-                       help="live recovery: this node is its own replica group of the run whose `ddpx lighthouse` "
-                            "listens at HOST:PORT (elastic.recovery=live elastic.lighthouse=HOST:PORT; docs/recovery.md)")
+                       help="live recovery: this node is its own replica group of the run whose "
+                            "`ddpx lighthouse` listens at HOST:PORT (elastic.recovery=live "
+                            "elastic.lighthouse=HOST:PORT; docs/recovery.md)")
 
 
 def options_from_args(args) -> LaunchOptions:

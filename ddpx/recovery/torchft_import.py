@@ -17,8 +17,10 @@ def require_torchft(what: str):
         if exc.name != "torchft":  # installed, but something it imports is missing
             raise DdpxError(f"{what} needs torchft, which is installed but does not import "
                             f"(no module named {exc.name!r}): pip install 'ddpx[ft]' ({TORCHFT_PIN})") from None
-        raise DdpxError(f"{what} needs torchft, which is not installed: pip install 'ddpx[ft]' ({TORCHFT_PIN})") from None
+        raise DdpxError(f"{what} needs torchft, which is not installed: pip install 'ddpx[ft]' "
+                        f"({TORCHFT_PIN})") from None
     except ImportError as exc:
-        raise DdpxError(f"{what} needs torchft, which is installed but does not import ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): "
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DdpxError(f"{what} needs torchft, which is installed but does not import ({why}): "
                         f"pip install 'ddpx[ft]' ({TORCHFT_PIN})") from None
     return torchft
