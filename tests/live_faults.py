@@ -12,7 +12,8 @@ being trained, ``global_step + 1``), at one of
 * ``heal_send``        while this group's state is read for a group that heals from it;
 * ``heal_receive``     while this group loads the state it healed from.
 
-``step_sleep_s`` slows every step (so a run lasts until a restarted group is back).
+``step_sleep_s`` slows every step, ``alone_sleep_s`` those a group trains alone (so a run lasts
+until a restarted group is back, and no longer).
 
 Files: ``<record_dir>/<label>-<pid>.jsonl``, one ``{"epoch", "step", "before", "after", "groups",
 "indices"}`` line per committed step: the sampler's position before and after it (the global
@@ -32,7 +33,8 @@ _state = {}
 
 @hookimpl
 def ddpx_config_defaults():
-    return {"faults": {"record_dir": "", "label": "group", "point": "none", "at_step": -1, "step_sleep_s": 0.0}}
+    return {"faults": {"record_dir": "", "label": "group", "point": "none", "at_step": -1, "step_sleep_s": 0.0,
+                       "alone_sleep_s": 0.0}}
 
 
 def _die(point, step=None):
@@ -54,6 +56,10 @@ def ddpx_setup(trainer):
 def ddpx_train_start(trainer):
     features = trainer.train_set.tensors[0]
     _state["index"] = {row.numpy().tobytes(): i for i, row in enumerate(features)}
+
+
+def _inject(trainer):
+    """Wrap the replica groups' steps (made when training starts, after the plugins' hook)."""
     groups = trainer.strategy.groups
     codec, across, manager = groups.codec, groups.across, groups.manager
 
@@ -90,6 +96,13 @@ def ddpx_train_start(trainer):
     manager._user_state_dicts["default"], manager._load_state_dict_fns["default"] = faulty_send, faulty_load
 
 
+@hookimpl
+def ddpx_epoch_start(trainer, epoch):
+    if not _state.get("injected"):  # before the first quorum, which may heal
+        _state["injected"] = True
+        _inject(trainer)
+
+
 @hookimpl(wrapper=True)
 def ddpx_step_window(trainer, batch_index, num_batches):
     _state["pending"] = []  # a dropped step's samples were not trained
@@ -115,7 +128,8 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
     _state["file"].write(json.dumps(record) + "\n")
     _state["file"].flush()
     os.fsync(_state["file"].fileno())
-    time.sleep(_state["cfg"]["step_sleep_s"])
+    alone = trainer.strategy.groups.groups == 1
+    time.sleep(_state["cfg"]["alone_sleep_s" if alone else "step_sleep_s"])
 
 
 @hookimpl
