@@ -17,7 +17,9 @@ until a restarted group is back, and no longer).
 
 Files: ``<record_dir>/<label>-<pid>.jsonl``, one ``{"epoch", "step", "before", "after", "groups",
 "indices"}`` line per committed step: the sampler's position before and after it (the global
-batches it consumed) and the training samples this rank trained in it.
+batches it consumed) and the training samples this rank trained in it; a ``{"event": "healed",
+"epoch", "step"}`` line where the group took a peer's state (its records of steps up to that one
+may belong to a branch the heal replaced: two quorums that formed apart).
 """
 
 import json
@@ -92,6 +94,7 @@ def _inject(trainer):
     def faulty_load(state):
         _die("heal_receive")
         load(state)
+        _write({"event": "healed", "epoch": trainer.epoch, "step": trainer.global_step})
 
     manager._user_state_dicts["default"], manager._load_state_dict_fns["default"] = faulty_send, faulty_load
 
@@ -125,11 +128,15 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
     record = {"epoch": trainer.epoch, "step": trainer.global_step, "before": _state["before"],
               "after": sampler.consumed, "groups": trainer.strategy.groups.groups, "indices": _state["pending"],
               "time": time.time()}
-    _state["file"].write(json.dumps(record) + "\n")
-    _state["file"].flush()
-    os.fsync(_state["file"].fileno())
+    _write(record)
     alone = trainer.strategy.groups.groups == 1
     time.sleep(_state["cfg"]["alone_sleep_s" if alone else "step_sleep_s"])
+
+
+def _write(record):
+    _state["file"].write(json.dumps(record) + "\n")
+    _state["file"].flush()
+    os.fsync(_state["file"].fileno())  # a SIGKILL right after must not lose it
 
 
 @hookimpl

@@ -50,28 +50,41 @@ def stop(lighthouse):
     assert harness.wait_for(lambda: lighthouse.poll() is not None, 30), "the Lighthouse ignored SIGTERM"
 
 
-def records(tmp_path, label):
-    """Every committed step this group's processes recorded, in order."""
+def records(tmp_path, label, marked=False):
+    """Every committed step this group's processes recorded, in order (``marked``: each with
+    ``superseded``, true where a later heal of the same process reached its step)."""
     found = []
     for path in sorted((tmp_path / "records").glob(f"{label}-*.jsonl"), key=lambda p: p.stat().st_mtime):
-        found += [json.loads(line) for line in path.read_text().splitlines()]
-    return found
+        mine = []
+        for r in (json.loads(line) for line in path.read_text().splitlines()):
+            if r.get("event") == "healed":
+                for earlier in mine:
+                    earlier["superseded"] |= (earlier["epoch"], earlier["step"]) <= (r["epoch"], r["step"])
+                continue
+            mine.append(dict(r, superseded=False))
+        found += mine
+    return found if marked else [r for r in found if not r["superseded"]]
 
 
 def check_epochs_tiled(tmp_path, labels, epochs):
     """The committed steps (as any group recorded them) tile every epoch, and in each step the
     groups trained disjoint samples of the step's global batches: all of them where every group
     of the step recorded it (a group that failed to commit a step the others committed heals
-    and records nothing for it)."""
+    and records nothing for it). Records of a branch that a heal replaced are left out."""
     from ddpx.data.sampler import ResumableDistributedBatchSampler
 
     steps, trained = {}, {}
-    for label in labels:
-        for r in records(tmp_path, label):
-            key = (r["epoch"], r["step"])
-            assert steps.setdefault(key, r)["before"] == r["before"] and steps[key]["after"] == r["after"], \
-                f"two groups committed step {key} over other samples"
-            trained.setdefault(key, []).append(r["indices"])
+    every = [r for label in labels for r in records(tmp_path, label, marked=True)]
+    kept = [r for r in every if not r["superseded"]]
+    kept_keys = {(r["epoch"], r["step"]): r for r in kept}
+    for r in every:  # a superseded record counts where it agrees with the branch that went on
+        key = (r["epoch"], r["step"])
+        if r["superseded"] and key in kept_keys and (kept_keys[key]["before"], kept_keys[key]["after"]) != \
+                (r["before"], r["after"]):
+            continue
+        assert steps.setdefault(key, r)["before"] == r["before"] and steps[key]["after"] == r["after"], \
+            f"two groups committed step {key} over other samples"
+        trained.setdefault(key, []).append(r["indices"])
     for epoch in range(epochs):
         mine = sorted((r for (e, _), r in steps.items() if e == epoch), key=lambda r: r["step"])
         assert mine, f"no step was committed in epoch {epoch}"

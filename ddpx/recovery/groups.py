@@ -77,6 +77,7 @@ class ReplicaGroups:
         self.dropped = 0  # steps the groups did not commit, this run
         self._dropped_since = 0  # since the last membership line
         self._last_commit = time.monotonic()
+        self._quorum_id = None
 
     # --- the trainer's state, for a group that heals ------------------------------------------
 
@@ -103,6 +104,10 @@ class ReplicaGroups:
         if groups != self.groups:
             self._membership_line(self.groups, groups)
             self.groups = groups
+        if self.manager._quorum_id != self._quorum_id:  # another membership: do the groups hold one state?
+            self._quorum_id = self.manager._quorum_id
+            if groups > 1:
+                self._check_same_state(sampler)
         restart = self._healed or not self.fresh
         if sampler is not None:
             restart |= sampler.place(rank * trainer.world_size + trainer.rank, max(groups, 1) * trainer.world_size)
@@ -113,6 +118,29 @@ class ReplicaGroups:
                 raise EpochMoved()
         self.fresh = not restart
         return restart
+
+    def _check_same_state(self, sampler: Optional[LiveBatchSampler]) -> None:
+        """Two quorums can form apart and reach the same step with different states (groups that
+        start a moment apart, a Lighthouse that restarts): torchft heals only a group whose step
+        is behind. So at each new quorum the groups compare the step, the epoch, the sampler's
+        position and the weights' sum; a group that differs from the quorum's first group moves
+        its step back and does not commit this one, so the next quorum heals it from a peer."""
+        trainer = self.trainer
+        with torch.no_grad():
+            weights = sum(p.detach().double().sum() for p in trainer.module.parameters()).cpu()
+        mine = torch.tensor([trainer.global_step, trainer.epoch, sampler.consumed if sampler else 0, 0.0],
+                            dtype=torch.float64)
+        mine[3] = weights
+        gathered = torch.empty(self.groups * 4, dtype=torch.float64)
+        if not self.across.all_gather(gathered, mine):
+            return  # a group failed: this step will not commit anyway
+        first = gathered.view(self.groups, 4)[0]
+        if torch.equal(first, mine):
+            return
+        trainer.log.warning(f"replica group {self.name}: its state differs from the quorum's first group's at "
+                            f"step {trainer.global_step} (two quorums formed apart): healing from a peer")
+        self.manager._step = max(0, self.manager._step - 1)  # behind: the next quorum heals this group
+        self.manager.report_error(RuntimeError("replica groups diverged"))
 
     def commit_step(self) -> bool:
         """Average the gradients across the groups, then whether every group may step."""
