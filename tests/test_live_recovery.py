@@ -166,23 +166,25 @@ def test_groups_killed_before_the_exchange_and_in_a_checkpoint_leave_the_survivo
     check_epochs_tiled(tmp_path, ["A", "B", "C"], epochs=2)
 
 
-def test_a_group_that_dies_while_healing_comes_back_and_heals(tmp_path):
+def test_a_group_that_dies_while_healing_comes_back_and_heals_into_the_next_epoch(tmp_path):
     port = harness.free_port()
     lighthouse = start_lighthouse(tmp_path, port)
+    big = "trainer.batch_size=64"  # 23 steps an epoch alone: A is in epoch 1 soon
     try:
-        a = start_group(tmp_path, port, "A")
-        assert harness.wait_for(lambda: records(tmp_path, "A") and records(tmp_path, "A")[-1]["step"] >= 10, 120)
-        b = start_group(tmp_path, port, "B", "faults.point=heal_receive", "faults.at_step=1")
+        a = start_group(tmp_path, port, "A", big, epochs=6)
+        assert harness.wait_for(lambda: records(tmp_path, "A") and records(tmp_path, "A")[-1]["epoch"] >= 1, 120)
+        b = start_group(tmp_path, port, "B", big, "faults.point=heal_receive", "faults.at_step=1", epochs=6)
         wait_for_exit(b)
-        b2 = start_group(tmp_path, port, "B", log="B2")
+        b2 = start_group(tmp_path, port, "B", big, log="B2", epochs=6)
         ended = harness.finish([a, b2], [tmp_path / "A.log", tmp_path / "B2.log"], timeout=180)
     finally:
         stop(lighthouse)
     a_end, b2_end = ended
     assert a_end.returncode == 0, a_end.output[-3000:]
     assert b2_end.returncode == 0, b2_end.output[-3000:]
-    assert not records(tmp_path, "B") or all(r["step"] > 10 for r in records(tmp_path, "B"))
-    assert len(lines(b2_end.output, "healed from a peer")) == 1
-    check_epochs_tiled(tmp_path, ["A", "B"], epochs=3)
+    assert all(r["epoch"] >= 1 for r in records(tmp_path, "B"))  # B died healing, B2 healed: no step from 0
+    healed = lines(b2_end.output, "healed from a peer")
+    assert len(healed) == 1 and "(epoch 0)" not in healed[0], healed  # into another epoch than its own
+    check_epochs_tiled(tmp_path, ["A", "B"], epochs=6)
     a_w, b_w = final_weights(tmp_path, "A"), final_weights(tmp_path, "B2")
     assert all(torch.equal(a_w[k], b_w[k]) for k in a_w)

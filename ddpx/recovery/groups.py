@@ -78,6 +78,8 @@ class ReplicaGroups:
         self._dropped_since = 0  # since the last membership line
         self._last_commit = time.monotonic()
         self._quorum_id = None
+        self._quorum_kept = False  # the quorum of the coming step was taken already (see begin_step)
+        self._epoch_before = 0
 
     # --- the trainer's state, for a group that heals ------------------------------------------
 
@@ -92,32 +94,43 @@ class ReplicaGroups:
 
     def begin_step(self, sampler: Optional[LiveBatchSampler]) -> bool:
         """The quorum of the coming step; lays out the epoch over the groups in it. Returns whether
-        the trainer's batch iterator must start again (another layout, a dropped step or a heal)."""
+        the trainer's batch iterator must start again (another layout, a dropped step or a heal).
+        Raises :class:`EpochMoved` after a heal into another epoch; the trainer then starts that
+        epoch and calls again, which keeps the quorum taken (the others already train this step)."""
         trainer = self.trainer
-        epoch_before = trainer.epoch
+        healed = self._quorum_kept
+        if self._quorum_kept:
+            self._quorum_kept = False
+        else:
+            healed = self._take_quorum(sampler)
+            if healed and trainer.epoch != self._epoch_before:
+                self._quorum_kept = True
+                raise EpochMoved()
+        restart = healed or not self.fresh
+        if sampler is not None:
+            slot = (self.manager.participating_rank() or 0) * trainer.world_size + trainer.rank
+            restart |= sampler.place(slot, max(self.groups, 1) * trainer.world_size)
+        self.fresh = not restart
+        return restart
+
+    def _take_quorum(self, sampler: Optional[LiveBatchSampler]) -> bool:
+        """Ask for this step's quorum (blocks; a group behind heals in it); whether it healed."""
+        trainer = self.trainer
+        self._epoch_before = trainer.epoch
         self._healed = False
-        self.manager.start_quorum()  # blocks for the quorum; a group behind heals here (applied in _heal)
-        if self.manager.errored() is not None and not self._healed:
-            pass  # a failed heal or reconfigure: the step will not commit, the next quorum retries
+        self.manager.start_quorum()  # a failed heal or reconfigure: the step will not commit, the next retries
         groups = self.manager.num_participants()
-        rank = self.manager.participating_rank() or 0
         if groups != self.groups:
             self._membership_line(self.groups, groups)
             self.groups = groups
+        if self._healed:
+            trainer.log.info(f"replica group {self.name}: healed from a peer at step {trainer.global_step} "
+                             f"(epoch {trainer.epoch})")
         if self.manager._quorum_id != self._quorum_id:  # another membership: do the groups hold one state?
             self._quorum_id = self.manager._quorum_id
             if groups > 1:
                 self._check_same_state(sampler)
-        restart = self._healed or not self.fresh
-        if sampler is not None:
-            restart |= sampler.place(rank * trainer.world_size + trainer.rank, max(groups, 1) * trainer.world_size)
-        if self._healed:
-            trainer.log.info(f"replica group {self.name}: healed from a peer at step {trainer.global_step} "
-                             f"(epoch {trainer.epoch})")
-            if trainer.epoch != epoch_before:
-                raise EpochMoved()
-        self.fresh = not restart
-        return restart
+        return self._healed
 
     def _check_same_state(self, sampler: Optional[LiveBatchSampler]) -> None:
         """Two quorums can form apart and reach the same step with different states (groups that
