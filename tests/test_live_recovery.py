@@ -188,3 +188,25 @@ def test_a_group_that_dies_while_healing_comes_back_and_heals_into_the_next_epoc
     check_epochs_tiled(tmp_path, ["A", "B"], epochs=6)
     a_w, b_w = final_weights(tmp_path, "A"), final_weights(tmp_path, "B2")
     assert all(torch.equal(a_w[k], b_w[k]) for k in a_w)
+
+
+def test_a_lighthouse_killed_and_restarted_stalls_the_groups_which_then_go_on_together(tmp_path):
+    port = harness.free_port()
+    lighthouse = start_lighthouse(tmp_path, port)
+    try:
+        procs = [start_group(tmp_path, port, x, epochs=4, sleep=0.05) for x in "AB"]
+        assert harness.wait_for(lambda: records(tmp_path, "A") and records(tmp_path, "A")[-1]["groups"] == 2, 120)
+        lighthouse.kill()
+        lighthouse.wait()
+        killed = len(records(tmp_path, "A"))
+        harness.wait_for(lambda: False, 3)  # the Lighthouse is away for 3 s
+        lighthouse = start_lighthouse(tmp_path, port, name="lighthouse2")
+        ended = harness.finish(procs, [tmp_path / "A.log", tmp_path / "B.log"], timeout=180)
+    finally:
+        stop(lighthouse)
+    for end in ended:
+        assert end.returncode == 0, end.output[-3000:]
+    assert len(records(tmp_path, "A")) > killed + 10  # it trained on after the outage
+    check_epochs_tiled(tmp_path, ["A", "B"], epochs=4)
+    a_w, b_w = final_weights(tmp_path, "A"), final_weights(tmp_path, "B")
+    assert all(torch.equal(a_w[k], b_w[k]) for k in a_w)

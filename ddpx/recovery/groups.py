@@ -18,6 +18,7 @@ to this group's manager server, 1-3 ms on loopback.
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import logging
 import os
@@ -71,6 +72,7 @@ class ReplicaGroups:
             connect_timeout=self.timeout, rank=trainer.rank, world_size=trainer.world_size, store_addr=host,
             store_port=_manager_store(host, trainer.rank), lighthouse_addr=lighthouse, replica_id=self.name,
             hostname=host, init_sync=False, quorum_retries=int(cfg.lighthouse_retries))
+        self.manager._client = _QuorumIdentity(self.manager)
         self.across = Across(self.manager, self.timeout)
         self.groups: Optional[int] = None  # in the last quorum
         self.fresh = True  # no step was drawn since the layout was set: the loader need not restart
@@ -187,6 +189,42 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class _QuorumIdentity:
+    """The manager's client, with each quorum told apart from the ones before a Lighthouse restart.
+
+    A Lighthouse that restarts numbers its quorums from 1 again. torchft names a quorum's process
+    group by that number (the rendezvous keys in the first group's store), and reconfigures only
+    when the number changed: after a restart, a quorum of other groups could reuse a number and
+    meet stale keys, or not be reconfigured at all. So the number the manager sees changes when
+    the Lighthouse's number or the groups change, and is made of those and the step the quorum
+    formed at (the same for every group in it), which no earlier quorum of the run shares."""
+
+    def __init__(self, manager):
+        self._client = manager._client
+        self._last, self._id = None, None  # the Lighthouse's (number, groups), and the number given for it
+
+    def _quorum(self, **kwargs):
+        result = self._client._quorum(**kwargs)
+        key = (result.quorum_id, tuple(result.replica_ids))
+        if key != self._last:
+            digest = hashlib.sha256(repr((*key, result.max_step)).encode()).digest()  # the same in every process
+            self._last, self._id = key, int.from_bytes(digest[:8], "big") & (2 ** 62 - 1)
+        return _Quorum(result, self._id)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+class _Quorum:
+    """A quorum result with another ``quorum_id`` (see :class:`_QuorumIdentity`)."""
+
+    def __init__(self, result, quorum_id: int):
+        self._result, self.quorum_id = result, quorum_id
+
+    def __getattr__(self, name):
+        return getattr(self._result, name)
 
 
 def _grads(params) -> list:
