@@ -26,6 +26,7 @@ from ..errors import DdpxError
 from ..rank.launcher_contract import LIGHTHOUSE_ENV, QUORUM_RETRIES_ENV, REPLICA_GROUP_ENV
 from ..recovery.torchft_import import require_torchft
 from . import slurm
+from .rendezvous import seconds_from_env
 from .options import LaunchOptions, from_environment, named, parse_lighthouse
 
 LIGHTHOUSE_WAIT_ENV = "DDPX_LIGHTHOUSE_WAIT_S"  # how long a group waits for the Lighthouse to accept connections
@@ -82,16 +83,8 @@ def check_live_options(opts: LaunchOptions, launch_cfg, elastic,
 
 
 def lighthouse_wait_s(env: Mapping[str, str] = os.environ) -> float:
-    value = env.get(LIGHTHOUSE_WAIT_ENV)
-    if value is None:
-        return DEFAULT_LIGHTHOUSE_WAIT_S
-    try:
-        wait_s = float(value)
-    except ValueError:
-        wait_s = -1.0
-    if not 0 <= wait_s < float("inf"):
-        raise DdpxError(f"{LIGHTHOUSE_WAIT_ENV}={value!r} must be a number of seconds, 0 or more")
-    return wait_s
+    """How long a group waits for the Lighthouse to accept connections."""
+    return seconds_from_env(LIGHTHOUSE_WAIT_ENV, DEFAULT_LIGHTHOUSE_WAIT_S, env)
 
 
 def live_argv(opts: LaunchOptions, lighthouse: tuple[str, int], elastic,

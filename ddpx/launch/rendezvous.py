@@ -51,15 +51,21 @@ def rendezvous_route(opts: LaunchOptions, nnodes: str, wait_s: Optional[float] =
 
 def rendezvous_wait_s(env: Mapping[str, str] = os.environ) -> float:
     """How long a node waits for the rendezvous host (its name to resolve, its endpoint to listen)."""
-    value = env.get(RDZV_WAIT_ENV)
+    return seconds_from_env(RDZV_WAIT_ENV, DEFAULT_RDZV_WAIT_S, env)
+
+
+def seconds_from_env(name: str, default: float, env: Mapping[str, str] = os.environ) -> float:
+    """Seconds from variable ``name`` (``default`` where unset); a one-line error for anything
+    but a finite number >= 0."""
+    value = env.get(name)
     if value is None:
-        return DEFAULT_RDZV_WAIT_S
+        return default
     try:
         wait_s = float(value)
     except ValueError:
         wait_s = -1.0
     if not 0 <= wait_s < float("inf"):
-        raise DdpxError(f"{RDZV_WAIT_ENV}={value!r} must be a number of seconds, 0 or more")
+        raise DdpxError(f"{name}={value!r} must be a number of seconds, 0 or more")
     return wait_s
 
 

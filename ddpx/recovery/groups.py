@@ -32,11 +32,11 @@ import torch
 
 from ..errors import DdpxError
 from ..rank import process_group
-from ..strategies.base import EpochMoved
 from .codecs import Across, Codec
 from .sampler import LiveBatchSampler
 from .torchft_import import require_torchft
 
+GO_ON, RESTART, MOVED = "go on", "restart the batches", "epoch moved"  # what begin_step says
 STORE_PORT_KEY = "ddpx/live/manager_store_port"
 GROUP_ENV = "DDPX_REPLICA_GROUP"  # the launcher names each group (its address and store port)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -94,11 +94,12 @@ class ReplicaGroups:
 
     # --- the step ------------------------------------------------------------------------------
 
-    def begin_step(self, sampler: Optional[LiveBatchSampler]) -> bool:
-        """The quorum of the coming step; lays out the epoch over the groups in it. Returns whether
-        the trainer's batch iterator must start again (another layout, a dropped step or a heal).
-        Raises :class:`EpochMoved` after a heal into another epoch; the trainer then starts that
-        epoch and calls again, which keeps the quorum taken (the others already train this step)."""
+    def begin_step(self, sampler: Optional[LiveBatchSampler]) -> str:
+        """The quorum of the coming step; lays out the epoch over the groups in it. Returns
+        :data:`RESTART` when the trainer's batch iterator must start again (another layout, a
+        dropped step or a heal), :data:`MOVED` after a heal into another epoch (the trainer starts
+        that epoch and calls again, which keeps the quorum taken: the others train this step
+        already), else :data:`GO_ON`."""
         trainer = self.trainer
         healed = self._quorum_kept
         if self._quorum_kept:
@@ -107,13 +108,13 @@ class ReplicaGroups:
             healed = self._take_quorum(sampler)
             if healed and trainer.epoch != self._epoch_before:
                 self._quorum_kept = True
-                raise EpochMoved()
+                return MOVED
         restart = healed or not self.fresh
         if sampler is not None:
             slot = (self.manager.participating_rank() or 0) * trainer.world_size + trainer.rank
             restart |= sampler.place(slot, max(self.groups, 1) * trainer.world_size)
         self.fresh = not restart
-        return restart
+        return RESTART if restart else GO_ON
 
     def _take_quorum(self, sampler: Optional[LiveBatchSampler]) -> bool:
         """Ask for this step's quorum (blocks; a group behind heals in it); whether it healed."""
@@ -186,9 +187,6 @@ class ReplicaGroups:
             trainer.log.warning(f"replica group {self.name}: {before} -> {now} replica groups at step "
                                 f"{trainer.global_step} ({time.monotonic() - self._last_commit:.1f} s since the last "
                                 f"committed step; {dropped} step(s) dropped)")
-
-    def close(self) -> None:
-        self.manager.shutdown(wait=False)
 
 
 class _QuorumIdentity:

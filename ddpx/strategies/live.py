@@ -65,7 +65,12 @@ class LiveDDPStrategy(DDPStrategy):
         return LiveBatchSampler
 
     def begin_step(self, trainer) -> None:
-        if self.groups.begin_step(_sampler(trainer)):
+        from ..recovery.groups import MOVED, RESTART
+
+        outcome = self.groups.begin_step(_sampler(trainer))
+        if outcome == MOVED:
+            raise EpochMoved()
+        if outcome == RESTART:
             trainer.restart_batches()
 
     def commit_step(self, trainer, micro_batches: int) -> bool:

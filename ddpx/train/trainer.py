@@ -59,8 +59,6 @@ from .sync_batchnorm import convert_sync_batchnorm
 from . import model_checks
 
 
-
-
 class Trainer:
     """One rank's training run.
 
@@ -211,13 +209,11 @@ class Trainer:
             self.stop_agreement.finish()  # the vote every rank started, before the group goes
 
     def close(self, exc: Optional[BaseException] = None) -> None:
-        """End this rank's run, also after a failure, and leave the process as it was.
-
-        With ``exc``: name the plugin whose hook raised it (:func:`ddpx.plugin.manager.raised_by`),
-        then call every plugin's ``ddpx_exception``. Then: the previous signal
-        handlers, the DDP model freed before the process group is destroyed, the
-        plugins attached during the run detached, the logger restored. Safe to call
-        again (it does nothing) and after a :meth:`setup` that failed half-way."""
+        """End this rank's run, also after a failure, and leave the process as it was. With ``exc``:
+        name the plugin whose hook raised it (:func:`ddpx.plugin.manager.raised_by`), then call every
+        plugin's ``ddpx_exception``. Then: the previous signal handlers, the DDP model freed before the
+        process group is destroyed, the plugins attached during the run detached, the logger restored.
+        Safe to call again (it does nothing) and after a :meth:`setup` that failed half-way."""
         if self._closed:
             return
         self._closed = True
@@ -266,9 +262,8 @@ class Trainer:
     def agree_on_stops(self, every_steps: int, every_s: float, timeout_s: float, timeout_key: str,
                        what: str) -> StopAgreement:
         """Take SIGTERM/SIGINT/SIGHUP through a :class:`~ddpx.train.stopping.StopAgreement`: every rank
-        stops after the same step (the plugin calling this, from ``ddpx_setup``, asks
-        ``agreement.check(trainer)`` at the boundaries it schedules and then calls
-        :meth:`request_stop`). The trainer finishes and releases it at the end of the run."""
+        stops after the same step (the plugin calling this, from ``ddpx_setup``, asks ``agreement.check(
+        trainer)`` at the boundaries it schedules, then :meth:`request_stop`); released at the run's end."""
         self.stop_agreement = StopAgreement(self, every_steps, every_s, timeout_s, timeout_key, what)
         return self.stop_agreement
 
@@ -393,8 +388,7 @@ class Trainer:
         return self._end_epoch(epoch)
 
     def restart_batches(self) -> None:
-        """Draw the rest of the running epoch's batches anew from the sampler's position (live
-        recovery: the replica groups changed, a step was dropped, or the state was healed)."""
+        """Draw the rest of the epoch's batches anew from the sampler's position (live recovery)."""
         self._batches = iter(self.train_loader)
         self.num_batches = self.epoch_batches + _batches_in(self.train_loader)
 
@@ -454,10 +448,9 @@ class Trainer:
         return losses, applied
 
     def forward_backward(self, batch, window: float) -> torch.Tensor:
-        """Forward (``ddpx_forward``, in ``autocast``) and backward of one micro-batch;
-        returns its loss, detached. The back-propagated loss is divided by ``window``,
-        so the step's gradient is the window's mean, that of one big batch
-        (``math.inf``: no gradient, a padding pass of :mod:`~ddpx.train.stream_end`)."""
+        """Forward (``ddpx_forward``, in ``autocast``) and backward of one micro-batch; returns its loss,
+        detached. The back-propagated loss is divided by ``window``, so the step's gradient is the
+        window's mean (``math.inf``: no gradient, a padding pass of :mod:`~ddpx.train.stream_end`)."""
         if self._batch_device is not None:
             batch = to_device(batch, self._batch_device)
         return self.strategy.forward_backward(self, batch, window)  # a pipeline runs its schedule here
@@ -471,8 +464,7 @@ class Trainer:
         self.scaler.scale(loss).backward()
 
     def _epoch_train_loss(self) -> dict:
-        """``{"loss": mean micro-batch loss of the epoch over all ranks}`` (empty if
-        no rank trained a batch): one all_reduce per epoch."""
+        """``{"loss": the epoch's mean micro-batch loss over all ranks}`` (empty: no batch); one all_reduce."""
         loss_sum, batches = self._losses.epoch_total()
         if loss_sum is None or not self.strategy.counts_loss(self):
             loss_sum, batches = torch.zeros((), dtype=torch.float64), 0
@@ -491,12 +483,10 @@ class Trainer:
             self.end_reason = reason
 
     def nonfinite_loss(self, where: str) -> None:
-        """The loss went non-finite ``where`` (e.g. "in epoch 3"): act on
-        ``trainer.nonfinite``. Called on every rank at the same boundary, from
-        all-reduced values only: ``stop`` raises :class:`TrainingDiverged`
-        everywhere; ``warn`` logs a warning (rank 0) and goes on. Under fp16 AMP
-        the GradScaler skips steps with non-finite gradients, so the callers ask
-        only once its scale collapsed."""
+        """The loss went non-finite ``where`` (e.g. "in epoch 3"): act on ``trainer.nonfinite``. Called on
+        every rank at the same boundary, from all-reduced values only: ``stop`` raises
+        :class:`TrainingDiverged` everywhere; ``warn`` logs a warning (rank 0) and goes on. Under fp16 AMP
+        the GradScaler skips steps with non-finite gradients, so callers ask once its scale collapsed."""
         self._nonfinite.loss(where)
 
     def nonfinite_weights(self, where: str) -> None:
@@ -529,10 +519,9 @@ class Trainer:
         return norm
 
     def watch_grad_norm(self, step: int) -> None:
-        """Compute the total gradient norm (``grad_norm``) at the optimizer step that
-        brings ``global_step`` to ``step`` (the first one at or after it), even
-        without ``grad_clip``: a logger asks for the steps it writes, so the other
-        steps pay one integer comparison."""
+        """Compute the total gradient norm (``grad_norm``) at the optimizer step that brings ``global_step``
+        to ``step`` (the first one at or after it), even without ``grad_clip``: a logger asks for the
+        steps it writes, so the other steps pay one integer comparison."""
         self._grad_norm_due = min(self._grad_norm_due, int(step))
 
     # --- checkpoints -------------------------------------------------------------------
@@ -572,17 +561,12 @@ class Trainer:
     # --- scheduled calls and loss windows ------------------------------------------------
 
     def call_at_step(self, step: int, callback) -> None:
-        """Call ``callback(trainer)`` once, at the first optimizer-step boundary with
-        ``global_step >= step``, after that micro-batch's ``ddpx_batch_end``
-        hooks. Calls due at the same boundary run in the order they were
-        scheduled; a call scheduled while those run, for a step already
-        reached, runs at the next boundary. The loop pays one integer
-        comparison per step for this, however many calls wait.
-
-        A callback that communicates must be scheduled for the same steps, in
-        the same order, on every rank (compute the steps from the config,
-        ``global_step`` and all-reduced values only).
-        """
+        """Call ``callback(trainer)`` once, at the first optimizer-step boundary with ``global_step >=
+        step``, after that micro-batch's ``ddpx_batch_end`` hooks. Calls due at one boundary run in the
+        order they were scheduled; one scheduled while those run, for a step already reached, runs at
+        the next boundary. The loop pays one integer comparison per step, however many calls wait.
+        A callback that communicates must be scheduled for the same steps, in the same order, on every
+        rank (steps from the config, ``global_step`` and all-reduced values only)."""
         self._scheduled.add(step, callback)
 
     @property
@@ -591,8 +575,7 @@ class Trainer:
         return self._scheduled.next_step
 
     def run_due_calls(self) -> None:
-        """Run the scheduled calls due at ``global_step`` (the loop does, at each
-        optimizer-step boundary with ``global_step >= next_due_step``)."""
+        """Run the calls due at ``global_step`` (the loop does, at a boundary ``>= next_due_step``)."""
         step = self.global_step
         for callback in self._scheduled.take_due(step):
             if self.plugin_manager.tracing:
