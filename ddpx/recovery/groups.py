@@ -80,6 +80,7 @@ class ReplicaGroups:
         self._dropped_since = 0  # since the last membership line
         self._last_commit = time.monotonic()
         self._quorum_id = None
+        self.slot = trainer.rank  # this rank's place among all ranks of the quorum's groups
         self._quorum_kept = False  # the quorum of the coming step was taken already (see begin_step)
         self._epoch_before = 0
 
@@ -110,9 +111,9 @@ class ReplicaGroups:
                 self._quorum_kept = True
                 return MOVED
         restart = healed or not self.fresh
+        self.slot = (self.manager.participating_rank() or 0) * trainer.world_size + trainer.rank
         if sampler is not None:
-            slot = (self.manager.participating_rank() or 0) * trainer.world_size + trainer.rank
-            restart |= sampler.place(slot, max(self.groups, 1) * trainer.world_size)
+            restart |= sampler.place(self.slot, max(self.groups, 1) * trainer.world_size)
         self.fresh = not restart
         return RESTART if restart else GO_ON
 

@@ -11,6 +11,7 @@ quorum (:meth:`begin_step`), which also lays the epoch out over the groups that 
 from __future__ import annotations
 
 from ..errors import DdpxError
+from ..rank.seeding import seed_rank
 from .base import EpochMoved
 from .ddp import DDPStrategy
 
@@ -72,6 +73,9 @@ class LiveDDPStrategy(DDPStrategy):
             raise EpochMoved()
         if outcome == RESTART:
             trainer.restart_batches()
+            # a stream per slot, as ddp's per rank (dropout): a group seeded alike or healed from a
+            # peer would otherwise draw the peer's masks
+            seed_rank(trainer.config.seed, self.groups.slot, trainer.global_step)
 
     def commit_step(self, trainer, micro_batches: int) -> bool:
         if not self.groups.commit_step():
