@@ -65,7 +65,7 @@ def run_strategy_class(config) -> type:
     """The strategy class of a run: ``trainer.strategy``'s, or under ``elastic.recovery: live`` its
     live form (ddp only, so far)."""
     name = config.trainer.strategy
-    if config.elastic.recovery != "live":
+    if getattr(getattr(config, "elastic", None), "recovery", "restart") != "live":  # a config made by hand may lack it
         return strategy_class(name)
     if name not in LIVE_STRATEGIES:
         raise DdpxError(f"elastic.recovery=live supports trainer.strategy={', '.join(LIVE_STRATEGIES)}, not {name}; "
