@@ -129,10 +129,14 @@ def test_two_ranks_draw_differently_repeat_across_runs_and_resume_exactly(ranks,
         ranks.train(tmp_path / f"run-{name}", config, 2, timeout=240, env={"RECORD_DIR": str(records)})
         return [(records / f"rank{r}.txt").read_text().split() for r in range(2)]
 
-    first, again = run("a", 20), run("b", 20)
-    assert first == again  # identical across two runs
+    first = run("a", 20)
     assert all(x != y for x, y in zip(first[0], first[1]))  # rank 0 and 1 never draw alike
+    # a second run repeats the first's draws (its 10 steps: a 20-step repeat was a fourth launch, and
+    # the resumed half below draws steps 11-20 as the first run did), then resumes to draw the rest
     stopped = run("c", 10, tmp_path / "run-c")
+    assert [len(s) for s in stopped] == [len(f) // 2 for f in first] and all(stopped)
+    for rank in range(2):
+        assert stopped[rank] == first[rank][:len(stopped[rank])]  # identical across two runs
     resumed = run("d", 20, tmp_path / "run-c")  # resumes at step 10 from the same run_dir
     for rank in range(2):
         assert stopped[rank] + resumed[rank] == first[rank]  # exactly the uninterrupted stream

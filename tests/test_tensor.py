@@ -332,8 +332,21 @@ def gap(a, b, key):
     return max(abs(x[key] - y[key]) for x, y in zip(a, b))
 
 
+# the tensor-2 run both tests below compare with: checkpoints, an EMA and shard_memory's record (none of them
+# changes a number the tests read; each test's own runs have the same sections)
+TENSOR2 = dict(checkpoint={"enabled": True}, ema={"decay": 0.8}, plugins={"enable": ["benchmarks.shard_memory"]})
+
+
+@pytest.fixture(scope="module")
+def tensor2(ranks, tmp_path_factory):
+    """tensor 2 on 2 ranks, 10 steps: rank 0's metrics.jsonl lines and its run_dir."""
+    tmp = tmp_path_factory.mktemp("tensor2")
+    example(tmp)
+    return train(ranks, tmp, "tp2", 2, trainer={"strategy": "tensor"}, **TENSOR2), tmp / "tp2"
+
+
 @pytest.mark.slow
-def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_path):
+def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_path, tensor2):
     """10 AdamW steps, a clip that acts: tensor 2, and tensor 2 x 2 replicas with 2 micro-batches a step
     (the replicas' average waits for the window's last: the same 16 samples a step), give ddp's
     losses, gradient norms and evaluation within 1e-5; a rank holds what the split divides by 2 of
@@ -345,7 +358,7 @@ def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_p
     example(tmp_path)
     memory = {"plugins": {"enable": ["benchmarks.shard_memory"]}}
     ddp1 = train(ranks, tmp_path, "ddp1", 1, **memory)
-    tp2 = train(ranks, tmp_path, "tp2", 2, trainer={"strategy": "tensor"}, **memory)
+    tp2, tp2_dir = tensor2
     int8 = train(ranks, tmp_path, "int8", 4, trainer={"strategy": "tensor", "batch_size": 8},
                  comm_hook={"name": "int8"})
     assert "comm hook int8 installed on the gradient average of 2 replicas (fused buckets of each rank's parts, the " \
@@ -365,7 +378,8 @@ def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_p
     # int8 on the replicas' average: about 3.5x fewer bytes than fp32's, the evaluation within 0.1 %
     assert all(3.0 < s["comm_compression"] < 4.0 for s in steps(int8))
     assert abs(last_eval(int8)["eval_loss"] - last_eval(ddp1)["eval_loss"]) < 1e-3 * last_eval(ddp1)["eval_loss"]
-    held = {name: json.loads((tmp_path / name / "shard_memory_rank0.json").read_text()) for name in ("ddp1", "tp2")}
+    dirs = {"ddp1": tmp_path / "ddp1", "tp2": tp2_dir, "tp2x2": tmp_path / "tp2x2"}
+    held = {name: json.loads((dirs[name] / "shard_memory_rank0.json").read_text()) for name in ("ddp1", "tp2")}
     model = char_gpt(vocab_size=128, block_size=32, n_embd=64)
     split = tensor_plan.resolve_plan(model, "auto")[0]
     split_params = sum(p.numel() for name in split for pn, p in model.get_submodule(name).named_parameters()
@@ -375,8 +389,8 @@ def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_p
     for part in ("parameters", "optimizer"):
         assert held["tp2"][part] / held["ddp1"][part] == pytest.approx(expected, rel=1e-3), part
     assert 0.5 < expected < 0.75
-    written = {name: load_file(tmp_path / name / "model" / "model.safetensors") for name in ("ddp1", "tp2", "tp2x2")}
-    load_model(model, tmp_path / "tp2" / "model" / "model.safetensors")  # strict: the user's keys and shapes
+    written = {name: load_file(dirs[name] / "model" / "model.safetensors") for name in ("ddp1", "tp2", "tp2x2")}
+    load_model(model, tp2_dir / "model" / "model.safetensors")  # strict: the user's keys and shapes
     assert model.head.weight is model.tok.weight  # the tied head, written once
     model.load_state_dict({**written["tp2"], "head.weight": written["tp2"]["tok.weight"]})
     for name in ("tp2", "tp2x2"):
@@ -385,14 +399,14 @@ def test_tensor_trains_as_ddp_holds_less_and_writes_the_users_model(ranks, tmp_p
 
 
 @pytest.mark.slow
-def test_tensor_resumes_exactly_and_at_another_tensor_size(ranks, tmp_path):
+def test_tensor_resumes_exactly_and_at_another_tensor_size(ranks, tmp_path, tensor2):
     """Each rank writes its parts (a fused qkv as its q, k, v: the user's layout); a run stopped at step
     5 and resumed equals the uninterrupted one at step 10, the EMA too, and ``ddpx export`` of its last
     checkpoint writes the weights the run wrote; resumed at tensor.size 4 on 4 ranks instead, it trains
     to step 10 as the uninterrupted run did (within 1e-5)."""
     example(tmp_path)
-    common = dict(checkpoint={"enabled": True}, ema={"decay": 0.8})
-    whole = train(ranks, tmp_path, "whole", 2, trainer={"strategy": "tensor"}, **common)
+    common = TENSOR2
+    whole = tensor2[0]  # the same run, uninterrupted
     first = train(ranks, tmp_path, "cut", 2, trainer={"strategy": "tensor", "max_steps": 5}, **common)
     assert numbers(first) == numbers(whole)[:5]
     from ddpx.strategies.shards import _reader_classes
