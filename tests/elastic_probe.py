@@ -66,7 +66,7 @@ def ddpx_train_start(trainer):  # the checkpoint plugin (tryfirst) has restored 
     _probe["index"] = {row.numpy().tobytes(): i for i, row in enumerate(features)}
     _probe["step"] = trainer.global_step
     _write({"event": "start", "world_size": trainer.world_size, "step": trainer.global_step, "epoch": trainer.epoch,
-            "pid": os.getpid()})
+            "pid": os.getpid(), "time": time.time()})
 
 
 @hookimpl(wrapper=True)

@@ -19,7 +19,9 @@ Files: ``<record_dir>/<label>-<pid>.jsonl``, one ``{"epoch", "step", "before", "
 "indices"}`` line per committed step: the sampler's position before and after it (the global
 batches it consumed) and the training samples this rank trained in it; a ``{"event": "healed",
 "epoch", "step"}`` line where the group took a peer's state (its records of steps up to that one
-may belong to a branch the heal replaced: two quorums that formed apart).
+may belong to a branch the heal replaced: two quorums that formed apart); a first ``{"event": "ready",
+"epoch", "step", "time"}`` line when training starts (the process is up; benchmarks/bench_recovery.py
+times a restarted group from it). Datasets other than a TensorDataset record no ``indices``.
 """
 
 import json
@@ -56,8 +58,9 @@ def ddpx_setup(trainer):
 
 @hookimpl
 def ddpx_train_start(trainer):
-    features = trainer.train_set.tensors[0]
-    _state["index"] = {row.numpy().tobytes(): i for i, row in enumerate(features)}
+    tensors = getattr(trainer.train_set, "tensors", None)  # a TensorDataset (digits); else no sample indices
+    _state["index"] = {row.numpy().tobytes(): i for i, row in enumerate(tensors[0])} if tensors else None
+    _write({"event": "ready", "epoch": trainer.epoch, "step": trainer.global_step, "time": time.time()})
 
 
 def _inject(trainer):
@@ -116,7 +119,8 @@ def ddpx_step_window(trainer, batch_index, num_batches):
 @hookimpl(wrapper=True)
 def ddpx_forward(trainer, batch):
     index = _state["index"]
-    _state["pending"].extend(index[row.cpu().numpy().tobytes()] for row in batch[0])
+    if index is not None:
+        _state["pending"].extend(index[row.cpu().numpy().tobytes()] for row in batch[0])
     return (yield)
 
 
