@@ -177,6 +177,12 @@ def gap_around(times: list[float], at: float, until: float | None = None) -> flo
     return max(b - a for a, b in zip(span, span[1:]))
 
 
+def ordinary_step(times: list[float], at: float, count: int = 20) -> float:
+    """The step time before ``at``: the median gap of the last ``count`` steps before it."""
+    before = [t for t in sorted(times) if t <= at][-count:]
+    return step_time(before) or 0.0
+
+
 def live_failures(kills: list[dict], survivors: dict[str, list[dict]], victim: list[dict],
                   changes: dict[str, list[dict]]) -> list[dict]:
     """Per failure, from the benchmark's ``kills`` (``{"killed": time, "restarted": time}``), each
@@ -187,14 +193,16 @@ def live_failures(kills: list[dict], survivors: dict[str, list[dict]], victim: l
         again = next((inc for inc in victim if inc["ready"] is not None and inc["ready"] >= kill["restarted"]), None)
         first = again["steps"][0]["time"] if again and again["steps"] else None
         row = {"failure": i + 1, "ready_to_first_step_s": round(first - again["ready"], 2) if first else None}
-        stalls, rejoins, lost, since, dropped = [], [], [], [], []
+        stalls, rejoins, lost, since, dropped, ordinaries = [], [], [], [], [], []
         for name, steps in survivors.items():
             times = [r["time"] for r in steps]
-            ordinary = step_time(times) or 0.0
+            ordinary = ordinary_step(times, kill["killed"])
+            ordinaries.append(ordinary)
             # the first step without the victim: fewer groups than before, after the kill
             alone = next((r["time"] for r in steps if r["time"] > kill["killed"] and r["groups"] < HOSTS), None)
             stall = gap_around(times, kill["killed"], alone) if alone else None
-            rejoin = gap_around(times, first) if first else None
+            # from the restart to the victim's first committed step: its join and heal
+            rejoin = gap_around(times, kill["restarted"], first) if first else None
             down = [c for c in changes.get(name, []) if c["before"] == HOSTS and c["after"] == HOSTS - 1]
             change = down[i] if i < len(down) else None
             stalls.append(stall)
@@ -205,7 +213,7 @@ def live_failures(kills: list[dict], survivors: dict[str, list[dict]], victim: l
                 lost.append(max(0.0, stall - ordinary) + max(0.0, (rejoin or ordinary) - ordinary)
                             + (change["dropped"] if change else 0) * ordinary)
         row.update(stall_death_s=_max(stalls), since_commit_s=_max(since), dropped_steps=max(dropped, default=0),
-                   stall_rejoin_s=_max(rejoins), lost_s=_max(lost))
+                   stall_rejoin_s=_max(rejoins), step_s=_max(ordinaries), lost_s=_max(lost))
         out.append(row)
     return out
 
@@ -215,11 +223,11 @@ def restart_failures(kills: list[dict], survivor: list[dict]) -> list[dict]:
     (:func:`restart_groups`)."""
     out = []
     steps = [r for g in survivor for r in g["steps"]]
-    ordinary = step_time(sorted(r["time"] for g in survivor for r in g["steps"][1:])) or 0.0
     for i, kill in enumerate(kills):
+        ordinary = ordinary_step([r["time"] for g in survivor for r in g["steps"][1:]], kill["killed"])
         before = [g for g in survivor if g["start"] is not None and g["start"] < kill["killed"]]
         after = [g for g in survivor if g["start"] is not None and g["start"] > kill["killed"] and g["steps"]]
-        row = {"failure": i + 1}
+        row = {"failure": i + 1, "step_s": round(ordinary, 3)}
         if not before or not after:
             out.append(row)
             continue
@@ -327,6 +335,12 @@ def train_args(args, seed: int) -> list[str]:
             "logging.progress=false", *args.overrides]
 
 
+def join_timeout(args) -> list[str]:
+    """``--join-timeout-s`` for the Lighthouse: given explicitly by default, as torchft's Python server
+    otherwise waits far less than the 60 s ddpx lighthouse announces (see docs/recovery.md)."""
+    return [] if args.join_timeout_s is None else ["--join-timeout-s", f"{args.join_timeout_s:g}"]
+
+
 def run_live(args, workdir: Path, hosts, failures: int, seed: int = 0) -> dict:
     records = workdir / "records"
     records.mkdir(parents=True, exist_ok=True)
@@ -337,34 +351,38 @@ def run_live(args, workdir: Path, hosts, failures: int, seed: int = 0) -> dict:
     def host_args(i):
         return ["train", *train_args(args, seed), "--lighthouse", lighthouse, f"run_dir={workdir / f'run{i}'}",
                 "plugins.enable=[live_faults]", f"faults.record_dir={records}", f"faults.label=host{i}",
-                f"faults.step_sleep_s={args.step_sleep}"]
+                f"faults.step_sleep_s={args.step_sleep}", f"faults.fast_file={workdir / 'fast'}"]
 
     def steps(label):
         return [r for inc in live_incarnations(records, label) for r in inc["steps"]]
 
-    def latest(label):
-        incs = live_incarnations(records, label)
-        return incs[-1] if incs else None
+    def trained_with_all(since):
+        """The victim's process started after ``since`` committed ``steps_between`` steps with every host."""
+        incs = [inc for inc in live_incarnations(records, f"host{VICTIM}") if (inc["ready"] or 0) >= since]
+        return incs and sum(r["groups"] == HOSTS for r in incs[-1]["steps"]) >= args.steps_between
 
     started = time.monotonic()
     try:
-        run.start(0, "lighthouse", ["lighthouse", "--port", str(LIGHTHOUSE_PORT), "--heartbeat-timeout-s", "1"])
+        run.start(0, "lighthouse", ["lighthouse", "--port", str(LIGHTHOUSE_PORT), "--min-groups", str(args.min_groups),
+                                    "--heartbeat-timeout-s", "1", *join_timeout(args)])
+        if not failures:
+            (workdir / "fast").touch()
         for i in range(HOSTS):
             run.start(i, f"host{i}", host_args(i))
-        name = f"host{VICTIM}"
-        for k in range(failures):
-            # the victim trains with every host for a few steps
-            ok = wait(lambda: (inc := latest(f"host{VICTIM}")) and
-                      sum(r["groups"] == HOSTS for r in inc["steps"]) >= args.steps_between, args.timeout)
-            if not ok or any(run.procs[f"host{i}"].poll() is not None for i in range(VICTIM)):
+        name, since = f"host{VICTIM}", 0.0
+        for k in range(failures + 1):
+            # the victim (restarted) trains with every host for a few steps
+            ok = wait(lambda: trained_with_all(since), args.timeout)
+            if k == failures or not ok or any(run.procs[f"host{i}"].poll() is not None for i in range(VICTIM)):
                 break
             kill = {"killed": run.kill(name)}
             wait(lambda: any(r["time"] > kill["killed"] and r["groups"] < HOSTS for r in steps("host0")), 60)
             time.sleep(args.restart_after)
-            kill["restarted"] = time.time()
+            kill["restarted"] = since = time.time()
             kills.append(kill)
             name = f"host{VICTIM}-{k + 1}"
             run.start(VICTIM, name, host_args(VICTIM))
+        (workdir / "fast").touch()  # the failures are over: the run ends at full speed
         for proc in run.procs.values():
             if proc is not run.procs["lighthouse"]:
                 proc.wait(timeout=max(1.0, args.timeout - (time.monotonic() - started)))
@@ -388,7 +406,9 @@ def run_live(args, workdir: Path, hosts, failures: int, seed: int = 0) -> dict:
         "recovery": "live", "seed": seed, "failures": rows,
         "exit_codes": exit_codes,
         "survivor_exited": any(exit_codes[f"host{i}"] != 0 for i in range(VICTIM)),
-        "checkpoint_read": any(RESUMED in log for log in logs.values()),
+        "checkpoint_read": {"survivors": any(RESUMED in logs[f"host{i}"] for i in range(VICTIM)),
+                            "restarted_host": [n for n, log in logs.items() if n.startswith(f"host{VICTIM}-") and
+                                               RESUMED in log]},
         "healed_lines": sum(log.count("healed from a peer") for log in logs.values()),
         "step_time_s": round(step_time([r["time"] for r in survivors["host0"]]) or 0, 3),
         "final": {f"host{i}": final_metrics(logs[f"host{i}"]) for i in range(VICTIM)},
@@ -408,28 +428,32 @@ def run_restart(args, workdir: Path, hosts, failures: int, seed: int = 0) -> dic
         return ["train", *train_args(args, seed), "--nnodes", f"{HOSTS - 1}:{HOSTS}", "--max-restarts",
                 str(2 * failures + 3), "--rdzv-endpoint", endpoint, f"run_dir={workdir / 'run'}",
                 f"checkpoint.every_steps={args.every_steps}", "plugins.enable=[elastic_probe]",
-                f"probe.record_dir={records}", f"probe.label=host{i}", f"probe.step_sleep_s={args.step_sleep}"]
+                f"probe.record_dir={records}", f"probe.label=host{i}", f"probe.step_sleep_s={args.step_sleep}",
+                f"probe.fast_file={workdir / 'fast'}"]
 
     started = time.monotonic()
     try:
         for i in range(HOSTS):
             run.start(i, f"host{i}", host_args(i))
-        name = f"host{VICTIM}"
-        for k in range(failures):
-            def victim_trained():
-                groups = restart_groups(records, f"host{VICTIM}")
-                return groups and groups[-1]["world_size"] == HOSTS * args.nproc_per_node and \
-                    len(groups[-1]["steps"]) >= args.steps_between and run.procs[name].poll() is None
-            if not wait(victim_trained, args.timeout):
+        name, since = f"host{VICTIM}", 0.0
+
+        def victim_trained():
+            groups = [g for g in restart_groups(records, f"host{VICTIM}") if (g["start"] or 0) >= since]
+            return groups and groups[-1]["world_size"] == HOSTS * args.nproc_per_node and \
+                len(groups[-1]["steps"]) >= args.steps_between and run.procs[name].poll() is None
+
+        for k in range(failures + 1):
+            if not wait(victim_trained, args.timeout) or k == failures:
                 break
             kill = {"killed": run.kill(name)}
             wait(lambda: any(g["start"] and g["start"] > kill["killed"] and g["steps"]
                              for g in restart_groups(records, "host0")), 120)
             time.sleep(args.restart_after)
-            kill["restarted"] = time.time()
+            kill["restarted"] = since = time.time()
             kills.append(kill)
             name = f"host{VICTIM}-{k + 1}"
             run.start(VICTIM, name, host_args(VICTIM))
+        (workdir / "fast").touch()
         for proc in run.procs.values():
             proc.wait(timeout=max(1.0, args.timeout - (time.monotonic() - started)))
     except subprocess.TimeoutExpired:
@@ -452,15 +476,17 @@ def run_restart(args, workdir: Path, hosts, failures: int, seed: int = 0) -> dic
 
 
 KEYS = {"live": ["lost_s", "stall_death_s", "since_commit_s", "stall_rejoin_s", "ready_to_first_step_s",
-                 "dropped_steps"],
+                 "dropped_steps", "step_s"],
         "restart": ["lost_s", "death_to_training_s", "death_stall_s", "redone_steps", "rejoin_stall_s",
-                    "rejoin_redone_steps"]}
+                    "rejoin_redone_steps", "step_s"]}
 
 
 def one_run(args, recovery: str, failures: int, seed: int) -> dict:
     runner = run_live if recovery == "live" else run_restart
     with tempfile.TemporaryDirectory(prefix="bench_recovery") as tmp, harness.hosts(HOSTS) as hosts:
-        result = runner(args, Path(tmp), hosts, failures, seed)
+        workdir = Path(args.workdir) / f"{recovery}-seed{seed}-failures{failures}" if args.workdir else Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        result = runner(args, workdir, hosts, failures, seed)
     if not args.keep_logs:
         result.pop("log_tails")
     return result
@@ -471,19 +497,26 @@ def main(argv=None):
     parser.add_argument("--recovery", choices=["live", "restart"], default="live")
     parser.add_argument("--failures", type=int, default=10, help="times host 2 dies")
     parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--min-groups", type=int, default=1, help="live: the Lighthouse's --min-groups")
+    parser.add_argument("--join-timeout-s", type=float, default=60.0,
+                        help="live: the Lighthouse's --join-timeout-s (-1: not given, torchft's default)")
     parser.add_argument("--example", choices=["digits", "char_gpt"], default="digits")
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds each step sleeps (the pace)")
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--step-sleep", type=float, default=0.15, help="seconds each step sleeps (the pace)")
     parser.add_argument("--steps-between", type=int, default=5, help="steps host 2 trains with all before it dies")
     parser.add_argument("--restart-after", type=float, default=1.0, help="seconds host 2 stays dead")
     parser.add_argument("--every-steps", type=int, default=10, help="checkpoint.every_steps under restart")
     parser.add_argument("--seeds", type=int, nargs="*", help="live only: an undisturbed and a disturbed run per seed")
     parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
     parser.add_argument("--keep-logs", action="store_true", help="the logs' tails in the result")
+    parser.add_argument("--workdir", help="run in this directory and keep it (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", help="write the JSON result to this file")
     parser.add_argument("overrides", nargs="*", help="config overrides for every host (key=value)")
     args = parser.parse_args(argv)
+    if args.join_timeout_s is not None and args.join_timeout_s < 0:
+        args.join_timeout_s = None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`, kill: the hosts' namespaces go too
     if not harness.netns_available():
         raise SystemExit("bench_recovery: needs root and `ip netns` (network namespaces as hosts)")
     load = os.getloadavg()

@@ -13,7 +13,8 @@ being trained, ``global_step + 1``), at one of
 * ``heal_receive``     while this group loads the state it healed from.
 
 ``step_sleep_s`` slows every step, ``alone_sleep_s`` those a group trains alone (so a run lasts
-until a restarted group is back, and no longer).
+until a restarted group is back, and no longer); neither once the file ``fast_file`` exists (a
+benchmark's failures are over: the run finishes at full speed).
 
 Files: ``<record_dir>/<label>-<pid>.jsonl``, one ``{"epoch", "step", "before", "after", "groups",
 "indices"}`` line per committed step: the sampler's position before and after it (the global
@@ -38,7 +39,7 @@ _state = {}
 @hookimpl
 def ddpx_config_defaults():
     return {"faults": {"record_dir": "", "label": "group", "point": "none", "at_step": -1, "step_sleep_s": 0.0,
-                       "alone_sleep_s": 0.0}}
+                       "alone_sleep_s": 0.0, "fast_file": ""}}
 
 
 def _die(point, step=None):
@@ -134,7 +135,9 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
               "time": time.time()}
     _write(record)
     alone = trainer.strategy.groups.groups == 1
-    time.sleep(_state["cfg"]["alone_sleep_s" if alone else "step_sleep_s"])
+    cfg = _state["cfg"]
+    if not (cfg["fast_file"] and os.path.exists(cfg["fast_file"])):
+        time.sleep(cfg["alone_sleep_s" if alone else "step_sleep_s"])
 
 
 def _write(record):
