@@ -117,11 +117,12 @@ def _same_steps(a: dict, b: dict) -> bool:
 
 
 def restart_groups(records_dir: Path, label: str) -> list[dict]:
-    """One host's worker groups under elastic restart (tests/elastic_probe.py, rank 0's files), in start
-    order: ``{"start": time, "start_step", "world_size", "steps": [step records]}``; a file may hold
-    several groups (an agent restarted for a new member keeps its attempt number)."""
+    """One host's worker groups under elastic restart (tests/elastic_probe.py: a file per attempt and
+    global rank), in start order: ``{"start": time, "start_step", "world_size", "steps": [step
+    records]}``; a file may hold several groups (an agent restarted for a new member keeps its attempt
+    number). Of a host's several ranks, one group per start (the rank's that wrote first)."""
     groups = []
-    for path in Path(records_dir).glob(f"steps-{label}-*-rank0.jsonl"):
+    for path in sorted(Path(records_dir).glob(f"steps-{label}-*-rank*.jsonl")):
         current = None
         for record in read_jsonl(path):
             if record["event"] == "start":
@@ -132,7 +133,13 @@ def restart_groups(records_dir: Path, label: str) -> list[dict]:
                 current["steps"].append(record)
     groups.sort(key=lambda g: g["start"] if g["start"] is not None else
                 min((r["time"] for r in g["steps"]), default=float("inf")))
-    return groups
+    kept = []
+    for g in groups:
+        if kept and (g["start_step"], g["world_size"]) == (kept[-1]["start_step"], kept[-1]["world_size"]) and \
+                g["start"] is not None and kept[-1]["start"] is not None and g["start"] - kept[-1]["start"] < 5.0:
+            continue  # another rank of the same host and group
+        kept.append(g)
+    return kept
 
 
 def membership_changes(log: str) -> list[dict]:
