@@ -417,7 +417,6 @@ def run_live(args, workdir: Path, hosts, failures: int, seed: int = 0) -> dict:
                             "restarted_host": [n for n, log in logs.items() if n.startswith(f"host{VICTIM}-") and
                                                RESUMED in log]},
         "healed_lines": sum(log.count("healed from a peer") for log in logs.values()),
-        "step_time_s": round(step_time([r["time"] for r in survivors["host0"]]) or 0, 3),
         "final": {f"host{i}": final_metrics(logs[f"host{i}"]) for i in range(VICTIM)},
         "seconds": round(time.monotonic() - started, 1),
         "log_tails": {n: log[-1500:] for n, log in logs.items()},
@@ -474,7 +473,6 @@ def run_restart(args, workdir: Path, hosts, failures: int, seed: int = 0) -> dic
     return {
         "recovery": "restart", "seed": seed, "failures": rows, "exit_codes": exit_codes,
         "checkpoint_read": any(RESUMED in log for log in logs.values()),
-        "step_time_s": round(step_time([r["time"] for g in survivor for r in g["steps"][1:]]) or 0, 3),
         "world_sizes": [g["world_size"] for g in survivor],
         "final": {"host0": final_metrics(logs["host0"])},
         "seconds": round(time.monotonic() - started, 1),
