@@ -534,11 +534,12 @@ def main(argv=None):
             for failures in (0, args.failures):
                 run = one_run(args, "live", failures, seed)
                 runs.append({"seed": seed, "failures": failures, "final": run["final"],
-                             "survivor_exited": run["survivor_exited"], "checkpoint_read": run["checkpoint_read"]})
+                             "survivor_exited": run["survivor_exited"], "checkpoint_read": run["checkpoint_read"],
+                             "summary": summary(run["failures"], KEYS["live"])})
         result["seeds"] = runs
         for failures in (0, args.failures):
             finals = [r["final"]["host0"] for r in runs if r["failures"] == failures and r["final"]["host0"]]
-            result[f"failures_{failures}"] = {key: [f.get(key) for f in finals] for key in ("accuracy", "val_loss")}
+            result[f"failures_{failures}"] = {key: [f.get(key) for f in finals] for key in ("accuracy", "eval_loss")}
     else:
         run = one_run(args, args.recovery, args.failures, 0)
         result.update(run)
