@@ -16,7 +16,8 @@ On it stand the four shapes the tests need:
 * :func:`train_ranks`: ``ddpx.worker`` ranks started without torchrun, as srun or
   mpirun start them.
 
-Plus two simulated hosts in network namespaces (root only).
+Plus simulated hosts in network namespaces (root only): :func:`two_hosts` (a veth pair) and
+:func:`hosts` (n hosts on a switch).
 
 Every time limit in the tests is counted on one clock, :func:`clock`: seconds of a
 CPU's time as a process waiting for one gets it, so a limit catches a hang without
@@ -354,7 +355,7 @@ def _rank_main(argv: list[str]) -> None:
     os._exit(0)
 
 
-# --- two hosts in network namespaces (root only) ---------------------------------------------
+# --- hosts in network namespaces (root only) -------------------------------------------------
 
 
 def benchmark(name: str):
