@@ -16,7 +16,8 @@ attempt, and can inject one failure at a chosen step:
 ``rank: -1`` acts on every rank (e.g. the one worker of the node whose config
 says so); ``step_sleep_s`` slows every step from ``at_step`` on down (every step
 where none is set), so a run lasts long enough after the failure for a node to
-rejoin or a stop to land, and no longer before it.
+rejoin or a stop to land, and no longer before it; no step sleeps once the file
+``fast_file`` exists.
 
 The failure happens once: ``marker`` names a file created just before it, and
 an existing marker disables the action (a restarted attempt runs normally).
@@ -43,7 +44,7 @@ _probe = {}
 @hookimpl
 def ddpx_config_defaults():
     return {"probe": {"record_dir": "", "label": "run", "action": "none", "at_step": -1, "rank": 0, "marker": "",
-                      "step_sleep_s": 0.0}}
+                      "step_sleep_s": 0.0, "fast_file": ""}}
 
 
 @hookimpl
@@ -66,7 +67,7 @@ def ddpx_train_start(trainer):  # the checkpoint plugin (tryfirst) has restored 
     _probe["index"] = {row.numpy().tobytes(): i for i, row in enumerate(features)}
     _probe["step"] = trainer.global_step
     _write({"event": "start", "world_size": trainer.world_size, "step": trainer.global_step, "epoch": trainer.epoch,
-            "pid": os.getpid()})
+            "pid": os.getpid(), "time": time.time()})
 
 
 @hookimpl(wrapper=True)
@@ -85,7 +86,7 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
             "time": time.time()})
     _probe["pending"] = []
     cfg = _probe["cfg"]
-    if trainer.global_step >= cfg["at_step"]:
+    if trainer.global_step >= cfg["at_step"] and not (cfg["fast_file"] and os.path.exists(cfg["fast_file"])):
         time.sleep(cfg["step_sleep_s"])
     if cfg["action"] == "none" or trainer.global_step != cfg["at_step"] or cfg["rank"] not in (-1, trainer.rank):
         return

@@ -16,7 +16,8 @@ On it stand the four shapes the tests need:
 * :func:`train_ranks`: ``ddpx.worker`` ranks started without torchrun, as srun or
   mpirun start them.
 
-Plus two simulated hosts in network namespaces (root only).
+Plus simulated hosts in network namespaces (root only): :func:`two_hosts` (a veth pair) and
+:func:`hosts` (n hosts on a switch).
 
 Every time limit in the tests is counted on one clock, :func:`clock`: seconds of a
 CPU's time as a process waiting for one gets it, so a limit catches a hang without
@@ -354,7 +355,7 @@ def _rank_main(argv: list[str]) -> None:
     os._exit(0)
 
 
-# --- two hosts in network namespaces (root only) ---------------------------------------------
+# --- hosts in network namespaces (root only) -------------------------------------------------
 
 
 def benchmark(name: str):
@@ -380,35 +381,74 @@ def _netns_names():
     return os.environ.get("DDPX_TEST_NETNS", "ddpxt,vt,10.213").split(",")
 
 
+def _sh(*cmd):
+    subprocess.run([str(c) for c in cmd], check=True, capture_output=True)
+
+
+@contextlib.contextmanager
+def _namespaces(count: int, switch: bool = False):
+    """``count`` host namespaces (and a "switch" one), lo up in each, removed on exit whatever
+    happened: yields ``(hosts, switch_ns, tag)``, ``hosts`` = ``[(namespace, interface, address)]``
+    at <A.B>.<random subnet>.1, .2, ... /24 (see _netns_names); the interfaces are named, not made."""
+    tag = uuid.uuid4().hex[:6]
+    ns_prefix, veth_prefix, net16 = _netns_names()
+    subnet = f"{net16}.{random.randint(1, 250)}"
+    names = "ab" if count == 2 and not switch else [str(i) for i in range(count)]
+    hosts = [(f"{ns_prefix}{tag}{end}", f"{veth_prefix}{tag}{end}", f"{subnet}.{i + 1}") for i, end in enumerate(names)]
+    switch_ns = f"{ns_prefix}{tag}sw" if switch else None
+    made = []
+    try:
+        for ns in [h[0] for h in hosts] + ([switch_ns] if switch else []):
+            _sh("ip", "netns", "add", ns)
+            made.append(ns)
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield hosts, switch_ns, tag
+    finally:
+        for ns in made:  # deleting a namespace deletes its end of every veth pair too
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _host_end(ns: str, iface: str, addr: str, rate=None) -> None:
+    """Move ``iface`` into ``ns`` with ``addr``/24, up; ``rate`` shapes what it sends (tbf)."""
+    _sh("ip", "link", "set", iface, "netns", ns)
+    _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", iface)
+    _sh("ip", "-n", ns, "link", "set", iface, "up")
+    if rate:
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, "root", "tbf",
+            "rate", rate, "burst", "1mb", "latency", "100ms")
+
+
 @contextlib.contextmanager
 def two_hosts(rate=None):
     """Two namespaces joined by a veth pair: yields ``[(namespace, interface, address)] * 2``
     at 10.213.<n>.1 and .2 (/24; see _netns_names), lo up in both. ``rate`` (tc syntax, e.g. ``"100mbit"``)
     shapes both directions with tbf. Removed on exit, whatever happened."""
-    tag = uuid.uuid4().hex[:6]
-    ns_prefix, veth_prefix, net16 = _netns_names()
-    subnet = f"{net16}.{random.randint(1, 250)}"
-    hosts = [(f"{ns_prefix}{tag}{end}", f"{veth_prefix}{tag}{end}", f"{subnet}.{i + 1}") for i, end in enumerate("ab")]
-
-    def sh(*cmd):
-        subprocess.run(cmd, check=True, capture_output=True)
-
-    try:
-        for ns, _, _ in hosts:
-            sh("ip", "netns", "add", ns)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+    with _namespaces(2) as (hosts, _, _):
+        _sh("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
         for ns, iface, addr in hosts:
-            sh("ip", "link", "set", iface, "netns", ns)
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", iface)
-            sh("ip", "-n", ns, "link", "set", iface, "up")
-            if rate:
-                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, "root", "tbf",
-                   "rate", rate, "burst", "1mb", "latency", "100ms")
+            _host_end(ns, iface, addr, rate)
         yield hosts
-    finally:
-        for ns, _, _ in hosts:  # deleting a namespace deletes its end of the veth pair too
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@contextlib.contextmanager
+def hosts(n: int, rate=None):
+    """``n`` namespaces joined by a switch: a bridge in a namespace of its own with one veth
+    pair per host (host side: the yielded interface; switch side: the same name with "s" before
+    its number). Yields ``[(namespace, interface, address)] * n`` at <A.B>.<n>.1, .2, ... (/24;
+    see _netns_names), lo up in each; ``rate`` shapes what each host sends (tbf). Removed on
+    exit, whatever happened."""
+    with _namespaces(n, switch=True) as (found, switch, tag):
+        bridge = f"{_netns_names()[1]}{tag}br"
+        _sh("ip", "-n", switch, "link", "add", bridge, "type", "bridge")
+        _sh("ip", "-n", switch, "link", "set", bridge, "up")
+        for i, (ns, iface, addr) in enumerate(found):
+            port = f"{_netns_names()[1]}{tag}s{i}"
+            _sh("ip", "link", "add", iface, "type", "veth", "peer", "name", port)
+            _sh("ip", "link", "set", port, "netns", switch)
+            _sh("ip", "-n", switch, "link", "set", port, "master", bridge)
+            _sh("ip", "-n", switch, "link", "set", port, "up")
+            _host_end(ns, iface, addr, rate)
+        yield found
 
 
 if __name__ == "__main__":
@@ -437,3 +477,4 @@ class Ranks:
     call = staticmethod(call_ranks)
     train = staticmethod(train_ranks)
     two_hosts = staticmethod(two_hosts)
+    hosts = staticmethod(hosts)

@@ -13,13 +13,16 @@ being trained, ``global_step + 1``), at one of
 * ``heal_receive``     while this group loads the state it healed from.
 
 ``step_sleep_s`` slows every step, ``alone_sleep_s`` those a group trains alone (so a run lasts
-until a restarted group is back, and no longer).
+until a restarted group is back, and no longer); neither once the file ``fast_file`` exists (a
+benchmark's failures are over: the run finishes at full speed).
 
 Files: ``<record_dir>/<label>-<pid>.jsonl``, one ``{"epoch", "step", "before", "after", "groups",
 "indices"}`` line per committed step: the sampler's position before and after it (the global
 batches it consumed) and the training samples this rank trained in it; a ``{"event": "healed",
 "epoch", "step"}`` line where the group took a peer's state (its records of steps up to that one
-may belong to a branch the heal replaced: two quorums that formed apart).
+may belong to a branch the heal replaced: two quorums that formed apart); a first ``{"event": "ready",
+"epoch", "step", "time"}`` line when training starts (the process is up; benchmarks/bench_recovery.py
+times a restarted group from it). Datasets other than a TensorDataset record no ``indices``.
 """
 
 import json
@@ -36,7 +39,7 @@ _state = {}
 @hookimpl
 def ddpx_config_defaults():
     return {"faults": {"record_dir": "", "label": "group", "point": "none", "at_step": -1, "step_sleep_s": 0.0,
-                       "alone_sleep_s": 0.0}}
+                       "alone_sleep_s": 0.0, "fast_file": ""}}
 
 
 def _die(point, step=None):
@@ -56,8 +59,9 @@ def ddpx_setup(trainer):
 
 @hookimpl
 def ddpx_train_start(trainer):
-    features = trainer.train_set.tensors[0]
-    _state["index"] = {row.numpy().tobytes(): i for i, row in enumerate(features)}
+    tensors = getattr(trainer.train_set, "tensors", None)  # a TensorDataset (digits); else no sample indices
+    _state["index"] = {row.numpy().tobytes(): i for i, row in enumerate(tensors[0])} if tensors else None
+    _write({"event": "ready", "epoch": trainer.epoch, "step": trainer.global_step, "time": time.time()})
 
 
 def _inject(trainer):
@@ -116,7 +120,8 @@ def ddpx_step_window(trainer, batch_index, num_batches):
 @hookimpl(wrapper=True)
 def ddpx_forward(trainer, batch):
     index = _state["index"]
-    _state["pending"].extend(index[row.cpu().numpy().tobytes()] for row in batch[0])
+    if index is not None:
+        _state["pending"].extend(index[row.cpu().numpy().tobytes()] for row in batch[0])
     return (yield)
 
 
@@ -130,7 +135,9 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
               "time": time.time()}
     _write(record)
     alone = trainer.strategy.groups.groups == 1
-    time.sleep(_state["cfg"]["alone_sleep_s" if alone else "step_sleep_s"])
+    cfg = _state["cfg"]
+    if not (cfg["fast_file"] and os.path.exists(cfg["fast_file"])):
+        time.sleep(cfg["alone_sleep_s" if alone else "step_sleep_s"])
 
 
 def _write(record):

@@ -57,6 +57,8 @@ def records(tmp_path, label, marked=False):
     for path in sorted((tmp_path / "records").glob(f"{label}-*.jsonl"), key=lambda p: p.stat().st_mtime):
         mine = []
         for r in (json.loads(line) for line in path.read_text().splitlines()):
+            if r.get("event") == "ready":  # the process started training: no step
+                continue
             if r.get("event") == "healed":
                 for earlier in mine:
                     earlier["superseded"] |= (earlier["epoch"], earlier["step"]) <= (r["epoch"], r["step"])
