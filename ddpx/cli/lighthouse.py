@@ -24,10 +24,10 @@ def register(subparsers):
     p.add_argument("--heartbeat-timeout-s", type=float, default=lighthouse.DEFAULT_HEARTBEAT_TIMEOUT_S,
                    help="seconds without a heartbeat after which a group leaves the quorum (default: 5, "
                         "torchft's; 1 detects a dead node in about 1 s)")
-    p.add_argument("--join-timeout-s", type=float, default=None,
+    p.add_argument("--join-timeout-s", type=float, default=lighthouse.DEFAULT_JOIN_TIMEOUT_S,
                    help="seconds a quorum waits, once --min-groups joined, for the other groups that heartbeat "
-                        f"to join too (default: torchft's, {lighthouse.TORCHFT_JOIN_TIMEOUT_S:g} s; a quorum "
-                        "that every heartbeating group joined forms at once)")
+                        f"to join too (default: {lighthouse.DEFAULT_JOIN_TIMEOUT_S:g}; a quorum that every "
+                        "heartbeating group joined forms at once)")
     p.add_argument("--quorum-tick-ms", type=int, default=None,
                    help=f"how often, in ms, the quorum is checked (default: torchft's, "
                         f"{lighthouse.TORCHFT_QUORUM_TICK_MS})")

@@ -20,9 +20,11 @@ from .torchft_import import require_torchft
 DEFAULT_PORT = 29510  # torchft's
 DEFAULT_BIND = "0.0.0.0"  # every IPv4 interface
 DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0  # torchft's: a group that sent no heartbeat for this long is out of the quorum
-# torchft's defaults where an option is not given: a quorum waits up to 60 s after the minimum
-# joined for groups that heartbeat but have not asked yet, checked every 100 ms.
-TORCHFT_JOIN_TIMEOUT_S = 60.0
+# A quorum waits up to this long after the minimum joined for groups that heartbeat but have not
+# asked yet. Given explicitly: torchft's server made from Python without it waits far less, and
+# three groups then never trained together (each quorum formed when two asked, benchmarks/
+# bench_recovery.py; docs/recovery.md). Checked every 100 ms (torchft's tick).
+DEFAULT_JOIN_TIMEOUT_S = 60.0
 TORCHFT_QUORUM_TICK_MS = 100
 
 
@@ -41,7 +43,7 @@ def reach_host(bind: str) -> str:
     return net.source_address(net._DEFAULT_ROUTE_PROBE) or "127.0.0.1"
 
 
-def check_options(port: int, min_groups: int, heartbeat_timeout_s: float, join_timeout_s: Optional[float],
+def check_options(port: int, min_groups: int, heartbeat_timeout_s: float, join_timeout_s: float,
                   quorum_tick_ms: Optional[int]) -> None:
     if not 1 <= port <= 65535:
         raise DdpxError(f"--port must be a port number from 1 to 65535, got {port}")
@@ -49,7 +51,7 @@ def check_options(port: int, min_groups: int, heartbeat_timeout_s: float, join_t
         raise DdpxError(f"--min-groups must be >= 1 (replica groups a quorum needs), got {min_groups}")
     if not heartbeat_timeout_s > 0:
         raise DdpxError(f"--heartbeat-timeout-s must be > 0 seconds, got {heartbeat_timeout_s:g}")
-    if join_timeout_s is not None and not join_timeout_s >= 0:
+    if not join_timeout_s >= 0:
         raise DdpxError(f"--join-timeout-s must be >= 0 seconds, got {join_timeout_s:g}")
     if quorum_tick_ms is not None and quorum_tick_ms < 1:
         raise DdpxError(f"--quorum-tick-ms must be >= 1, got {quorum_tick_ms}")
@@ -70,7 +72,7 @@ def check_port(bind: str, port: int) -> None:
 
 
 def serve(port: int = DEFAULT_PORT, bind: str = DEFAULT_BIND, min_groups: int = 1,
-          heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S, join_timeout_s: Optional[float] = None,
+          heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
           quorum_tick_ms: Optional[int] = None) -> int:
     """Run the Lighthouse until SIGTERM (0) or SIGINT (130)."""
     check_options(port, min_groups, heartbeat_timeout_s, join_timeout_s, quorum_tick_ms)
@@ -93,13 +95,13 @@ def serve(port: int = DEFAULT_PORT, bind: str = DEFAULT_BIND, min_groups: int = 
         try:
             server = LighthouseServer(
                 bind=bind_address(bind, port), min_replicas=min_groups,
-                join_timeout_ms=None if join_timeout_s is None else int(round(join_timeout_s * 1000)),
+                join_timeout_ms=int(round(join_timeout_s * 1000)),
                 quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=int(round(heartbeat_timeout_s * 1000)))
         except Exception as exc:  # a port taken since check_port, an address not this machine's
             first = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise DdpxError(f"the Lighthouse cannot start on {bind_address(bind, port)}: {first}") from None
         try:
-            join = TORCHFT_JOIN_TIMEOUT_S if join_timeout_s is None else join_timeout_s
+            join = join_timeout_s
             groups = f"{min_groups} replica group{'s' if min_groups > 1 else ''}"
             print(f"ddpx lighthouse: listening on {bind_address(bind, port)} (a quorum needs {groups}, waits "
                   f"{join:g} s for more; heartbeat timeout {heartbeat_timeout_s:g} s); start each node with "
