@@ -14,7 +14,8 @@ being trained, ``global_step + 1``), at one of
 
 ``step_sleep_s`` slows every step, ``alone_sleep_s`` those a group trains alone (so a run lasts
 until a restarted group is back, and no longer); neither once the file ``fast_file`` exists (a
-benchmark's failures are over: the run finishes at full speed).
+benchmark's failures are over: the run finishes at full speed). ``alone_wait_for`` (a glob): a group
+alone waits after each step until such a file exists (a restarted group's records: it is up).
 
 Files: ``<record_dir>/<label>-<pid>.jsonl``, one ``{"epoch", "step", "before", "after", "groups",
 "indices"}`` line per committed step: the sampler's position before and after it (the global
@@ -25,6 +26,7 @@ may belong to a branch the heal replaced: two quorums that formed apart); a firs
 times a restarted group from it). Datasets other than a TensorDataset record no ``indices``.
 """
 
+import glob
 import json
 import os
 import signal
@@ -39,7 +41,7 @@ _state = {}
 @hookimpl
 def ddpx_config_defaults():
     return {"faults": {"record_dir": "", "label": "group", "point": "none", "at_step": -1, "step_sleep_s": 0.0,
-                       "alone_sleep_s": 0.0, "fast_file": ""}}
+                       "alone_sleep_s": 0.0, "fast_file": "", "alone_wait_for": ""}}
 
 
 def _die(point, step=None):
@@ -138,6 +140,10 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
     cfg = _state["cfg"]
     if not (cfg["fast_file"] and os.path.exists(cfg["fast_file"])):
         time.sleep(cfg["alone_sleep_s" if alone else "step_sleep_s"])
+    waited = 0.0
+    while alone and cfg["alone_wait_for"] and not glob.glob(cfg["alone_wait_for"]) and waited < 300:
+        time.sleep(0.1)  # alone until a group the test restarts is up (its "ready" record), however slow
+        waited += 0.1
 
 
 def _write(record):
