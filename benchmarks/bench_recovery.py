@@ -7,7 +7,8 @@ and workers, as a host dying) ``--failures`` times; each time, once it is dead a
 train without it, it is started again with the same command, as an operator (or a scheduler)
 would.
 
-``--recovery live``: ``ddpx lighthouse --port PORT --heartbeat-timeout-s 1`` on host 0, then on
+``--recovery live``: ``ddpx lighthouse --port PORT --heartbeat-timeout-s 1 --join-timeout-s 60`` on
+host 0 (the join timeout given: without it three groups never share a quorum, docs/recovery.md), then on
 every host the README's live command ``ddpx train --nproc-per-node N --lighthouse HOST0:PORT``, with
 the test plugin tests/live_faults.py recording every committed step (wall time, replica groups)
 and a "ready" record when training starts. Per failure:
@@ -40,8 +41,11 @@ The final eval loss and accuracy are host 0's ("finished after ..." line). ``--s
 each seed one undisturbed live run and one disturbed one (the spread of the final accuracy and eval
 loss).
 
+Every step sleeps ``--step-sleep`` s (so a run outlasts its failures) until the last failure is
+over; then the run ends at full speed.
+
 Usage (root): python benchmarks/bench_recovery.py --recovery live|restart [--failures 10]
-[--nproc-per-node 1] [--epochs E] [--json] [--out FILE]
+[--nproc-per-node 1] [--epochs 40] [--seeds 0 1 2] [--workdir DIR] [--json] [--out FILE] [KEY=VALUE ...]
 (``DDPX_TEST_NETNS=NSPREFIX,VETHPREFIX,A.B`` names the namespaces, as for the tests).
 """
 
