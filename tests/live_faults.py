@@ -3,7 +3,8 @@ every committed step and kills this replica group at a chosen point, as torchft'
 
 Config section ``faults``: ``record_dir``, ``label`` (this group's), ``point`` and ``at_step``:
 SIGKILL the torchrun agent and this worker (a host dying) at optimizer step ``at_step`` (the step
-being trained, ``global_step + 1``), at one of
+being trained, ``global_step + 1``; 0: the step after this process's first committed one, whatever
+step a heal brought it to), at one of
 
 * ``before_exchange``  after the backward passes, before the gradients cross the groups;
 * ``in_collective``    inside the exchange, with its collective in flight;
@@ -47,7 +48,7 @@ def ddpx_config_defaults():
 def _die(point, step=None):
     cfg = _state["cfg"]
     step = _state["trainer"].global_step + 1 if step is None else step
-    if cfg["point"] == point and step == cfg["at_step"]:
+    if cfg["point"] == point and (step == cfg["at_step"] or cfg["at_step"] == 0 and _state.get("trained")):
         os.kill(os.getppid(), signal.SIGKILL)  # the agent first: nothing restarts this group
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -136,6 +137,7 @@ def ddpx_batch_end(trainer, batch_index, loss, stepped):
               "after": sampler.consumed, "groups": trainer.strategy.groups.groups, "indices": _state["pending"],
               "time": time.time()}
     _write(record)
+    _state["trained"] = True  # at_step 0: the step after this process's first committed one
     alone = trainer.strategy.groups.groups == 1
     cfg = _state["cfg"]
     if not (cfg["fast_file"] and os.path.exists(cfg["fast_file"])):

@@ -162,7 +162,9 @@ def test_a_group_that_dies_while_healing_comes_back_and_heals_into_the_next_epoc
     big = "trainer.batch_size=64"  # 23 steps an epoch alone: A is in epoch 1 soon
     try:
         a = start_group(tmp_path, port, "A", big, epochs=6)
+        c = start_group(tmp_path, port, "C", big, "faults.point=after_exchange", "faults.at_step=0", epochs=6)
         assert harness.wait_for(lambda: records(tmp_path, "A") and records(tmp_path, "A")[-1]["epoch"] >= 1, 120)
+        wait_for_exit(c)  # died after an exchange, before the groups decided on its commit
         b = start_group(tmp_path, port, "B", big, "faults.point=heal_receive", "faults.at_step=1", epochs=6)
         wait_for_exit(b)
         b2 = start_group(tmp_path, port, "B", big, log="B2", epochs=6)
@@ -172,10 +174,11 @@ def test_a_group_that_dies_while_healing_comes_back_and_heals_into_the_next_epoc
     a_end, b2_end = ended
     assert a_end.returncode == 0, a_end.output[-3000:]
     assert b2_end.returncode == 0, b2_end.output[-3000:]
+    assert len(records(tmp_path, "C")) == 1  # one committed step, then killed after the next one's exchange
     assert all(r["epoch"] >= 1 for r in records(tmp_path, "B"))  # B died healing, B2 healed: no step from 0
     healed = lines(b2_end.output, "healed from a peer")
     assert len(healed) == 1 and "(epoch 0)" not in healed[0], healed  # into another epoch than its own
-    check_epochs_tiled(tmp_path, ["A", "B"], epochs=6)
+    check_epochs_tiled(tmp_path, ["A", "B", "C"], epochs=6)
     a_w, b_w = final_weights(tmp_path, "A"), final_weights(tmp_path, "B2")
     assert all(torch.equal(a_w[k], b_w[k]) for k in a_w)
 
@@ -187,6 +190,9 @@ def test_a_lighthouse_killed_and_restarted_stalls_the_groups_which_then_go_on_to
         # the two quorums that form after the restart meet at a collective one of them waits in:
         # elastic.timeout_s bounds that wait
         procs = [start_group(tmp_path, port, x, "elastic.timeout_s=5", epochs=4, sleep=0.05) for x in "AB"]
+        c = start_group(tmp_path, port, "C", "elastic.timeout_s=5", "faults.point=before_exchange",
+                        "faults.at_step=0", epochs=4, sleep=0.05)
+        wait_for_exit(c)  # died before an exchange, after one committed step
         assert harness.wait_for(lambda: records(tmp_path, "A") and records(tmp_path, "A")[-1]["groups"] == 2, 120)
         lighthouse.kill()
         lighthouse.wait()
@@ -199,6 +205,7 @@ def test_a_lighthouse_killed_and_restarted_stalls_the_groups_which_then_go_on_to
     for end in ended:
         assert end.returncode == 0, end.output[-3000:]
     assert len(records(tmp_path, "A")) > killed + 10  # it trained on after the outage
-    check_epochs_tiled(tmp_path, ["A", "B"], epochs=4)
+    assert len(records(tmp_path, "C")) == 1
+    check_epochs_tiled(tmp_path, ["A", "B", "C"], epochs=4)
     a_w, b_w = final_weights(tmp_path, "A"), final_weights(tmp_path, "B")
     assert all(torch.equal(a_w[k], b_w[k]) for k in a_w)

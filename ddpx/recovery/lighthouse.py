@@ -77,6 +77,9 @@ def serve(port: int = DEFAULT_PORT, bind: str = DEFAULT_BIND, min_groups: int = 
     """Run the Lighthouse until SIGTERM (0) or SIGINT (130)."""
     check_options(port, min_groups, heartbeat_timeout_s, join_timeout_s, quorum_tick_ms)
     check_port(bind, port)
+    # torchft's Rust server logs every quorum request at INFO (several lines a step): quiet unless
+    # asked for (RUST_LOG=info); set before its logger starts
+    os.environ.setdefault("RUST_LOG", "error")
     require_torchft("ddpx lighthouse")
     from torchft._torchft import LighthouseServer
 
