@@ -347,8 +347,8 @@ def train_args(args, seed: int) -> list[str]:
 
 
 def join_timeout(args) -> list[str]:
-    """``--join-timeout-s`` for the Lighthouse: given explicitly by default, as torchft's Python server
-    otherwise waits far less than the 60 s ddpx lighthouse announces (see docs/recovery.md)."""
+    """``--join-timeout-s`` for the Lighthouse, where this benchmark is given one (else ``ddpx lighthouse``'s
+    default, 60 s, which it passes to torchft explicitly: docs/recovery.md)."""
     return [] if args.join_timeout_s is None else ["--join-timeout-s", f"{args.join_timeout_s:g}"]
 
 
@@ -508,7 +508,7 @@ def main(argv=None):
     parser.add_argument("--nproc-per-node", type=int, default=1)
     parser.add_argument("--min-groups", type=int, default=1, help="live: the Lighthouse's --min-groups")
     parser.add_argument("--join-timeout-s", type=float, default=60.0,
-                        help="live: the Lighthouse's --join-timeout-s (-1: not given, torchft's default)")
+                        help="live: the Lighthouse's --join-timeout-s (-1: not given, ddpx lighthouse's default)")
     parser.add_argument("--example", choices=["digits", "char_gpt"], default="digits")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--step-sleep", type=float, default=0.15, help="seconds each step sleeps (the pace)")

@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceOp
 
 from .. import ops
 
@@ -41,11 +42,8 @@ class Across:
     dropped) and returns False; after a failure the rest of the step's collectives are skipped."""
 
     def __init__(self, manager, timeout: timedelta):
-        from torch.distributed.distributed_c10d import AllreduceOptions, AllToAllOptions, AllgatherOptions, ReduceOp
-
         self.manager = manager
         self.timeout = timeout
-        self._opts = (AllreduceOptions, AllToAllOptions, AllgatherOptions, ReduceOp)
 
     @property
     def groups(self) -> int:
@@ -66,17 +64,14 @@ class Across:
             return False
 
     def sum(self, tensor: torch.Tensor) -> bool:
-        AllreduceOptions, _, _, ReduceOp = self._opts
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         return self._run(lambda: self.manager._pg.allreduce([tensor], opts))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> bool:
-        _, AllToAllOptions, _, _ = self._opts
         return self._run(lambda: self.manager._pg.alltoall_base(output, input, [], [], AllToAllOptions()))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> bool:
-        _, _, AllgatherOptions, _ = self._opts
         rows = list(output.view(self.groups, -1).unbind(0))
         return self._run(lambda: self.manager._pg.allgather([rows], [input], AllgatherOptions()))
 
@@ -153,16 +148,20 @@ class Int8(Codec):
         self.server_layout = None  # (groups, rank, chunk) the server error belongs to
 
     @property
+    def block_size(self) -> int:
+        """Elements per scale: the option, or 64 while ``auto`` is not paired yet (an unpaired run)."""
+        return self.block if isinstance(self.block, int) else 64
+
+    @property
     def bytes_per_element(self) -> float:
-        block = self.block if isinstance(self.block, int) else 64
-        return 1.0 + 4.0 / block
+        return 1.0 + 4.0 / self.block_size
 
     def pair(self, optimizer) -> None:
         if self.block == "auto":  # Adam divides by its second moment: small blocks (docs/comm_hooks.md)
             self.block = 64 if "betas" in getattr(optimizer, "defaults", {}) else 256
 
     def average(self, flat, across):
-        groups, rank, block = across.groups, across.rank, self.block if isinstance(self.block, int) else 64
+        groups, rank, block = across.groups, across.rank, self.block_size
         n = flat.numel()
         chunk = ops.ceil_div(ops.ceil_div(n, groups), block) * block
         blocks = chunk // block

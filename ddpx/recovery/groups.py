@@ -76,8 +76,7 @@ class ReplicaGroups:
         self.across = Across(self.manager, self.timeout)
         self.groups: Optional[int] = None  # in the last quorum
         self.fresh = True  # no step was drawn since the layout was set: the loader need not restart
-        self.dropped = 0  # steps the groups did not commit, this run
-        self._dropped_since = 0  # since the last membership line
+        self._dropped_since = 0  # steps the groups did not commit since the last membership line
         self._last_commit = time.monotonic()
         self._quorum_id = None
         self.slot = trainer.rank  # this rank's place among all ranks of the quorum's groups
@@ -102,9 +101,8 @@ class ReplicaGroups:
         that epoch and calls again, which keeps the quorum taken: the others train this step
         already), else :data:`GO_ON`."""
         trainer = self.trainer
-        healed = self._quorum_kept
-        if self._quorum_kept:
-            self._quorum_kept = False
+        if self._quorum_kept:  # taken, and healed in, before the heal moved the epoch
+            self._quorum_kept, healed = False, True
         else:
             healed = self._take_quorum(sampler)
             if healed and trainer.epoch != self._epoch_before:
@@ -172,7 +170,6 @@ class ReplicaGroups:
         if committed:
             self._last_commit = time.monotonic()
         else:
-            self.dropped += 1
             self._dropped_since += 1
         return committed
 
