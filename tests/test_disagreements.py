@@ -411,8 +411,9 @@ def train(ranks, tmp_path, *overrides, timeout=90):
     start = harness.clock()
     code, out, err = ranks.cli(["train", "config.yaml", "--nproc-per-node", "2", f"run_dir={tmp_path / 'run'}",
                                 *overrides], timeout=timeout, cwd=tmp_path, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    # Progress lines, and the comm monitor's warning, which a slow step can bring on any run.
     failure = [line for line in (out + err).splitlines()
-               if line.strip() and not re.match(r"\[rank\d\] (epoch \d|saved checkpoint)", line)]
+               if line.strip() and not re.match(r"\[rank\d\] (epoch \d|saved checkpoint|communication takes)", line)]
     return code, "\n".join(failure), harness.clock() - start
 
 

@@ -12,6 +12,7 @@ import pkgutil
 import sys
 
 from ..errors import DdpxError
+from ..process_exit import skip_final_collection
 from ..version import __version__
 
 
@@ -28,6 +29,14 @@ def build_parser():
 
 
 def main(argv=None):
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:  # the ddpx command itself, not a caller in its own process
+            skip_final_collection()
+
+
+def _main(argv):
     # Before torch loads (it reads this once): c10d's C++ warnings when a peer or store goes
     # away carry a C++ stack trace each, while ddpx names the failure in one line.
     # TORCH_CPP_LOG_LEVEL=WARNING shows them again.

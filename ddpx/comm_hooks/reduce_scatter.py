@@ -38,16 +38,13 @@ buffer is FSDP's); the per-block scale bounds each block's error by its own larg
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from ..errors import DdpxError
 from .comm_state import CommState
-
-try:  # FSDPModule.set_custom_reduce_scatter's interface (torch 2.13 has it; Method.make_sharded checks)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
-except ImportError:  # pragma: no cover - Method.make_sharded refuses on such a torch
-    _ReduceScatterBase = object
 
 _ReduceOp = dist.ReduceOp
 _UNRESOLVED = object()
@@ -72,7 +69,7 @@ def _split(factor):
     return (1.0, factor) if torch.is_tensor(factor) else (float(factor), None)
 
 
-class CompressedReduceScatter(CommState, _ReduceScatterBase):
+class CompressedReduceScatter(CommState):
     """A method's sharded form: a :class:`CommState` and FSDP2's ``ReduceScatter``. One object
     serves every FSDP unit of a model (it holds no per-unit state), and counts what this rank
     sends: :meth:`stats`. Subclasses implement ``row_bytes`` and ``reduce_scatter``."""
@@ -216,28 +213,39 @@ class _NodePlan:
         return comm.call_bytes(n, nodes)
 
 
-class _UnitReduceScatter(_ReduceScatterBase):
-    """``comm`` as one FSDP unit's reduce-scatter: counts that unit's calls (``stats()["steps"]``)."""
+@functools.cache
+def _unit_reduce_scatter_class():
+    """``comm`` as one FSDP unit's reduce-scatter, counting that unit's calls (``stats()["steps"]``).
+    Built on first use: importing FSDP costs every process about 0.8 s of CPU, and only fsdp
+    runs need it."""
+    try:  # FSDPModule.set_custom_reduce_scatter's interface (torch 2.13 has it; Method.make_sharded checks)
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:  # pragma: no cover - Method.make_sharded refuses on such a torch
+        ReduceScatter = object
 
-    def __init__(self, comm: CompressedReduceScatter, index: int):
-        self.comm, self.index = comm, index
+    class UnitReduceScatter(ReduceScatter):
+        def __init__(self, comm: CompressedReduceScatter, index: int):
+            self.comm, self.index = comm, index
 
-    def allocate(self, size, *, dtype, device):
-        return self.comm.allocate(size, dtype=dtype, device=device)
+        def allocate(self, size, *, dtype, device):
+            return self.comm.allocate(size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.comm.unit_calls[self.index] += 1
-        return self.comm(output_tensor, input_tensor, group, op, async_op)
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            self.comm.unit_calls[self.index] += 1
+            return self.comm(output_tensor, input_tensor, group, op, async_op)
+
+    return UnitReduceScatter
 
 
 def install(model: torch.nn.Module, comm: CompressedReduceScatter) -> int:
     """``comm`` as the gradient reduce-scatter of every FSDP unit of ``model``; returns how many."""
     from torch.distributed.fsdp import FSDPModule
 
+    unit_class = _unit_reduce_scatter_class()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             comm.unit_calls.append(0)
-            module.set_custom_reduce_scatter(_UnitReduceScatter(comm, len(comm.unit_calls) - 1))
+            module.set_custom_reduce_scatter(unit_class(comm, len(comm.unit_calls) - 1))
     if comm.unit_calls:
         comm.plan(dist.group.WORLD)  # the scope's collective now, not in the first backward
     return len(comm.unit_calls)
