@@ -21,10 +21,10 @@ if __name__ == "__main__":  # before torch loads, which takes seconds
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import load_config
+from .collector import run_program
 from .console import CONSOLE_LOG, append_line, survive_closed_console
 from .errors import DdpxError, show_tracebacks
 from .launch.resume import resume_line
-from .process_exit import skip_final_collection
 from .rank import failures
 from .rank.launcher_contract import LAUNCHER_PID_ENV, launcher_alive, mark_done, stop_with_the_launcher
 from .train.stopping import TrainingStopped
@@ -117,6 +117,4 @@ def report_failure(exc: Exception, trainer, rank: str) -> None:
 
 
 if __name__ == "__main__":
-    code = main()
-    skip_final_collection()
-    sys.exit(code)
+    run_program(main)

@@ -332,6 +332,7 @@ def _rank_main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
+    from ddpx.collector import freeze_what_is_alive
     from ddpx.rank import process_group
 
     module_path, fn_name, rank, world, port, args_file, out_file, timeout = argv
@@ -341,6 +342,7 @@ def _rank_main(argv: list[str]) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, os.path.dirname(module_path))
     spec.loader.exec_module(module)
+    freeze_what_is_alive()  # as a ddpx rank does: torch's objects left out of every collection
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=float(timeout)))
     try:

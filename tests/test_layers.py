@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ddpx"
 # Bottom first. A module may import from strictly lower layers only; the modules of one
 # package (ddpx.train.trainer -> ddpx.train.losses) may import each other.
 LAYERS = [
-    ["errors", "version", "process_exit", "_C"],
+    ["errors", "version", "collector", "_C"],
     ["imports", "net", "ops", "models", "console"],
     ["plugin"],
     ["config"],

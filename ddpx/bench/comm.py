@@ -512,4 +512,6 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..collector import run_program
+
+    run_program(main)

@@ -12,7 +12,7 @@ import pkgutil
 import sys
 
 from ..errors import DdpxError
-from ..process_exit import skip_final_collection
+from ..collector import freeze_what_is_alive
 from ..version import __version__
 
 
@@ -33,7 +33,7 @@ def main(argv=None):
         return _main(argv)
     finally:
         if argv is None:  # the ddpx command itself, not a caller in its own process
-            skip_final_collection()
+            freeze_what_is_alive()
 
 
 def _main(argv):

@@ -220,4 +220,6 @@ def _collectives_rank() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_collectives_rank())
+    from ..collector import run_program
+
+    run_program(_collectives_rank)
