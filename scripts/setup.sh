@@ -80,6 +80,9 @@ EXTRA=""
 echo "setup.sh: installing ddpx$EXTRA from this checkout; the first build of its C++ extension takes" \
      "10 to 20 minutes on 2 busy cores, less on more (pip's whole output: $LOG)"
 MAX_JOBS=${MAX_JOBS:-2} pip_install --no-build-isolation -e ".${EXTRA}"
+# An editable install is not byte-compiled, and with PYTHONDONTWRITEBYTECODE set (many
+# containers) every process would compile ddpx again: about 0.4 s of CPU per rank's start.
+"$PY" -m compileall -q ddpx plugins >/dev/null
 rm -f "$LOG"
 if [ -n "$VENV" ]; then
     echo "setup.sh: done; activate the environment with:  . $VENV/bin/activate"

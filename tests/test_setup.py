@@ -342,7 +342,8 @@ def test_setup_sh_says_where_it_installs_before_it_installs(tmp_path):
         assert lines[where].startswith(said), lines[where]
         assert where < lines.index("setup.sh: checking for an installed torch")
         assert log.read_text().splitlines() == ["-m pip install -v setuptools wheel ninja pybind11",
-                                                "-m pip install -v --no-build-isolation -e ."]
+                                                "-m pip install -v --no-build-isolation -e .",
+                                                "-m compileall -q ddpx plugins"]
         log.unlink()
     assert "get torch and ddpx (to keep them apart, activate a venv or set PYTHON=/path/to/venv/bin/python " \
            "first)" in lines[where]
