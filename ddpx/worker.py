@@ -20,8 +20,8 @@ if __name__ == "__main__":  # before torch loads, which takes seconds
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .config import load_config
 from .collector import run_program
+from .config import load_config
 from .console import CONSOLE_LOG, append_line, survive_closed_console
 from .errors import DdpxError, show_tracebacks
 from .launch.resume import resume_line

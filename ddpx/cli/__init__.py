@@ -11,8 +11,8 @@ import os
 import pkgutil
 import sys
 
-from ..errors import DdpxError
 from ..collector import freeze_what_is_alive
+from ..errors import DdpxError
 from ..version import __version__
 
 
