@@ -70,7 +70,8 @@ def _split(factor):
 
 
 class CompressedReduceScatter(CommState):
-    """A method's sharded form: a :class:`CommState` and FSDP2's ``ReduceScatter``. One object
+    """A method's sharded form: a :class:`CommState` with FSDP2's ``ReduceScatter`` interface
+    (:func:`install` hands each unit a thin subclass of torch's that calls it). One object
     serves every FSDP unit of a model (it holds no per-unit state), and counts what this rank
     sends: :meth:`stats`. Subclasses implement ``row_bytes`` and ``reduce_scatter``."""
 

@@ -81,7 +81,6 @@ class ReplicaGroups:
         self._quorum_id = None
         self.slot = trainer.rank  # this rank's place among all ranks of the quorum's groups
         self._quorum_kept = False  # the quorum of the coming step was taken already (see begin_step)
-        self._epoch_before = 0
 
     # --- the trainer's state, for a group that heals ------------------------------------------
 
@@ -104,8 +103,9 @@ class ReplicaGroups:
         if self._quorum_kept:  # taken, and healed in, before the heal moved the epoch
             self._quorum_kept, healed = False, True
         else:
+            epoch_before = trainer.epoch
             healed = self._take_quorum(sampler)
-            if healed and trainer.epoch != self._epoch_before:
+            if healed and trainer.epoch != epoch_before:
                 self._quorum_kept = True
                 return MOVED
         restart = healed or not self.fresh
@@ -118,7 +118,6 @@ class ReplicaGroups:
     def _take_quorum(self, sampler: Optional[LiveBatchSampler]) -> bool:
         """Ask for this step's quorum (blocks; a group behind heals in it); whether it healed."""
         trainer = self.trainer
-        self._epoch_before = trainer.epoch
         self._healed = False
         self.manager.start_quorum()  # a failed heal or reconfigure: the step will not commit, the next retries
         groups = self.manager.num_participants()

@@ -104,10 +104,9 @@ def serve(port: int = DEFAULT_PORT, bind: str = DEFAULT_BIND, min_groups: int = 
             first = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise DdpxError(f"the Lighthouse cannot start on {bind_address(bind, port)}: {first}") from None
         try:
-            join = join_timeout_s
             groups = f"{min_groups} replica group{'s' if min_groups > 1 else ''}"
             print(f"ddpx lighthouse: listening on {bind_address(bind, port)} (a quorum needs {groups}, waits "
-                  f"{join:g} s for more; heartbeat timeout {heartbeat_timeout_s:g} s); start each node with "
+                  f"{join_timeout_s:g} s for more; heartbeat timeout {heartbeat_timeout_s:g} s); start each node with "
                   f"`ddpx train CONFIG --lighthouse {reach_host(bind)}:{port}`", flush=True)
             while not stop.wait(1.0):
                 pass
